@@ -1,0 +1,70 @@
+"""Figures for the book, made by functions so that tests can check what they draw."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+from jaxdist_lessons import memory
+
+
+def memory_vs_model_size(
+    accelerators: Sequence[str] = tuple(memory.ACCELERATORS),
+    min_params: float = 1e8,
+    max_params: float = 1e12,
+    marks: Mapping[str, float] | None = None,
+) -> Figure:
+    """Memory needed against parameter count, weights only (fp32) and Adam training, beside accelerators.
+
+    Each accelerator's memory is a horizontal line; a model to the right of where a curve
+    crosses that line does not fit on one such device. ``marks`` labels named models.
+    """
+    if not 0 < min_params < max_params:
+        raise ValueError(f"need 0 < min_params < max_params, got {min_params!r}, {max_params!r}")
+    marks = {"GPT-3 175B": 175e9} if marks is None else marks
+    params = np.logspace(np.log10(min_params), np.log10(max_params), 200)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    curves = {
+        "weights only, fp32 (4 B/param)": memory.weights_bytes(1, "fp32"),
+        "training with Adam, fp32 (16 B/param)": memory.bytes_per_param("adam", "fp32"),
+    }
+    for label, per_param in curves.items():
+        ax.plot(params, params * per_param, linewidth=2.5, label=label)
+    colors = plt.cm.Greys(np.linspace(0.35, 0.85, len(accelerators)))
+    for name, color in zip(accelerators, colors):
+        capacity = memory.ACCELERATORS[name].memory_bytes
+        ax.axhline(capacity, linestyle="--", linewidth=1, color=color, label=name)
+    for name, count in marks.items():
+        ax.axvline(count, color="tab:red", linewidth=0.8, alpha=0.6)
+        ax.annotate(name, (count, params[0] * 4), rotation=90, ha="right", va="bottom", color="tab:red")
+    ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="bytes",
+           title="Memory needed vs. one accelerator's memory")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def memory_breakdown(shares: Mapping[str, memory.TrainingMemory], unit: str = "GB") -> Figure:
+    """Stacked bars, one per strategy: the bytes of params, grads, optimizer, master weights and activations."""
+    if not shares:
+        raise ValueError("memory_breakdown needs at least one strategy")
+    scale = {"GB": memory.GB, "GiB": memory.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
+    if scale is None:
+        raise ValueError(f"unknown unit {unit!r}; allowed: GB, GiB, MB, MiB")
+    parts = [f.name for f in dataclasses.fields(memory.TrainingMemory)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(shares)
+    bottom = np.zeros(len(names))
+    for part in parts:
+        heights = np.array([getattr(shares[n], part) for n in names]) / scale
+        ax.bar(names, heights, bottom=bottom, label=part)
+        bottom += heights
+    ax.set(ylabel=f"{unit} per device", title="What each device holds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
