@@ -1,0 +1,42 @@
+"""The compiler's per-device figures for a program sharded over all devices."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxdist_lessons import compiled
+
+
+def matmul_loss(x, w):
+    return jnp.tanh(x @ w).sum()
+
+
+def test_sharding_the_batch_divides_flops_and_argument_bytes_per_device():
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w = jnp.ones((n * 64, 128)), jnp.ones((128, 32))
+    one = compiled.compiled_stats(matmul_loss, x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    ws = jax.device_put(w, NamedSharding(mesh, P()))
+    each = compiled.compiled_stats(matmul_loss, xs, ws)
+    # 2 * rows * 128 * 32 multiply-adds; the tanh and the sum add a little on top
+    assert one.flops >= 2 * n * 64 * 128 * 32
+    assert each.flops * n == pytest.approx(one.flops, rel=0.01)
+    assert one.argument_bytes == x.nbytes + w.nbytes
+    assert each.argument_bytes == x.nbytes // n + w.nbytes
+    assert one.output_bytes == each.output_bytes == 4
+
+
+def test_compile_fn_accepts_jitted_and_plain_functions():
+    x = jnp.ones((8, 8))
+    plain = compiled.compile_fn(matmul_loss, x, x)
+    jitted = compiled.compile_fn(jax.jit(matmul_loss), x, x)
+    assert plain.as_text() == jitted.as_text()
+
+
+def test_donation_shows_up_as_aliased_bytes():
+    x = jnp.ones((256, 256))
+    stats = compiled.compiled_stats(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+    assert stats.alias_bytes == x.nbytes
+    assert stats.peak_bytes == stats.argument_bytes + stats.temp_bytes

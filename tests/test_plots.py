@@ -1,0 +1,48 @@
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from jaxdist_lessons import memory, plots
+
+
+def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
+    fig = plots.memory_vs_model_size(accelerators=["A100 80GB", "TPU v5e"])
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    weights = lines["weights only, fp32 (4 B/param)"]
+    adam = lines["training with Adam, fp32 (16 B/param)"]
+    np.testing.assert_allclose(weights.get_ydata(), 4 * weights.get_xdata())
+    np.testing.assert_allclose(adam.get_ydata(), 16 * adam.get_xdata())
+    assert lines["A100 80GB"].get_ydata()[0] == 80e9
+    assert lines["TPU v5e"].get_ydata()[0] == 16e9
+    assert [t.get_text() for t in ax.texts] == ["GPT-3 175B"]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    plt.close(fig)
+
+
+def test_memory_vs_model_size_rejects_an_empty_range():
+    with pytest.raises(ValueError, match="need 0 < min_params < max_params"):
+        plots.memory_vs_model_size(min_params=1e9, max_params=1e8)
+
+
+def test_memory_breakdown_stacks_each_part_per_strategy():
+    state = memory.training_state_bytes(7e9, "adam", "mixed")
+    shares = {s: memory.per_device(state, s, 8) for s in ["data", "zero1", "fsdp"]}
+    fig = plots.memory_breakdown(shares)
+    ax = fig.axes[0]
+    tops = {}
+    for container in ax.containers:
+        for name, bar in zip(shares, container):
+            tops[name] = max(tops.get(name, 0), bar.get_y() + bar.get_height())
+    assert [c.get_label() for c in ax.containers] == ["params", "grads", "optimizer", "master", "activations"]
+    assert tops == pytest.approx({name: shares[name].total / 1e9 for name in shares})
+    plt.close(fig)
+
+
+def test_memory_breakdown_bad_unit():
+    with pytest.raises(ValueError, match="unknown unit 'TB'"):
+        plots.memory_breakdown({"data": memory.training_state_bytes(1)}, unit="TB")
