@@ -34,23 +34,35 @@ def memory_vs_model_size(
     }
     for label, per_param in curves.items():
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
-    colors = plt.cm.Greys(np.linspace(0.35, 0.85, len(accelerators)))
-    for name, color in zip(accelerators, colors):
-        capacity = memory.ACCELERATORS[name].memory_bytes
-        ax.axhline(capacity, linestyle="--", linewidth=1, color=color, label=name)
+    by_capacity: dict[float, list[str]] = {}
+    for name in accelerators:
+        by_capacity.setdefault(memory.ACCELERATORS[name].memory_bytes, []).append(name)
+    for i, (capacity, names) in enumerate(sorted(by_capacity.items())):
+        label = " / ".join(names)
+        ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
+        right = i % 2 == 0  # alternate sides so that close capacities do not overlap
+        ax.annotate(label, (params[-1] if right else params[0], capacity), xytext=(-4 if right else 4, 2),
+                    textcoords="offset points", ha="right" if right else "left", va="bottom",
+                    fontsize=8, color="0.25")
     for name, count in marks.items():
         ax.axvline(count, color="tab:red", linewidth=0.8, alpha=0.6)
         ax.annotate(name, (count, params[0] * 4), rotation=90, ha="right", va="bottom", color="tab:red")
     ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="bytes",
            title="Memory needed vs. one accelerator's memory")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    curve_lines = ax.get_lines()[: len(curves)]
+    ax.legend(handles=curve_lines, fontsize=9, loc="upper left")
     fig.tight_layout()
     return fig
 
 
-def memory_breakdown(shares: Mapping[str, memory.TrainingMemory], unit: str = "GB") -> Figure:
-    """Stacked bars, one per strategy: the bytes of params, grads, optimizer, master weights and activations."""
+def memory_breakdown(
+    shares: Mapping[str, memory.TrainingMemory], unit: str = "GB", accelerator: str | None = None
+) -> Figure:
+    """Stacked bars, one per strategy: the bytes of params, grads, optimizer, master weights and activations.
+
+    With ``accelerator``, a dashed line marks that device's memory.
+    """
     if not shares:
         raise ValueError("memory_breakdown needs at least one strategy")
     scale = {"GB": memory.GB, "GiB": memory.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
@@ -64,6 +76,9 @@ def memory_breakdown(shares: Mapping[str, memory.TrainingMemory], unit: str = "G
         heights = np.array([getattr(shares[n], part) for n in names]) / scale
         ax.bar(names, heights, bottom=bottom, label=part)
         bottom += heights
+    if accelerator is not None:
+        capacity = memory.ACCELERATORS[accelerator].memory_bytes / scale
+        ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"{accelerator} memory")
     ax.set(ylabel=f"{unit} per device", title="What each device holds")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -10,16 +10,18 @@ from jaxdist_lessons import memory, plots
 
 
 def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
-    fig = plots.memory_vs_model_size(accelerators=["A100 80GB", "TPU v5e"])
+    fig = plots.memory_vs_model_size(accelerators=["A100 80GB", "H100 80GB", "TPU v5e"])
     ax = fig.axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
+    assert len(lines) == 2 + 2 + 1  # two curves, two capacities (80 GB is shared), one mark
     weights = lines["weights only, fp32 (4 B/param)"]
     adam = lines["training with Adam, fp32 (16 B/param)"]
     np.testing.assert_allclose(weights.get_ydata(), 4 * weights.get_xdata())
     np.testing.assert_allclose(adam.get_ydata(), 16 * adam.get_xdata())
-    assert lines["A100 80GB"].get_ydata()[0] == 80e9
+    assert lines["A100 80GB / H100 80GB"].get_ydata()[0] == 80e9
     assert lines["TPU v5e"].get_ydata()[0] == 16e9
-    assert [t.get_text() for t in ax.texts] == ["GPT-3 175B"]
+    assert [t.get_text() for t in ax.texts] == ["TPU v5e", "A100 80GB / H100 80GB", "GPT-3 175B"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines)[:2]
     assert ax.get_xscale() == ax.get_yscale() == "log"
     plt.close(fig)
 
@@ -32,8 +34,9 @@ def test_memory_vs_model_size_rejects_an_empty_range():
 def test_memory_breakdown_stacks_each_part_per_strategy():
     state = memory.training_state_bytes(7e9, "adam", "mixed")
     shares = {s: memory.per_device(state, s, 8) for s in ["data", "zero1", "fsdp"]}
-    fig = plots.memory_breakdown(shares)
+    fig = plots.memory_breakdown(shares, accelerator="H100 80GB")
     ax = fig.axes[0]
+    assert [line.get_ydata()[0] for line in ax.get_lines()] == [80]
     tops = {}
     for container in ax.containers:
         for name, bar in zip(shares, container):

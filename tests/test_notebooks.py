@@ -1,0 +1,84 @@
+"""Book hygiene: notebooks stored clean, set up first, listed in the TOC, and in the house style.
+
+(Running the notebooks is nbmake's job: `pytest` collects book/*.ipynb too.)
+"""
+
+import json
+import pathlib
+import re
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+
+
+def code_cells(path: pathlib.Path) -> list[dict]:
+    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for entry in toc.get("chapters", []) + [c for part in toc.get("parts", []) for c in part["chapters"]]:
+        files.append(entry["file"])
+    return files
+
+
+def test_there_are_notebooks():
+    assert {p.name for p in NOTEBOOKS} >= {"00_preface.ipynb", "01_why_distribute.ipynb"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_without_outputs(path):
+    for cell in code_cells(path):
+        assert cell["outputs"] == [] and cell["execution_count"] is None, (
+            f"{path.name} is stored with outputs; clear them (the book build executes notebooks)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_code_cell_calls_setup(path):
+    first = source(code_cells(path)[0])
+    assert "from jaxdist_lessons import devices" in first and "devices.setup(" in first
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_house_style_outside_intentional_errors(path):
+    for cell in code_cells(path):
+        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            continue
+        src = source(cell)
+        if re.search(r"make_mesh\(|\bMesh\(", src):
+            assert "axis_types=" in src, f"{path.name}: every mesh we make passes axis_types=\n{src}"
+        assert "jax.pjit" not in src and "jax.experimental.shard_map" not in src, src
+
+
+def test_toc_lists_every_notebook_and_nothing_else():
+    listed = toc_files()
+    assert sorted(listed) == sorted(f"book/{p.stem}" for p in NOTEBOOKS)
+
+
+def test_chapters_end_with_what_we_learned_and_hidden_answers():
+    for path in NOTEBOOKS:
+        if path.name == "00_preface.ipynb":
+            continue
+        cells = json.loads(path.read_text())["cells"]
+        text = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
+        assert "## What we learned" in text and "## Exercises" in text, path.name
+        assert any("hide-cell" in c.get("metadata", {}).get("tags", []) for c in cells), path.name
+
+
+def test_book_config_executes_every_notebook_and_excludes_the_rest():
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert config["execute"]["execute_notebooks"] == "force"
+    assert config["execute"]["allow_errors"] is False
+    assert config["execute"]["timeout"] > 0
+    for pattern in [".venv/*", "_build/*", "tests/*", "jaxdist_lessons/*"]:
+        assert pattern in config["exclude_patterns"]
+    assert config["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
+    assert {"dollarmath", "colon_fence"} <= set(config["parse"]["myst_enable_extensions"])
