@@ -7,9 +7,12 @@ from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from jaxdist_lessons import memory
+from jaxdist_lessons import sharding as sharding_lib
 
 
 def memory_vs_model_size(
@@ -81,5 +84,63 @@ def memory_breakdown(
         ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"{accelerator} memory")
     ax.set(ylabel=f"{unit} per device", title="What each device holds")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _device_color(device_id: int):
+    return plt.cm.tab20(device_id % 20)
+
+
+def draw_mesh(mesh: Mesh, title: str | None = None) -> Figure:
+    """The device grid of a 1-D or 2-D mesh: one box per device, with its id and coordinates."""
+    if mesh.devices.ndim > 2:
+        raise ValueError(f"draw_mesh draws 1-D and 2-D meshes; this one has shape {dict(mesh.shape)}")
+    grid = mesh.devices.reshape(1, -1) if mesh.devices.ndim == 1 else mesh.devices
+    rows, cols = grid.shape
+    names = list(mesh.axis_names)
+    fig, ax = plt.subplots(figsize=(1.6 * cols + 1.2, 1.1 * rows + 1.0))
+    for r, c in np.ndindex(grid.shape):
+        device = grid[r, c]
+        ax.add_patch(Rectangle((c, rows - 1 - r), 0.92, 0.88, facecolor=_device_color(device.id), alpha=0.55,
+                               edgecolor="black"))
+        coords = (c,) if mesh.devices.ndim == 1 else (r, c)
+        label = ", ".join(f"{n}={i}" for n, i in zip(names, coords))
+        ax.text(c + 0.46, rows - 1 - r + 0.44, f"device {device.id}\n{label}", ha="center", va="center", fontsize=8)
+    ax.set_xlim(-0.1, cols + 0.02)
+    ax.set_ylim(-0.1, rows + 0.02)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel(f"{names[-1]} ({mesh.shape[names[-1]]}) \u2192")
+    if mesh.devices.ndim == 2:
+        ax.set_ylabel(f"\u2190 {names[0]} ({mesh.shape[names[0]]})")
+    ax.set_title(title or f"Mesh {dict(mesh.shape)}, axis types {tuple(t.name for t in mesh.axis_types)}",
+                 fontsize=10)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_sharding(shape: Sequence[int], sharding: NamedSharding, title: str | None = None) -> Figure:
+    """A 1-D or 2-D array's blocks, each coloured by (and labelled with) the devices that hold it."""
+    shape = tuple(shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(f"draw_sharding draws 1-D and 2-D arrays; got shape {shape}")
+    held = sharding_lib.blocks(shape, sharding)
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    fig, ax = plt.subplots(figsize=(min(10, 2 + 6 * cols / max(rows, cols)), min(6, 1.5 + 4 * rows / max(rows, cols))))
+    for block, device_ids in held.items():
+        (r0, r1), (c0, c1) = ((0, 1), block[0]) if len(shape) == 1 else block
+        ax.add_patch(Rectangle((c0, rows - r1), c1 - c0, r1 - r0, facecolor=_device_color(device_ids[0]),
+                               alpha=0.6, edgecolor="black", linewidth=1.5))
+        ax.text((c0 + c1) / 2, rows - (r0 + r1) / 2, ",".join(map(str, device_ids)), ha="center", va="center",
+                fontsize=9)
+    ax.set_xlim(0, cols)
+    ax.set_ylim(0, rows)
+    ax.set_xticks([0, cols])
+    ax.set_yticks([] if len(shape) == 1 else [0, rows], [] if len(shape) == 1 else [rows, 0])
+    spec = getattr(sharding, "spec", "")
+    ax.set_title(title or f"shape {shape}, {spec}: {len(held)} block(s), labelled by device id", fontsize=10)
     fig.tight_layout()
     return fig
