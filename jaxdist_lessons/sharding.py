@@ -51,8 +51,8 @@ def check_spec(shape: Sequence[int], mesh: Mesh, spec: P, name: str = "array") -
         if shape[dim] % ways:
             raise ShardingError(
                 f"{name}: dimension {dim} of shape {shape} has size {shape[dim]}, which {ways} devices "
-                f"(axes {axes}) cannot split evenly: pad it to a multiple of {ways}, or leave it "
-                f"unsharded (None) in the spec")
+                f"(axes {axes}) cannot split evenly: drop the remainder, pad it to a multiple of {ways}, "
+                f"or leave it unsharded (None) in the spec")
 
 
 def shard_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...]:

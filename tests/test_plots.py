@@ -49,3 +49,56 @@ def test_memory_breakdown_stacks_each_part_per_strategy():
 def test_memory_breakdown_bad_unit():
     with pytest.raises(ValueError, match="unknown unit 'TB'"):
         plots.memory_breakdown({"data": memory.training_state_bytes(1)}, unit="TB")
+
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from matplotlib.patches import Rectangle
+
+from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons import sharding
+
+N = jax.device_count()
+
+
+def rectangles(fig):
+    return [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+
+
+@pytest.mark.parametrize("shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "model"))])
+def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
+    m = mesh_lib.make_mesh(shape, names)
+    fig = plots.draw_mesh(m)
+    assert len(rectangles(fig)) == N
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    coords = mesh_lib.device_coordinates(m)
+    for device_id, where in coords.items():
+        label = f"device {device_id}\n" + ", ".join(f"{k}={v}" for k, v in where.items())
+        assert label in texts
+    plt.close(fig)
+
+
+def test_draw_mesh_rejects_more_than_two_axes():
+    m = mesh_lib.make_mesh((N // 2, 2, 1), ("data", "model", "pipeline"))
+    with pytest.raises(ValueError, match="draw_mesh draws 1-D and 2-D meshes"):
+        plots.draw_mesh(m)
+
+
+@pytest.mark.parametrize("shape, spec", [
+    ((4 * N,), P("data")), ((4 * N,), P()), ((2 * N, 4), P("data", "model")), ((2 * N, 4), P(None, "model")),
+    ((2 * N, 4), P(("data", "model"))),
+])
+def test_draw_sharding_draws_one_block_per_shard(shape, spec):
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    s = NamedSharding(m, spec)
+    fig = plots.draw_sharding(shape, s)
+    held = sharding.blocks(shape, s)
+    assert len(rectangles(fig)) == len(held)
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(",".join(map(str, ids)) for ids in held.values())
+    plt.close(fig)
+
+
+def test_draw_sharding_rejects_3d_arrays():
+    m = mesh_lib.make_mesh((N,), ("data",))
+    with pytest.raises(ValueError, match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)"):
+        plots.draw_sharding((2, 2, 2), NamedSharding(m, P()))

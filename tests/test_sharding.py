@@ -51,7 +51,8 @@ def test_replicas_counts_unnamed_axes():
 
 @pytest.mark.parametrize("shape, spec, message", [
     ((10, 3), P("data"), "array: dimension 0 of shape (10, 3) has size 10, which {k} devices (axes ('data',)) "
-                         "cannot split evenly: pad it to a multiple of {k}, or leave it unsharded (None) in the spec"),
+                         "cannot split evenly: drop the remainder, pad it to a multiple of {k}, or leave it unsharded "
+                         "(None) in the spec"),
     ((8, 4), P("data", "model", None), "array: spec P('data', 'model', None) has 3 entries but the array "
                                         "has rank 2 (8, 4): a spec has at most one entry per array dimension"),
     ((8, 4), P("tensor"), "array: spec P('tensor',) names axis 'tensor', which is not in the mesh "
