@@ -50,9 +50,12 @@ def test_replicas_counts_unnamed_axes():
 
 
 @pytest.mark.parametrize("shape, spec, message", [
-    ((10, 3), P("data"), "array: dimension 0 of shape (10, 3) has size 10, which {k} devices (axes ('data',)) "
-                         "cannot split evenly: drop the remainder, pad it to a multiple of {k}, or leave it unsharded "
+    ((9, 3), P("model"), "array: dimension 0 of shape (9, 3) has size 9, which 2 devices (axes ('model',)) "
+                         "cannot split evenly: drop the remainder, pad it to a multiple of 2, or leave it unsharded "
                          "(None) in the spec"),
+    ((8, 7), P(None, ("data", "model")), "array: dimension 1 of shape (8, 7) has size 7, which {n} devices "
+                                        "(axes ('data', 'model')) cannot split evenly: drop the remainder, pad it "
+                                        "to a multiple of {n}, or leave it unsharded (None) in the spec"),
     ((8, 4), P("data", "model", None), "array: spec P('data', 'model', None) has 3 entries but the array "
                                         "has rank 2 (8, 4): a spec has at most one entry per array dimension"),
     ((8, 4), P("tensor"), "array: spec P('tensor',) names axis 'tensor', which is not in the mesh "
@@ -64,7 +67,7 @@ def test_check_spec_errors(shape, spec, message):
     m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
     with pytest.raises(ShardingError) as info:
         sharding.check_spec(shape, m, spec)
-    assert str(info.value) == message.format(k=N // 2)
+    assert str(info.value) == message.format(k=N // 2, n=N)
 
 
 def test_bytes_and_shapes_per_device_for_a_batch_sharded_array():
