@@ -28,12 +28,14 @@ class Table:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
+        cell = 'style="padding: 2px 12px; text-align: right"'
+        head = "".join(f"<th {cell}>{html.escape(h)}</th>" for h in self.headers)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td {cell}>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
         )
         caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return (f'<table style="border-collapse: collapse">{caption}<thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table>")
 
 
 def _cell(value: Any) -> str:

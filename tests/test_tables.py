@@ -13,7 +13,8 @@ def test_table_text_and_html():
         " tiny              0.5",
     ]
     html = table._repr_html_()
-    assert "<caption>weights</caption>" in html and "<td>700,000,000,000</td>" in html
+    assert "<caption>weights</caption>" in html and ">700,000,000,000</td>" in html
+    assert html.count("<tr>") == 3 and html.count("<td ") == 4
 
 
 def test_rows_must_match_headers():
