@@ -78,8 +78,8 @@ def _attribute(rest: str, key: str) -> str:
     if start < 0:
         return ""
     text = rest[start + len(key) + 1:]
-    if text.startswith("mesh["):  # mesh['a'=1,'b'=2], device_ids=(...) {'b'}
-        end = text.find("}", text.find("device_ids"))
+    if text.startswith("mesh["):  # mesh['a'=1,'b'=2] {'b'}, optionally with device_ids=(...) before the set
+        end = text.find("}", text.find("]"))
         return text[: end + 1] if end >= 0 else text
     depth = 0
     for i, ch in enumerate(text):

@@ -36,6 +36,7 @@ ENTRY %main (a: f32[16,8], b: bf16[2,2]) -> f32[16,8] {
   %ag = f32[64,8]{1,0} all-gather(%a), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
   %rs = f32[2,8]{1,0} reduce-scatter(%a), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={0}, to_apply=%add
   %a2a = (f32[2,2]{1,0}, f32[2,2]{1,0}) all-to-all(%s0, %s1), channel_id=5, replica_groups={{0,1}}
+  %ar-mesh = f32[6]{0} all-reduce(%v), channel_id=10, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add
   %cp = f32[2,8]{1,0} collective-permute(%a), channel_id=6, source_target_pairs={{0,1},{1,0}}
   %ars = f32[5]{0} all-reduce-start(%q), channel_id=7, replica_groups={{0,1}}, to_apply=%add
   %ard = f32[5]{0} all-reduce-done(%ars)
@@ -50,7 +51,7 @@ ENTRY %main (a: f32[16,8], b: bf16[2,2]) -> f32[16,8] {
 
 def test_hand_written_snippets_of_every_kind():
     found = {c.name: c for c in comms.collectives(SNIPPETS)}
-    assert list(found) == ["in-loop", "ar", "tuple-ar", "ag", "rs", "a2a", "cp", "ard", "agd"]
+    assert list(found) == ["in-loop", "ar", "tuple-ar", "ag", "rs", "a2a", "ar-mesh", "cp", "ard", "agd"]
     expected = {  # kind, dtype, elements, bytes, group size, in a loop
         "in-loop": ("all-reduce", "f32", 4, 16, 2, True),
         "ar": ("all-reduce", "f32", 128, 512, 4, False),
@@ -58,6 +59,7 @@ def test_hand_written_snippets_of_every_kind():
         "ag": ("all-gather", "f32", 512, 2048, 4, False),
         "rs": ("reduce-scatter", "f32", 16, 64, 4, False),
         "a2a": ("all-to-all", "f32", 8, 32, 2, False),
+        "ar-mesh": ("all-reduce", "f32", 6, 24, 4, False),
         "cp": ("collective-permute", "f32", 16, 64, 2, False),
         "ard": ("all-reduce", "f32", 5, 20, None, False),
         "agd": ("all-gather", "f32", 32, 128, None, False),
@@ -68,13 +70,14 @@ def test_hand_written_snippets_of_every_kind():
                                                                                     group, in_loop), name
     assert found["tuple-ar"].shapes == (("f32", (3,)), ("bf16", (2, 2)), ("f32", (10,)))
     assert found["rs"].replica_groups == "mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}"
+    assert found["ar-mesh"].replica_groups == "mesh['axis_0'=4,'axis_1'=2] {'axis_0'}"
     assert found["cp"].replica_groups == "{{0,1},{1,0}}"
 
 
 def test_totals_and_summary():
-    assert comms.total_bytes(SNIPPETS, "all-reduce") == 16 + 512 + 60 + 20
-    assert comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 20 + 2048 + 128 + 64 + 32 + 64
-    assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 4, "in_loop": 1, "bytes": 608}
+    assert comms.total_bytes(SNIPPETS, "all-reduce") == 16 + 512 + 60 + 24 + 20
+    assert comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
+    assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 5, "in_loop": 1, "bytes": 632}
     assert comms.summary(SNIPPETS)["all-gather"] == {"count": 2, "in_loop": 0, "bytes": 2176}
     with pytest.raises(ValueError, match="unknown collective kind 'allreduce'; allowed: all-reduce, all-gather"):
         comms.total_bytes(SNIPPETS, "allreduce")
@@ -84,6 +87,7 @@ def test_group_size_spellings():
     assert comms.group_size("{{0,1,2},{3,4,5}}") == 3
     assert comms.group_size("[4,2]<=[2,4]T(1,0)") == 2
     assert comms.group_size("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1','axis_2'}") == 8
+    assert comms.group_size("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}") == 8
     assert comms.group_size("{}") is None
 
 
