@@ -222,6 +222,22 @@ def ring_reduce_scatter_bytes(full_bytes: float, num_devices: int) -> float:
     return ring_all_gather_bytes(full_bytes, num_devices)
 
 
+def ring_all_reduce_schedule(num_devices: int) -> dict[str, list[list[tuple[int, int, int]]]]:
+    """Who sends which chunk to whom in a ring all-reduce: ``{phase: [[(src, dst, chunk), ...] per step]}``.
+
+    The data is cut into N chunks. In the reduce-scatter phase, at step ``s`` device ``i`` sends
+    chunk ``(i - s) mod N`` to device ``i + 1``, which adds it to its own; after N-1 steps device
+    ``i`` holds the full sum of chunk ``(i + 1) mod N``. In the all-gather phase the finished chunks
+    travel on around the ring, N-1 more steps. Every step moves 1/N of the data per device.
+    """
+    _check_devices(num_devices)
+    n = num_devices
+    return {
+        "reduce-scatter": [[(i, (i + 1) % n, (i - s) % n) for i in range(n)] for s in range(n - 1)],
+        "all-gather": [[(i, (i + 1) % n, (i + 1 - s) % n) for i in range(n)] for s in range(n - 1)],
+    }
+
+
 def table_rows(records: Iterable[Collective]) -> list[list[Any]]:
     """Rows for ``tables.Table``: kind, dtype, shapes, bytes, group size, in a loop."""
     return [[c.kind, c.dtype, " ".join(f"{d}{list(s)}" for d, s in c.shapes), c.bytes, c.group_size,

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import memory
+from jaxdist_lessons import comms, memory
 from jaxdist_lessons import sharding as sharding_lib
 
 
@@ -142,5 +142,38 @@ def draw_sharding(shape: Sequence[int], sharding: NamedSharding, title: str | No
     ax.set_yticks([] if len(shape) == 1 else [0, rows], [] if len(shape) == 1 else [rows, 0])
     spec = getattr(sharding, "spec", "")
     ax.set_title(title or f"shape {shape}, {spec}: {len(held)} block(s), labelled by device id", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_all_reduce(num_devices: int = 4) -> Figure:
+    """A ring all-reduce: the ring of devices, then which chunk each device sends at each step of each phase."""
+    schedule = comms.ring_all_reduce_schedule(num_devices)
+    n = num_devices
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1, 1.2, 1.2]})
+    ring = axes[0]
+    angles = np.pi / 2 - 2 * np.pi * np.arange(n) / n
+    xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    for i in range(n):
+        ring.add_patch(plt.Circle(xy[i], 0.22, facecolor=_device_color(i), alpha=0.6, edgecolor="black"))
+        ring.text(*xy[i], str(i), ha="center", va="center", fontsize=11)
+        if n > 1:
+            start, end = xy[i], xy[(i + 1) % n]
+            direction = (end - start) / np.linalg.norm(end - start)
+            ring.annotate("", xy=end - 0.25 * direction, xytext=start + 0.25 * direction,
+                          arrowprops=dict(arrowstyle="->", color="0.3"))
+    ring.set(xlim=(-1.4, 1.4), ylim=(-1.4, 1.4), aspect="equal", title=f"{n} devices in a ring")
+    ring.axis("off")
+    for ax, (phase, steps) in zip(axes[1:], schedule.items()):
+        grid = np.array([[chunk for _, _, chunk in step] for step in steps]).reshape(len(steps), n)
+        for s, i in np.ndindex(grid.shape):
+            ax.add_patch(Rectangle((i, len(steps) - 1 - s), 0.95, 0.9, facecolor=plt.cm.Pastel1(grid[s, i] % 9),
+                                   edgecolor="0.4"))
+            ax.text(i + 0.47, len(steps) - 1 - s + 0.45, f"chunk {grid[s, i]}", ha="center", va="center", fontsize=8)
+        ax.set(xlim=(0, n), ylim=(0, max(1, len(steps))), xlabel="sending device",
+               title=f"{phase}: {len(steps)} steps of 1/{n} each")
+        ax.set_xticks(np.arange(n) + 0.47, [str(i) for i in range(n)])
+        ax.set_yticks(np.arange(len(steps)) + 0.45, [f"step {len(steps) - k}" for k in range(len(steps))])
+    fig.suptitle(f"Ring all-reduce: every device sends 2(N-1)/N = {2 * (n - 1) / n:.2f} times the data", fontsize=11)
     fig.tight_layout()
     return fig

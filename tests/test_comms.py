@@ -139,3 +139,28 @@ def test_analytic_bytes():
     assert comms.ring_all_gather_bytes(800, 4) == 600 == comms.ring_reduce_scatter_bytes(800, 4)
     with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
         comms.ring_all_reduce_bytes(800, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_ring_schedule_really_all_reduces_and_sends_2_n_minus_1_over_n(n):
+    schedule = comms.ring_all_reduce_schedule(n)
+    # held[d][c]: the set of devices whose chunk c is summed into device d's copy
+    held = [[{d} for _ in range(n)] for d in range(n)]
+    sent = [0] * n
+    for src_dst_chunk in schedule["reduce-scatter"]:
+        snapshot = [[set(c) for c in row] for row in held]
+        for src, dst, chunk in src_dst_chunk:
+            assert snapshot[src][chunk].isdisjoint(held[dst][chunk])  # never add a contribution twice
+            held[dst][chunk] |= snapshot[src][chunk]
+            sent[src] += 1
+    for d in range(n):
+        assert held[d][(d + 1) % n] == set(range(n))
+    for src_dst_chunk in schedule["all-gather"]:
+        snapshot = [[set(c) for c in row] for row in held]
+        for src, dst, chunk in src_dst_chunk:
+            assert snapshot[src][chunk] == set(range(n))  # only finished chunks travel
+            held[dst][chunk] = snapshot[src][chunk]
+            sent[src] += 1
+    assert all(chunk == set(range(n)) for row in held for chunk in row)
+    nbytes = 1000.0 * n
+    assert all(count * nbytes / n == comms.ring_all_reduce_bytes(nbytes, n) for count in sent)

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from jaxdist_lessons import memory, plots
+from jaxdist_lessons import comms, memory, plots
 
 
 def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
@@ -102,3 +102,17 @@ def test_draw_sharding_rejects_3d_arrays():
     m = mesh_lib.make_mesh((N,), ("data",))
     with pytest.raises(ValueError, match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)"):
         plots.draw_sharding((2, 2, 2), NamedSharding(m, P()))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_draws_the_ring_and_the_schedule(n):
+    from matplotlib.patches import Circle
+
+    fig = plots.ring_all_reduce(n)
+    ring, scatter, gather = fig.axes
+    assert len([p for p in ring.patches if isinstance(p, Circle)]) == n
+    schedule = comms.ring_all_reduce_schedule(n)
+    for ax, phase in [(scatter, "reduce-scatter"), (gather, "all-gather")]:
+        labels = sorted(t.get_text() for t in ax.texts)
+        assert labels == sorted(f"chunk {c}" for step in schedule[phase] for _, _, c in step)
+    plt.close(fig)
