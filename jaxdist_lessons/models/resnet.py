@@ -21,13 +21,17 @@ from jax.sharding import PartitionSpec as P
 ModuleDef = Any
 
 
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions and a shortcut."""
+class _Block(nn.Module):
+    """What every residual block is given: its width, its convolution and norm layers, its stride."""
 
     filters: int
     conv: ModuleDef
     norm: ModuleDef
     strides: int = 1
+
+
+class BasicBlock(_Block):
+    """Two 3x3 convolutions and a shortcut."""
 
     @nn.compact
     def __call__(self, x):
@@ -42,13 +46,8 @@ class BasicBlock(nn.Module):
         return nn.relu(residual + y)
 
 
-class BottleneckBlock(nn.Module):
+class BottleneckBlock(_Block):
     """1x1 down, 3x3 (strided, v1.5), 1x1 up to 4x the width, and a shortcut."""
-
-    filters: int
-    conv: ModuleDef
-    norm: ModuleDef
-    strides: int = 1
 
     @nn.compact
     def __call__(self, x):
