@@ -1,0 +1,155 @@
+"""Training a Flax model across devices: sharded state, donated steps, a fit loop, Orbax checkpoints.
+
+The recipe (big_vision's, and the JAX docs'):
+
+1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything;
+2. rules on the leaves' paths give each leaf a ``PartitionSpec`` (``sharding.shardings_from_rules``);
+3. ``jax.jit(init, out_shardings=...)`` creates the state *already sharded*: no device ever holds
+   the whole thing.
+
+``train_step`` donates the old state, so its buffers are reused for the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jaxdist_lessons import sharding
+
+Batch = dict[str, jax.Array]  # images, labels, mask
+
+
+class TrainState(train_state.TrainState):
+    """Flax's TrainState plus the BatchNorm statistics, which the step updates but the optimizer does not."""
+
+    batch_stats: Any
+
+
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, image_shape: Sequence[int]) -> Callable:
+    def init(rng: jax.Array) -> TrainState:
+        variables = model.init(rng, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 batch_stats=variables.get("batch_stats", {}))
+    return init
+
+
+def abstract_state(model: nn.Module, tx: optax.GradientTransformation, image_shape: Sequence[int]) -> TrainState:
+    """The train state's structure, shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), computing nothing."""
+    return jax.eval_shape(_init_fn(model, tx, image_shape), jax.random.key(0))
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                    rules: sharding.Rules, image_shape: Sequence[int]) -> Any:
+    """The ``NamedSharding`` of every leaf of the train state, from ``rules``, without building the state."""
+    return sharding.shardings_from_rules(abstract_state(model, tx, image_shape), mesh, rules)
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, rules: sharding.Rules,
+                       rng: jax.Array, image_shape: Sequence[int]) -> TrainState:
+    """Parameters, batch statistics and optimizer state, born sharded by ``rules`` on ``mesh``."""
+    shardings = state_shardings(model, tx, mesh, rules, image_shape)
+    return jax.jit(_init_fn(model, tx, image_shape), out_shardings=shardings)(rng)
+
+
+def _weighted_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def loss_fn(params):
+        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, batch["images"],
+                                         train=True, mutable=["batch_stats"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return _weighted_mean(losses, batch["mask"]), (logits, updates["batch_stats"])
+
+    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    accuracy = _weighted_mean((jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32), batch["mask"])
+    return state, {"loss": loss, "accuracy": accuracy}
+
+
+def _eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats}, batch["images"], train=False)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+    mask = batch["mask"]
+    return {"loss_sum": jnp.sum(losses * mask), "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+
+def make_steps(shardings: Any, mesh: Mesh, data_axis: str = "data") -> tuple[Callable, Callable]:
+    """``(train_step, eval_step)`` jitted for a state sharded as ``shardings`` and batches over ``data_axis``.
+
+    ``train_step(state, batch) -> (state, {loss, accuracy})`` donates ``state``;
+    ``eval_step(state, batch) -> {loss_sum, correct, count}`` counts only rows whose mask is 1.
+    """
+    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axis))
+    train_step = jax.jit(_train_step, in_shardings=(shardings, batch_sharding),
+                         out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(_eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
+    return train_step, eval_step
+
+
+def evaluate(eval_step: Callable, state: TrainState, batches: Iterable[Batch]) -> dict[str, float]:
+    """Mean loss and accuracy over every (unmasked) example of ``batches``."""
+    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+    for batch in batches:
+        for key, value in eval_step(state, batch).items():
+            totals[key] += float(value)
+    if totals["count"] == 0:
+        raise ValueError("evaluate got no examples")
+    return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}
+
+
+@dataclasses.dataclass
+class History:
+    """Metrics recorded by ``fit``: one row per training step, one per evaluation."""
+
+    train: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    eval: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def fit(state: TrainState, train_step: Callable, eval_step: Callable, train_batches: Callable[[int], Iterable[Batch]],
+        eval_batches: Callable[[], Iterable[Batch]] | None, epochs: int, history: History | None = None,
+        first_epoch: int = 0, progress: bool = True) -> tuple[TrainState, History]:
+    """Train for ``epochs`` epochs, evaluating after each; ``train_batches(epoch)`` yields that epoch's batches."""
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    history = History() if history is None else history
+    for epoch in range(first_epoch, first_epoch + epochs):
+        bar = tqdm(train_batches(epoch), desc=f"epoch {epoch + 1}", disable=not progress, leave=False)
+        for batch in bar:
+            state, metrics = train_step(state, batch)
+            row = {"epoch": epoch, "step": len(history.train), **{k: float(v) for k, v in metrics.items()}}
+            history.train.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}")
+        if eval_batches is not None:
+            history.eval.append({"epoch": epoch, "step": len(history.train), **evaluate(eval_step, state, eval_batches())})
+    return state, history
+
+
+# --- Checkpoints ------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str, state: TrainState) -> None:
+    """Write ``state`` (sharded or not) to ``path`` with Orbax; each device writes its own shards."""
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.abspath(path), state)
+    checkpointer.wait_until_finished()
+
+
+def restore_checkpoint(path: str, like: TrainState | Any, shardings: Any) -> TrainState:
+    """Read a checkpoint into the structure of ``like`` with the given ``shardings``: any mesh, any layout."""
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), like, shardings)
+    return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
