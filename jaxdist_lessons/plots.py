@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -13,6 +13,9 @@ from matplotlib.patches import Rectangle
 
 from jaxdist_lessons import comms, memory
 from jaxdist_lessons import sharding as sharding_lib
+
+if TYPE_CHECKING:
+    from jaxdist_lessons import train as train_lib
 
 
 def memory_vs_model_size(
@@ -175,5 +178,39 @@ def ring_all_reduce(num_devices: int = 4) -> Figure:
         ax.set_xticks(np.arange(n) + 0.47, [str(i) for i in range(n)])
         ax.set_yticks(np.arange(len(steps)) + 0.45, [f"step {len(steps) - k}" for k in range(len(steps))])
     fig.suptitle(f"Ring all-reduce: every device sends 2(N-1)/N = {2 * (n - 1) / n:.2f} times the data", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def training_curves(histories: Mapping[str, "train_lib.History"]) -> Figure:
+    """Training loss per step and held-out accuracy per epoch, one line per run."""
+    if not histories:
+        raise ValueError("training_curves needs at least one history")
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, history in histories.items():
+        loss_ax.plot([r["step"] for r in history.train], [r["loss"] for r in history.train], label=name, alpha=0.8)
+        if history.eval:
+            acc_ax.plot([r["step"] for r in history.eval], [r["accuracy"] for r in history.eval], "o-", label=name)
+    loss_ax.set(xlabel="step", ylabel="training loss (batch)", title="Loss")
+    acc_ax.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1), title="Accuracy after each epoch")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def image_grid(images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8) -> Figure:
+    """A grid of images with their labels (the first channel, as grey levels)."""
+    images_BHWC = np.asarray(images_BHWC)
+    if images_BHWC.ndim != 4 or len(images_BHWC) != len(labels):
+        raise ValueError(f"need images (B, H, W, C) and B labels; got {images_BHWC.shape} and {len(labels)} labels")
+    rows = max(1, -(-len(images_BHWC) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(1.2 * columns, 1.35 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, label in zip(axes.flat, images_BHWC, labels):
+        ax.imshow(image[..., 0], cmap="gray_r")
+        ax.set_title(str(int(label)), fontsize=9)
     fig.tight_layout()
     return fig

@@ -13,6 +13,7 @@ The recipe (big_vision's, and the JAX docs'):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from typing import Any, Callable, Iterable, Sequence
 
@@ -24,7 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from jaxdist_lessons import sharding
 
@@ -40,8 +41,11 @@ class TrainState(train_state.TrainState):
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, image_shape: Sequence[int]) -> Callable:
     def init(rng: jax.Array) -> TrainState:
         variables = model.init(rng, jnp.zeros((1, *image_shape), jnp.float32), train=False)
-        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                 batch_stats=variables.get("batch_stats", {}))
+        state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                  batch_stats=variables.get("batch_stats", {}))
+        # A strongly typed step counter: a restored checkpoint then has exactly the same types, so the
+        # jitted steps do not compile again for it.
+        return state.replace(step=jnp.zeros((), jnp.int32))
     return init
 
 
@@ -122,13 +126,20 @@ class History:
 
 def fit(state: TrainState, train_step: Callable, eval_step: Callable, train_batches: Callable[[int], Iterable[Batch]],
         eval_batches: Callable[[], Iterable[Batch]] | None, epochs: int, history: History | None = None,
-        first_epoch: int = 0, progress: bool = True) -> tuple[TrainState, History]:
-    """Train for ``epochs`` epochs, evaluating after each; ``train_batches(epoch)`` yields that epoch's batches."""
+        first_epoch: int = 0, steps_per_epoch: int | None = None,
+        progress: bool = True) -> tuple[TrainState, History]:
+    """Train for ``epochs`` epochs, evaluating after each; ``train_batches(epoch)`` yields that epoch's batches.
+
+    ``steps_per_epoch`` cuts every epoch short (for quick runs on large datasets).
+    """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be a positive integer or None, got {steps_per_epoch}")
     history = History() if history is None else history
     for epoch in range(first_epoch, first_epoch + epochs):
-        bar = tqdm(train_batches(epoch), desc=f"epoch {epoch + 1}", disable=not progress, leave=False)
+        epoch_batches = itertools.islice(train_batches(epoch), steps_per_epoch)
+        bar = tqdm(epoch_batches, desc=f"epoch {epoch + 1}", total=steps_per_epoch, disable=not progress, leave=False)
         for batch in bar:
             state, metrics = train_step(state, batch)
             row = {"epoch": epoch, "step": len(history.train), **{k: float(v) for k, v in metrics.items()}}
@@ -149,7 +160,11 @@ def save_checkpoint(path: str, state: TrainState) -> None:
     checkpointer.wait_until_finished()
 
 
+def with_shardings(like: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s shaped like ``like``'s leaves and placed by ``shardings``: a state that is never built."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), like, shardings)
+
+
 def restore_checkpoint(path: str, like: TrainState | Any, shardings: Any) -> TrainState:
     """Read a checkpoint into the structure of ``like`` with the given ``shardings``: any mesh, any layout."""
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), like, shardings)
-    return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+    return ocp.StandardCheckpointer().restore(os.path.abspath(path), with_shardings(like, shardings))

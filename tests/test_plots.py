@@ -116,3 +116,30 @@ def test_ring_all_reduce_draws_the_ring_and_the_schedule(n):
         labels = sorted(t.get_text() for t in ax.texts)
         assert labels == sorted(f"chunk {c}" for step in schedule[phase] for _, _, c in step)
     plt.close(fig)
+
+
+def test_training_curves_one_line_per_run():
+    from jaxdist_lessons.train import History
+
+    runs = {
+        "data parallel": History(train=[{"step": i, "loss": 2.0 - 0.1 * i} for i in range(5)],
+                                 eval=[{"step": 5, "accuracy": 0.8}]),
+        "hybrid": History(train=[{"step": i, "loss": 2.1 - 0.1 * i} for i in range(5)], eval=[]),
+    }
+    fig = plots.training_curves(runs)
+    loss_ax, acc_ax = fig.axes
+    assert [line.get_label() for line in loss_ax.get_lines()] == ["data parallel", "hybrid"]
+    np.testing.assert_allclose(loss_ax.get_lines()[0].get_ydata(), [2.0, 1.9, 1.8, 1.7, 1.6])
+    assert [line.get_label() for line in acc_ax.get_lines()] == ["data parallel"]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="at least one history"):
+        plots.training_curves({})
+
+
+def test_image_grid():
+    fig = plots.image_grid(np.zeros((10, 8, 8, 1)), list(range(10)), columns=4)
+    assert len(fig.axes) == 12 and sum(1 for ax in fig.axes if ax.images) == 10
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["0", "1", "2"]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="need images"):
+        plots.image_grid(np.zeros((2, 8, 8)), [0, 1])

@@ -95,8 +95,8 @@ def test_train_step_donates_the_state():
 def test_loss_falls_within_a_few_steps_on_the_offline_data():
     mesh, _, state, (train_step, eval_step) = fresh("data parallel")
     state, history = train.fit(state, train_step, eval_step,
-                               lambda epoch: list(data.batches(source("train"), 8 * N, mesh, seed=0, epoch=epoch))[:12],
-                               None, epochs=1, progress=False)
+                               lambda epoch: data.batches(source("train"), 8 * N, mesh, seed=0, epoch=epoch),
+                               None, epochs=1, steps_per_epoch=12, progress=False)
     losses = [row["loss"] for row in history.train]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.15
     assert np.mean(losses[-3:]) < np.log(10)  # below the loss of guessing uniformly among 10 classes
@@ -124,6 +124,8 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
         np.testing.assert_array_equal(a, b)
     assert restored.params["conv_init"]["kernel"].sharding == hybrid_shardings.params["conv_init"]["kernel"]
     assert int(restored.step) == 1
+    signature = lambda tree: [(x.shape, x.dtype, x.weak_type) for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))]
+    assert signature(restored) == signature(state)  # so the jitted steps do not compile again for it
 
     # Back on the original mesh, the restored state continues exactly like the original.
     again = train.restore_checkpoint(str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), shardings)
@@ -136,6 +138,8 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
     np.testing.assert_allclose(float(from_hybrid["loss"]), float(from_original["loss"]), rtol=1e-5)
 
 
-def test_fit_rejects_negative_epochs():
+def test_fit_rejects_bad_lengths():
     with pytest.raises(ValueError, match="epochs must be >= 0, got -1"):
         train.fit(None, None, None, lambda e: [], None, epochs=-1)
+    with pytest.raises(ValueError, match="steps_per_epoch must be a positive integer or None, got 0"):
+        train.fit(None, None, None, lambda e: [], None, epochs=1, steps_per_epoch=0)
