@@ -28,6 +28,8 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from jaxdist_lessons.compiled import compile_fn
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 DTYPE_BYTES = {
@@ -180,8 +182,7 @@ def summary(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def compiled_text(fn: Any, *args: Any, **kwargs: Any) -> str:
     """The compiled program's text for these arguments (``fn`` is jitted if it is not already)."""
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return jitted.lower(*args, **kwargs).compile().as_text()
+    return compile_fn(fn, *args, **kwargs).as_text()
 
 
 # --- What theory says -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np

@@ -19,7 +19,6 @@ Each ``*_step`` returns ``step(state, batch) -> (state, {"loss", "grads"})``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
