@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.compiled import compile_fn
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -60,7 +61,7 @@ class Collective:
     bytes: int
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     replica_groups: str
-    group_size: int | None
+    group_size: int | None  # devices per replica group; None where XLA does not say (or for a permute)
     in_loop: bool
     computation: str
     name: str
@@ -69,8 +70,12 @@ class Collective:
 def _shapes(shape_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     found = []
     for m in _ARRAY.finditer(shape_text):
-        if m["dtype"] in DTYPE_BYTES:
-            found.append((m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)))
+        if m["dtype"] == "token":
+            continue
+        if m["dtype"] not in DTYPE_BYTES:
+            raise ValueError(f"unknown HLO element type {m['dtype']!r} in {shape_text!r}: add its size to "
+                             "comms.DTYPE_BYTES")
+        found.append((m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)))
     return tuple(found)
 
 
@@ -122,6 +127,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in a compiled program's text, in program order."""
     computation = ""
     found: list[tuple[str, re.Match]] = []
+    starts: dict[str, str] = {}  # an async -start op's name -> its attributes (where the groups are)
     calls: dict[str, set[str]] = collections.defaultdict(set)
     bodies: set[str] = set()
     for line in hlo_text.splitlines():
@@ -135,14 +141,19 @@ def collectives(hlo_text: str) -> list[Collective]:
             calls[computation].update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
         bodies.update(re.findall(r"\bbody=%?([\w.\-]+)", line))
         op = _INSTRUCTION.match(line)
-        if op and op["phase"] != "-start":
+        if op and op["phase"] == "-start":
+            starts[op["name"]] = op["rest"]
+        elif op:
             found.append((computation, op))
     in_loops = _loop_computations(calls, bodies)
     records = []
     for comp, op in found:
         shapes = _shapes(op["shape"])
         elements = sum(math.prod(dims) for _, dims in shapes)
-        groups = _attribute(op["rest"], "replica_groups") or _attribute(op["rest"], "source_target_pairs")
+        attributes = op["rest"]
+        if op["phase"] == "-done":  # the groups are written on the matching -start op
+            attributes = starts.get(attributes.split(")")[0].strip().lstrip("%"), attributes)
+        groups = _attribute(attributes, "replica_groups") or _attribute(attributes, "source_target_pairs")
         records.append(Collective(
             kind=op["op"],
             dtype=",".join(dict.fromkeys(dtype for dtype, _ in shapes)),
@@ -150,7 +161,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             bytes=sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in shapes),
             shapes=shapes,
             replica_groups=groups,
-            group_size=group_size(groups) if op["op"] != "collective-permute" else 2,
+            group_size=group_size(groups) if op["op"] != "collective-permute" else None,
             in_loop=comp in in_loops,
             computation=comp,
             name=op["name"],
@@ -198,23 +209,18 @@ def data_parallel_bytes(params: Any) -> int:
     return tree_bytes(params)
 
 
-def _check_devices(num_devices: int) -> None:
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
-
-
 def ring_all_reduce_bytes(nbytes: float, num_devices: int) -> float:
     """Bytes each device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N`` of it.
 
     A reduce-scatter (N-1 steps of 1/N) then an all-gather (N-1 steps of 1/N).
     """
-    _check_devices(num_devices)
+    positive_int("num_devices", num_devices)
     return 2 * (num_devices - 1) / num_devices * nbytes
 
 
 def ring_all_gather_bytes(full_bytes: float, num_devices: int) -> float:
     """Bytes each device sends to gather an array of ``full_bytes`` around a ring: ``(N-1)/N`` of it."""
-    _check_devices(num_devices)
+    positive_int("num_devices", num_devices)
     return (num_devices - 1) / num_devices * full_bytes
 
 
@@ -231,7 +237,7 @@ def ring_all_reduce_schedule(num_devices: int) -> dict[str, list[list[tuple[int,
     ``i`` holds the full sum of chunk ``(i + 1) mod N``. In the all-gather phase the finished chunks
     travel on around the ring, N-1 more steps. Every step moves 1/N of the data per device.
     """
-    _check_devices(num_devices)
+    positive_int("num_devices", num_devices)
     n = num_devices
     return {
         "reduce-scatter": [[(i, (i + 1) % n, (i - s) % n) for i in range(n)] for s in range(n - 1)],

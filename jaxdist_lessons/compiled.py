@@ -23,9 +23,10 @@ class CompiledStats:
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
+    peak_bytes: int  # XLA's own peak of live memory during the program
 
     @property
-    def peak_bytes(self) -> int:
+    def live_bytes(self) -> int:
         """Arguments, outputs and temporaries, less what the outputs reuse from donated inputs."""
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
@@ -38,10 +39,12 @@ def compile_fn(fn: Callable, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
 
 def stats(compiled: jax.stages.Compiled) -> CompiledStats:
     """Flops, bytes accessed and memory of a compiled program, per device."""
-    cost = compiled.cost_analysis()
+    cost = compiled.cost_analysis() or {}
     if isinstance(cost, (list, tuple)):  # older jax returned one dict per program
         cost = cost[0]
     memory = compiled.memory_analysis()
+    if memory is None:
+        raise ValueError(f"this backend ({jax.default_backend()}) reports no memory analysis for compiled programs")
     return CompiledStats(
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
@@ -49,6 +52,7 @@ def stats(compiled: jax.stages.Compiled) -> CompiledStats:
         output_bytes=memory.output_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         alias_bytes=memory.alias_size_in_bytes,
+        peak_bytes=memory.peak_memory_in_bytes,
     )
 
 

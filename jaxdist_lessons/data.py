@@ -26,6 +26,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdist_lessons._checks import positive_int
+
 DIGITS = "jaxdist_digits"
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxdist", "tensorflow_datasets")
 
@@ -149,7 +151,9 @@ def batches(
         local = _load(data, rows, per_process, preprocess.image_size)
         rng = np.random.default_rng((seed, epoch, b, process_index)) if augment else None
         local["images"] = preprocess(local["images"], rng) * local["mask"][:, None, None, None]
-        yield {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+        # global_shape makes a process layout that does not match the real one fail loudly.
+        yield {k: jax.make_array_from_process_local_data(sharding, v, global_shape=(global_batch, *v.shape[1:]))
+               for k, v in local.items()}
 
 
 def process_rows(order: np.ndarray, batch_index: int, global_batch: int, process_index: int,
@@ -161,6 +165,7 @@ def process_rows(order: np.ndarray, batch_index: int, global_batch: int, process
 
 
 def _check_batch(global_batch: int, mesh: Mesh, data_axis: str, process_count: int) -> None:
+    positive_int("global_batch", global_batch)
     if data_axis not in mesh.shape:
         raise ValueError(f"mesh {dict(mesh.shape)} has no axis {data_axis!r} to shard the batch over")
     ways = mesh.shape[data_axis]
@@ -191,8 +196,10 @@ def _load(data: Sequence[dict[str, np.ndarray]], rows: np.ndarray, size: int,
     def image(e):
         pixels = np.asarray(e["image"])
         return pixels if image_size is None else fit_image(pixels, image_size)
-    image_shape = np.shape(image(data[0]))
-    images = np.stack([image(e) for e in examples]) if examples else np.zeros((0, *image_shape), np.uint8)
+    if examples:
+        images = np.stack([image(e) for e in examples])
+    else:  # this process's rows all fall in the padding of the last batch
+        images = np.zeros((0, *np.shape(image(data[0]))), np.uint8)
     labels = np.array([int(e["label"]) for e in examples], np.int32)
     pad = size - len(examples)
     mask = np.concatenate([np.ones(len(examples), np.float32), np.zeros(pad, np.float32)])

@@ -17,6 +17,8 @@ import jax
 import jax.extend.backend
 from jax._src import xla_bridge  # the only way to ask "has JAX started?" without starting it
 
+from jaxdist_lessons._checks import positive_int
+
 ENV_VAR = "JAXDIST_NUM_DEVICES"
 DEFAULT_NUM_DEVICES = 8
 
@@ -52,12 +54,8 @@ def requested_num_devices(num_devices: int | None = None) -> int:
             num_devices = int(raw)
         except ValueError:
             raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}") from None
-        source = ENV_VAR
-    else:
-        source = "num_devices"
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"{source} must be a positive integer, got {num_devices!r}")
-    return num_devices
+        return positive_int(ENV_VAR, num_devices)
+    return positive_int("num_devices", num_devices)
 
 
 def current_devices() -> DeviceInfo:
@@ -89,13 +87,12 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
         SetupError: JAX had already started with devices that do not satisfy the request.
     """
     num_devices = requested_num_devices(num_devices)
-    if isinstance(min_devices, bool) or not isinstance(min_devices, int) or min_devices < 1:
-        raise ValueError(f"min_devices must be a positive integer, got {min_devices!r}")
+    positive_int("min_devices", min_devices)
 
     if xla_bridge.backends_are_initialized():
         info = current_devices()
         if not _satisfies(info, num_devices, min_devices):
-            raise SetupError(_too_late_message(info, num_devices))
+            raise SetupError(_too_late_message(info, num_devices, min_devices))
     else:
         info = _start(num_devices, min_devices)
     print(info)
@@ -114,7 +111,14 @@ def _start(num_devices: int, min_devices: int) -> DeviceInfo:
     return info
 
 
-def _too_late_message(info: DeviceInfo, num_devices: int) -> str:
+def _too_late_message(info: DeviceInfo, num_devices: int, min_devices: int) -> str:
+    if info.platform != "cpu":  # too few accelerators, and too late to fall back to the CPU
+        return (
+            f"setup() needs {min_devices} devices, but JAX had already started with {info.count} "
+            f"{info.platform} device(s), and can only switch to {num_devices} simulated CPU devices before "
+            "its first operation. Fix: restart the Python kernel and call jaxdist_lessons.devices.setup() "
+            f"before any other JAX call, or start Python with JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={num_devices}."
+        )
     return (
         f"setup() asked for {num_devices} CPU devices, but JAX had already started with "
         f"{info.count} {info.platform} device(s). The number of CPU devices can only be chosen "

@@ -19,6 +19,7 @@ Each ``*_step`` returns ``step(state, batch) -> (state, {"loss", "grads"})``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -43,7 +44,7 @@ class MLP(nn.Module):
     axis_name: str | None = None  # unused; here so that every model takes one
 
     @nn.compact
-    def __call__(self, images_BHWC, train: bool = True):
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         x = images_BHWC.reshape(images_BHWC.shape[0], -1)
         for width in self.features[:-1]:
             x = nn.relu(nn.Dense(width)(x))
@@ -58,7 +59,7 @@ class SmallCNN(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWC, train: bool = True):
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         x = nn.Conv(self.channels, (3, 3))(images_BHWC)
         x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
         x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
@@ -107,11 +108,19 @@ def with_axis_name(model: nn.Module, axis_name: str | None) -> nn.Module:
     return model.clone(axis_name=axis_name)
 
 
+def loss_and_grads(model: nn.Module, state: State, batch: Batch,
+                   reduce_loss: Callable[[jax.Array], jax.Array] = lambda loss: loss):
+    """``((loss, batch_stats), grads)`` of ``reduce_loss(loss_fn(...))`` with respect to the parameters."""
+    def objective(params):
+        loss, batch_stats = loss_fn(model, params, state.batch_stats, batch)
+        return reduce_loss(loss), batch_stats
+    return jax.value_and_grad(objective, has_aux=True)(state.params)
+
+
 def _global_view_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
     """A step written for the whole batch: the body of forms 1 and 3."""
     def step(state: State, batch: Batch):
-        (loss, batch_stats), grads = jax.value_and_grad(
-            lambda p: loss_fn(model, p, state.batch_stats, batch), has_aux=True)(state.params)
+        (loss, batch_stats), grads = loss_and_grads(model, state, batch)
         return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
     return step
 
@@ -132,8 +141,7 @@ def pmap_step(model: nn.Module, tx: optax.GradientTransformation, axis_name: str
     model = with_axis_name(model, axis_name)
 
     def step(state: State, batch: Batch):
-        (loss, batch_stats), grads = jax.value_and_grad(
-            lambda p: loss_fn(model, p, state.batch_stats, batch), has_aux=True)(state.params)
+        (loss, batch_stats), grads = loss_and_grads(model, state, batch)
         grads = lax.pmean(grads, axis_name)  # each device had the mean over its slice
         loss = lax.pmean(loss, axis_name)
         return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
@@ -160,10 +168,7 @@ def shard_map_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mes
     model = with_axis_name(model, data_axis)
 
     def local_step(state: State, batch: Batch):
-        def global_loss(params):
-            loss, batch_stats = loss_fn(model, params, state.batch_stats, batch)
-            return lax.pmean(loss, data_axis), batch_stats
-        (loss, batch_stats), grads = jax.value_and_grad(global_loss, has_aux=True)(state.params)
+        (loss, batch_stats), grads = loss_and_grads(model, state, batch, lambda loss: lax.pmean(loss, data_axis))
         return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
 
     return jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=(P(), P())))
@@ -178,8 +183,7 @@ def shard_map_trap_grads(model: nn.Module, mesh: Mesh, data_axis: str = "data") 
     model = with_axis_name(model, data_axis)
 
     def local_grads(state: State, batch: Batch):
-        grads = jax.grad(lambda p: loss_fn(model, p, state.batch_stats, batch)[0])(state.params)
-        return lax.pmean(grads, data_axis)
+        return lax.pmean(loss_and_grads(model, state, batch)[1], data_axis)
 
     return jax.jit(jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P()))
 
@@ -237,14 +241,11 @@ def run(form: str, model: nn.Module, tx: optax.GradientTransformation, state: St
         return unreplicate(state), history
     if form == "one device":
         step = single_device_step(model, tx)
-        state = jax.device_put(state, jax.devices()[0])
+        put = lambda state, batch: jax.device_put((state, batch), jax.devices()[0])
     else:
         step = jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        put = functools.partial(place, mesh=mesh)
     for batch in batches:
-        if form == "one device":
-            batch = jax.device_put(batch, jax.devices()[0])
-        else:
-            state, batch = place(state, batch, mesh)
-        state, metrics = step(state, batch)
+        state, metrics = step(*put(state, batch))
         history.append(metrics)
     return state, history

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Iterable
 
+from jaxdist_lessons._checks import positive_int
+
 GB = 10**9
 GiB = 2**30
 
@@ -74,9 +76,11 @@ class TrainingMemory:
 
     @property
     def total(self) -> float:
+        """State and activations together."""
         return self.state + self.activations
 
     def as_dict(self) -> dict[str, float]:
+        """Every part by name, and the total."""
         return {**dataclasses.asdict(self), "total": self.total}
 
 
@@ -109,22 +113,24 @@ def per_device(memory: TrainingMemory, strategy: str, num_devices: int) -> Train
       batch, and we keep the activations whole (an upper bound: how much of them tensor
       parallelism splits depends on the layer).
     """
-    _lookup({s: s for s in STRATEGIES}, strategy, "strategy")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    positive_int("num_devices", num_devices)
     n = 1 if strategy == "replicated" else num_devices
-    split = {
+    split = _lookup(_SPLIT, strategy, "strategy")
+    return TrainingMemory(**{
+        field: value / n if field in split else value
+        for field, value in dataclasses.asdict(memory).items()
+    })
+
+
+# Which parts of training memory each strategy divides among the devices.
+_SPLIT = {
         "replicated": set(),
         "data": {"activations"},
         "zero1": {"activations", "optimizer", "master"},
         "zero2": {"activations", "optimizer", "master", "grads"},
         "fsdp": {"activations", "optimizer", "master", "grads", "params"},
         "tensor": {"optimizer", "master", "grads", "params"},
-    }[strategy]
-    return TrainingMemory(**{
-        field: value / n if field in split else value
-        for field, value in dataclasses.asdict(memory).items()
-    })
+}
 
 
 # --- Parameter counts -----------------------------------------------------------------------
@@ -200,11 +206,12 @@ def resnet_layers(
     bottleneck: bool = True,
     num_classes: int = 1000,
     image_size: int = 224,
-    width: int = 64,
+    base_width: int = 64,
 ) -> list[Layer]:
     """The layers of a ResNet v1.5 (stride in the 3x3 convolution), with parameters and output sizes.
 
     ``(3, 4, 6, 3)`` with bottleneck blocks is ResNet50; ``(2, 2, 2, 2)`` with basic blocks is ResNet18.
+    ``base_width`` is the stem's channel count (64 in the published models; the first stage widens from it).
     """
     stage_sizes = tuple(stage_sizes)
     if not stage_sizes or any(s < 1 for s in stage_sizes):
@@ -212,12 +219,12 @@ def resnet_layers(
     if image_size < 32 or image_size % 32:
         raise ValueError(f"image_size must be a positive multiple of 32, got {image_size!r}")
     size = image_size // 2
-    layers = _conv("stem", 3, width, 7, size) + [_relu("stem", size * size * width)]
+    layers = _conv("stem", 3, base_width, 7, size) + [_relu("stem", size * size * base_width)]
     size //= 2
-    layers.append(Layer("stem/maxpool", "pool", 0, size * size * width))
-    c_in, expansion = width, (4 if bottleneck else 1)
+    layers.append(Layer("stem/maxpool", "pool", 0, size * size * base_width))
+    c_in, expansion = base_width, (4 if bottleneck else 1)
     for stage, blocks in enumerate(stage_sizes):
-        c_mid = width * 2**stage
+        c_mid = base_width * 2**stage
         for block in range(blocks):
             stride = 2 if stage > 0 and block == 0 else 1
             name = f"stage{stage + 1}/block{block + 1}"
@@ -276,6 +283,11 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     Accelerator("TPU v5e", 16 * GB, "Google Cloud TPU v5e docs: 16 GB HBM2 per chip (cloud.google.com/tpu/docs/v5e)"),
     Accelerator("TPU v5p", 95 * GB, "Google Cloud TPU v5p docs: 95 GB HBM2e per chip (cloud.google.com/tpu/docs/v5p)"),
 ]}
+
+
+def accelerator(name: str) -> Accelerator:
+    """The accelerator called ``name``; ``ValueError`` listing the known names otherwise."""
+    return _lookup(ACCELERATORS, name, "accelerator")
 
 
 def devices_needed(total_bytes: float, accelerator: str, usable_fraction: float = 1.0) -> int:

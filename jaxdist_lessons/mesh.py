@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxdist_lessons._checks import positive_int
+
 AXIS_NAMES = ("data", "fsdp", "model", "pipeline")
 
 
@@ -44,8 +46,10 @@ def _check_names(axis_names: Sequence[str]) -> tuple[str, ...]:
 def mesh_shapes(num_devices: int, axis_names: Sequence[str]) -> list[tuple[int, ...]]:
     """Every mesh shape for ``num_devices`` devices and these axis names (sizes of 1 included)."""
     names = _check_names(axis_names)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise MeshError(f"num_devices must be a positive integer, got {num_devices!r}")
+    try:
+        positive_int("num_devices", num_devices)
+    except ValueError as err:
+        raise MeshError(str(err)) from None
     return [shape for shape in itertools.product(divisors(num_devices), repeat=len(names))
             if math.prod(shape) == num_devices]
 
@@ -100,7 +104,8 @@ def make_mesh(
             f"whose product is {len(devices)}, one of {options}")
     types = (axis_types,) * len(names) if isinstance(axis_types, AxisType) else tuple(axis_types)
     if len(types) != len(names):
-        raise MeshError(f"{len(types)} axis_types for {len(names)} axes {names}")
+        raise MeshError(f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType for all "
+                        "axes, or one per axis")
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
 
 

@@ -42,7 +42,7 @@ def memory_vs_model_size(
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
     by_capacity: dict[float, list[str]] = {}
     for name in accelerators:
-        by_capacity.setdefault(memory.ACCELERATORS[name].memory_bytes, []).append(name)
+        by_capacity.setdefault(memory.accelerator(name).memory_bytes, []).append(name)
     for i, (capacity, names) in enumerate(sorted(by_capacity.items())):
         label = " / ".join(names)
         ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
@@ -83,7 +83,7 @@ def memory_breakdown(
         ax.bar(names, heights, bottom=bottom, label=part)
         bottom += heights
     if accelerator is not None:
-        capacity = memory.ACCELERATORS[accelerator].memory_bytes / scale
+        capacity = memory.accelerator(accelerator).memory_bytes / scale
         ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"{accelerator} memory")
     ax.set(ylabel=f"{unit} per device", title="What each device holds")
     ax.legend(fontsize=8)

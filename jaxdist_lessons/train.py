@@ -112,7 +112,8 @@ def evaluate(eval_step: Callable, state: TrainState, batches: Iterable[Batch]) -
         for key, value in eval_step(state, batch).items():
             totals[key] += float(value)
     if totals["count"] == 0:
-        raise ValueError("evaluate got no examples")
+        raise ValueError("evaluate got no examples: pass batches made with drop_remainder=False, or a global "
+                         "batch no larger than the dataset")
     return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}
 
 
@@ -154,10 +155,10 @@ def fit(state: TrainState, train_step: Callable, eval_step: Callable, train_batc
 
 
 def save_checkpoint(path: str, state: TrainState) -> None:
-    """Write ``state`` (sharded or not) to ``path`` with Orbax; each device writes its own shards."""
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(path), state)
-    checkpointer.wait_until_finished()
+    """Write ``state`` (sharded or not) to ``path`` with Orbax, replacing what is there; each device writes its shards."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(path), state, force=True)  # force: re-running a cell overwrites
+        checkpointer.wait_until_finished()
 
 
 def with_shardings(like: Any, shardings: Any) -> Any:
@@ -167,4 +168,5 @@ def with_shardings(like: Any, shardings: Any) -> Any:
 
 def restore_checkpoint(path: str, like: TrainState | Any, shardings: Any) -> TrainState:
     """Read a checkpoint into the structure of ``like`` with the given ``shardings``: any mesh, any layout."""
-    return ocp.StandardCheckpointer().restore(os.path.abspath(path), with_shardings(like, shardings))
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(path), with_shardings(like, shardings))

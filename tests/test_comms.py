@@ -60,9 +60,9 @@ def test_hand_written_snippets_of_every_kind():
         "rs": ("reduce-scatter", "f32", 16, 64, 4, False),
         "a2a": ("all-to-all", "f32", 8, 32, 2, False),
         "ar-mesh": ("all-reduce", "f32", 6, 24, 4, False),
-        "cp": ("collective-permute", "f32", 16, 64, 2, False),
-        "ard": ("all-reduce", "f32", 5, 20, None, False),
-        "agd": ("all-gather", "f32", 32, 128, None, False),
+        "cp": ("collective-permute", "f32", 16, 64, None, False),
+        "ard": ("all-reduce", "f32", 5, 20, 2, False),
+        "agd": ("all-gather", "f32", 32, 128, 4, False),
     }
     for name, (kind, dtype, elements, nbytes, group, in_loop) in expected.items():
         c = found[name]
@@ -81,6 +81,11 @@ def test_totals_and_summary():
     assert comms.summary(SNIPPETS)["all-gather"] == {"count": 2, "in_loop": 0, "bytes": 2176}
     with pytest.raises(ValueError, match="unknown collective kind 'allreduce'; allowed: all-reduce, all-gather"):
         comms.total_bytes(SNIPPETS, "allreduce")
+
+
+def test_unknown_element_types_are_not_counted_as_zero_bytes():
+    with pytest.raises(ValueError, match="unknown HLO element type 's3' .*add its size to comms.DTYPE_BYTES"):
+        comms.collectives("ENTRY %m () -> s3[4] {\n  %a = s3[4]{0} all-reduce(%x), replica_groups={{0,1}}\n}")
 
 
 def test_group_size_spellings():
@@ -113,7 +118,7 @@ def test_real_programs_of_each_kind():
         found = comms.collectives(comms.compiled_text(fn, arg))
         assert [c.kind for c in found] == [kind], kind
         assert found[0].bytes == nbytes, kind
-        assert found[0].group_size == (2 if kind == "collective-permute" else N), kind
+        assert found[0].group_size == (None if kind == "collective-permute" else N), kind
 
 
 def test_all_reduce_in_a_scan_body_is_in_a_loop():

@@ -96,6 +96,12 @@ def test_each_process_reads_its_own_contiguous_slice():
             assert all(len(part) == 16 // process_count for part in parts)
 
 
+def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
+    mesh = make_mesh((N,), ("data",))
+    with pytest.raises(ValueError, match="global_shape should be None or equal to local_data.shape"):
+        next(data.batches(digits("test"), 2 * N, mesh, process_index=0, process_count=2))
+
+
 def test_augmentation_is_seeded_and_only_shifts():
     mesh = make_mesh((N,), ("data",))
     source = digits("train")
@@ -133,5 +139,7 @@ def test_errors_name_the_fix(tmp_path):
     if N > 1:
         with pytest.raises(ValueError, match=f"global batch {N + 1} must be a multiple of the {N} devices along 'data'"):
             next(data.batches(digits("test"), N + 1, mesh))
+    with pytest.raises(ValueError, match="global_batch must be a positive integer, got 0"):
+        next(data.batches(digits("test"), 0, mesh))
     with pytest.raises(ValueError, match=r"mesh \{'data': \d+\} has no axis 'batch'"):
         next(data.batches(digits("test"), N, mesh, data_axis="batch"))

@@ -116,6 +116,7 @@ def test_devices_needed():
     assert memory.devices_needed(adam, "H100 80GB", usable_fraction=0.75) == 47
     assert memory.devices_needed(1, "TPU v5e") == 1
     assert all(a.source for a in memory.ACCELERATORS.values())
+    assert memory.accelerator("TPU v5p").memory_bytes == 95e9
 
 
 @pytest.mark.parametrize("call, message", [
@@ -127,6 +128,7 @@ def test_devices_needed():
     (lambda: memory.per_device(memory.training_state_bytes(1), "data", 0), "num_devices must be a positive integer, got 0"),
     (lambda: memory.devices_needed(1e9, "B200"), "unknown accelerator 'B200'; allowed: A100 40GB, A100 80GB, H100 80GB, H200 141GB, TPU v4, TPU v5e, TPU v5p"),
     (lambda: memory.devices_needed(1e9, "TPU v4", usable_fraction=0), "usable_fraction must be in (0, 1], got 0"),
+    (lambda: memory.accelerator("TPU v6"), "unknown accelerator 'TPU v6'; allowed: A100 40GB, A100 80GB, H100 80GB, H200 141GB, TPU v4, TPU v5e, TPU v5p"),
     (lambda: memory.resnet_layers(image_size=100), "image_size must be a positive multiple of 32, got 100"),
     (lambda: memory.transformer_layer_activation_bytes(-5, 1, 8, 2), "seq_len must be a non-negative number, got -5"),
 ])

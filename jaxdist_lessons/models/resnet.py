@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -34,7 +35,7 @@ class BasicBlock(_Block):
     """Two 3x3 convolutions and a shortcut."""
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
         y = self.conv(self.filters, (3, 3), self.strides)(x)
         y = nn.relu(self.norm()(y))
@@ -50,7 +51,7 @@ class BottleneckBlock(_Block):
     """1x1 down, 3x3 (strided, v1.5), 1x1 up to 4x the width, and a shortcut."""
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         residual = x
         y = nn.relu(self.norm()(self.conv(self.filters, (1, 1))(x)))
         y = nn.relu(self.norm()(self.conv(self.filters, (3, 3), self.strides)(y)))
@@ -73,7 +74,7 @@ class ResNet(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWC, train: bool = True):
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         base = max(1, int(64 * self.width))
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
