@@ -73,11 +73,15 @@ def expected_bytes_per_device(shape: Sequence[int], dtype: Any, mesh: Mesh, spec
     return math.prod(shard_shape(shape, mesh, spec)) * np.dtype(dtype).itemsize
 
 
-def bytes_per_device(array: jax.Array) -> dict[int, int]:
-    """Bytes of ``array`` each device holds, keyed by device id, read from its addressable shards."""
+def bytes_per_device(tree: Any) -> dict[int, int]:
+    """Bytes each device holds of an array, or of every array in a tree, keyed by device id.
+
+    Read from the arrays' addressable shards, so it is what the devices really hold.
+    """
     held: dict[int, int] = {}
-    for shard in array.addressable_shards:
-        held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    for array in jax.tree.leaves(tree):
+        for shard in array.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
     return held
 
 

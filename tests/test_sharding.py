@@ -112,3 +112,10 @@ def test_a_bad_rule_fails_with_the_leaf_path():
 def test_path_name():
     paths = [sharding.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, (2,)]})[0]]
     assert paths == ["a/0", "a/1/0"]
+
+
+def test_bytes_per_device_sums_a_whole_tree():
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    tree = {"a": jax.device_put(jnp.zeros((N, 4)), NamedSharding(m, P("data"))),
+            "b": [jax.device_put(jnp.zeros(6, jnp.int8), NamedSharding(m, P()))]}
+    assert sharding.bytes_per_device(tree) == {d.id: 2 * 4 * 4 + 6 for d in jax.devices()}
