@@ -454,6 +454,10 @@ print(
     "| data_sharding still uses:",
     data_sharding.mesh.axis_names,
 )
+try:
+    NamedSharding(mesh, P('model'))
+except ValueError as error:
+    print("and P('model') on the new mesh:", error)
 
 # corrected: one mesh, per-leaf shardings from rules, state born sharded, a step with
 # batch_stats, integer labels and donation (jaxdist_lessons.train, chapter 5)
@@ -529,7 +533,7 @@ acc_batch = {'x': xs, 'y': jnp.zeros((steps, micro))}
 w = {'w': jnp.ones(3)}
 
 
-def scan_accumulate(params, batches):  # plain jit: the compiler syncs every micro-step
+def scan_accumulate(params, batches):  # the mean gradient of the micro-batches, by scan
     def body(total, b):
         return jax.tree.map(jnp.add, total, jax.grad(loss_fn)(params, b)), None
 
@@ -546,11 +550,7 @@ def scan_accumulate(params, batches):  # plain jit: the compiler syncs every mic
     check_vma=False,
 )
 def local_accumulate(params, batches):  # accumulate locally, then one all-reduce
-    def body(total, b):
-        return jax.tree.map(jnp.add, total, jax.grad(loss_fn)(params, b)), None
-
-    total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), batches)
-    return jax.lax.pmean(jax.tree.map(lambda g: g / steps, total), 'data')
+    return jax.lax.pmean(scan_accumulate(params, batches), 'data')
 
 
 w_placed = jax.device_put(w, NamedSharding(data_mesh, P()))
@@ -610,6 +610,9 @@ def layer_norm(x):
         fix="""\
 x = jax.random.normal(jax.random.key(5), (64, 256))
 np.testing.assert_allclose(layer_norm(x), jax.nn.standardize(x, epsilon=1e-5), atol=1e-5)
+flax_norm = nn.LayerNorm(epsilon=1e-5, use_scale=False, use_bias=False)
+np.testing.assert_allclose(layer_norm(x), flax_norm.apply({}, x), atol=1e-5)
+print("Flax's LayerNorm has scale and bias; its default epsilon:", nn.LayerNorm().epsilon)
 
 
 def hlo_instructions(norm):
