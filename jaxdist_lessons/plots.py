@@ -15,6 +15,7 @@ from jaxdist_lessons import comms, memory
 from jaxdist_lessons import sharding as sharding_lib
 
 if TYPE_CHECKING:
+    from jaxdist_lessons import profiling as profiling_lib
     from jaxdist_lessons import train as train_lib
 
 
@@ -212,5 +213,41 @@ def image_grid(images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8)
     for ax, image, label in zip(axes.flat, images_BHWC, labels):
         ax.imshow(image[..., 0], cmap="gray_r")
         ax.set_title(str(int(label)), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def profile_timeline(events: Sequence[profiling_lib.OpEvent], title: str = "Profile") -> Figure:
+    """Each device's operations on a time line, compute apart from collectives (``profiling.read_trace`` events).
+
+    Left: one row per device, one bar per HLO operation, coloured by kind. Right: the time
+    each device spent in each kind.
+    """
+    if not events:
+        raise ValueError("profile_timeline needs at least one event (did the trace capture any XLA operations?)")
+    colors = {"compute": "tab:blue", "collective": "tab:orange"}
+    start = min(e.start_us for e in events)
+    device_ids = sorted({e.device for e in events})
+    row = {d: i for i, d in enumerate(device_ids)}
+    fig, (line_ax, bar_ax) = plt.subplots(1, 2, figsize=(12, 0.45 * len(device_ids) + 2.2),
+                                          gridspec_kw={"width_ratios": [3, 1]})
+    for kind, color in colors.items():
+        spans = [e for e in events if e.kind == kind]
+        for d in device_ids:
+            bars = [((e.start_us - start) / 1e3, e.duration_us / 1e3) for e in spans if e.device == d]
+            line_ax.broken_barh(bars, (row[d] - 0.4, 0.8), facecolors=color, label=kind if d == device_ids[0] else None)
+    line_ax.set(xlabel="time (ms)", ylabel="device", title=title, yticks=range(len(device_ids)),
+                yticklabels=[str(d) for d in device_ids])
+    line_ax.invert_yaxis()
+    line_ax.legend(loc="upper right", fontsize=8)
+    left = np.zeros(len(device_ids))
+    for kind, color in colors.items():
+        ms = np.array([sum(e.duration_us for e in events if e.device == d and e.kind == kind) / 1e3
+                       for d in device_ids])
+        bar_ax.barh(range(len(device_ids)), ms, left=left, color=color, label=kind)
+        left += ms
+    bar_ax.set(xlabel="total time (ms)", title="Time by kind", yticks=range(len(device_ids)),
+               yticklabels=[str(d) for d in device_ids])
+    bar_ax.invert_yaxis()
     fig.tight_layout()
     return fig

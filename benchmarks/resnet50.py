@@ -1,0 +1,119 @@
+"""ResNet50 training throughput (images per second) and model flops utilisation, data parallel.
+
+The step is chapter 5's (``train.make_steps``: cross-entropy, SGD with momentum, BatchNorm, donated
+state), the batch sharded over every device present, the model computing in bf16 (``--dtype``) with
+fp32 parameters. MFU is the flops XLA's ``cost_analysis()`` counts for one device's share of a step,
+over the step time multiplied by that device's bf16 peak (``perf.PEAK_BF16_FLOPS``, or ``--peak-tflops``).
+
+    python benchmarks/resnet50.py                          # 224x224, width 1: the real thing, for a GPU/TPU
+    python benchmarks/resnet50.py --small                  # CPU: 64x64, width 0.25, about a minute
+    python benchmarks/resnet50.py --per-device-batch 256 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxdist_lessons import devices
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="CPU-sized defaults: --image-size 64 --width 0.25 --per-device-batch 4 --steps 3",
+    )
+    parser.add_argument("--image-size", type=int, default=None, help="default 224")
+    parser.add_argument(
+        "--width", type=float, default=None, help="channel multiplier, default 1.0"
+    )
+    parser.add_argument("--per-device-batch", type=int, default=None, help="default 128")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps, default 20")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="bf16 peak of one device, for MFU on devices the table does not know",
+    )
+    args = parser.parse_args(argv)
+    small = {"image_size": 64, "width": 0.25, "per_device_batch": 4, "steps": 3}
+    full = {"image_size": 224, "width": 1.0, "per_device_batch": 128, "steps": 20}
+    for name, value in (small if args.small else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    devices.setup()
+    import jax  # after setup(), which must choose the devices first
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxdist_lessons import compiled, perf, train
+    from jaxdist_lessons.mesh import make_mesh
+    from jaxdist_lessons.models.resnet import ResNet50
+    from jaxdist_lessons.tables import Table
+
+    n = jax.device_count()
+    mesh = make_mesh((n,), ("data",))
+    model = ResNet50(num_classes=1000, width=args.width, dtype=jnp.dtype(args.dtype))
+    tx = optax.sgd(0.1, momentum=0.9)
+    image_shape = (args.image_size, args.image_size, 3)
+    shardings = train.state_shardings(
+        model, tx, mesh, [], image_shape
+    )  # no rules: replicated state
+    state = train.create_train_state(model, tx, mesh, [], jax.random.key(0), image_shape)
+    train_step, _ = train.make_steps(shardings, mesh)
+    batch_size = args.per_device_batch * n
+    rng = np.random.default_rng(0)
+    batch = jax.device_put(
+        {
+            "images": rng.standard_normal((batch_size, *image_shape), dtype=np.float32),
+            "labels": rng.integers(0, 1000, batch_size).astype(np.int32),
+            "mask": np.ones(batch_size, np.float32),
+        },
+        jax.sharding.NamedSharding(mesh, jax.P("data")),
+    )
+
+    program = train_step.lower(state, batch).compile()
+    stats = compiled.stats(program)
+    holder = [state]
+
+    def call():
+        holder[0], metrics = program(holder[0], batch)
+        return metrics["loss"]
+
+    seconds = perf.time_per_call(call, calls=args.steps, warmup=2)
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else perf.peak_flops(kind)
+    rows = [
+        ["devices", f"{n} x {kind}"],
+        [
+            "image size, width, dtype",
+            f"{args.image_size}x{args.image_size}, {args.width}, {args.dtype}",
+        ],
+        ["global batch", batch_size],
+        [f"step time (ms, median of {args.steps})", seconds * 1e3],
+        ["images per second", batch_size / seconds],
+        ["images per second per device", batch_size / seconds / n],
+        ["XLA flops per step, per device", stats.flops],
+        ["achieved TFLOP/s per device", stats.flops / seconds / 1e12],
+        [
+            "bf16 peak TFLOP/s per device",
+            peak / 1e12 if peak else "unknown (pass --peak-tflops)",
+        ],
+        ["MFU", f"{perf.mfu(stats.flops, seconds, peak):.1%}" if peak else "n/a"],
+        ["XLA peak memory per device", stats.peak_bytes],
+    ]
+    print(perf.environment(), end="\n\n")
+    print(Table(["ResNet50 training", "value"], rows, title="ResNet50, data parallel"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,262 @@
+"""The launcher: hostfiles, layouts, command lines, and real processes started, prefixed, stopped and reaped.
+
+The processes here are small Python scripts that do not import JAX, so these tests are quick;
+tests/test_multihost.py launches real JAX processes.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxdist_lessons import devices, launch
+
+# Prints what it got, optionally starts a grandchild, then behaves as its arguments say.
+WORKER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    rank = int(os.environ["JAXDIST_PROCESS_ID"])
+    env = {k: v for k, v in os.environ.items() if k.startswith("JAXDIST_")}
+    print(json.dumps({"rank": rank, "pid": os.getpid(), "argv": sys.argv[1:], "env": env}), flush=True)
+    if "grandchild" in sys.argv:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(json.dumps({"rank": rank, "pid": child.pid}), flush=True)
+    if "fail" in sys.argv and rank == 1:
+        time.sleep(1.5)  # time for the others to start their grandchildren
+        print("rank 1 gives up", flush=True)
+        sys.exit(3)
+    if "hang" in sys.argv:
+        time.sleep(600)
+""")
+
+# What ssh does with its arguments: join them with spaces and give them to the remote shell.
+FAKE_SSH = textwrap.dedent("""
+    import os, sys
+    print("fake ssh to", sys.argv[1], flush=True)
+    os.execvp("sh", ["sh", "-c", " ".join(sys.argv[2:])])
+""")
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return str(path)
+
+
+def launch_cli(*args, timeout=60, **kwargs):
+    return subprocess.run([sys.executable, "-m", "jaxdist_lessons.launch", *args], check=False, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def records(stdout):
+    """The JSON lines of each rank, keyed by the rank prefix the launcher wrote."""
+    out = []
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("{"):
+            out.append((int(prefix.strip("[ ")), json.loads(rest)))
+    return out
+
+
+def alive(pid):
+    """Whether ``pid`` is a running process (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_none_left(pids, within=5.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+# --- Hostfiles ----------------------------------------------------------------------------------
+
+
+def test_parse_hostfile_reads_hosts_slots_and_comments():
+    text = "# the cluster\nnode0 slots=2\n\nnode1   # one process\n10.0.0.7 slots=4\n"
+    assert launch.parse_hostfile(text) == [launch.Host("node0", 2), launch.Host("node1", 1),
+                                           launch.Host("10.0.0.7", 4)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("node0 slots=0", "slots must be a positive integer, got '0'"),
+    ("node0 slots=two", "slots must be a positive integer, got 'two'"),
+    ("node0 cpus=2", "unknown option 'cpus=2'"),
+    ("node0 2", "unknown option '2'"),
+    ("node0;reboot", "'node0;reboot' is not a host name"),
+    ("$(reboot)", "is not a host name"),
+    ("-oProxyCommand=reboot", "not starting with '-'"),
+    ("node0\nnode1\nnode0 slots=2", "hosts.txt:3: 'node0 slots=2': host 'node0' is listed twice"),
+    ("# nothing\n\n", "hosts.txt lists no hosts"),
+])
+def test_bad_hostfiles_are_rejected_with_the_line(text, message):
+    with pytest.raises(launch.HostfileError) as error:
+        launch.parse_hostfile(text, source="hosts.txt")
+    assert message in str(error.value)
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(launch.HostfileError, match="cannot read hostfile .*No such file"):
+        launch.read_hostfile(str(tmp_path / "nope.txt"))
+
+
+# --- Layouts --------------------------------------------------------------------------------------
+
+
+def test_plan_fills_hosts_in_order():
+    hosts = [launch.Host("a", 2), launch.Host("b", 2)]
+    assert launch.plan(3, hosts) == [launch.Process(0, "a", 0), launch.Process(1, "a", 1), launch.Process(2, "b", 0)]
+    assert len(launch.plan(None, hosts)) == 4
+    assert launch.plan(None) == [launch.Process(0, "localhost", 0)]
+    assert [p.host for p in launch.plan(3)] == ["localhost"] * 3
+
+
+@pytest.mark.parametrize("num_processes, hosts, message", [
+    (5, [launch.Host("a", 2), launch.Host("b", 2)], "5 processes do not fit in the 4 slots"),
+    (0, None, "--num-processes must be a positive integer, got 0"),
+])
+def test_impossible_layouts(num_processes, hosts, message):
+    with pytest.raises(launch.LayoutError, match=message):
+        launch.plan(num_processes, hosts)
+
+
+def test_coordinator_address():
+    local = launch.plan(2)
+    host, port = launch.coordinator_address(None, local).split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert launch.coordinator_address("10.0.0.1:1234", local) == "10.0.0.1:1234"
+    with pytest.raises(launch.LayoutError, match="remote hosts \\['node1'\\] cannot reach a coordinator"):
+        launch.coordinator_address(None, launch.plan(2, [launch.Host("localhost"), launch.Host("node1")]))
+    for bad in ["1234", "node0:", "node0:99999", "node0:http", ":1234"]:
+        with pytest.raises(launch.LayoutError, match="--coordinator"):
+            launch.coordinator_address(bad, local)
+
+
+def test_command_line_splits_at_the_program():
+    p = launch.parser()
+    assert launch.split_command_line(p, ["-n", "2", "-m", "mod", "--out", "x", "hello"]) == (
+        ["-n", "2", "-m", "mod"], ["--out", "x", "hello"])
+    assert launch.split_command_line(p, ["--timeout=3", "-d", "4", "train.py", "-n", "5"]) == (
+        ["--timeout=3", "-d", "4"], ["train.py", "-n", "5"])
+    assert launch.split_command_line(p, ["-n", "2", "--", "-weird.py"]) == (["-n", "2"], ["-weird.py"])
+
+
+def test_exit_statuses_in_words():
+    assert launch.describe_status(3) == "exited with status 3"
+    assert launch.describe_status(-9) == "was killed by SIGKILL"
+
+
+def test_the_devices_variable_is_the_one_setup_reads():
+    assert launch.ENV_NUM_DEVICES == devices.ENV_VAR
+
+
+def test_remote_commands_quote_every_argument():
+    process = launch.Process(0, "node1", 0)
+    argv = launch.process_command(["train.py", "a b", "$HOME;x"], process, {"X": "1 2"}, "/venv/bin/python",
+                                  ["ssh", "-q"], "/my dir")
+    assert argv[:3] == ["ssh", "-q", "node1"] and len(argv) == 4
+    assert argv[3] == "cd '/my dir' && exec env 'X=1 2' /venv/bin/python train.py 'a b' '$HOME;x'"
+    assert launch.process_command(["t.py"], launch.Process(0, "localhost", 0), {}, "py", ["ssh"], "/") == ["py", "t.py"]
+
+
+# --- Real processes -------------------------------------------------------------------------------
+
+
+def test_every_process_gets_its_rank_and_prefixed_lines(worker):
+    result = launch_cli("-n", "3", "-d", "2", worker, "an arg", "--flag")
+    assert result.returncode == 0, result.stderr
+    seen = records(result.stdout)
+    assert sorted(rank for rank, _ in seen) == [0, 1, 2]
+    coordinators = set()
+    for prefix_rank, record in seen:
+        assert record["rank"] == prefix_rank
+        assert record["argv"] == ["an arg", "--flag"]
+        env = record["env"]
+        assert env["JAXDIST_NUM_PROCESSES"] == "3" and env["JAXDIST_NUM_DEVICES"] == "2"
+        coordinators.add(env["JAXDIST_COORDINATOR"])
+    [coordinator] = coordinators
+    assert coordinator.startswith("127.0.0.1:")
+
+
+def test_a_failing_process_stops_the_others_at_once(worker):
+    start = time.monotonic()
+    result = launch_cli("-n", "3", worker, "grandchild", "fail", "hang")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stderr
+    assert elapsed < 30
+    assert "launch: rank 1 (on localhost) exited with status 3; stopping the 2 process(es) still running" in result.stderr
+    assert "[1] rank 1 gives up" in result.stderr  # its last lines are repeated at the end
+    pids = [record["pid"] for _, record in records(result.stdout)]
+    assert len(pids) >= 5  # 3 workers, and the grandchildren of those that got that far
+    assert_none_left(pids)
+
+
+def test_a_hung_job_is_stopped_by_the_timeout(worker):
+    start = time.monotonic()
+    result = launch_cli("-n", "2", "--timeout", "2", worker, "grandchild", "hang")
+    elapsed = time.monotonic() - start
+    assert result.returncode == launch.EXIT_TIMEOUT
+    assert 2 <= elapsed < 15
+    assert "launch: timed out after 2 s with ranks [0, 1] still running; stopping them" in result.stderr
+    pids = [record["pid"] for _, record in records(result.stdout)]
+    assert len(pids) == 4
+    assert_none_left(pids)
+
+
+def test_stopping_the_launcher_stops_the_job(worker):
+    launcher = subprocess.Popen([sys.executable, "-m", "jaxdist_lessons.launch", "-n", "2", worker, "grandchild",
+                                 "hang"], stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 4:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended early"
+        pids += [record["pid"] for _, record in records(line)]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    launcher.stdout.close()
+    assert_none_left(pids)
+
+
+def test_remote_hosts_go_through_the_remote_command(worker, tmp_path):
+    fake_ssh = tmp_path / "fake_ssh.py"
+    fake_ssh.write_text(FAKE_SSH)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\nnode7 slots=2\n")
+    tricky = "it's; echo INJECTED $HOME"
+    result = launch_cli("--hostfile", str(hostfile), "--coordinator", "127.0.0.1:0",
+                        "--remote-command", f"{sys.executable} {fake_ssh}", worker, tricky, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    seen = dict(records(result.stdout))
+    assert sorted(seen) == [0, 1, 2]
+    assert all(record["argv"] == [tricky] for record in seen.values())  # arrived intact, nothing ran
+    assert "INJECTED" not in result.stdout.replace(tricky, "")
+    assert result.stdout.count("fake ssh to node7") == 2 and "fake ssh to localhost" not in result.stdout
+    assert {record["env"]["JAXDIST_PROCESS_ID"] for record in seen.values()} == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "5", "--hostfile", "{hostfile}", "x.py"], "5 processes do not fit in the 2 slots"),
+    (["--hostfile", "{tmp}/missing.txt", "x.py"], "cannot read hostfile"),
+    (["--hostfile", "{badfile}", "x.py"], "slots must be a positive integer"),
+    (["-n", "2", "-d", "0", "x.py"], "--devices-per-process must be a positive integer, got 0"),
+    (["-n", "2", "--timeout", "-1", "x.py"], "--timeout must be a positive number"),
+    (["-n", "2", "--coordinator", "nowhere", "x.py"], "--coordinator must be HOST:PORT"),
+    (["-n", "2"], "give the program to run"),
+])
+def test_command_line_errors_exit_2_with_a_message(tmp_path, args, message):
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
+    (tmp_path / "bad.txt").write_text("localhost slots=-1\n")
+    names = {"hostfile": tmp_path / "hosts.txt", "badfile": tmp_path / "bad.txt", "tmp": tmp_path}
+    result = launch_cli(*[a.format(**names) for a in args])
+    assert result.returncode == launch.EXIT_USAGE
+    assert message in result.stderr
+    assert result.stdout == ""

@@ -1,0 +1,84 @@
+"""A real jax.profiler trace of a sharded step, read back: the operations it ran, compute apart from collectives."""
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import comms, profiling
+
+N = jax.device_count()
+
+
+@pytest.fixture(scope="module")
+def traced():
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w))),
+                   in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
+    # placed first: unplaced inputs would add a slicing program to every step
+    w = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((N * 16, 64)), NamedSharding(mesh, P("data")))
+    log_dir = profiling.capture(grad, w, x, steps=2)
+    return log_dir, comms.compiled_text(grad, w, x)
+
+
+def test_the_profiler_writes_a_chrome_trace_and_an_xplane(traced):
+    log_dir, _ = traced
+    files = profiling.trace_files(log_dir)
+    assert set(files) == {"trace.json.gz", "xplane.pb"}
+    with gzip.open(files["trace.json.gz"], "rt") as f:
+        assert "traceEvents" in json.load(f)
+    assert "ui.perfetto.dev" in profiling.perfetto_instructions(log_dir)
+    assert str(files["trace.json.gz"]) in profiling.perfetto_instructions(log_dir)
+
+
+def test_every_device_ran_every_op_of_the_compiled_program_each_step(traced):
+    log_dir, hlo_text = traced
+    events = profiling.read_trace(log_dir)
+    assert {e.device for e in events} == set(range(N))
+    assert all(e.duration_us >= 0 and e.module == "jit__lambda" for e in events)
+    per_device = {d: sorted(e.op for e in events if e.device == d) for d in range(N)}
+    assert all(ops == per_device[0] for ops in per_device.values())
+    collectives = [e for e in events if e.kind == "collective"]
+    if N > 1:
+        # the gradient all-reduce the compiler inserted: once per device per step, as the HLO says
+        assert len(collectives) == 2 * N * len(comms.collectives(hlo_text))
+        assert all(e.op.startswith("all-reduce") for e in collectives)
+    totals = profiling.time_by_kind(events)
+    assert totals["compute"] > 0 and totals["compute"] + totals["collective"] == pytest.approx(
+        sum(e.duration_us for e in events))
+
+
+def test_the_xplane_holds_the_same_operations(traced):
+    from_json = profiling.read_trace(traced[0])
+    from_xplane = profiling.read_xplane(traced[0])
+    key = lambda e: (e.device, e.op, round(e.duration_us, 3))
+    assert sorted(map(key, from_json)) == sorted(map(key, from_xplane))
+
+
+def test_op_table_sums_over_devices_and_steps(traced):
+    events = profiling.read_trace(traced[0])
+    rows = profiling.op_table(events)
+    assert len(rows[0]) == len(profiling.OP_TABLE_HEADERS)
+    assert sum(r[3] for r in rows) == len(events)
+    assert np.isclose(sum(r[4] for r in rows), sum(e.duration_us for e in events) / 1e3)
+    assert [r[4] for r in rows] == sorted((r[4] for r in rows), reverse=True)
+
+
+def test_op_kind_names_collectives_sync_and_async():
+    for op in ("all-reduce", "all-reduce.3", "all-gather-start.1", "reduce-scatter", "collective-permute-done"):
+        assert profiling.op_kind(op) == "collective"
+    for op in ("dot.1", "multiply_add_fusion", "all-reduce-fusion-like-name", "transpose_copy_fusion"):
+        assert profiling.op_kind(op) == "compute"
+
+
+def test_missing_traces_are_reported_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no profile under"):
+        profiling.trace_files(tmp_path)
+    with pytest.raises(ValueError, match="positive integer"):
+        profiling.capture(jnp.sin, jnp.ones(2), steps=0)
