@@ -527,44 +527,27 @@ assert z.sharding.shard_shape(z.shape) == y.sharding.shard_shape(y.shape) == blo
         verdict="misleading",
         chapter="06_performance",
         fix="""\
-micro, steps = 2 * n, 4
-xs = jax.random.normal(jax.random.key(4), (steps, micro, 3))
-acc_batch = {'x': xs, 'y': jnp.zeros((steps, micro))}
+from jaxdist_lessons import accumulate
+
+micro_batches = 4
+acc_batch = {
+    'x': jax.random.normal(jax.random.key(4), (micro_batches * 2 * n, 3)),
+    'y': jnp.zeros(micro_batches * 2 * n),
+}
 w = {'w': jnp.ones(3)}
-
-
-def scan_accumulate(params, batches):  # the mean gradient of the micro-batches, by scan
-    def body(total, b):
-        return jax.tree.map(jnp.add, total, jax.grad(loss_fn)(params, b)), None
-
-    total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), batches)
-    return jax.tree.map(lambda g: g / steps, total)
-
-
-# check_vma=False: gradients of the replicated params stay local until the one pmean
-@functools.partial(
-    jax.shard_map,
-    mesh=data_mesh,
-    in_specs=(P(), P(None, 'data')),
-    out_specs=P(),
-    check_vma=False,
-)
-def local_accumulate(params, batches):  # accumulate locally, then one all-reduce
-    return jax.lax.pmean(scan_accumulate(params, batches), 'data')
-
-
-w_placed = jax.device_put(w, NamedSharding(data_mesh, P()))
-batches_placed = jax.device_put(acc_batch, NamedSharding(data_mesh, P(None, 'data')))
-for name, fn in [("jit + scan", scan_accumulate), ("shard_map, local", local_accumulate)]:
-    grads = jax.jit(fn)(w_placed, batches_placed)
-    np.testing.assert_allclose(grads['w'], scan_accumulate(w, acc_batch)['w'], rtol=1e-5)
-    found = comms.collectives(comms.compiled_text(jax.jit(fn), w_placed, batches_placed))
+reference = jax.grad(loss_fn)(w, acc_batch)  # one device, the whole batch at once
+for name, variant in accumulate.VARIANTS.items():
+    grads_fn = variant(loss_fn, data_mesh, micro_batches)
+    loss, grads = grads_fn(w, acc_batch)
+    np.testing.assert_allclose(grads['w'], reference['w'], rtol=1e-5)
+    found = comms.collectives(grads_fn.lower(w, acc_batch).compile().as_text())
     reduces = [c for c in found if c.kind == 'all-reduce']
+    in_loop = sum(c.in_loop for c in reduces)
     print(
-        f"{name:>16}: {len(reduces)} all-reduce(s),"
-        f" inside the loop: {[c.in_loop for c in reduces]}"
+        f"{name:>16}: {in_loop} all-reduce(s) inside the micro-batch loop, "
+        f"{len(reduces) - in_loop} after it; gradients equal the whole-batch gradient"
     )
-    assert any(c.in_loop for c in reduces) == (fn is scan_accumulate)
+    assert (in_loop > 0) == (variant is accumulate.naive_grads)
 """,
     ),
     Entry(
@@ -608,6 +591,8 @@ def layer_norm(x):
     return (x - mean) / jnp.sqrt(var + 1e-5)
 """,
         fix="""\
+from jaxdist_lessons import perf
+
 x = jax.random.normal(jax.random.key(5), (64, 256))
 np.testing.assert_allclose(layer_norm(x), jax.nn.standardize(x, epsilon=1e-5), atol=1e-5)
 flax_norm = nn.LayerNorm(epsilon=1e-5, use_scale=False, use_bias=False)
@@ -615,17 +600,14 @@ np.testing.assert_allclose(layer_norm(x), flax_norm.apply({}, x), atol=1e-5)
 print("Flax's LayerNorm has scale and bias; its default epsilon:", nn.LayerNorm().epsilon)
 
 
-def hlo_instructions(norm):
-    text = jax.jit(lambda x: jnp.tanh(norm(x * 2.0)).sum()).lower(x).compile().as_text()
-    return len(re.findall(r"^\\s*(?:ROOT )?%?\\S+ = ", text, re.M))
+def compiled_size(norm):  # instructions in the compiled program of a step that calls norm
+    step = jax.jit(lambda x: jnp.tanh(norm(x * 2.0)).sum())
+    return perf.instruction_count(step.lower(x).compile().as_text())
 
 
-inner_jit, plain = hlo_instructions(layer_norm), hlo_instructions(layer_norm.__wrapped__)
+inner_jit, plain = compiled_size(layer_norm), compiled_size(layer_norm.__wrapped__)
 assert inner_jit == plain
-print(
-    f"matches jax.nn.standardize; compiled instructions with the inner jit: {inner_jit}, "
-    f"without: {plain}"
-)
+print(f"compiled instructions with the inner jit: {inner_jit}, without: {plain}")
 """,
     ),
     Entry(
@@ -635,10 +617,7 @@ print(
         verdict="runs",
         chapter="06_performance",
         fix="""\
-import contextlib
-import io
-
-from jax.ad_checkpoint import print_saved_residuals
+from jaxdist_lessons import perf
 
 
 def mlp(ws, x):
@@ -647,22 +626,18 @@ def mlp(ws, x):
     return x.sum()
 
 
-def saved_residuals(f, *args):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        print_saved_residuals(f, *args)
-    return len(out.getvalue().splitlines())
-
-
 ws = [jnp.ones((256, 256)) / 256] * 8
 x = jnp.ones((64, 256))
 remat = jax.checkpoint(mlp)
 np.testing.assert_allclose(jax.grad(remat)(ws, x)[0], jax.grad(mlp)(ws, x)[0], rtol=1e-6)
-plain_saved, remat_saved = saved_residuals(mlp, ws, x), saved_residuals(remat, ws, x)
+plain_saved, remat_saved = (
+    perf.residual_bytes(mlp, ws, x),
+    perf.residual_bytes(remat, ws, x),
+)
 assert remat_saved < plain_saved
 print(
-    f"arrays saved for the backward pass: {plain_saved} without remat,"
-    f" {remat_saved} with it"
+    f"activations saved for the backward pass: {plain_saved:,} B without remat, "
+    f"{remat_saved:,} B with it"
 )
 """,
     ),
@@ -673,20 +648,19 @@ print(
         verdict="runs",
         chapter="06_performance",
         fix="""\
+from jaxdist_lessons import zero
+
 adam = optax.adam(1e-3)
 weights = {'w': jnp.ones((16 * n, 512))}
-# the moments split over 'data' like the weights' rows; the scalar step count replicated
 state_shape = jax.eval_shape(adam.init, weights)
-specs = jax.tree.map(
-    lambda x: NamedSharding(data_mesh, P('data') if x.ndim else P()), state_shape
-)
-opt_state = jax.jit(adam.init, out_shardings=specs)(weights)
+# ZeRO-1's rule: each array split over 'data' along its largest dimension that divides
+specs = zero.opt_state_specs('zero1', state_shape, data_mesh)
+shardings = jax.tree.map(lambda spec: NamedSharding(data_mesh, spec), specs)
+opt_state = jax.jit(adam.init, out_shardings=shardings)(weights)
 mu = opt_state[0].mu['w']
-assert mu.sharding.shard_shape(mu.shape) == (16, 512)
-print(
-    f"Adam's first moment, {mu.shape}:"
-    f" each device keeps {mu.sharding.shard_shape(mu.shape)}"
-)
+block = mu.sharding.shard_shape(mu.shape)
+assert np.prod(block) * n == mu.size
+print(f"Adam's first moment {mu.shape}, spec {mu.sharding.spec}: each device keeps {block}")
 """,
     ),
     Entry(

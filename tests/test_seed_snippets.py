@@ -127,5 +127,8 @@ def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
     assert table in markdown, "replace the appendix's table with seed.verdict_markdown(...)"
     for e in seed.ENTRIES:
         assert f"({e.key})=" in markdown, e.key
+    for chapter in seed.CHAPTERS:  # each entry's closing sentence points to its chapter
+        pointer = f"Chapter: {seed.chapter_link(chapter, existing)}."
+        assert markdown.count(pointer) == sum(e.chapter == chapter for e in seed.ENTRIES), pointer
     assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.ipynb)"
     assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"
