@@ -252,3 +252,51 @@ def table_rows(records: Iterable[Collective]) -> list[list[Any]]:
 
 
 TABLE_HEADERS = ["kind", "dtype", "shapes", "bytes", "group size", "in a loop"]
+
+
+def replica_group_lists(replica_groups: str, num_devices: int | None = None) -> list[list[int]]:
+    """The device ids of every group, from any of XLA's spellings of ``replica_groups``.
+
+    ``{{0,1},{2,3}}`` lists them; ``[2,4]<=[4,2]T(1,0)`` is an iota (ids ``0..7`` reshaped to
+    ``[4,2]``, transposed, then cut into 2 groups of 4); ``mesh['a'=2,'b'=4] {'b'}`` groups the
+    devices of a mesh along the named axes (its ids are an iota, or ``device_ids=(...)``).
+    ``{}`` is one group of all ``num_devices`` devices.
+    """
+    text = replica_groups.strip()
+    if text == "{}":
+        if num_devices is None:
+            raise ValueError("replica_groups={} means one group of every device: pass num_devices")
+        return [list(range(positive_int("num_devices", num_devices)))]
+    if text.startswith("{{"):
+        return [[int(i) for i in group.split(",")] for group in re.findall(r"\{([\d,\s]+)\}", text)]
+    iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:
+        ids = _iota([int(d) for d in iota[3].split(",")], iota[4])
+        return ids.reshape(int(iota[1]), int(iota[2])).tolist()
+    mesh = re.fullmatch(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}", text)
+    if mesh and ":" not in mesh["over"]:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh["axes"])}
+        names, shape = list(sizes), tuple(sizes.values())
+        over = re.findall(r"'([^']+)'", mesh["over"])
+        if set(over) <= set(names):
+            ids = _mesh_device_ids(mesh["ids"], shape)
+            axes = [names.index(a) for a in over]
+            rest = [i for i in range(len(names)) if i not in axes]
+            size = math.prod(sizes[a] for a in over)
+            return ids.transpose(rest + axes).reshape(-1, size).tolist()
+    raise ValueError(f"cannot read replica groups {replica_groups!r}")
+
+
+def _iota(reshape_dims: list[int], transpose: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
+    return ids.transpose([int(p) for p in transpose.split(",")]) if transpose else ids
+
+
+def _mesh_device_ids(spelled: str | None, shape: tuple[int, ...]) -> np.ndarray:
+    """The device id at each mesh position: ``0..N-1`` in order, an iota ``[4,16]T(1,0)``, or a list ``0,2,1,3``."""
+    if not spelled:
+        return np.arange(math.prod(shape)).reshape(shape)
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spelled)
+    if iota:
+        return _iota([int(d) for d in iota[1].split(",")], iota[2]).reshape(shape)
+    return np.array([int(i) for i in spelled.split(",")]).reshape(shape)

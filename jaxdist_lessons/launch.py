@@ -15,7 +15,11 @@ printing its last lines; ``--timeout`` stops a job that hangs (exit status 124).
 
 Each process runs in its own process group, so stopping it also stops anything it started.
 Hosts in a hostfile other than this one are reached through ``--remote-command`` (``ssh`` by
-default); every argument travels as a list element, never through a local shell.
+default); every argument travels as a list element, never through a local shell. Killing a
+local ``ssh`` does not stop the program it started on the other host, so there the program
+runs under a small watchdog (``REMOTE_WATCHDOG``) that stops it, and everything it started,
+when its standard input closes: when the launcher closes it, or when ``ssh`` or the launcher
+dies. (So do not pass ``ssh -n``, which closes it at once.)
 
 This module uses only the standard library: the launcher itself never imports JAX.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import ipaddress
 import os
 import re
 import shlex
@@ -149,22 +154,56 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``localhost``, ``127.x.x.x``, ``::1``), which only this machine reaches."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_port(value: str, option: str) -> tuple[str, str]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not _HOST_RE.match(host):
+        raise LayoutError(f"{option} must be HOST:PORT (for example 127.0.0.1:1234), got {value!r}")
+    return host, port
+
+
 def coordinator_address(value: str | None, processes: Sequence[Process]) -> str:
     """``HOST:PORT`` for the coordinator: ``value`` checked, or 127.0.0.1 on a free port for a local job."""
+    remote = sorted({p.host for p in processes if not is_local(p.host)})
     if value is None:
-        remote = sorted({p.host for p in processes if not is_local(p.host)})
         if remote:
             raise LayoutError(f"remote hosts {remote} cannot reach a coordinator on 127.0.0.1: pass --coordinator "
                               f"HOST:PORT with an address of the first host ({processes[0].host}) they can reach")
         return f"127.0.0.1:{free_port()}"
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not _HOST_RE.match(host):
-        raise LayoutError(f"--coordinator must be HOST:PORT (for example 127.0.0.1:1234), got {value!r}")
+    host, port = _host_port(value, "--coordinator")
+    if remote and is_loopback(host):
+        raise LayoutError(f"--coordinator {value} is a loopback address, which the processes on remote hosts "
+                          f"{remote} cannot reach: give an address of the first host ({processes[0].host}) "
+                          "that they can reach")
     if port == "0":
         return f"{host}:{free_port(host)}"
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise LayoutError(f"--coordinator port must be a number from 1 to 65535 (or 0 for a free one), got {port!r}")
     return value
+
+
+def bind_address(value: str | None, coordinator: str) -> tuple[str | None, str | None]:
+    """``(value checked, a warning or None)`` for ``--bind``, the ``HOST:PORT`` the coordinator listens on."""
+    if value is None:
+        return None, None
+    _, port = _host_port(value, "--bind")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise LayoutError(f"--bind port must be a number from 1 to 65535, got {port!r}")
+    coordinator_port = coordinator.rpartition(":")[2]
+    if port != coordinator_port:
+        return value, (f"--bind port {port} is not the coordinator's port {coordinator_port}, to which the other "
+                       "processes connect: they reach it only if something forwards one to the other")
+    return value, None
 
 
 # --- Commands and environments ------------------------------------------------------------------
@@ -182,15 +221,50 @@ def process_env(process: Process, num_processes: int, devices_per_process: int |
     return env
 
 
+# Runs on a remote host as `python -c REMOTE_WATCHDOG GRACE program...`: starts the program in a process group
+# of its own and stops that group (SIGTERM, then SIGKILL after GRACE seconds) when stdin closes, which happens
+# when the launcher closes it or when ssh or the launcher dies; then exits with the program's status.
+REMOTE_WATCHDOG = """\
+import os, signal, subprocess, sys, threading, time
+grace = float(sys.argv[1])
+child = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, start_new_session=True)
+def stop(*_):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+def watch():
+    while os.read(0, 4096):
+        pass
+    stop()
+threading.Thread(target=watch, daemon=True).start()
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, lambda *_: threading.Thread(target=stop).start())
+code = child.wait()
+try:
+    os.killpg(child.pid, signal.SIGKILL)  # whatever the program started and left behind
+except ProcessLookupError:
+    pass
+sys.exit(128 - code if code < 0 else code)
+"""
+
+
 def process_command(program: Sequence[str], process: Process, env: dict[str, str], python: str,
-                    remote_command: Sequence[str], cwd: str) -> list[str]:
-    """The argument list that starts ``program`` for ``process``: directly here, or through ``remote_command``."""
+                    remote_command: Sequence[str], cwd: str, grace: float = 3.0) -> list[str]:
+    """The argument list that starts ``program`` for ``process``: directly here, or through ``remote_command``.
+
+    On a remote host the program runs under ``REMOTE_WATCHDOG``, which stops it when its stdin closes.
+    """
     if is_local(process.host):
         return [python, *program]
     # ssh joins its arguments into one string for the remote shell: quote every piece of it.
     assignments = [f"{k}={v}" for k, v in env.items()]
-    remote = " ".join(shlex.quote(part) for part in ["env", *assignments, python, *program])
-    return [*remote_command, process.host, f"cd {shlex.quote(cwd)} && exec {remote}"]
+    parts = [python, "-c", REMOTE_WATCHDOG, f"{grace:g}", "env", *assignments, python, *program]
+    return [*remote_command, process.host, f"cd {shlex.quote(cwd)} && exec {shlex.join(parts)}"]
 
 
 # --- Running ------------------------------------------------------------------------------------
@@ -224,6 +298,7 @@ class _Job:
     """Running processes, their output threads and tails; ``stop()`` leaves none of them behind."""
 
     def __init__(self, commands: list[tuple[Process, list[str], dict[str, str]]], out: IO[str], tail_lines: int):
+        # A remote process gets a pipe as stdin, kept open and never written: its watchdog stops it when it closes.
         self.out, self.lock = out, threading.Lock()
         width = len(str(len(commands) - 1))
         self.prefix = {p.rank: f"[{p.rank:>{width}}] " for p, _, _ in commands}
@@ -234,7 +309,8 @@ class _Job:
         try:
             for process, argv, env in commands:
                 # A session of its own: killing the group also kills whatever the process started.
-                popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                stdin = subprocess.DEVNULL if is_local(process.host) else subprocess.PIPE
+                popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=stdin,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
                 self.popens[process.rank] = popen
                 thread = threading.Thread(target=self._pump, args=(process.rank, popen.stdout), daemon=True)
@@ -269,7 +345,13 @@ class _Job:
         return [rank for rank, p in self.popens.items() if p.poll() is None]
 
     def stop(self, grace: float) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds, then reap."""
+        """Close remote stdins, SIGTERM every process group, SIGKILL what is left after ``grace`` s, then reap."""
+        for popen in self.popens.values():
+            if popen.stdin is not None:
+                try:
+                    popen.stdin.close()  # a remote watchdog stops its program now, while ssh still runs
+                except OSError:
+                    pass
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             for popen in self.popens.values():
                 try:
@@ -298,7 +380,8 @@ def run(program: Sequence[str], processes: Sequence[Process], *, devices_per_pro
     commands = []
     for process in processes:
         env = process_env(process, len(processes), devices_per_process, coordinator, bind)
-        commands.append((process, process_command(program, process, env, python, remote_command, cwd), env))
+        commands.append((process, process_command(program, process, env, python, remote_command, cwd, grace),
+                         env))
     start = time.monotonic()
     job = _Job(commands, out, tail_lines)
     try:
@@ -360,7 +443,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, help="stop every process after this many seconds (exit status 124)")
     p.add_argument("--remote-command", default="ssh",
                    help="how to reach a remote host, split like a shell would (default: %(default)r); "
-                        "the launcher appends the host and the command")
+                        "the launcher appends the host and the command, which stops when its stdin closes "
+                        "(so not 'ssh -n')")
     p.add_argument("--python", default=sys.executable, help="the Python that runs the program (default: this one)")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds between SIGTERM and SIGKILL when stopping processes (default: %(default)g)")
@@ -411,13 +495,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not remote_command:
             raise LayoutError("--remote-command is empty: give the command that reaches a host, e.g. 'ssh'")
         coordinator = coordinator_address(args.coordinator, processes)
+        bind, warning = bind_address(args.bind, coordinator)
     except (HostfileError, LayoutError) as error:
         print(f"launch: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if warning:
+        print(f"launch: warning: {warning}", file=sys.stderr)
     # Turn SIGTERM into an exception so that run() stops the job on its way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = run(program, processes, devices_per_process=args.devices_per_process, coordinator=coordinator,
-                 bind=args.bind, timeout=args.timeout, python=args.python, remote_command=remote_command,
+                 bind=bind, timeout=args.timeout, python=args.python, remote_command=remote_command,
                  tail_lines=args.tail, grace=args.grace)
     return result.returncode
 

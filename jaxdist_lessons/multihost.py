@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-# Private, but the only way to ask "has JAX started?" and "which cluster is this?" without side effects.
+# PRIVATE JAX modules (jax._src can change in any release; tests/test_multihost.py fails if these move):
+# the only way to ask "has JAX started?" and "which cluster would JAX detect?" without side effects.
 from jax._src import clusters, xla_bridge
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -91,20 +92,33 @@ def launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSetti
 
 
 def detected_cluster() -> str | None:
-    """The cluster environment ``jax.distributed.initialize()`` would detect on its own (SLURM, Cloud TPU, Open MPI...)."""
-    found = (env for env in clusters.ClusterEnv._cluster_types if not env.opt_in_only_method and env.is_env_present())
+    """The cluster environment ``jax.distributed.initialize()`` would detect on its own (SLURM, Cloud TPU, Open MPI...).
+
+    Reads JAX's private list of cluster types (``jax._src.clusters``), as ``initialize`` does;
+    it may change in a later JAX release.
+    """
+    registry = getattr(clusters.ClusterEnv, "_cluster_types", None)
+    if registry is None:
+        raise MultihostError(f"jax {jax.__version__} moved its private list of cluster types "
+                             "(jax._src.clusters.ClusterEnv._cluster_types): update multihost.detected_cluster")
+    found = (env for env in registry if not env.opt_in_only_method and env.is_env_present())
     env = next(found, None)
     return None if env is None else env.__name__
 
 
-def initialize(num_devices: int | None = None, *, initialization_timeout: int = 300,
-               heartbeat_timeout_seconds: int = 100, shutdown_timeout_seconds: int = 300) -> ProcessInfo:
+def initialize(num_devices: int | None = None, *, local_device_ids: int | Sequence[int] | None = None,
+               initialization_timeout: int = 300, heartbeat_timeout_seconds: int = 100,
+               shutdown_timeout_seconds: int = 300) -> ProcessInfo:
     """Join this process to the others, then start JAX; the multi-process ``devices.setup()``.
 
     Reads the launcher's variables; without them, lets JAX detect SLURM, Cloud TPU or Open MPI;
     without those, runs as a single process. ``num_devices`` (else ``$JAXDIST_NUM_DEVICES``, else 8)
-    is the number of simulated CPU devices *per process*. The timeouts are
-    ``jax.distributed.initialize``'s (JAX's defaults).
+    is the number of simulated CPU devices *per process*. ``local_device_ids`` (the GPUs this
+    process drives) and the timeouts go to ``jax.distributed.initialize`` (JAX's defaults). On
+    SLURM and Open MPI without ``local_device_ids``, JAX gives each process only the GPU numbered
+    by its local rank (``SLURM_LOCALID``): start one process per GPU, or pass
+    ``local_device_ids=range(8)`` to drive a host's 8 GPUs from one process. A single process
+    ignores it.
     """
     if xla_bridge.backends_are_initialized() or jax.distributed.is_initialized():
         raise MultihostError(
@@ -113,16 +127,16 @@ def initialize(num_devices: int | None = None, *, initialization_timeout: int = 
             "and start one process per host (python -m jaxdist_lessons.launch does)")
     # The CPU client is created once, after initialize(): the device count must be set before it.
     jax.config.update("jax_num_cpu_devices", devices.requested_num_devices(num_devices))
-    timeouts = {"initialization_timeout": initialization_timeout,
+    options = {"local_device_ids": local_device_ids, "initialization_timeout": initialization_timeout,
                 "heartbeat_timeout_seconds": heartbeat_timeout_seconds,
                 "shutdown_timeout_seconds": shutdown_timeout_seconds}
     settings = launcher_settings()
     if settings is not None:
         jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id,
-                                   coordinator_bind_address=settings.bind, **timeouts)
+                                   coordinator_bind_address=settings.bind, **options)
         joined_by = "launcher"
     elif (cluster := detected_cluster()) is not None:
-        jax.distributed.initialize(**timeouts)
+        jax.distributed.initialize(**options)
         joined_by = cluster
     else:
         joined_by = "single process"
@@ -188,22 +202,11 @@ def process_grid(mesh: Mesh) -> np.ndarray:
     return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
 
 
-def replica_groups(text: str) -> list[list[int]]:
-    """The device groups of a collective, from XLA's ``{{0,1},{2,3}}`` or iota ``[2,2]<=[2,2]T(1,0)`` spelling."""
-    if text.startswith("{{"):
-        return [[int(i) for i in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", text)]
-    iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if iota is None:
-        raise ValueError(f"cannot read replica groups {text!r}")
-    dims = [int(d) for d in iota[3].split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if iota[4]:
-        ids = ids.transpose([int(p) for p in iota[4].split(",")])
-    return ids.reshape(int(iota[1]), int(iota[2])).tolist()
-
-
 def processes_per_group(mesh: Mesh, groups: Sequence[Sequence[int]]) -> list[list[int]]:
-    """For each group of a collective compiled on ``mesh``, the processes its devices belong to."""
+    """For each group of a collective compiled on ``mesh``, the processes its devices belong to.
+
+    ``groups`` as ``comms.replica_group_lists`` reads them: positions in the mesh's device order.
+    """
     flat = mesh.devices.flat
     return [sorted({flat[i].process_index for i in group}) for group in groups]
 

@@ -40,8 +40,9 @@ IMAGE_SHAPE = (32, 32, 1)
 PREPROCESS = data.Preprocess(channels=1)
 
 
-def hello() -> dict[str, Any]:
+def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
     """What this process sees, and an all-reduce over every device of every process."""
+    info = multihost.process_info() if info is None else info
     n, m = jax.device_count(), jax.local_device_count()
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     # Device k of the mesh holds the number k + 1; each process supplies its own devices' numbers.
@@ -59,8 +60,12 @@ def hello() -> dict[str, Any]:
         "psum_on_my_devices": [float(s.data[0]) for s in total.addressable_shards],
         "all_reduce_group_size": all_reduce.group_size,
         "process_indices_gathered": multihost.allgather(np.int32(jax.process_index())).tolist(),
+        "joined_by": info.joined_by,
+        "jax_version": jax.__version__,
+        # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
+        "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
     }
-    print(f"{multihost.process_info()}; device ids {report['local_device_ids']} of {report['global_device_ids']}")
+    print(f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}")
     print(f"contributed {report['contributed']}; all-reduce over {all_reduce.group_size} devices gives "
           f"{report['psum_on_my_devices']} on my devices; allgather of process indices: "
           f"{report['process_indices_gathered']}")
@@ -77,7 +82,7 @@ def hybrid() -> dict[str, Any]:
         fn = jax.jit(jax.shard_map(lambda block, axis=axis: lax.psum(block, axis), mesh=mesh,
                                    in_specs=P("data", "model"), out_specs=P("data", "model")))
         [op] = [c for c in comms.collectives(fn.lower(x).compile().as_text()) if c.kind == "all-reduce"]
-        groups = multihost.replica_groups(op.replica_groups)
+        groups = comms.replica_group_lists(op.replica_groups, num_devices=mesh.size)
         report[f"{axis}_groups"] = groups
         report[f"{axis}_group_processes"] = multihost.processes_per_group(mesh, groups)
     multihost.print0(f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n{multihost.process_grid(mesh)}")
@@ -85,6 +90,18 @@ def hybrid() -> dict[str, Any]:
         multihost.print0(f"all-reduce over {axis!r}: device groups {report[f'{axis}_groups']} "
                          f"span processes {report[f'{axis}_group_processes']}")
     return report
+
+
+def simulated_slurm_env(rank: int, ntasks: int, port: int, job_id: int = 4242) -> dict[str, str]:
+    """The variables ``srun`` sets for task ``rank`` of a one-node job (node ``127.0.0.1``), to try JAX's SLURM detection.
+
+    ``JAX_COORDINATOR_PORT`` replaces the port JAX derives from the job id, and
+    ``JAX_COORDINATOR_BIND_ADDRESS`` keeps the coordinator on loopback (JAX binds every interface
+    by default). Both are environment variables ``jax.distributed.initialize`` reads.
+    """
+    return {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": str(ntasks),
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port),
+            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}
 
 
 FAILURES = ("kill", "raise", "hang")
@@ -162,22 +179,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--initialization-timeout", type=int, default=300)
     p.add_argument("--heartbeat-timeout", type=int, default=100)
     p.add_argument("--shutdown-timeout", type=int, default=300)
+    p.add_argument("--local-device-ids", type=_ids, help="comma-separated GPU ids for jax.distributed.initialize")
     p.add_argument("--no-fail-fast", action="store_true",
                    help="let an exception exit through jax.distributed.shutdown() (to see the job hang)")
     return p
 
 
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Join the processes, run the commands, write ``--out``."""
     args = parser().parse_args(argv)
-    multihost.initialize(initialization_timeout=args.initialization_timeout,
-                         heartbeat_timeout_seconds=args.heartbeat_timeout,
-                         shutdown_timeout_seconds=args.shutdown_timeout)
+    info = multihost.initialize(local_device_ids=args.local_device_ids,
+                                initialization_timeout=args.initialization_timeout,
+                                heartbeat_timeout_seconds=args.heartbeat_timeout,
+                                shutdown_timeout_seconds=args.shutdown_timeout)
     with contextlib.nullcontext() if args.no_fail_fast else multihost.fail_fast():
         report = {}
         for command in args.commands:
             if command == "hello":
-                report["hello"] = hello()
+                report["hello"] = hello(info)
             elif command == "hybrid":
                 report["hybrid"] = hybrid()
             else:

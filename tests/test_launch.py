@@ -5,6 +5,8 @@ tests/test_multihost.py launches real JAX processes.
 """
 
 import json
+import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,11 +34,22 @@ WORKER = textwrap.dedent("""
         time.sleep(600)
 """)
 
-# What ssh does with its arguments: join them with spaces and give them to the remote shell.
+# What ssh does: join its arguments with spaces and give them to a shell on the other host. The "other host"
+# is a session of its own (so the launcher's signals to ssh's process group never reach it, as on a real
+# remote host), and its stdin is a pipe that closes when this fake ssh ends, as sshd closes it when the
+# connection drops.
 FAKE_SSH = textwrap.dedent("""
-    import os, sys
+    import os, subprocess, sys, threading
     print("fake ssh to", sys.argv[1], flush=True)
-    os.execvp("sh", ["sh", "-c", " ".join(sys.argv[2:])])
+    remote = subprocess.Popen(["sh", "-c", " ".join(sys.argv[2:])], stdin=subprocess.PIPE,
+                              start_new_session=True)
+    def relay():
+        while data := os.read(0, 4096):
+            remote.stdin.write(data)
+            remote.stdin.flush()
+        remote.stdin.close()
+    threading.Thread(target=relay, daemon=True).start()
+    sys.exit(remote.wait())
 """)
 
 
@@ -164,7 +177,9 @@ def test_remote_commands_quote_every_argument():
     argv = launch.process_command(["train.py", "a b", "$HOME;x"], process, {"X": "1 2"}, "/venv/bin/python",
                                   ["ssh", "-q"], "/my dir")
     assert argv[:3] == ["ssh", "-q", "node1"] and len(argv) == 4
-    assert argv[3] == "cd '/my dir' && exec env 'X=1 2' /venv/bin/python train.py 'a b' '$HOME;x'"
+    watchdog = shlex.quote(launch.REMOTE_WATCHDOG)
+    assert argv[3] == (f"cd '/my dir' && exec /venv/bin/python -c {watchdog} 3 env 'X=1 2' /venv/bin/python "
+                       "train.py 'a b' '$HOME;x'")
     assert launch.process_command(["t.py"], launch.Process(0, "localhost", 0), {}, "py", ["ssh"], "/") == ["py", "t.py"]
 
 
@@ -232,7 +247,7 @@ def test_remote_hosts_go_through_the_remote_command(worker, tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\nnode7 slots=2\n")
     tricky = "it's; echo INJECTED $HOME"
-    result = launch_cli("--hostfile", str(hostfile), "--coordinator", "127.0.0.1:0",
+    result = launch_cli("--hostfile", str(hostfile), "--coordinator", "node0:1234",
                         "--remote-command", f"{sys.executable} {fake_ssh}", worker, tricky, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     seen = dict(records(result.stdout))
@@ -243,6 +258,86 @@ def test_remote_hosts_go_through_the_remote_command(worker, tmp_path):
     assert {record["env"]["JAXDIST_PROCESS_ID"] for record in seen.values()} == {"0", "1", "2"}
 
 
+@pytest.fixture
+def fake_ssh(tmp_path):
+    path = tmp_path / "fake_ssh.py"
+    path.write_text(FAKE_SSH)
+    return f"{sys.executable} {path}"
+
+
+def test_killing_ssh_leaves_the_remote_program_running(fake_ssh):
+    """The problem the watchdog solves, shown with the fake ssh: its remote program outlives it."""
+    ssh = subprocess.Popen([*shlex.split(fake_ssh), "node7", "exec", sys.executable, "-c",
+                            shlex.quote("import os, time; print(os.getpid(), flush=True); time.sleep(600)")],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ssh.stdout.readline()  # "fake ssh to node7"
+    remote = int(ssh.stdout.readline())
+    os.killpg(ssh.pid, signal.SIGKILL)  # what the launcher does to a local process group
+    ssh.wait()
+    try:
+        time.sleep(0.5)
+        assert alive(remote)
+    finally:
+        os.kill(remote, signal.SIGKILL)
+        ssh.stdin.close()
+        ssh.stdout.close()
+
+
+@pytest.mark.parametrize("stop", ["timeout", "failure", "launcher killed"])
+def test_stopping_a_job_stops_its_remote_processes(worker, tmp_path, fake_ssh, stop):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node7 slots=3\n")
+    args = ["--hostfile", str(hostfile), "--coordinator", "node7:1234", "--remote-command", fake_ssh, "--grace", "1"]
+    if stop == "launcher killed":  # SIGKILL: the launcher cannot clean up; its pipes to ssh close as it dies
+        launcher = subprocess.Popen([sys.executable, "-m", "jaxdist_lessons.launch", *args, worker, "grandchild",
+                                     "hang"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        pids = []
+        while len(pids) < 6:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended early"
+            pids += [record["pid"] for _, record in records(line)]
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+    else:
+        extra = ["--timeout", "3"] if stop == "timeout" else []
+        result = launch_cli(*args, *extra, worker, "grandchild", "hang", *(["fail"] if stop == "failure" else []))
+        assert result.returncode == (launch.EXIT_TIMEOUT if stop == "timeout" else 3), result.stderr
+        pids = [record["pid"] for _, record in records(result.stdout)]
+        assert len(pids) >= 5  # 3 remote workers, and the grandchildren of those that got that far
+    assert_none_left(pids, within=10.0)
+
+
+def test_bind_addresses():
+    assert launch.bind_address(None, "node0:1234") == (None, None)
+    assert launch.bind_address("0.0.0.0:1234", "node0:1234") == ("0.0.0.0:1234", None)
+    assert launch.bind_address("[::]:1234", "node0:1234") == ("[::]:1234", None)
+    value, warning = launch.bind_address("0.0.0.0:99", "node0:1234")
+    assert value == "0.0.0.0:99" and "--bind port 99 is not the coordinator's port 1234" in warning
+    for bad, message in [("0.0.0.0", "--bind must be HOST:PORT"), ("0.0.0.0:0", "from 1 to 65535"),
+                         ("a b:1", "--bind must be HOST:PORT"), ("0.0.0.0:x", "from 1 to 65535")]:
+        with pytest.raises(launch.LayoutError, match=message):
+            launch.bind_address(bad, "node0:1234")
+
+
+def test_a_loopback_coordinator_with_remote_hosts_is_an_error():
+    remote = launch.plan(2, [launch.Host("localhost"), launch.Host("node1")])
+    for loopback in ["127.0.0.1:1234", "localhost:1234", "127.0.1.1:1234", "[::1]:1234"]:
+        with pytest.raises(launch.LayoutError, match="loopback address, which the processes on remote hosts "
+                                                     "\\['node1'\\] cannot reach"):
+            launch.coordinator_address(loopback, remote)
+    assert launch.coordinator_address("10.0.0.1:1234", remote) == "10.0.0.1:1234"
+    assert launch.coordinator_address("127.0.0.1:1234", launch.plan(2)) == "127.0.0.1:1234"
+
+
+def test_a_bind_port_that_differs_is_a_warning(worker):
+    result = launch_cli("-n", "1", "--coordinator", "127.0.0.1:1234", "--bind", "127.0.0.1:1235", worker)
+    assert result.returncode == 0
+    assert "launch: warning: --bind port 1235 is not the coordinator's port 1234" in result.stderr
+    [(_, record)] = records(result.stdout)
+    assert record["env"]["JAXDIST_COORDINATOR_BIND"] == "127.0.0.1:1235"
+
+
 @pytest.mark.parametrize("args, message", [
     (["-n", "5", "--hostfile", "{hostfile}", "x.py"], "5 processes do not fit in the 2 slots"),
     (["--hostfile", "{tmp}/missing.txt", "x.py"], "cannot read hostfile"),
@@ -250,12 +345,16 @@ def test_remote_hosts_go_through_the_remote_command(worker, tmp_path):
     (["-n", "2", "-d", "0", "x.py"], "--devices-per-process must be a positive integer, got 0"),
     (["-n", "2", "--timeout", "-1", "x.py"], "--timeout must be a positive number"),
     (["-n", "2", "--coordinator", "nowhere", "x.py"], "--coordinator must be HOST:PORT"),
+    (["-n", "2", "--bind", "everywhere", "x.py"], "--bind must be HOST:PORT"),
+    (["--hostfile", "{remote}", "--coordinator", "127.0.0.1:1234", "x.py"], "is a loopback address"),
     (["-n", "2"], "give the program to run"),
 ])
 def test_command_line_errors_exit_2_with_a_message(tmp_path, args, message):
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
     (tmp_path / "bad.txt").write_text("localhost slots=-1\n")
-    names = {"hostfile": tmp_path / "hosts.txt", "badfile": tmp_path / "bad.txt", "tmp": tmp_path}
+    (tmp_path / "remote.txt").write_text("localhost\nnode1\n")
+    names = {"hostfile": tmp_path / "hosts.txt", "badfile": tmp_path / "bad.txt", "tmp": tmp_path,
+             "remote": tmp_path / "remote.txt"}
     result = launch_cli(*[a.format(**names) for a in args])
     assert result.returncode == launch.EXIT_USAGE
     assert message in result.stderr
