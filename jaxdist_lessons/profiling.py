@@ -23,11 +23,12 @@ from typing import Any
 
 import jax
 
+from jaxdist_lessons import comms
 from jaxdist_lessons._checks import positive_int
 
-# HLO collectives, as named in the trace (async pairs as -start and -done).
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute", "collective-broadcast")
+# HLO collectives, as named in the trace (async pairs as -start and -done, which op_kind strips): the kinds
+# comms reads from compiled programs, and two more that comms does not parse but a profile may hold.
+COLLECTIVES = (*comms.KINDS, "ragged-all-to-all", "collective-broadcast")
 
 
 @dataclasses.dataclass(frozen=True)

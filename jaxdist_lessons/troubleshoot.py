@@ -10,7 +10,8 @@ reuse afterwards:
 - ``fits`` is an out-of-memory pre-flight: chapter 1's arithmetic against a device's memory;
 - ``count_compiles`` counts traces and compilations through ``jax.monitoring``, so a
   recompile on every step shows up as a number (or an error) instead of a slow loop;
-- ``DeepMLP`` and ``step_memory`` measure the out-of-memory levers with ``memory_analysis()``.
+- ``DeepMLP`` and ``step_program`` / ``step_memory`` measure the out-of-memory levers with
+  ``memory_analysis()``, on ``zero.make_step``'s data-parallel and FSDP steps.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import compiled, memory
+from jaxdist_lessons import compiled, gradients, memory, zero
 from jaxdist_lessons import sharding as sharding_lib
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.tables import human_bytes
@@ -42,16 +43,25 @@ class BatchError(sharding_lib.ShardingError):
     """A batch that cannot be sharded as asked; raised before JAX sees it, and names the fix."""
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes one spec entry names: none, one, or a tuple of them."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
 def _batch_ways(mesh: Mesh, spec: P) -> int:
     """How many pieces ``spec`` cuts the leading (batch) dimension into."""
-    return math.prod(mesh.shape[a] for a in _axes(spec[0])) if len(spec) else 1
+    return math.prod(mesh.shape[a] for a in sharding_lib._entry_axes(spec[0])) if len(spec) else 1
+
+
+def batch_size(batch: Any) -> int:
+    """The leading (batch) size that every array of ``batch`` shares; ``BatchError`` if they differ or there are none."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise BatchError("the batch has no arrays in it")
+    sizes = {sharding_lib.path_name(path) or "batch": np.shape(leaf)[0] if np.ndim(leaf) else None
+             for path, leaf in leaves}
+    scalars = [name for name, size in sizes.items() if size is None]
+    if scalars:
+        raise BatchError(f"every array of a batch needs a leading (batch) axis; {', '.join(scalars)} "
+                         f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}")
+    if len(set(sizes.values())) > 1:
+        raise BatchError(f"the arrays of a batch must share their leading (batch) size, got {sizes}")
+    return next(iter(sizes.values()))
 
 
 def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
@@ -64,10 +74,8 @@ def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise BatchError("the batch has no arrays in it")
-    sizes = {sharding_lib.path_name(path) or "batch": np.shape(leaf)[0] if np.ndim(leaf) else None
-             for path, leaf in leaves}
-    if len(set(sizes.values())) > 1:
-        raise BatchError(f"the arrays of a batch must share their leading (batch) size, got {sizes}")
+    if len(spec):
+        batch_size(batch)  # a replicated batch (P()) may hold scalars
     ways = _batch_ways(mesh, spec) if _names_ok(mesh, spec) else 1
     for path, leaf in leaves:
         name = sharding_lib.path_name(path) or "batch"
@@ -83,16 +91,17 @@ def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
 
 
 def _names_ok(mesh: Mesh, spec: P) -> bool:
-    return all(axis in mesh.shape for entry in spec for axis in _axes(entry))
+    return all(axis in mesh.shape for entry in spec for axis in sharding_lib._entry_axes(entry))
 
 
 def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
     """Pad every array's leading axis with zeros to a multiple of ``multiple``; return it and a 0/1 mask.
 
-    Weight the loss by the mask so that the padded examples count for nothing.
+    Weight the loss by the mask so that the padded examples count for nothing. Every array must
+    share one leading size (``BatchError`` otherwise).
     """
     positive_int("multiple", multiple)
-    size = jax.tree.leaves(batch)[0].shape[0]
+    size = batch_size(batch)
     padded = -(-size // multiple) * multiple
     pad = lambda x: np.concatenate([np.asarray(x), np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype)])
     mask = (np.arange(padded) < size).astype(np.float32)
@@ -102,7 +111,7 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
 def drop_remainder(batch: Any, multiple: int) -> Any:
     """Keep the largest leading slice of every array whose size is a multiple of ``multiple``."""
     positive_int("multiple", multiple)
-    size = jax.tree.leaves(batch)[0].shape[0]
+    size = batch_size(batch)
     if size < multiple:
         raise BatchError(f"a batch of {size} has no full slice of {multiple}: nothing would be left")
     return jax.tree.map(lambda x: x[: size // multiple * multiple], batch)
@@ -144,10 +153,23 @@ class RecompileError(RuntimeError):
     """A jitted function compiled more often than allowed inside ``count_compiles(..., limit=...)``."""
 
 
+_PMAP_FIX = ("reshape the batch to (devices, per_device, ...) (gradients.split_batch, after padding it to a "
+             "multiple of the devices or dropping the remainder), replicate the parameters along a leading device "
+             "axis, or better: use jax.jit with shardings")
+
 # Patterns quote the real messages of jax 0.10.2: if an upgrade rewords one, the tests fail.
 KNOWN_ERRORS: tuple[KnownError, ...] = (
+    KnownError(  # before the general entry: pmap's IndivisibleError has another cause and fix
+        "pmap: more rows than devices",
+        (ValueError,),
+        r"_internal_pmap_axis_name.*?implies that array axis 0 is partitioned (?P<ways>\d+) times, but the "
+        r"dimension size is (?P<size>\d+)",
+        "pmap maps its leading axis one row per device, so it takes at most {ways} rows (fewer run on the "
+        "first devices); this array has {size}",
+        _PMAP_FIX,
+    ),
     KnownError(
-        "batch does not divide by the devices (jit, device_put, pmap)",
+        "batch does not divide by the devices (jit, device_put)",
         (ValueError,),
         r"implies that array axis (?P<axis>\d+) is partitioned (?P<ways>\d+) times, but (the dimension size is "
         r"|does not evenly divide the dimension size )(?P<size>\d+)",
@@ -164,13 +186,13 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "pad the batch to a multiple of {ways} and mask the padding, or drop the remainder; or fix in_specs",
     ),
     KnownError(
-        "pmap: leading axis is not the device count",
+        "pmap: more rows than devices",
         (ValueError,),
         r"cannot select an axis to squeeze out which has size not equal to one, got shape=(?P<shape>\([^)]*\))",
-        "pmap maps over the leading axis, which must equal the number of devices; each device got a block of "
-        "shape {shape} instead of one slice",
-        "reshape the batch to (devices, per_device, ...) (gradients.split_batch), replicate the parameters "
-        "along a leading device axis, or better: use jax.jit with shardings",
+        "pmap maps its leading axis one row per device, so it takes at most as many rows as there are "
+        "devices; this batch had a multiple of them, and each device got a block of shape {shape} instead "
+        "of one row",
+        _PMAP_FIX,
     ),
     KnownError(
         "spec names an axis the mesh does not have",
@@ -212,11 +234,22 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
         "reshard one operand (jax.sharding.reshard) or pass out_sharding=P(...) to the operation",
     ),
     KnownError(
-        "with_sharding_constraint on Explicit axes",
+        "with_sharding_constraint on Explicit axes, without set_mesh",
         (ValueError,),
         r"with_sharding_constraint can only refer to Auto axes of the mesh",
-        "with_sharding_constraint is a hint to the Auto-mode partitioner; Explicit axes are part of the type",
+        "with_sharding_constraint is a hint to the Auto-mode partitioner; outside jax.set_mesh it refuses "
+        "a sharding on Explicit axes, which are part of the array's type",
         "use jax.sharding.reshard(x, P(...)) under jax.set_mesh(mesh), or make the mesh axes Auto",
+    ),
+    KnownError(
+        "with_sharding_constraint on Explicit axes, under set_mesh",
+        (AssertionError,),
+        r"`with_sharding_constraint` acts as an assert when all axes of mesh are of type `Explicit`\. The array "
+        r"sharding: (?P<have>.*?) did not match the sharding provided: (?P<want>.*?)\. Please use",
+        "under jax.set_mesh on Explicit axes, with_sharding_constraint only checks that the array already has "
+        "the sharding given; the array is sharded {have}, the constraint asked for {want}",
+        "change the sharding with jax.sharding.reshard(x, {want}) (on Explicit axes a change of sharding is a "
+        "change of type), or make the mesh axes Auto",
     ),
     KnownError(
         "donated buffer used again",
@@ -268,8 +301,9 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     KnownError(
         "out of memory",
         (jax.errors.JaxRuntimeError,),
-        # the CPU says "allocating N bytes"; XLA's GPU allocator "while trying to allocate N bytes" (or "8.00GiB")
-        r"RESOURCE_EXHAUSTED: Out of memory (while trying to allocate|allocating) (?P<size>[\d.]+ ?(bytes|[KMGTP]iB))",
+        # the CPU says "allocating N bytes" (chapter 7 raises it); on GPUs users report "while trying to
+        # allocate N bytes" (e.g. github.com/jax-ml/jax/issues/13428), which nothing here raises (no GPU)
+        r"RESOURCE_EXHAUSTED: Out of memory (while trying to allocate|allocating) (?P<size>\d+ bytes)",
         "one device was asked for {size} more than it had free",
         "check with troubleshoot.fits before running, then pick a lever: a smaller per-device batch, remat, "
         "sharded parameters and optimizer state (FSDP/ZeRO), donation of the state, bf16",
@@ -488,7 +522,12 @@ class _Block(nn.Module):
 
 
 class DeepMLP(nn.Module):
-    """``depth`` Dense+GELU blocks then a 10-way head; ``remat`` recomputes each block in the backward pass."""
+    """``depth`` Dense+GELU blocks then a 10-way head; ``remat`` recomputes each block in the backward pass.
+
+    Not ``gradients.MLP``: the remat lever needs a module per block (``nn.remat`` of a whole model
+    recomputes it all at once and, measured, keeps the same temporaries), GELU's backward pass needs
+    its input (so remat has activations to save), and the bf16 lever needs bf16 parameters.
+    """
 
     width: int = 128
     depth: int = 8
@@ -496,7 +535,7 @@ class DeepMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:  # train: as gradients.loss_fn calls it
         block = nn.remat(_Block) if self.remat else _Block
         for _ in range(self.depth):
             x = block(self.width, self.dtype)(x)
@@ -513,46 +552,49 @@ class Lever:
     donate: bool = False
     dtype: str = "float32"
 
+    @property
+    def strategy(self) -> str:
+        """The ``zero`` strategy of the step: ``fsdp`` (state sharded by ``zero.fsdp_spec``) or ``data``."""
+        return "fsdp" if self.shard_state else "data"
 
-def _state_sharding(mesh: Mesh, axis: str, shard: bool) -> Callable[[Any], NamedSharding]:
-    ways = mesh.shape[axis]
 
-    def spec(leaf: Any) -> NamedSharding:
-        # FSDP-style: split the leading dimension of every leaf that divides; scalars stay replicated.
-        split = shard and np.ndim(leaf) >= 1 and leaf.shape[0] % ways == 0
-        return NamedSharding(mesh, P(axis) if split else P())
+LEVER_OPTIMIZER = optax.adam(1e-3)
 
-    return spec
+
+def lever_state(lever: Lever, width: int = 128, depth: int = 8) -> tuple[Any, Any]:
+    """The shapes (``ShapeDtypeStruct``s, nothing allocated) of ``DeepMLP``'s parameters and Adam state."""
+    dtype = jnp.dtype(lever.dtype)
+    model = DeepMLP(width, depth, lever.remat, dtype)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((1, width), dtype))["params"])
+    return params, jax.eval_shape(LEVER_OPTIMIZER.init, params)
+
+
+def lever_batch(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128) -> tuple[Any, Any]:
+    """The shapes of one global batch (inputs, labels): ``per_device_batch`` rows for each device of ``axis``."""
+    global_batch = positive_int("per_device_batch", lever.per_device_batch) * mesh.shape[axis]
+    return (jax.ShapeDtypeStruct((global_batch, width), jnp.dtype(lever.dtype)),
+            jax.ShapeDtypeStruct((global_batch,), jnp.int32))
+
+
+def step_program(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8) -> jax.stages.Compiled:
+    """Compile (never run) one Adam step of ``DeepMLP`` set up as ``lever`` says, with ``zero.make_step``."""
+    model = DeepMLP(width, depth, lever.remat, jnp.dtype(lever.dtype))
+    params, opt_state = lever_state(lever, width, depth)
+    step = zero.make_step(lever.strategy, lambda p, batch: gradients.loss_fn(model, p, {}, batch)[0],
+                          LEVER_OPTIMIZER, mesh, params, opt_state, axis=axis, donate=lever.donate)
+
+    def placed(tree: Any, specs: Any) -> Any:
+        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                            tree, specs)
+
+    return step.lower(placed(params, zero.param_specs(lever.strategy, params, mesh, axis)),
+                      placed(opt_state, zero.opt_state_specs(lever.strategy, opt_state, mesh, axis)),
+                      placed(lever_batch(lever, mesh, axis, width), (P(axis), P(axis)))).compile()
 
 
 def step_memory(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8) -> compiled.CompiledStats:
-    """Compile (never run) one Adam step of ``DeepMLP`` set up as ``lever`` says; the compiler's figures per device."""
-    positive_int("per_device_batch", lever.per_device_batch)
-    dtype = jnp.dtype(lever.dtype)
-    model, tx = DeepMLP(width, depth, lever.remat, dtype), optax.adam(1e-3)
-    global_batch = lever.per_device_batch * mesh.shape[axis]
-
-    def init(rng: jax.Array) -> tuple[Any, Any]:
-        params = model.init(rng, jnp.ones((1, width), dtype))["params"]
-        return params, tx.init(params)
-
-    def step(state: tuple[Any, Any], x: jax.Array, labels: jax.Array) -> tuple[tuple[Any, Any], jax.Array]:
-        params, opt_state = state
-        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
-            model.apply({"params": p}, x).astype(jnp.float32), labels).mean()
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
-    state = jax.eval_shape(init, jax.random.key(0))
-    state_shardings = jax.tree.map(_state_sharding(mesh, axis, lever.shard_state), state)
-    batch_sharding = NamedSharding(mesh, P(axis))
-    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding, batch_sharding),
-                     out_shardings=(state_shardings, NamedSharding(mesh, P())),
-                     donate_argnums=(0,) if lever.donate else ())
-    x = jax.ShapeDtypeStruct((global_batch, width), dtype)
-    labels = jax.ShapeDtypeStruct((global_batch,), jnp.int32)
-    return compiled.compiled_stats(jitted, state, x, labels)
+    """The compiler's figures per device for ``step_program``: arguments, outputs, temporaries, aliasing."""
+    return compiled.stats(step_program(lever, mesh, axis, width, depth))
 
 
 def random_init_memory(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[compiled.CompiledStats, str]:

@@ -75,6 +75,8 @@ def test_op_kind_names_collectives_sync_and_async():
         assert profiling.op_kind(op) == "collective"
     for op in ("dot.1", "multiply_add_fusion", "all-reduce-fusion-like-name", "transpose_copy_fusion"):
         assert profiling.op_kind(op) == "compute"
+    # every kind comms reads from a compiled program is a collective in a trace too
+    assert all(profiling.op_kind(f"{kind}-done.2") == "collective" for kind in comms.KINDS)
 
 
 def test_missing_traces_are_reported_clearly(tmp_path):

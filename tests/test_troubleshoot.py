@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import devices, memory
+from jaxdist_lessons import comms, devices, memory, zero
 from jaxdist_lessons import troubleshoot as T
 from jaxdist_lessons.sharding import ShardingError
 
@@ -61,7 +61,7 @@ def test_indivisible_batch_under_device_put_jit_and_process_local_data(auto):
         assert type(exc).__name__ == "IndivisibleError" and isinstance(exc, ValueError)
         assert re.search(rf"implies that array axis 0 is partitioned {N} times, but the dimension size is "
                          rf"{2 * N + 1} \(full shape: \({2 * N + 1}, 3\)", str(exc))
-        explanation = assert_explained(exc, "batch does not divide by the devices (jit, device_put, pmap)")
+        explanation = assert_explained(exc, "batch does not divide by the devices (jit, device_put)")
         assert explanation.cause == f"array axis 0 has size {2 * N + 1}, which {N} devices cannot split evenly"
 
 
@@ -71,7 +71,7 @@ def test_indivisible_batch_on_an_explicit_mesh(explicit):
     assert type(exc) is ValueError
     assert f"implies that array axis 0 is partitioned {N} times, but does not evenly divide the dimension " \
            f"size {2 * N + 1}" in str(exc)
-    explanation = assert_explained(exc, "batch does not divide by the devices (jit, device_put, pmap)")
+    explanation = assert_explained(exc, "batch does not divide by the devices (jit, device_put)")
     assert f"has size {2 * N + 1}" in explanation.cause
 
 
@@ -86,14 +86,25 @@ def test_indivisible_batch_under_shard_map(auto):
 
 
 @pytest.mark.skipif(N == 1, reason="one device divides every batch")
-def test_indivisible_and_oversized_batches_under_pmap():
+def test_pmap_takes_at_most_one_row_per_device():
     exc = raised(jax.pmap(lambda x: x), odd_batch())
     assert type(exc).__name__ == "IndivisibleError" and "_internal_pmap_axis_name" in str(exc)
-    assert_explained(exc, "batch does not divide by the devices (jit, device_put, pmap)")
+    explanation = assert_explained(exc, "pmap: more rows than devices")
+    assert explanation.cause.endswith(f"it takes at most {N} rows (fewer run on the first devices); this "
+                                      f"array has {2 * N + 1}")
+    assert "gradients.split_batch" in explanation.fix
     exc = raised(jax.pmap(lambda x: x), np.ones((2 * N, 3)))
     assert str(exc) == ("cannot select an axis to squeeze out which has size not equal to one, "
                         "got shape=(2, 3) and dimensions=(0,)")
-    assert "(2, 3)" in assert_explained(exc, "pmap: leading axis is not the device count").cause
+    assert "(2, 3)" in assert_explained(exc, "pmap: more rows than devices").cause
+
+
+@pytest.mark.skipif(N == 1, reason="needs fewer rows than devices")
+def test_pmap_runs_fewer_rows_than_devices_on_the_first_devices():
+    rows = N - 1
+    out = jax.pmap(lambda x: x.sum())(np.arange(rows * 2, dtype=np.float32).reshape(rows, 2))
+    assert out.shape == (rows,) and np.array_equal(out, [4 * i + 1 for i in range(rows)])
+    assert out.sharding.device_set == set(jax.devices()[:rows])
 
 
 def test_spec_with_an_axis_the_mesh_lacks(auto):
@@ -146,10 +157,29 @@ def test_with_sharding_constraint_on_explicit_axes(explicit):
     exc = raised(constrain, x)
     assert "The spec of NamedSharding passed to with_sharding_constraint can only refer to Auto axes of the " \
            "mesh." in str(exc) and "You probably meant to use `reshard` API?" in str(exc)
-    assert_explained(exc, "with_sharding_constraint on Explicit axes")
+    assert_explained(exc, "with_sharding_constraint on Explicit axes, without set_mesh")
     with jax.set_mesh(explicit):
         resharded = jax.jit(lambda x: jax.sharding.reshard(x, P("data", None)))(x)
     assert resharded.sharding.spec == P("data", None)
+
+
+def test_with_sharding_constraint_under_set_mesh_is_an_assertion(explicit):
+    x = jax.device_put(np.ones((N, N), np.float32), NamedSharding(explicit, P("data")))
+    same = jax.jit(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(explicit, P("data"))))
+    other = jax.jit(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(explicit, P(None, "data"))))
+    with jax.set_mesh(explicit):
+        assert same(x).sharding.spec == P("data", None)  # the sharding it already has: passes, changes nothing
+        exc = raised(other, x)
+    assert type(exc) is AssertionError
+    assert str(exc) == ("`with_sharding_constraint` acts as an assert when all axes of mesh are of type `Explicit`. "
+                        "The array sharding: P('data', None) did not match the sharding provided: P(None, 'data'). "
+                        "Please use `jax.sharding.reshard` to shard your input to the sharding you want.")
+    explanation = assert_explained(exc, "with_sharding_constraint on Explicit axes, under set_mesh")
+    assert "the array is sharded P('data', None), the constraint asked for P(None, 'data')" in explanation.cause
+    assert "jax.sharding.reshard(x, P(None, 'data'))" in explanation.fix
+    # the fix the explanation names works
+    with jax.set_mesh(explicit):
+        assert jax.jit(lambda x: jax.sharding.reshard(x, P(None, "data")))(x).sharding.spec == P(None, "data")
 
 
 def test_donated_buffer_used_again():
@@ -205,13 +235,14 @@ def test_out_of_memory_on_the_host():
     assert str(2**47) in assert_explained(exc, "out of memory").cause
 
 
-@pytest.mark.parametrize("message", [
-    # as XLA's GPU allocator words it (quoted from users' reports; this machine has no GPU to raise it)
-    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 33762398024 bytes.",
-    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB",
+@pytest.mark.parametrize("message, size", [
+    # as users report it from GPUs (quoted from github.com/jax-ml/jax/issues/13428 and /22755; no GPU here to raise it)
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6291456 bytes.", 6291456),
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3743729664 bytes.", 3743729664),
 ])
-def test_explain_knows_the_gpu_wording_of_out_of_memory(message):
-    assert_explained(jax.errors.JaxRuntimeError(message), "out of memory")
+def test_explain_knows_the_gpu_wording_of_out_of_memory(message, size):
+    explanation = assert_explained(jax.errors.JaxRuntimeError(message), "out of memory")
+    assert explanation.cause == f"one device was asked for {size} bytes more than it had free"
 
 
 def test_explain_says_plainly_when_it_does_not_know():
@@ -237,6 +268,19 @@ def test_check_batch_raises_before_jax_and_names_both_fixes(auto):
     assert np.array_equal(padded["labels"][: 2 * N + 1], batch["labels"])
     T.check_batch(T.drop_remainder(batch, N), auto, P("data"))
     assert T.drop_remainder(batch, N)["labels"].shape == (2 * N,)
+
+
+def test_pad_and_drop_need_one_leading_size():
+    mismatched = {"images": np.ones((5, 3)), "labels": np.zeros(7, np.int32)}
+    for fix in (T.pad_batch, T.drop_remainder):
+        with pytest.raises(T.BatchError, match=r"must share their leading \(batch\) size, got "
+                                               r"\{'images': 5, 'labels': 7\}"):
+            fix(mismatched, 4)
+        with pytest.raises(T.BatchError, match="step is a scalar"):
+            fix({"images": np.ones((5, 3)), "step": np.int32(3)}, 4)
+        with pytest.raises(T.BatchError, match="no arrays"):
+            fix({}, 4)
+    assert T.batch_size({"images": np.ones((5, 3)), "labels": np.zeros(5)}) == 5
 
 
 def test_check_batch_names_the_other_spec_problems(auto):
@@ -315,10 +359,15 @@ def test_each_lever_lowers_what_it_should(auto):
     # bf16 halves the state (XLA:CPU still computes bf16 matmuls in f32, so not the temporaries)
     assert bf16.output_bytes == pytest.approx(base.output_bytes / 2, rel=1e-3)
     if N > 1:
-        sharded = T.step_memory(T.Lever(shard_state=True), auto)
-        # the state (params and Adam's moments) is what the step outputs; only the 10-way head's bias,
-        # too small to split, stays whole
+        lever = T.Lever(shard_state=True)
+        sharded = T.step_memory(lever, auto)
+        # the state (params and Adam's moments) is what the step outputs; only what zero.fsdp_spec cannot
+        # split (Adam's step count, and the 10-way head's bias unless N divides 10) stays whole
         assert base.output_bytes / N < sharded.output_bytes < base.output_bytes / N * 1.01
+        # the arguments are the state and this device's slice of the batch: the state is what zero's theory says
+        batch_bytes = comms.tree_bytes(T.lever_batch(lever, auto)) // N
+        assert sharded.argument_bytes - batch_bytes == zero.expected_state_bytes("fsdp", *T.lever_state(lever), N)
+        assert base.argument_bytes - batch_bytes == comms.tree_bytes(T.lever_state(T.Lever()))
 
 
 def test_custom_prng_changes_the_key_type_not_the_memory(auto):
@@ -341,4 +390,13 @@ def test_threefry_partitionable_keeps_temporaries_flat_as_devices_grow():
         temps[k] = on.temp_bytes, off.temp_bytes
     assert temps[2][0] == temps[4][0]  # partitionable: depends on the shard only
     assert temps[4][1] > temps[2][1] and temps[4][1] > temps[4][0]
+    assert temps[2][1] < temps[2][0]  # on two devices the old scheme needs fewer temporaries
     assert jax.config.jax_threefry_partitionable  # the context manager restored the default
+
+
+def test_threefry_partitionable_changes_the_numbers():
+    draw = jax.jit(lambda key: jax.random.normal(key, (4 * N, 4)))
+    new = draw(jax.random.key(0))
+    with jax.threefry_partitionable(False):
+        old = draw(jax.random.key(0))
+    assert not np.array_equal(new, old)
