@@ -2,8 +2,12 @@
 
 The step is chapter 5's (``train.make_steps``: cross-entropy, SGD with momentum, BatchNorm, donated
 state), the batch sharded over every device present, the model computing in bf16 (``--dtype``) with
-fp32 parameters. MFU is the flops XLA's ``cost_analysis()`` counts for one device's share of a step,
-over the step time multiplied by that device's bf16 peak (``perf.PEAK_BF16_FLOPS``, or ``--peak-tflops``).
+fp32 parameters. The utilisation is the flops XLA's ``cost_analysis()`` counts for one device's share
+of a step, over the step time multiplied by that device's peak for the compute dtype: the bf16 peak
+(``perf.PEAK_BF16_FLOPS``, or ``--peak-tflops``) under ``--dtype bfloat16``; under ``--dtype float32``
+only ``--peak-tflops`` (give the device's fp32 or TF32 peak), since the table holds bf16 peaks. XLA's
+count is of the program, so it includes any recomputation: it is hardware flops utilisation, which
+equals model flops utilisation (MFU) here only because this step does no remat.
 
     python benchmarks/resnet50.py                          # 224x224, width 1: the real thing, for a GPU/TPU
     python benchmarks/resnet50.py --small                  # CPU: 64x64, width 0.25, about a minute
@@ -36,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peak-tflops",
         type=float,
         default=None,
-        help="bf16 peak of one device, for MFU on devices the table does not know",
+        help="peak TFLOP/s of one device for the compute dtype: needed for float32, and for devices"
+        " the bf16 table does not know",
     )
     args = parser.parse_args(argv)
     small = {"image_size": 64, "width": 0.25, "per_device_batch": 4, "steps": 3}
@@ -91,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
 
     seconds = perf.time_per_call(call, calls=args.steps, warmup=2)
     kind = jax.devices()[0].device_kind
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else perf.peak_flops(kind)
+    if args.peak_tflops:
+        peak = args.peak_tflops * 1e12
+    else:  # the table holds bf16 peaks: dividing float32 work by them would understate utilisation
+        peak = perf.peak_flops(kind) if args.dtype == "bfloat16" else None
     rows = [
         ["devices", f"{n} x {kind}"],
         [
@@ -102,14 +110,18 @@ def main(argv: list[str] | None = None) -> None:
         [f"step time (ms, median of {args.steps})", seconds * 1e3],
         ["images per second", batch_size / seconds],
         ["images per second per device", batch_size / seconds / n],
-        ["XLA flops per step, per device", stats.flops],
+        ["XLA flops per step, per device (recomputation included)", stats.flops],
         ["achieved TFLOP/s per device", stats.flops / seconds / 1e12],
         [
-            "bf16 peak TFLOP/s per device",
+            f"{args.dtype} peak TFLOP/s per device",
             peak / 1e12 if peak else "unknown (pass --peak-tflops)",
         ],
-        ["MFU", f"{perf.mfu(stats.flops, seconds, peak):.1%}" if peak else "n/a"],
-        ["XLA peak memory per device", stats.peak_bytes],
+        [
+            "flops utilisation (XLA flops / peak; MFU without remat)",
+            f"{perf.mfu(stats.flops, seconds, peak):.1%}" if peak else "n/a",
+        ],
+        ["temporaries per device", stats.temp_bytes],
+        ["live bytes per device (args + outputs + temps - aliased)", stats.live_bytes],
     ]
     print(perf.environment(), end="\n\n")
     print(Table(["ResNet50 training", "value"], rows, title="ResNet50, data parallel"))

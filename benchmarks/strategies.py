@@ -1,8 +1,8 @@
 """Data parallelism, ZeRO-1 and FSDP on an MLP and a small Transformer: one table per strategy.
 
 Each table gives the collective bytes read from the compiled program against what theory expects,
-the parameters and optimizer state each device holds, XLA's peak memory per device, the step time
-and the throughput. Runs on whatever devices ``devices.setup`` finds: simulated CPU devices on a
+the parameters and optimizer state each device holds, its temporaries and live bytes (arguments +
+outputs + temporaries - aliased), the step time and the throughput. Runs on whatever devices ``devices.setup`` finds: simulated CPU devices on a
 laptop, or the GPUs / TPUs of the machine.
 
     python benchmarks/strategies.py                       # 8 simulated CPU devices, or the accelerators
@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 
-from jaxdist_lessons import devices
+# Importing zero creates no arrays: devices.setup() still comes first.
+from jaxdist_lessons import devices, zero
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "transformer", "both"], default="both")
-    parser.add_argument("--strategies", nargs="+", default=["data", "zero1", "fsdp"])
+    parser.add_argument(
+        "--strategies", nargs="+", choices=zero.STRATEGIES, default=list(zero.STRATEGIES)
+    )
     parser.add_argument("--width", type=int, default=256, help="MLP hidden width")
     parser.add_argument("--hidden", type=int, default=64, help="Transformer hidden size")
     parser.add_argument("--layers", type=int, default=2, help="Transformer blocks")

@@ -3,9 +3,11 @@
 - ``op_counts`` / ``instruction_count``: what XLA's program is made of (fusions, dots, calls);
 - ``saved_residuals``: what autodiff keeps from the forward pass for the backward pass, in
   bytes, read from ``jax.ad_checkpoint.print_saved_residuals`` (JAX's only public view of it);
-- ``memory_row`` / ``memory_report``: compiled programs' memory per device (``memory_analysis()``);
+- ``memory_row`` / ``memory_report``: compiled programs' memory per device (``memory_analysis()``).
+  Read the *live* bytes (arguments + outputs + temporaries - aliased) and the temporaries: XLA's
+  own peak figure on XLA:CPU counts arguments and outputs only, not the temporaries;
 - ``time_per_call``: wall-clock seconds per call, for benchmarks only (never in tests);
-- ``mfu``: model flops utilisation, with ``PEAK_BF16_FLOPS`` for common accelerators;
+- ``mfu``: flops utilisation, with ``PEAK_BF16_FLOPS`` for common accelerators;
 - ``benchmark``: one table per strategy of ``zero`` (collectives measured against expected,
   memory, speed) for a ``Workload``, which ``benchmarks/strategies.py`` prints and chapter 6 shows.
 """
@@ -147,7 +149,11 @@ def memory_row(stats: compiled.CompiledStats) -> list[int]:
 
 
 def memory_report(programs: Mapping[str, jax.stages.Compiled], title: str = "") -> Table:
-    """A table of compiled programs' memory per device, one row per program, under ``MEMORY_HEADERS``."""
+    """A table of compiled programs' memory per device, one row per program, under ``MEMORY_HEADERS``.
+
+    "live" bounds what the program holds at once; "XLA peak" is ``peak_memory_in_bytes``, which on
+    XLA:CPU leaves the temporaries out (see ``compiled.CompiledStats.peak_bytes``).
+    """
     return Table(
         ["program", *MEMORY_HEADERS],
         [
@@ -173,33 +179,71 @@ def time_per_call(call: Callable[[], Any], calls: int = 10, warmup: int = 2) -> 
 
 # --- Model flops utilisation -----------------------------------------------------------------------
 
-# Dense (not sparse) bf16 peak per chip, from the vendors' datasheets. Matched against device_kind.
+# Dense (not sparse) bf16 peak per chip, keyed by the exact ``device_kind`` string JAX reports, with
+# the source of each figure. The kinds are CUDA's device names for GPUs and the TPU runtime's names
+# for TPUs: a TPU v5e reports "TPU v5 lite" and a TPU v5p reports "TPU v5" (JAX's own table,
+# jax/_src/pallas/mosaic/tpu_info.py, chip_version_from_device_kind). A kind that is not here (an
+# H100 NVL, a "TPU v4 lite", a CPU) gets no peak: a near-miss would give a wrong utilisation.
 PEAK_BF16_FLOPS: dict[str, tuple[float, str]] = {
-    "A100": (312e12, "NVIDIA A100 datasheet: 312 TFLOPS BF16 Tensor Core, dense"),
-    "H100": (
-        989e12,
-        "NVIDIA H100 SXM datasheet: 1,979 TFLOPS BF16 with sparsity, 989 dense",
+    "NVIDIA A100-SXM4-40GB": (
+        312e12,
+        "NVIDIA A100 datasheet, SXM: 312 TFLOPS BF16 Tensor Core, dense",
     ),
-    "H200": (
-        989e12,
-        "NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 with sparsity, 989 dense",
+    "NVIDIA A100-SXM4-80GB": (
+        312e12,
+        "NVIDIA A100 datasheet, SXM: 312 TFLOPS BF16 Tensor Core, dense",
     ),
-    "TPU v4": (275e12, "Google Cloud TPU v4 docs: 275 TFLOPS BF16 per chip"),
-    "TPU v5 lite": (197e12, "Google Cloud TPU v5e docs: 197 TFLOPS BF16 per chip"),
-    "TPU v5p": (459e12, "Google Cloud TPU v5p docs: 459 TFLOPS BF16 per chip"),
+    "NVIDIA A100-PCIE-40GB": (
+        312e12,
+        "NVIDIA A100 datasheet, PCIe: 312 TFLOPS BF16 Tensor Core, dense",
+    ),
+    "NVIDIA A100 80GB PCIe": (
+        312e12,
+        "NVIDIA A100 datasheet, PCIe: 312 TFLOPS BF16 Tensor Core, dense",
+    ),
+    "NVIDIA H100 80GB HBM3": (
+        989e12,
+        "NVIDIA H100 datasheet, H100 SXM: 1,979 TFLOPS BF16 with sparsity, so 989 dense",
+    ),
+    "NVIDIA H100 PCIe": (
+        756e12,
+        "NVIDIA H100 datasheet, H100 PCIe: 1,513 TFLOPS BF16 with sparsity, so 756 dense",
+    ),
+    "NVIDIA H200": (
+        989e12,
+        (
+            "NVIDIA H200 datasheet, H200 SXM: 1,979 TFLOPS BF16 with sparsity, so 989 dense"
+            " (an H200 NVL, with a lower peak, may report the same name: pass its own)"
+        ),
+    ),
+    "TPU v4": (
+        275e12,
+        "Google Cloud TPU v4 docs (cloud.google.com/tpu/docs/v4): 275 TFLOPS bf16 per chip",
+    ),
+    "TPU v5 lite": (
+        197e12,
+        "Google Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16 per chip",
+    ),
+    "TPU v5": (
+        459e12,
+        "Google Cloud TPU v5p docs (cloud.google.com/tpu/docs/v5p): 459 TFLOPS bf16 per chip",
+    ),
 }
 
 
 def peak_flops(device_kind: str) -> float | None:
-    """The bf16 peak of a device kind (``jax.devices()[0].device_kind``), or ``None`` if unknown (CPUs)."""
-    for name, (flops, _) in PEAK_BF16_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
+    """The dense bf16 peak of a device kind (``jax.devices()[0].device_kind``), matched exactly; ``None`` if unknown."""
+    entry = PEAK_BF16_FLOPS.get(device_kind)
+    return None if entry is None else entry[0]
 
 
 def mfu(flops_per_device: float, seconds: float, peak_flops_per_device: float) -> float:
-    """Model flops utilisation: the flops a step needs, over what the device could do in that time."""
+    """Flops utilisation: ``flops_per_device`` done in ``seconds``, over what the device could do in that time.
+
+    It is *model* flops utilisation only if ``flops_per_device`` counts the model's flops. XLA's
+    ``cost_analysis()`` counts the program's, recomputation under remat included: with it, this is
+    hardware flops utilisation, which remat inflates.
+    """
     if seconds <= 0 or peak_flops_per_device <= 0:
         raise ValueError(
             f"seconds and peak flops must be positive, got {seconds!r} and {peak_flops_per_device!r}"
@@ -212,7 +256,10 @@ def mfu(flops_per_device: float, seconds: float, peak_flops_per_device: float) -
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A model to benchmark: its loss, parameters, one global batch, and what one batch counts (items of ``unit``)."""
+    """A model to benchmark: its loss, parameters, one global batch, and what one batch counts (items of ``unit``).
+
+    ``model`` is the Flax module, so that shapes can be read from it rather than repeated.
+    """
 
     name: str
     loss_fn: Callable[[Any, Any], jax.Array]
@@ -220,6 +267,7 @@ class Workload:
     batch: Any
     items: int
     unit: str
+    model: Any = None
 
 
 def mlp_workload(
@@ -243,6 +291,7 @@ def mlp_workload(
         (images, labels),
         batch_size,
         "images",
+        model,
     )
 
 
@@ -274,6 +323,7 @@ def transformer_workload(
         tokens,
         tokens.shape[0] * seq_len,
         "tokens",
+        model,
     )
 
 
@@ -338,8 +388,15 @@ def benchmark_compiled(
             "yes" if held == expected_held else "NO",
         ]
     )
+    stats = compiled.stats(program)
     rows += [
-        ["XLA peak memory per device", compiled.stats(program).peak_bytes, "", ""],
+        ["temporaries per device", stats.temp_bytes, "", ""],
+        [
+            "live bytes per device (args + outputs + temps - aliased)",
+            stats.live_bytes,
+            "",
+            "",
+        ],
         [
             "ring bytes sent per device",
             "",

@@ -7,7 +7,10 @@ collective is one we asked for:
 - ``zero1``: parameters replicated, optimizer state sharded. The gradients are reduce-scattered,
   each device updates its shard of the parameters, and the new shards are all-gathered.
 - ``fsdp``: parameters, gradients and optimizer state all sharded. The forward pass all-gathers
-  the parameters; autodiff turns that all-gather into a reduce-scatter of the gradients.
+  the parameters; autodiff turns that all-gather into a reduce-scatter of the gradients. Each
+  parameter is gathered once, and autodiff keeps the full copies for the backward pass: the state
+  is sharded between steps, not within one. ZeRO-3 as usually run gathers again in the backward
+  pass instead (``regathering_fsdp_ring_bytes`` gives its bytes).
 
 The sharding rule (``fsdp_spec``): split each array along its largest dimension that the devices
 divide evenly. An array with no such dimension (a bias of 10 classes on 8 devices, Adam's step
@@ -285,6 +288,22 @@ def ring_bytes_sent(strategy: str, params: Any, num_devices: int) -> float:
     parts = split(params, num_devices)
     return (
         comms.ring_all_gather_bytes(parts.sharded, num_devices)
+        + comms.ring_reduce_scatter_bytes(parts.sharded, num_devices)
+        + comms.ring_all_reduce_bytes(parts.replicated, num_devices)
+    )
+
+
+def regathering_fsdp_ring_bytes(params: Any, num_devices: int) -> float:
+    """Bytes each device sends per step in FSDP as ZeRO-3 runs it: ``3 (N-1)/N`` of the sharded bytes.
+
+    Unlike ``make_step("fsdp", ...)``, which gathers each parameter once and keeps the full copy
+    for the backward pass, ZeRO-3 (and PyTorch's FSDP) frees each layer's gathered parameters after
+    its forward computation and all-gathers them again in the backward pass: two all-gathers and a
+    reduce-scatter of the sharded bytes, plus the remainder's all-reduce.
+    """
+    parts = split(params, num_devices)
+    return (
+        2 * comms.ring_all_gather_bytes(parts.sharded, num_devices)
         + comms.ring_reduce_scatter_bytes(parts.sharded, num_devices)
         + comms.ring_all_reduce_bytes(parts.replicated, num_devices)
     )

@@ -77,11 +77,18 @@ def test_saved_residuals_shrink_under_checkpoint():
 
 def test_saved_residuals_of_integers_and_booleans():
     def f(x, i):
-        return jnp.sum(jnp.where(x > 0, x, 0.0) * i.astype(jnp.float32) ** 2)
+        return jnp.sum(jnp.where(x > 0, x, 0.0) ** 2 + x[(i * 2) % 5])
 
     found = perf.saved_residuals(f, jnp.ones(5), jnp.arange(5, dtype=jnp.int32))
-    assert {r.nbytes for r in found} <= {20, 5}
-    assert found
+    # The mask x > 0 (bool), the where and the square's factor (f32), and the gather's indices (i32).
+    assert sorted((r.dtype, r.shape, r.nbytes) for r in found) == [
+        ("bool", (5,), 5),
+        ("f32", (5,), 20),
+        ("f32", (5,), 20),
+        ("i32", (5, 1), 20),
+    ]
+    assert not any(r.is_argument for r in found)
+    assert perf.residual_bytes(f, jnp.ones(5), jnp.arange(5, dtype=jnp.int32)) == 65
 
 
 def test_memory_row_and_donation():
@@ -101,13 +108,46 @@ def test_memory_row_and_donation():
     assert report.rows[0][1] == f"{kept.argument_bytes:,}"
 
 
-def test_mfu_and_peaks():
+def test_live_bytes_count_the_temporaries_that_xla_cpu_peak_leaves_out():
+    x = jnp.ones((256, 256))
+    stats = compiled.compiled_stats(lambda x: jnp.sin(jnp.exp(x) @ jnp.cos(x)).sum(), x)
+    row = dict(zip(perf.MEMORY_HEADERS, perf.memory_row(stats)))
+    assert (
+        row["live"]
+        == row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
+    )
+    assert row["temporaries"] >= 2 * x.nbytes  # exp(x) and cos(x) at least, before the dot
+    if jax.default_backend() == "cpu":
+        # What compiled.CompiledStats.peak_bytes warns of: XLA:CPU's peak is the arguments and outputs.
+        assert row["XLA peak"] == row["arguments"] + row["outputs"] < row["live"]
+
+
+def test_mfu():
     assert perf.mfu(5e12, 0.01, 1e15) == pytest.approx(0.5)
-    assert perf.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert perf.peak_flops("TPU v5 lite") == 197e12
-    assert perf.peak_flops("cpu") is None
+    assert perf.mfu(1e12, 2.0, 1e12) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="must be positive"):
         perf.mfu(1.0, 0.0, 1e12)
+
+
+def test_peaks_match_device_kinds_exactly():
+    # Near misses must not borrow a neighbour's peak: a v4i, an H100 NVL, another spelling, a CPU.
+    for kind in ["TPU v4 lite", "NVIDIA H100 NVL", "tpu v5", "TPU v5p ", "H100", "cpu"]:
+        assert perf.peak_flops(kind) is None, kind
+    # A TPU v5p reports "TPU v5", a v5e "TPU v5 lite": two chips, two peaks.
+    assert perf.peak_flops("TPU v5") > perf.peak_flops("TPU v5 lite")
+    assert perf.peak_flops("NVIDIA H100 PCIe") < perf.peak_flops("NVIDIA H100 80GB HBM3")
+    for kind, (flops, source) in perf.PEAK_BF16_FLOPS.items():
+        assert perf.peak_flops(kind) == flops and 1e14 < flops < 1e16
+        assert "datasheet" in source or "docs" in source, kind
+
+
+def test_tpu_kinds_are_ones_jax_knows():
+    # JAX's own map from device_kind to TPU generation (a private module: skip if it moves).
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    for kind in perf.PEAK_BF16_FLOPS:
+        if kind.startswith("TPU"):
+            assert tpu_info.chip_version_from_device_kind(kind) is not None, kind
+    assert tpu_info.chip_version_from_device_kind("TPU v5").name == "TPU_V5P"
 
 
 def test_time_per_call_runs_the_call():

@@ -102,7 +102,7 @@ class CausalSelfAttention(nn.Module):
         length = x_BTH.shape[1]
         causal_TT = jnp.tril(jnp.ones((length, length), bool))
         scores_BNTT = jnp.where(causal_TT, scores_BNTT, jnp.finfo(scores_BNTT.dtype).min)
-        # Softmax in float32 even under bf16 compute: bf16's 8-bit mantissa is too coarse for its sums.
+        # Softmax in float32 even under bf16 compute: bf16's 7 explicit mantissa bits are too coarse for its sums.
         weights_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1).astype(
             self.dtype
         )
