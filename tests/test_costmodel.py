@@ -1,0 +1,240 @@
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib
+import optax
+import pytest
+
+from jaxdist_lessons import compiled, memory, perf, sharding
+from jaxdist_lessons import costmodel as C
+from jaxdist_lessons import partitioning as PT
+from jaxdist_lessons.models import vit
+
+matplotlib.use("Agg")
+N = jax.device_count()
+
+
+# --- Tables and cases worked by hand ------------------------------------------------------------
+
+
+def test_hardware_agrees_with_the_books_other_tables():
+    assert set(C.HARDWARE) <= set(memory.ACCELERATORS)
+    for name, hw in C.HARDWARE.items():
+        assert hw.memory_bytes == memory.ACCELERATORS[name].memory_bytes
+        # one table of peaks (chapter 6's), found by the device kind JAX reports
+        assert hw.device_kind in perf.PEAK_BF16_FLOPS, name
+        assert hw.peak_flops == perf.PEAK_BF16_FLOPS[hw.device_kind][0] > 1e14, name
+    with pytest.raises(ValueError, match="unknown hardware 'V100'; known: A100 40GB"):
+        C.hardware("V100")
+
+
+def test_bytes_sent_by_each_kind_of_collective():
+    assert C.sent_bytes(C.Transfer("all-reduce", 100, 4)) == 150  # 2 (N-1)/N
+    assert (
+        C.sent_bytes(C.Transfer("all-gather", 100, 4)) == 75
+    )  # (N-1)/N of the gathered array
+    assert C.sent_bytes(C.Transfer("reduce-scatter", 25, 4)) == 75  # N-1 shards of 25
+    assert C.sent_bytes(C.Transfer("collective-permute", 100, None)) == 100
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        C.sent_bytes(C.Transfer("broadcast", 1, 2))
+
+
+def test_vit_b16_data_parallel_on_8_a100_by_hand():
+    spec = C.MODELS["ViT-B/16"]
+    e = C.estimate(spec, C.Layout(data=8), "A100 40GB")
+    # One all-reduce of the bf16 gradients, 86,567,656 x 2 bytes; a ring sends 2 x 7/8 of it at 300 GB/s.
+    assert [(t.kind, t.bytes, t.group_size) for t in e.transfers] == [
+        ("all-reduce", 86_567_656 * 2, 8)
+    ]
+    assert e.comm_s == pytest.approx(2 * 7 / 8 * 86_567_656 * 2 / 300e9)
+    # Flops: 6 x (block and patch-embedding weights) x 197 tokens x 256 images, plus the head and attention.
+    blocks = 12 * (4 * 768**2 + 2 * 768 * 3072)
+    flops = (
+        6 * (blocks + 16 * 16 * 3 * 768) * 197 * 256
+        + 6 * 768 * 1000 * 256
+        + 12 * 12 * 197**2 * 768 * 256
+    )
+    assert e.flops == pytest.approx(flops / 8)
+    assert e.compute_s == pytest.approx(flops / 8 / 312e12)  # compute-bound: flops / peak
+    # Memory: 16 bytes of state per parameter (mixed precision Adam); 32 images of activations.
+    assert e.state_bytes == 86_567_656 * 16
+    assert e.activation_bytes == 12 * 197 * 32 * 768 * (34 + 5 * 12 * 197 / 768)
+
+
+def test_tensor_parallel_transfers_by_hand():
+    spec = C.vit_spec(
+        "tiny",
+        hidden=4,
+        num_layers=2,
+        num_heads=2,
+        mlp_dim=8,
+        patch_size=2,
+        image_size=4,
+        num_classes=3,
+        global_batch=6,
+    )
+    transfers = C.predict_transfers(
+        spec, C.Layout(data=3, model=2), param_bytes=4, activation_bytes=4
+    )
+    activations = [t for t in transfers if t.what.startswith("activations")]
+    # 4 per block, 2 blocks, each of (6/3 images x 5 tokens x 4 hidden) floats, over the 2 model devices.
+    assert [(t.kind, t.bytes, t.group_size) for t in activations] == [
+        ("all-reduce", 2 * 5 * 4 * 4, 2)
+    ] * 8
+    tp = (
+        4 * 16 + 3 * 4 + 2 * 4 * 8 + 8
+    )  # per block: Q, K, V, out kernels; Q/K/V biases; MLP kernels; up bias
+    assert spec.layer_tp_params == tp
+    assert transfers[-1] == C.Transfer(
+        "all-reduce",
+        (2 * tp / 2 + spec.params - 2 * tp) * 4,
+        3,
+        "gradients (data parallel)",
+    )
+
+
+def test_vocabulary_parallel_lm_by_hand():
+    spec = C.gpt_spec(
+        "lm", hidden=8, num_layers=3, num_heads=2, vocab_size=16, seq_len=4, global_batch=4
+    )
+    assert spec.vocab_parallel and spec.tp_params == 3 * spec.layer_tp_params + 16 * 8
+    transfers = C.predict_transfers(spec, C.Layout(model=2), activation_bytes=2)
+    # 4 all-reduces per block and 2 for the embedding, each of 4 x 4 tokens x 8 hidden x 2 bytes.
+    assert [(t.kind, t.bytes) for t in transfers] == [("all-reduce", 4 * 4 * 8 * 2)] * 14
+    in_blocks, outside = C.train_flops(spec)
+    assert outside == 6 * 16 * 8 * 16  # the tied output projection, 16 tokens
+    assert C.flops_per_device(spec, C.Layout(model=2)) == (in_blocks + outside) / 2
+
+
+def test_activation_formula_reduces_to_chapter_1s_without_tensor_parallelism():
+    for flash in (False, True):
+        assert C.layer_activation_bytes(
+            2048, 4, 12288, 96, 1, flash
+        ) == memory.transformer_layer_activation_bytes(2048, 4, 12288, 96, flash)
+    # Korthikanti et al. eq. (2): the 24 sbh and attention terms split over t, the 10 sbh do not.
+    assert C.layer_activation_bytes(10, 1, 100, 4, model=2) == 10 * 100 * (
+        10 + 12 + 5 * 4 * 10 / 200
+    )
+
+
+def test_layouts_checks_and_labels():
+    assert [x.label for x in C.article_layouts(8)] == [
+        "(8,1)",
+        "(4,2)",
+        "(2,4)",
+        "(1,8)",
+        "FSDP 8",
+    ]
+    assert C.check_layout(C.MODELS["ViT-B/16"], C.Layout(model=8)) == [
+        "12 heads do not split over model=8"
+    ]
+    assert C.check_layout(C.MODELS["ViT-L/16"], C.Layout(model=8)) == []
+    with pytest.raises(ValueError, match="Layout.model must be a positive integer, got 0"):
+        C.Layout(model=0)
+
+
+def test_plot_has_a_time_and_a_memory_panel_per_model():
+    specs = [C.MODELS["ViT-B/16"], C.MODELS["GPT-2 (124M)"]]
+    fig = C.plot(C.estimates(specs, C.article_layouts(8), "A100 40GB"), "A100 40GB")
+    axes = fig.get_axes()
+    assert (
+        len(axes) == 4
+        and axes[0].get_title() == "ViT-B/16"
+        and axes[1].get_title() == "GPT-2 (124M)"
+    )
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == [
+        "(8,1)",
+        "(4,2)",
+        "(2,4)",
+        "(1,8)",
+        "FSDP 8",
+    ]
+
+
+def test_speedup_figure_has_a_solid_and_a_dashed_line_per_layout():
+    spec = C.MODELS["ViT-B/16"]
+    others = [C.Layout(data=4, model=2), C.Layout(fsdp=8)]
+    fig = C.plot_speedups(
+        [spec], C.Layout(data=8), others, "A100 40GB", [8, 64, 512], claim=1.8
+    )
+    (ax,) = fig.get_axes()
+    curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 3]
+    assert [line.get_linestyle() for line in curves] == ["-", "--", "-", "--"]
+    assert list(curves[0].get_xdata()) == [1, 8, 64]  # images per device
+    expected = C.speedups_over_batch(
+        spec, C.Layout(data=8), others[0], "A100 40GB", [8, 64, 512]
+    )
+    assert list(curves[0].get_ydata()) == pytest.approx(expected)
+
+
+# --- Against the compiler -----------------------------------------------------------------------
+
+MODEL = vit.ViT(
+    num_classes=10, patch_size=4, hidden=64, num_layers=2, num_heads=8, mlp_dim=256
+)
+SPEC = C.vit_spec(
+    "tiny", 64, 2, 8, 256, patch_size=4, image_size=16, num_classes=10, global_batch=8
+)
+BATCH = {"images": jnp.ones((8, 16, 16, 3)), "labels": jnp.zeros((8,), jnp.int32)}
+
+
+@pytest.fixture(scope="module", params=["data", "tensor", "fsdp", "hybrid"])
+def compiled_step(request):
+    strategy = request.param
+    mesh, rules = PT.strategy_mesh(strategy), PT.rules_for(strategy)
+    state, shardings = PT.create_state(
+        MODEL, optax.sgd(0.1), BATCH["images"][:1], mesh, rules, jax.random.key(0)
+    )
+    step = PT.make_train_step(
+        lambda p, b: vit.classification_loss(MODEL, p, b), mesh, rules, shardings
+    )
+    program = step.lower(
+        state, jax.device_put(BATCH, PT.batch_sharding(mesh, rules))
+    ).compile()
+    layout = C.Layout(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"])
+    return strategy, layout, program, state
+
+
+def test_predicted_collectives_match_the_compiled_program(compiled_step):
+    strategy, layout, program, _ = compiled_step
+    measured = C.transfers_from_hlo(program.as_text())
+    # XLA on CPU all-reduces the input gradients of Q, K and V one by one: 6 activation all-reduces per block.
+    predicted = C.predict_transfers(
+        SPEC, layout, param_bytes=4, activation_bytes=4, tp_allreduces_per_layer=6
+    )
+    loss = (
+        4 if N > 1 and layout.model < N else 0
+    )  # the mean loss, all-reduced over the batch devices
+    if strategy in ("data", "tensor", "hybrid"):
+        # Exactly the predicted all-reduces, plus the loss.
+        assert sum(t.bytes for t in measured) == sum(t.bytes for t in predicted) + loss
+        assert {t.kind for t in measured} <= {"all-reduce"}
+    else:
+        # FSDP: XLA keeps the gathered weights instead of gathering again, and all-reduces the gradients
+        # instead of reduce-scattering them; each device still sends 3 (N-1)/N of the weights, as predicted.
+        assert {"all-gather", "all-reduce"} <= {t.kind for t in measured}
+        sent = sum(map(C.sent_bytes, measured))
+        assert sent == pytest.approx(sum(map(C.sent_bytes, predicted)), rel=0.01)
+        assert sent == pytest.approx(3 * (N - 1) / N * SPEC.params * 4, rel=0.01)
+    hw = C.hardware("A100 40GB")
+    assert C.comm_seconds(measured, hw) == pytest.approx(
+        C.comm_seconds(predicted, hw), rel=0.01, abs=1e-9
+    )
+
+
+def test_predicted_flops_and_parameters_match_the_compiled_program(compiled_step):
+    strategy, layout, program, state = compiled_step
+    # XLA also counts softmax, LayerNorm, GELU and the optimizer's element-wise flops: within 10%.
+    assert compiled.stats(program).flops == pytest.approx(
+        C.flops_per_device(SPEC, layout), rel=0.1
+    )
+    held = max(sharding.bytes_per_device(nn.unbox(state.params)).values()) / 4
+    # Exact except under FSDP, where the 10-class head bias is too small to split.
+    assert held == pytest.approx(
+        C.params_per_device(SPEC, layout), rel=0 if strategy != "fsdp" else 0.01
+    )
+    assert math.isclose(
+        sum(x.size for x in jax.tree.leaves(nn.unbox(state.params))), SPEC.params
+    )

@@ -1,0 +1,186 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import partitioning as PT
+from jaxdist_lessons import sharding
+from jaxdist_lessons.mesh import make_mesh
+from jaxdist_lessons.models import transformer, vit
+
+N = jax.device_count()
+MODEL = vit.ViT(
+    num_classes=10, patch_size=4, hidden=32, num_layers=1, num_heads=8, mlp_dim=64
+)
+IMAGES = jnp.zeros((1, 8, 8, 3))
+
+
+def loss_fn(params, batch):
+    return vit.classification_loss(MODEL, params, batch)
+
+
+@pytest.fixture(scope="module")
+def variables():
+    return jax.eval_shape(MODEL.init, jax.random.key(0), IMAGES)
+
+
+def spec(variables, strategy, *path):
+    specs = PT.mesh_specs(variables, PT.rules_for(strategy))["params"]
+    for key in path:
+        specs = specs[key]
+    return specs
+
+
+def test_rules_give_each_strategy_its_specs(variables):
+    up, down = ("Block_0", "mlp", "up", "kernel"), ("Block_0", "mlp", "down", "kernel")
+    query = ("Block_0", "attention", "query", "kernel")
+    assert spec(variables, "data", *up) == P(None, None)
+    assert spec(variables, "fsdp", *up) == P("fsdp", None)
+    assert spec(variables, "fsdp", "Block_0", "mlp", "up", "bias") == P(
+        "fsdp"
+    )  # through 'mlp', the next rule
+    assert spec(variables, "tensor", *up) == P(None, "model")
+    assert spec(variables, "tensor", *down) == P("model", None)
+    assert spec(variables, "tensor", *query) == P(None, "model", None)
+    assert spec(variables, "hybrid", *query) == P(None, "model", None)
+    assert spec(variables, "fsdp+tensor", *up) == P("fsdp", "model")
+    assert spec(variables, "tensor", "head", "kernel") == P(None, None)
+    assert nn.logical_to_mesh_axes(("batch",), PT.rules_for("hybrid")) == P("data")
+
+
+def test_describe_lists_every_leaf_with_its_block(variables):
+    mesh = PT.strategy_mesh("tensor")
+    rows = PT.describe(variables, mesh, PT.rules_for("tensor"))
+    assert len(rows) == len(jax.tree.leaves(nn.unbox(variables)))
+    row = next(r for r in rows if r[0] == "params/Block_0/mlp/up/kernel")
+    assert row[1:] == [
+        (32, 64),
+        str(P("embed", "mlp")),
+        str(P(None, "model")),
+        (32, 64 // N),
+    ]
+
+
+def test_mesh_shapes_and_unknown_strategy():
+    assert PT.mesh_shape_for("data", N) == (N, 1, 1)
+    assert PT.mesh_shape_for("fsdp", N) == (1, N, 1)
+    assert PT.mesh_shape_for("tensor", N) == (1, 1, N)
+    assert PT.mesh_shape_for("hybrid", 8) == (4, 1, 2)
+    assert PT.mesh_shape_for("fsdp+tensor", 8, model=4) == (1, 2, 4)
+    with pytest.raises(ValueError, match="unknown strategy 'zero'; known: data, fsdp"):
+        PT.rules_for("zero")
+
+
+def test_same_losses_under_every_strategy_and_state_born_sharded():
+    batch = {
+        "images": jax.random.normal(jax.random.key(1), (8, 8, 8, 3)),
+        "labels": jax.random.randint(jax.random.key(2), (8,), 0, 10),
+    }
+    losses, states = {}, {}
+    for strategy in ("data", "fsdp", "tensor", "hybrid"):
+        run = PT.train(MODEL, loss_fn, [batch] * 3, strategy)
+        losses[strategy], states[strategy] = run.losses, run.state
+    reference = losses["data"]
+    assert reference[2] < reference[0]  # it learns the batch
+    for strategy, values in losses.items():
+        np.testing.assert_allclose(values, reference, rtol=2e-5, err_msg=strategy)
+    # Each parameter, and Adam's moments with it, is held in the blocks its rules say.
+    for strategy, state in states.items():
+        kernel = state.params["Block_0"]["mlp"]["up"]["kernel"]
+        mu = state.opt_state[0].mu["Block_0"]["mlp"]["up"]["kernel"]
+        expected = {
+            "data": (32, 64),
+            "fsdp": (32 // N, 64),
+            "tensor": (32, 64 // N),
+            "hybrid": (32, 64 // min(2, N)),
+        }[strategy]
+        assert sharding.shard_shapes(kernel.value)[0] == expected
+        assert mu.value.sharding == kernel.value.sharding
+    held = max(sharding.bytes_per_device(nn.unbox(states["fsdp"].params)).values())
+    total = sum(x.nbytes for x in jax.tree.leaves(nn.unbox(states["data"].params)))
+    assert held < total / N * 1.05  # FSDP: about 1/N of the weights per device
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
+    model_size = min(2, N)
+    mesh = make_mesh((N // model_size, model_size), ("data", "model"), axis_types=axis_type)
+    model = PT.nnx_sharded_mlp(mesh, din=8, hidden=16, dout=4)
+    specs = nnx.get_partition_spec(nnx.state(model))
+    assert specs["up"]["kernel"].get_value() == P(None, "model")
+    assert specs["down"]["kernel"].get_value() == P("model", None)
+    named = nnx.get_named_sharding(nnx.state(model), mesh)
+    assert named["up"]["kernel"].get_value() == jax.NamedSharding(mesh, P(None, "model"))
+    optimizer = PT.nnx_optimizer(model, optax.adam(1e-2), mesh)
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8)), rows)
+    y = jax.device_put(jnp.ones((8, 4)), rows)
+    with jax.set_mesh(mesh):
+        losses = [float(PT.nnx_train_step(model, optimizer, x, y)) for _ in range(3)]
+    assert losses[2] < losses[0]
+    kernel = model.up.kernel.get_value()
+    assert sharding.shard_shapes(kernel)[0] == (8, 16 // model_size)
+    assert (
+        optimizer.opt_state[0].mu["up"]["kernel"].get_value().sharding.spec
+        == kernel.sharding.spec
+    )
+
+
+def test_nnx_without_a_mesh_in_context_fails_with_flax_message():
+    with pytest.raises(ValueError, match="An auto mesh context or metadata is required"):
+        PT.NNXMLP(8, 16, 4, rngs=nnx.Rngs(0))
+
+
+LM_CONFIG = {"vocab_size": 32, "num_layers": 1, "hidden": 16, "num_heads": 8, "max_len": 8}
+
+
+def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    plain = jax.jit(transformer.Decoder(**LM_CONFIG).init)(jax.random.key(0), tokens)
+    named = jax.jit(transformer.Decoder(**LM_CONFIG, logical_axes=True).init)(
+        jax.random.key(0), tokens
+    )
+    assert not any(
+        isinstance(x, nn.LogicallyPartitioned)
+        for x in jax.tree.leaves(
+            plain, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+        )
+    )  # the default is unchanged
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tensor = PT.mesh_specs(named, PT.rules_for("tensor"))["params"]
+    assert tensor["embed"]["embedding"] == P("model", None)  # vocabulary-parallel
+    assert tensor["Block_0"]["attention"]["query"]["kernel"] == P(None, "model", None)
+    assert tensor["Block_0"]["attention"]["out"]["kernel"] == P("model", None, None)
+    assert tensor["Block_0"]["mlp"]["down"]["kernel"] == P("model", None)
+    assert PT.mesh_specs(named, PT.rules_for("fsdp"))["params"]["position"] == P(
+        None, "fsdp"
+    )
+
+
+def test_decoder_same_losses_data_parallel_and_fsdp_with_tensor():
+    lm = transformer.Decoder(**LM_CONFIG, logical_axes=True)
+    tokens = transformer.random_tokens(jax.random.key(1), 8, 9, 32)
+
+    def loss(params, batch):
+        return transformer.next_token_loss(lm, params, batch)
+
+    runs = {
+        s: PT.train(
+            lm, loss, [tokens] * 3, s, sample=tokens[:1, :-1], constrain_activations=False
+        )
+        for s in ("data", "fsdp+tensor")
+    }
+    assert runs["data"].losses[2] < runs["data"].losses[0]
+    np.testing.assert_allclose(runs["fsdp+tensor"].losses, runs["data"].losses, rtol=2e-5)
+    embedding = runs["fsdp+tensor"].state.params["embed"]["embedding"].value
+    model_size = runs["fsdp+tensor"].mesh.shape["model"]
+    assert sharding.shard_shapes(embedding)[0] == (
+        32 // model_size,
+        16 // (N // model_size),
+    )
