@@ -472,8 +472,8 @@ def estimate(
     """Step time and memory per device for ``spec`` on ``layout`` devices of ``hw`` (a roofline estimate).
 
     Compute is ``max(flops / peak, HBM traffic / bandwidth)``; the HBM traffic counts weights read
-    twice and gradients written once (16-bit), the optimizer reading and writing its state, and
-    activations written forward and read back.
+    twice and gradients written once (16-bit, at their gathered size under FSDP), the optimizer
+    reading and writing its local state, and activations written forward and read back.
     """
     hw = hardware(hw) if isinstance(hw, str) else hw
     flops = flops_per_device(spec, layout)
@@ -497,7 +497,10 @@ def estimate(
     activations += (
         local_batch * spec.seq_len * spec.logits_per_token * 4 / logits_split
     )  # fp32, for the loss
-    hbm = local_params * (3 * 2 + 2 * state_per_param) + 2 * activations
+    # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
+    # optimizer's update touches the local shard.
+    gathered_params = spec.tp_params / layout.model + (spec.params - spec.tp_params)
+    hbm = gathered_params * 3 * 2 + local_params * 2 * state_per_param + 2 * activations
     compute = max(flops / hw.peak_flops, hbm / hw.hbm_bytes_per_s)
     transfers = tuple(predict_transfers(spec, layout, **transfer_options))
     return Estimate(

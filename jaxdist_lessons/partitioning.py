@@ -34,6 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.sharding import path_name
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -110,16 +111,22 @@ def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2)
     )
 
 
-def four_axis_mesh(num_devices: int | None = None) -> Mesh:
-    """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right: ``(1, 2, 2, 2)`` on 8 devices.
+def four_axis_shape(num_devices: int) -> tuple[int, int, int, int]:
+    """Sizes of ``('data', 'fsdp', 'model', 'pipeline')`` on ``num_devices``: ``(1, 2, 2, 2)`` on 8.
 
-    With fewer than 8 devices ``pipeline`` (then ``model``) shrinks to 1; with more, ``fsdp`` grows.
+    With fewer than 8 devices ``pipeline`` shrinks to 1 first, then ``fsdp`` (``(1, 2, 2, 1)`` on 4,
+    ``(1, 1, 2, 1)`` on 2); ``model`` stays 2 down to 2 devices. With more, ``fsdp`` grows.
     """
-    n = jax.device_count() if num_devices is None else num_devices
+    n = positive_int("num_devices", num_devices)
     pipeline = 2 if n >= 8 else 1
     model = 2 if n >= 2 else 1
-    shape = mesh_lib.mesh_shape(n, data=1, fsdp=-1, model=model, pipeline=pipeline)
-    return mesh_lib.make_mesh(shape, (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto)
+    return tuple(mesh_lib.mesh_shape(n, data=1, fsdp=-1, model=model, pipeline=pipeline))
+
+
+def four_axis_mesh(num_devices: int | None = None) -> Mesh:
+    """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right, shaped by ``four_axis_shape``."""
+    n = jax.device_count() if num_devices is None else num_devices
+    return mesh_lib.make_mesh(four_axis_shape(n), (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto)
 
 
 @contextlib.contextmanager

@@ -19,13 +19,18 @@ N = jax.device_count()
 # --- Tables and cases worked by hand ------------------------------------------------------------
 
 
-def test_hardware_agrees_with_the_books_other_tables():
-    assert set(C.HARDWARE) <= set(memory.ACCELERATORS)
+def test_hardware_matches_the_datasheets():
+    # Independent datasheet values (SXM parts): A100 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s over
+    # both directions; H100 3.35 TB/s HBM3, 80 GB.
+    a100, h100 = C.hardware("A100 40GB"), C.hardware("H100 80GB")
+    assert a100.peak_flops == 312e12
+    assert a100.link_bytes_per_s == 300e9
+    assert a100.hbm_bytes_per_s == 1555e9
+    assert h100.hbm_bytes_per_s == 3350e9
+    assert h100.link_bytes_per_s == 450e9
+    # one table of peaks (chapter 6's), found by the device kind JAX reports
     for name, hw in C.HARDWARE.items():
-        assert hw.memory_bytes == memory.ACCELERATORS[name].memory_bytes
-        # one table of peaks (chapter 6's), found by the device kind JAX reports
         assert hw.device_kind in perf.PEAK_BF16_FLOPS, name
-        assert hw.peak_flops == perf.PEAK_BF16_FLOPS[hw.device_kind][0] > 1e14, name
     with pytest.raises(ValueError, match="unknown hardware 'V100'; known: A100 40GB"):
         C.hardware("V100")
 
@@ -197,6 +202,11 @@ def compiled_step(request):
     return strategy, layout, program, state
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="XLA:CPU's collective choices (6 activation all-reduces per block, FSDP gathering once "
+    "and all-reducing); GPU passes such as AllReduceReassociate/ReduceScatterCreator differ",
+)
 def test_predicted_collectives_match_the_compiled_program(compiled_step):
     strategy, layout, program, _ = compiled_step
     measured = C.transfers_from_hlo(program.as_text())
@@ -211,7 +221,7 @@ def test_predicted_collectives_match_the_compiled_program(compiled_step):
         # Exactly the predicted all-reduces, plus the loss.
         assert sum(t.bytes for t in measured) == sum(t.bytes for t in predicted) + loss
         assert {t.kind for t in measured} <= {"all-reduce"}
-    else:
+    elif N > 1:  # on one device there is nothing to gather
         # FSDP: XLA keeps the gathered weights instead of gathering again, and all-reduces the gradients
         # instead of reduce-scattering them; each device still sends 3 (N-1)/N of the weights, as predicted.
         assert {"all-gather", "all-reduce"} <= {t.kind for t in measured}

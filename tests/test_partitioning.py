@@ -76,6 +76,29 @@ def test_mesh_shapes_and_unknown_strategy():
         PT.rules_for("zero")
 
 
+def test_four_axis_mesh_shrinks_pipeline_then_fsdp():
+    assert PT.four_axis_shape(8) == (1, 2, 2, 2)
+    assert PT.four_axis_shape(4) == (1, 2, 2, 1)
+    assert PT.four_axis_shape(2) == (1, 1, 2, 1)
+    assert PT.four_axis_shape(1) == (1, 1, 1, 1)
+    assert PT.four_axis_shape(16) == (1, 4, 2, 2)
+    with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
+        PT.four_axis_shape(0)
+    mesh = PT.four_axis_mesh()
+    assert mesh.axis_names == ("data", "fsdp", "model", "pipeline")
+    assert tuple(mesh.shape.values()) == PT.four_axis_shape(N)
+
+
+def test_four_axis_rules_split_the_batch_over_data_and_fsdp_first():
+    # The first matching rule wins: 'mlp' goes to 'model' (tensor rules come before FSDP's).
+    assert nn.logical_to_mesh_axes(("embed", "mlp"), PT.FOUR_AXIS_RULES) == P("fsdp", "model")
+    assert nn.logical_to_mesh_axes(("mlp",), PT.FOUR_AXIS_RULES) == P("model")
+    # 'fsdp' is taken by the batch, so 'embed' stays whole in an activation.
+    assert nn.logical_to_mesh_axes(("batch", None, "embed"), PT.FOUR_AXIS_RULES) == P(
+        ("data", "fsdp"), None, None
+    )
+
+
 def test_same_losses_under_every_strategy_and_state_born_sharded():
     batch = {
         "images": jax.random.normal(jax.random.key(1), (8, 8, 8, 3)),
