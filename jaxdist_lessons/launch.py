@@ -9,7 +9,8 @@ The launcher the article imagined as ``python -m jax.distributed.launch``, which
 Every process gets the coordinator's address, the process count and its own id in its
 environment (``JAXDIST_COORDINATOR``, ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``; and
 ``JAXDIST_NUM_DEVICES``, the simulated CPU devices per process), which
-``jaxdist_lessons.multihost.initialize()`` reads. Output lines are prefixed with their rank. If
+``jaxdist_lessons.multihost.initialize()`` reads. Output lines are prefixed with their rank
+(a process's stdout goes to the launcher's stdout, its stderr to the launcher's stderr). If
 one process fails, the others are stopped and the launcher exits with that process's status,
 printing its last lines; ``--timeout`` stops a job that hangs (exit status 124).
 
@@ -297,9 +298,10 @@ def describe_status(returncode: int) -> str:
 class _Job:
     """Running processes, their output threads and tails; ``stop()`` leaves none of them behind."""
 
-    def __init__(self, commands: list[tuple[Process, list[str], dict[str, str]]], out: IO[str], tail_lines: int):
+    def __init__(self, commands: list[tuple[Process, list[str], dict[str, str]]], out: IO[str], err: IO[str],
+                 tail_lines: int):
         # A remote process gets a pipe as stdin, kept open and never written: its watchdog stops it when it closes.
-        self.out, self.lock = out, threading.Lock()
+        self.lock = threading.Lock()
         width = len(str(len(commands) - 1))
         self.prefix = {p.rank: f"[{p.rank:>{width}}] " for p, _, _ in commands}
         self.tails = {p.rank: collections.deque(maxlen=tail_lines) for p, _, _ in commands}
@@ -311,11 +313,14 @@ class _Job:
                 # A session of its own: killing the group also kills whatever the process started.
                 stdin = subprocess.DEVNULL if is_local(process.host) else subprocess.PIPE
                 popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=stdin,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 self.popens[process.rank] = popen
-                thread = threading.Thread(target=self._pump, args=(process.rank, popen.stdout), daemon=True)
-                thread.start()
-                self.threads.append(thread)
+                # Two pipes, not one: C++ libraries (gloo, XLA) write to stderr in pieces, from several threads,
+                # and on a shared pipe those pieces land in the middle of the program's own lines.
+                for stream, sink in ((popen.stdout, out), (popen.stderr, err)):
+                    thread = threading.Thread(target=self._pump, args=(process.rank, stream, sink), daemon=True)
+                    thread.start()
+                    self.threads.append(thread)
                 # One waiter per process records exits in the order they happen, so that the process that
                 # failed first is blamed, not one that the failure brought down a moment later.
                 threading.Thread(target=self._wait_for, args=(process.rank, popen), daemon=True).start()
@@ -323,13 +328,14 @@ class _Job:
             self.stop(grace=0)
             raise
 
-    def _pump(self, rank: int, stream: IO[bytes]) -> None:
+    def _pump(self, rank: int, stream: IO[bytes], sink: IO[str]) -> None:
+        """Copy whole lines from one of a process's pipes to ``sink``, prefixed with its rank."""
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.tails[rank].append(line)
             with self.lock:
-                self.out.write(self.prefix[rank] + line + "\n")
-                self.out.flush()
+                self.tails[rank].append(line)
+                sink.write(self.prefix[rank] + line + "\n")
+                sink.flush()
         stream.close()
 
     def _wait_for(self, rank: int, popen: subprocess.Popen) -> None:
@@ -383,7 +389,7 @@ def run(program: Sequence[str], processes: Sequence[Process], *, devices_per_pro
         commands.append((process, process_command(program, process, env, python, remote_command, cwd, grace),
                          env))
     start = time.monotonic()
-    job = _Job(commands, out, tail_lines)
+    job = _Job(commands, out, err, tail_lines)
     try:
         result = _wait(job, processes, start, timeout)
     finally:  # also on KeyboardInterrupt: never leave a process behind

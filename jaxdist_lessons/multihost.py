@@ -149,6 +149,22 @@ def process_info(joined_by: str = "") -> ProcessInfo:
                        jax.devices()[0].platform, joined_by or ("launcher" if launcher_settings() else "unknown"))
 
 
+def native_stdout_to_stderr() -> None:
+    """Send what native code writes to stdout to stderr instead; Python's ``print`` still goes to stdout.
+
+    Gloo prints a line per connection (``[Gloo] Rank 0 is connected to 7 peer ranks...``) to the
+    C-level stdout, in pieces and from several threads at once. On the same file descriptor as the
+    program's own lines, those pieces land inside them. This points file descriptor 1, where C++
+    writes, at stderr, and gives ``sys.stdout`` the original stdout. Call it first thing in a script
+    whose output is read line by line; it changes the whole process, so not in a notebook.
+    """
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115 (lives on)
+                      errors=sys.stdout.errors)
+
+
 @contextlib.contextmanager
 def fail_fast() -> Iterator[None]:
     """On an uncaught exception, print it and exit at once with status 1.

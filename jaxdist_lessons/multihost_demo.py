@@ -195,6 +195,7 @@ def _ids(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Join the processes, run the commands, write ``--out``."""
     args = parser().parse_args(argv)
+    multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
     info = multihost.initialize(local_device_ids=args.local_device_ids,
                                 initialization_timeout=args.initialization_timeout,
                                 heartbeat_timeout_seconds=args.heartbeat_timeout,

@@ -202,6 +202,36 @@ def test_every_process_gets_its_rank_and_prefixed_lines(worker):
     assert coordinator.startswith("127.0.0.1:")
 
 
+# Prints whole lines to stdout while two threads write to stderr in pieces, as gloo does from C++.
+CHATTY = textwrap.dedent("""
+    import os, sys, threading
+    def chatter(name):
+        for i in range(200):
+            for piece in (f"[{name}] connected ", "to 7 peers", "\\n"):
+                os.write(2, piece.encode())
+    threads = [threading.Thread(target=chatter, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for i in range(200):
+        print(f"line {i} of the program", flush=True)
+    for t in threads:
+        t.join()
+""")
+
+
+def test_stdout_and_stderr_stay_apart_so_lines_stay_whole(tmp_path):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    result = launch_cli("-n", "2", str(script))
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        lines = [line for line in result.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        assert lines == [f"[{rank}] line {i} of the program" for i in range(200)]
+        chatter = [line for line in result.stderr.splitlines() if line.startswith(f"[{rank}] ")]
+        assert sum(line.count("connected") for line in chatter) == 400  # every piece arrived, on stderr
+    assert "connected" not in result.stdout
+
+
 def test_a_failing_process_stops_the_others_at_once(worker):
     start = time.monotonic()
     result = launch_cli("-n", "3", worker, "grandchild", "fail", "hang")

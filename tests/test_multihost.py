@@ -80,6 +80,8 @@ def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(layouts
         assert hello["all_reduce_group_size"] == 8
         assert hello["process_indices_gathered"] == list(range(num_processes))
     assert f"[0] process 0 of {num_processes}: {per_process} local and 8 global CPU devices" in result.stdout
+    # gloo's connection messages (written by C++ to file descriptor 1) went to stderr, outside our lines
+    assert "[Gloo]" not in result.stdout and "[Gloo]" in result.stderr
 
 
 def test_training_losses_do_not_depend_on_the_layout(layouts):
@@ -279,6 +281,19 @@ def test_single_process_helpers():
     assert multihost.allgather(np.int32(5)).tolist() == [5]
     multihost.sync("test barrier")
     assert multihost.is_primary()
+
+
+def test_native_stdout_goes_to_stderr_and_print_to_stdout():
+    # os.write(1, ...) is what native code (gloo's std::cout) does: it writes to file descriptor 1.
+    program = ("import os; from jaxdist_lessons import multihost\n"
+               "print('before')\n"
+               "multihost.native_stdout_to_stderr()\n"
+               "os.write(1, b'native\\n'); print('python', flush=True); os.write(1, b'native again\\n')\n")
+    result = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "before\npython\n"
+    assert result.stderr.endswith("native\nnative again\n")
 
 
 def test_print0_prints_on_process_0(capsys):
