@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import optax
 from flax.linen.linear import default_embed_init, default_kernel_init
 
+from jaxdist_lessons.models.attention import attend
+
 Dtype = Any
 
 
@@ -96,17 +98,7 @@ class CausalSelfAttention(nn.Module):
             ),
         )(x_BTH)
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        scores_BNTT = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BTNK) / jnp.sqrt(
-            head_dim
-        ).astype(self.dtype)
-        length = x_BTH.shape[1]
-        causal_TT = jnp.tril(jnp.ones((length, length), bool))
-        scores_BNTT = jnp.where(causal_TT, scores_BNTT, jnp.finfo(scores_BNTT.dtype).min)
-        # Softmax in float32 even under bf16 compute: bf16's 7 explicit mantissa bits are too coarse for its sums.
-        weights_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1).astype(
-            self.dtype
-        )
-        out_BTNK = jnp.einsum("bnts,bsnk->btnk", weights_BNTT, v_BTNK)
+        out_BTNK = attend(q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype)
         return nn.DenseGeneral(
             hidden,
             axis=(-2, -1),

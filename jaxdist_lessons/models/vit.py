@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist_lessons.models.attention import attend
+
 Dtype = Any
 
 lecun = nn.initializers.lecun_normal()
@@ -132,13 +134,7 @@ class Attention(nn.Module):
             return constrain(y, "batch", "seq", "act_heads", None)
 
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        scores_BNTT = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BTNK) / jnp.sqrt(
-            head_dim
-        ).astype(self.dtype)
-        weights_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1).astype(
-            self.dtype
-        )
-        out_BTNK = jnp.einsum("bnts,bsnk->btnk", weights_BNTT, v_BTNK)
+        out_BTNK = attend(q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype)
         out_BTD = HeadsDense(
             "btnk,nkd->btd",
             (self.num_heads, head_dim, hidden),
