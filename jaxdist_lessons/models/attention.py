@@ -15,6 +15,13 @@ import jax.numpy as jnp
 Dtype = Any
 
 
+def head_dim(hidden: int, num_heads: int) -> int:
+    """The size of each head when ``hidden`` features are split over ``num_heads`` heads."""
+    if hidden % num_heads:
+        raise ValueError(f"hidden size {hidden} is not divisible by num_heads={num_heads}")
+    return hidden // num_heads
+
+
 def attend(
     q_BTNK: jax.Array, k_BSNK: jax.Array, v_BSNK: jax.Array, *, causal: bool, dtype: Dtype
 ) -> jax.Array:

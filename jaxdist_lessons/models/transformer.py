@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax.linen.linear import default_embed_init, default_kernel_init
 
-from jaxdist_lessons.models.attention import attend
+from jaxdist_lessons.models import attention
 
 Dtype = Any
 
@@ -80,11 +80,7 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
         hidden = x_BTH.shape[-1]
-        if hidden % self.num_heads:
-            raise ValueError(
-                f"hidden size {hidden} is not divisible by num_heads={self.num_heads}"
-            )
-        head_dim = hidden // self.num_heads
+        head_dim = attention.head_dim(hidden, self.num_heads)
         project = lambda name: nn.DenseGeneral(
             (self.num_heads, head_dim),
             dtype=self.dtype,
@@ -98,7 +94,7 @@ class CausalSelfAttention(nn.Module):
             ),
         )(x_BTH)
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attend(q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype)
+        out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype)
         return nn.DenseGeneral(
             hidden,
             axis=(-2, -1),

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist_lessons.models.attention import attend
+from jaxdist_lessons.models import attention
 
 Dtype = Any
 
@@ -114,11 +114,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         hidden = x_BTD.shape[-1]
-        if hidden % self.num_heads:
-            raise ValueError(
-                f"hidden size {hidden} is not divisible by num_heads={self.num_heads}"
-            )
-        head_dim = hidden // self.num_heads
+        head_dim = attention.head_dim(hidden, self.num_heads)
 
         def project(name: str) -> jax.Array:
             y = HeadsDense(
@@ -134,7 +130,7 @@ class Attention(nn.Module):
             return constrain(y, "batch", "seq", "act_heads", None)
 
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attend(q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype)
+        out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype)
         out_BTD = HeadsDense(
             "btnk,nkd->btd",
             (self.num_heads, head_dim, hidden),

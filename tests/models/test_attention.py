@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist_lessons.models.attention import attend
+from jaxdist_lessons.models.attention import attend, head_dim
 
 
 def qkv(batch=2, length=5, heads=3, head_dim=4, seed=0):
@@ -40,3 +40,9 @@ def test_bf16_attention_keeps_the_softmax_in_float32():
     assert exponential.endswith("tensor<2x3x5x5xf32>")  # the softmax is float32...
     dots = [line for line in lines if "stablehlo.dot_general" in line]
     assert len(dots) == 2 and all("tensor<2x5x3x4xbf16>" in line for line in dots)  # ...the einsums bf16
+
+
+def test_head_dim_splits_the_hidden_size_or_says_why_not():
+    assert head_dim(768, 12) == 64
+    with pytest.raises(ValueError, match=r"hidden size 100 is not divisible by num_heads=12"):
+        head_dim(100, 12)
