@@ -315,8 +315,9 @@ class _Job:
                 popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=stdin,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 self.popens[process.rank] = popen
-                # Two pipes, not one: C++ libraries (gloo, XLA) write to stderr in pieces, from several threads,
-                # and on a shared pipe those pieces land in the middle of the program's own lines.
+                # Two pipes, not one: native libraries write to stderr in pieces, from several threads (gloo too,
+                # once multihost.native_stdout_to_stderr sends it there); on one pipe those pieces would land in
+                # the middle of the program's stdout lines.
                 for stream, sink in ((popen.stdout, out), (popen.stderr, err)):
                     thread = threading.Thread(target=self._pump, args=(process.rank, stream, sink), daemon=True)
                     thread.start()

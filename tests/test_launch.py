@@ -204,7 +204,7 @@ def test_every_process_gets_its_rank_and_prefixed_lines(worker):
 
 # Prints whole lines to stdout while two threads write to stderr in pieces, as gloo does from C++.
 CHATTY = textwrap.dedent("""
-    import os, sys, threading
+    import os, threading
     def chatter(name):
         for i in range(200):
             for piece in (f"[{name}] connected ", "to 7 peers", "\\n"):
