@@ -30,11 +30,12 @@ LossFn = Callable[[Any, Any], jax.Array]
 GradsFn = Callable[[Any, Any], tuple[jax.Array, Any]]
 
 
-def split_micro(batch: Any, num_micro: int) -> Any:
+def split_micro(batch: Any, num_micro: int, devices: int = 1) -> Any:
     """Every leaf ``(B, ...)`` as ``(num_micro, B // num_micro, ...)``; micro-batch ``i`` holds rows ``i, i+k, ...``.
 
     Taking every ``k``-th row (not ``k`` contiguous blocks) keeps each micro-batch spread over all
-    devices when the rows are sharded, so no row has to move.
+    devices when the rows are sharded, so no row has to move. Inside ``shard_map`` the batch is one
+    device's rows: ``devices`` (the devices sharing the global batch) makes the error say so.
     """
     positive_int("num_micro", num_micro)
     rows = {x.shape[0] for x in jax.tree.leaves(batch)}
@@ -44,9 +45,14 @@ def split_micro(batch: Any, num_micro: int) -> Any:
         )
     (size,) = rows
     if size % num_micro:
+        if devices == 1:
+            raise ValueError(
+                f"a batch of {size} rows does not split into {num_micro} equal micro-batches: "
+                f"make the batch a multiple of {num_micro}"
+            )
         raise ValueError(
-            f"a batch of {size} rows does not split into {num_micro} equal micro-batches: "
-            f"make the batch a multiple of {num_micro}"
+            f"each device's {size} rows do not split into {num_micro} equal micro-batches: "
+            f"make the global batch a multiple of {num_micro} x {devices} devices = {num_micro * devices}"
         )
     return jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(size // num_micro, num_micro, *x.shape[1:]), 0, 1),
@@ -95,9 +101,8 @@ def local_grads(
         # Differentiate a per-device ("varying") copy: the gradient of a replicated input would be
         # summed over devices by autodiff, at every micro-step.
         local_params = lax.pcast(params, data_axis, to="varying")
-        loss, grads = _accumulate(
-            loss_fn, local_params, split_micro(batch, num_micro), num_micro
-        )
+        micro = split_micro(batch, num_micro, devices=mesh.shape[data_axis])
+        loss, grads = _accumulate(loss_fn, local_params, micro, num_micro)
         return lax.pmean(loss, data_axis), lax.pmean(grads, data_axis)
 
     return jax.jit(
