@@ -299,7 +299,7 @@ class _Job:
     """Running processes, their output threads and tails; ``stop()`` leaves none of them behind."""
 
     def __init__(self, commands: list[tuple[Process, list[str], dict[str, str]]], out: IO[str], err: IO[str],
-                 tail_lines: int):
+                 tail_lines: int, cwd: str):
         # A remote process gets a pipe as stdin, kept open and never written: its watchdog stops it when it closes.
         self.lock = threading.Lock()
         width = len(str(len(commands) - 1))
@@ -312,7 +312,8 @@ class _Job:
             for process, argv, env in commands:
                 # A session of its own: killing the group also kills whatever the process started.
                 stdin = subprocess.DEVNULL if is_local(process.host) else subprocess.PIPE
-                popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=stdin,
+                # A remote command changes directory on its host; a local process starts in ``cwd`` here.
+                popen = subprocess.Popen(argv, env={**os.environ, **env}, stdin=stdin, cwd=cwd,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 self.popens[process.rank] = popen
                 # Two pipes, not one: native libraries write to stderr in pieces, from several threads (gloo too,
@@ -335,8 +336,13 @@ class _Job:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             with self.lock:
                 self.tails[rank].append(line)
-                sink.write(self.prefix[rank] + line + "\n")
-                sink.flush()
+                try:
+                    sink.write(self.prefix[rank] + line + "\n")
+                    sink.flush()
+                except (BrokenPipeError, ValueError):
+                    # The reader went away (``launch ... | head``). Keep draining the pipe: a process whose
+                    # output nobody reads blocks once the pipe is full, and the job would never end.
+                    pass
         stream.close()
 
     def _wait_for(self, rank: int, popen: subprocess.Popen) -> None:
@@ -390,7 +396,7 @@ def run(program: Sequence[str], processes: Sequence[Process], *, devices_per_pro
         commands.append((process, process_command(program, process, env, python, remote_command, cwd, grace),
                          env))
     start = time.monotonic()
-    job = _Job(commands, out, err, tail_lines)
+    job = _Job(commands, out, err, tail_lines, cwd)
     try:
         result = _wait(job, processes, start, timeout)
     finally:  # also on KeyboardInterrupt: never leave a process behind
@@ -403,18 +409,20 @@ def run(program: Sequence[str], processes: Sequence[Process], *, devices_per_pro
 def _wait(job: _Job, processes: Sequence[Process], start: float, timeout: float | None) -> Result:
     hosts = {p.rank: p.host for p in processes}
     while True:
+        # Read "all done" before the failures: exits are only ever added, so when every process had ended
+        # before this check, the failure check below has seen every exit code.
+        done = len(job.exits) == len(job.popens)
         failure = job.first_failure()
         if failure is not None:
             rank, code = failure
             others = len(job.running())
             return Result(_status(code), rank, f"rank {rank} (on {hosts[rank]}) {describe_status(code)}; "
                                                f"stopping the {others} process(es) still running")
-        running = job.running()
-        if not running and len(job.exits) == len(job.popens):
+        if done:
             return Result(0)
         if timeout is not None and time.monotonic() - start > timeout:
-            return Result(EXIT_TIMEOUT, None, f"timed out after {timeout:g} s with ranks {running} still running; "
-                                              "stopping them")
+            return Result(EXIT_TIMEOUT, None,
+                          f"timed out after {timeout:g} s with ranks {job.running()} still running; stopping them")
         time.sleep(0.02)
 
 
@@ -435,6 +443,7 @@ def _report(err: IO[str], result: Result, job: _Job) -> None:
 def parser() -> argparse.ArgumentParser:
     """The command line: options first, then ``script.py args...`` or ``-m module args...``."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,  # `--time 5` must not pass for --timeout: split_command_line knows full names only
         prog="python -m jaxdist_lessons.launch",
         description="Run a JAX program once per process and join them with jax.distributed.",
         epilog="Each process finds its coordinator, the process count and its id in the environment "

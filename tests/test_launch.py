@@ -4,6 +4,7 @@ The processes here are small Python scripts that do not import JAX, so these tes
 tests/test_multihost.py launches real JAX processes.
 """
 
+import io
 import json
 import os
 import shlex
@@ -230,6 +231,56 @@ def test_stdout_and_stderr_stay_apart_so_lines_stay_whole(tmp_path):
         chatter = [line for line in result.stderr.splitlines() if line.startswith(f"[{rank}] ")]
         assert sum(line.count("connected") for line in chatter) == 400  # every piece arrived, on stderr
     assert "connected" not in result.stdout
+
+
+def test_local_processes_start_in_the_directory_run_is_given(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import os; print(os.getcwd())")
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    out, err = io.StringIO(), io.StringIO()
+    result = launch.run([str(script)], launch.plan(2), cwd=str(workdir), out=out, err=err, timeout=60)
+    assert result.returncode == 0, err.getvalue()
+    assert sorted(out.getvalue().splitlines()) == [f"[0] {workdir}", f"[1] {workdir}"]
+
+
+def test_a_shortened_option_is_refused_not_taken_for_the_program(worker):
+    result = launch_cli("--time", "5", worker)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --time" in result.stderr
+
+
+def test_a_reader_that_goes_away_does_not_hang_the_job(tmp_path):
+    # `launch ... | head -1`: the launcher's stdout closes after one line, while the program still prints.
+    script = tmp_path / "loud.py"
+    script.write_text("for i in range(100_000):\n    print(f'line {i}')\n")
+    launcher = [sys.executable, "-m", "jaxdist_lessons.launch", str(script)]
+    result = subprocess.run(f"{shlex.join(launcher)} | head -1", shell=True, capture_output=True, text=True,
+                            timeout=60)  # before the fix: the program blocked on a full pipe, forever
+    assert result.stdout == "[0] line 0\n"
+
+
+class ExitsRightAfterTheFailureCheck:
+    """A job whose last process fails between the launcher's failure check and its "all done" check."""
+
+    def __init__(self):
+        self.popens, self.exits, self.checks = {0: None, 1: None}, [(0, 0)], 0
+
+    def first_failure(self):
+        self.checks += 1
+        failure = next(((rank, code) for rank, code in self.exits if code), None)
+        if self.checks == 1:
+            self.exits.append((1, 3))  # rank 1 exits with status 3 just after this check
+        return failure
+
+    def running(self):
+        return [rank for rank in self.popens if rank not in dict(self.exits)]
+
+
+def test_a_process_that_fails_last_is_never_reported_as_success():
+    processes = launch.plan(2)
+    result = launch._wait(ExitsRightAfterTheFailureCheck(), processes, time.monotonic(), None)
+    assert (result.returncode, result.failed_rank) == (3, 1)
 
 
 def test_a_failing_process_stops_the_others_at_once(worker):
