@@ -89,39 +89,37 @@ class Residual:
         return self.source.startswith("from the argument")
 
 
-_RESIDUAL = re.compile(r"^(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]\s+(?P<source>.*)$")
+# ``f32[64,256] output of ...``; on Explicit axes a sharded dimension reads ``64@data`` (still the global size).
+_RESIDUAL = re.compile(r"^(?P<dtype>[a-z][a-z0-9_]*)\[(?P<dims>[^\]]*)\]\s+(?P<source>.*)$")
 
 
 def _short_dtype_bytes(name: str) -> int:
     """Bytes of a dtype in JAX's short spelling (``f32``, ``bf16``, ``i32``, ``bool``)."""
     if name == "bool":
         return 1
-    hlo_name = (
-        "s" + name[1:] if name.startswith("i") else name
-    )  # JAX says i32 where HLO says s32
+    # JAX says i32 and f8_e4m3fn where HLO says s32 and f8e4m3fn
+    hlo_name = ("s" + name[1:] if name.startswith("i") else name).replace("_", "")
     if hlo_name not in comms.DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r} in print_saved_residuals output")
     return comms.DTYPE_BYTES[hlo_name]
 
 
 def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
-    """The residuals ``jax.vjp(fn, *args)`` keeps, parsed from ``jax.ad_checkpoint.print_saved_residuals``."""
+    """The residuals ``jax.vjp(fn, *args)`` keeps, parsed from ``jax.ad_checkpoint.print_saved_residuals``.
+
+    Shapes and bytes are global: on a mesh, each device keeps its shard of them.
+    """
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(fn, *args)
     found = []
-    for line in out.getvalue().splitlines():
-        m = _RESIDUAL.match(line.strip())
-        if m:
-            shape = tuple(int(d) for d in m["dims"].split(",") if d)
-            found.append(
-                Residual(
-                    m["dtype"],
-                    shape,
-                    math.prod(shape) * _short_dtype_bytes(m["dtype"]),
-                    m["source"],
-                )
-            )
+    for line in filter(None, map(str.strip, out.getvalue().splitlines())):
+        m = _RESIDUAL.match(line)
+        if m is None:  # every line is a residual: one we cannot read must not be dropped silently
+            raise ValueError(f"cannot read this line of print_saved_residuals: {line!r}")
+        shape = tuple(int(re.match(r"\d+", d)[0]) for d in m["dims"].split(",") if d)
+        nbytes = math.prod(shape) * _short_dtype_bytes(m["dtype"])
+        found.append(Residual(m["dtype"], shape, nbytes, m["source"]))
     return found
 
 
