@@ -272,7 +272,7 @@ class Layout:
 
 def article_layouts(num_devices: int = 8) -> list[Layout]:
     """The article's meshes for ``num_devices`` devices, ``(n,1)`` ... ``(1,n)`` over powers of two, then FSDP."""
-    models = [m for m in (1, 2, 4, 8, 16) if num_devices % m == 0 and m <= num_devices]
+    models = [2**k for k in range(num_devices.bit_length()) if num_devices % 2**k == 0]
     return [Layout(data=num_devices // m, model=m) for m in models] + [
         Layout(fsdp=num_devices)
     ]
@@ -286,6 +286,10 @@ def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
     if spec.mlp_dim % layout.model:
         problems.append(
             f"MLP width {spec.mlp_dim} does not split over model={layout.model}"
+        )
+    if spec.vocab_parallel and spec.logits_per_token % layout.model:
+        problems.append(
+            f"vocabulary of {spec.logits_per_token} does not split over model={layout.model}"
         )
     if spec.global_batch % (layout.data * layout.fsdp):
         problems.append(
@@ -315,6 +319,10 @@ class Transfer:
 def sent_bytes(transfer: Transfer) -> float:
     """Bytes one device sends for a collective, with ring algorithms (``comms.ring_*``)."""
     g, b = transfer.group_size, transfer.bytes
+    if transfer.kind not in comms.KINDS:
+        raise ValueError(
+            f"unknown collective kind {transfer.kind!r}; allowed: {', '.join(comms.KINDS)}"
+        )
     if transfer.kind == "collective-permute" or g is None:
         return b  # a permute sends its whole buffer once
     if transfer.kind == "all-reduce":
@@ -323,11 +331,7 @@ def sent_bytes(transfer: Transfer) -> float:
         return comms.ring_all_gather_bytes(b, g)
     if transfer.kind == "reduce-scatter":  # its result is one shard of the reduced array
         return comms.ring_reduce_scatter_bytes(b * g, g)
-    if transfer.kind == "all-to-all":
-        return (g - 1) / g * b
-    raise ValueError(
-        f"unknown collective kind {transfer.kind!r}; allowed: {', '.join(comms.KINDS)}"
-    )
+    return (g - 1) / g * b  # all-to-all: each device keeps 1/g of its buffer and sends the rest
 
 
 def comm_seconds(transfers: Iterable[Transfer], hw: Hardware) -> float:
@@ -472,18 +476,20 @@ def estimate(
     """Step time and memory per device for ``spec`` on ``layout`` devices of ``hw`` (a roofline estimate).
 
     Compute is ``max(flops / peak, HBM traffic / bandwidth)``; the HBM traffic counts weights read
-    twice and gradients written once (16-bit, at their gathered size under FSDP), the optimizer
-    reading and writing its local state, and activations written forward and read back.
+    twice and gradients written once (at the precision's weight width, 2 bytes in ``mixed``, and at
+    their gathered size under FSDP), the optimizer reading and writing its local state, and
+    activations written forward and read back. The collectives carry weights and gradients at that
+    width too, unless ``param_bytes`` says otherwise.
     """
     hw = hardware(hw) if isinstance(hw, str) else hw
     flops = flops_per_device(spec, layout)
-    state_per_param = memory.bytes_per_param(optimizer, precision)
+    state_per_param = memory.bytes_per_param(optimizer, precision)  # also checks both names
+    weight_bytes = memory.PRECISIONS[precision]["params"]  # what is gathered, read and sent
+    transfer_options.setdefault("param_bytes", weight_bytes)
     local_params = params_per_device(spec, layout)
     state = local_params * state_per_param
-    if (
-        layout.fsdp > 1
-    ):  # the gathered weights of the layer in use and the next one, in 16-bit
-        state += 2 * 2 * spec.layer_tp_params / layout.model
+    if layout.fsdp > 1:  # the gathered weights of the layer in use and the next one
+        state += 2 * weight_bytes * spec.layer_tp_params / layout.model
     local_batch = spec.global_batch / (layout.data * layout.fsdp)
     activations = spec.num_layers * layer_activation_bytes(
         spec.seq_len,
@@ -500,7 +506,7 @@ def estimate(
     # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
     # optimizer's update touches the local shard.
     gathered_params = spec.tp_params / layout.model + (spec.params - spec.tp_params)
-    hbm = gathered_params * 3 * 2 + local_params * 2 * state_per_param + 2 * activations
+    hbm = gathered_params * 3 * weight_bytes + local_params * 2 * state_per_param + 2 * activations
     compute = max(flops / hw.peak_flops, hbm / hw.hbm_bytes_per_s)
     transfers = tuple(predict_transfers(spec, layout, **transfer_options))
     return Estimate(

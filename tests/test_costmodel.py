@@ -44,6 +44,8 @@ def test_bytes_sent_by_each_kind_of_collective():
     assert C.sent_bytes(C.Transfer("collective-permute", 100, None)) == 100
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         C.sent_bytes(C.Transfer("broadcast", 1, 2))
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):  # without a group size too
+        C.sent_bytes(C.Transfer("broadcast", 1, None))
 
 
 def test_vit_b16_data_parallel_on_8_a100_by_hand():
@@ -113,6 +115,22 @@ def test_vocabulary_parallel_lm_by_hand():
     assert C.flops_per_device(spec, C.Layout(model=2)) == (in_blocks + outside) / 2
 
 
+def test_the_precision_sets_the_width_of_the_weights_that_are_sent_and_read():
+    spec, layout = C.MODELS["ViT-B/16"], C.Layout(data=8)
+    mixed = C.estimate(spec, layout, "A100 40GB", precision="mixed")
+    fp32 = C.estimate(spec, layout, "A100 40GB", precision="fp32")
+    assert [t.bytes for t in mixed.transfers] == [86_567_656 * 2]  # bf16 gradients
+    assert [t.bytes for t in fp32.transfers] == [86_567_656 * 4]  # fp32 gradients
+    assert fp32.comm_s == pytest.approx(2 * mixed.comm_s)
+    assert fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16  # Adam: 16 bytes either way
+    explicit = C.estimate(spec, layout, "A100 40GB", precision="fp32", param_bytes=2)
+    assert explicit.transfers == mixed.transfers  # an explicit width still wins
+    fsdp_mixed = C.estimate(spec, C.Layout(fsdp=8), "A100 40GB", precision="mixed")
+    fsdp_fp32 = C.estimate(spec, C.Layout(fsdp=8), "A100 40GB", precision="fp32")
+    # FSDP also holds two gathered layers, at the weights' width.
+    assert fsdp_fp32.state_bytes - fsdp_mixed.state_bytes == 2 * 2 * spec.layer_tp_params
+
+
 def test_activation_formula_reduces_to_chapter_1s_without_tensor_parallelism():
     for flash in (False, True):
         assert C.layer_activation_bytes(
@@ -136,6 +154,12 @@ def test_layouts_checks_and_labels():
         "12 heads do not split over model=8"
     ]
     assert C.check_layout(C.MODELS["ViT-L/16"], C.Layout(model=8)) == []
+    # GPT-2's 50,257-token vocabulary, split over `model` with the embedding, divides by nothing but 1.
+    assert C.check_layout(C.MODELS["GPT-2 medium (355M)"], C.Layout(data=4, model=2)) == [
+        "vocabulary of 50257 does not split over model=2"
+    ]
+    assert [x.label for x in C.article_layouts(32)][-2:] == ["(1,32)", "FSDP 32"]
+    assert [x.label for x in C.article_layouts(6)] == ["(6,1)", "(3,2)", "FSDP 6"]
     with pytest.raises(ValueError, match="Layout.model must be a positive integer, got 0"):
         C.Layout(model=0)
 
