@@ -69,7 +69,7 @@ def capture(fn: Callable, *args: Any, steps: int = 3, log_dir: str | None = None
 
 
 def trace_files(log_dir: str | pathlib.Path) -> dict[str, pathlib.Path]:
-    """The newest run's files under ``log_dir``: ``{'trace.json.gz': ..., 'xplane.pb': ...}``."""
+    """The newest run's files under ``log_dir``: ``{'trace.json.gz': ..., 'xplane.pb': ...}``, those it has."""
     runs = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/"))
     if not runs:
         raise FileNotFoundError(f"no profile under {log_dir}: expected plugins/profile/<run>/ written by "
@@ -79,16 +79,23 @@ def trace_files(log_dir: str | pathlib.Path) -> dict[str, pathlib.Path]:
         found = sorted(runs[-1].glob(f"*.{suffix}"))
         if found:
             files[suffix] = found[0]
-    if "trace.json.gz" not in files:
-        raise FileNotFoundError(f"{runs[-1]} has no *.trace.json.gz; it holds {[p.name for p in runs[-1].iterdir()]}")
     return files
+
+
+def trace_file(log_dir: str | pathlib.Path, suffix: str) -> pathlib.Path:
+    """The newest run's ``*.{suffix}`` under ``log_dir``, or a ``FileNotFoundError`` saying what is there."""
+    files = trace_files(log_dir)
+    if suffix not in files:
+        found = ", ".join(p.name for p in files.values()) or "neither"
+        raise FileNotFoundError(f"the newest profile under {log_dir} has no *.{suffix} (it has {found})")
+    return files[suffix]
 
 
 def read_trace(path: str | pathlib.Path) -> list[OpEvent]:
     """The HLO operations in a ``*.trace.json.gz`` (or a profile directory), in start order."""
     path = pathlib.Path(path)
     if path.is_dir():
-        path = trace_files(path)["trace.json.gz"]
+        path = trace_file(path, "trace.json.gz")
     with gzip.open(path, "rt") as f:
         trace = json.load(f)
     events = []
@@ -106,7 +113,7 @@ def read_xplane(path: str | pathlib.Path) -> list[OpEvent]:
     """The same operations read from the ``*.xplane.pb`` (or a profile directory) with ``jax.profiler.ProfileData``."""
     path = pathlib.Path(path)
     if path.is_dir():
-        path = trace_files(path)["xplane.pb"]
+        path = trace_file(path, "xplane.pb")
     events = []
     for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
         for line in plane.lines:
@@ -145,10 +152,9 @@ def time_by_kind(events: Iterable[OpEvent]) -> dict[str, float]:
 
 def perfetto_instructions(log_dir: str | pathlib.Path) -> str:
     """How to open this trace in Perfetto and in TensorBoard, with its real paths."""
-    files = trace_files(log_dir)
     return (
         f"Perfetto: open https://ui.perfetto.dev, choose 'Open trace file' and pick\n"
-        f"    {files['trace.json.gz']}\n"
+        f"    {trace_file(log_dir, 'trace.json.gz')}\n"
         "  (or call jax.profiler.trace(log_dir, create_perfetto_link=True), which serves the trace and\n"
         "  waits until you open the link it prints).\n"
         f"TensorBoard: pip install tensorboard xprof, then\n"

@@ -82,5 +82,15 @@ def test_op_kind_names_collectives_sync_and_async():
 def test_missing_traces_are_reported_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="no profile under"):
         profiling.trace_files(tmp_path)
+    # A run with only one of the two files: each reader names the file it needs.
+    run = tmp_path / "plugins" / "profile" / "2026_01_01"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"has no \*\.trace\.json\.gz \(it has host\.xplane\.pb\)"):
+        profiling.read_trace(tmp_path)
+    (run / "host.xplane.pb").unlink()
+    (run / "host.trace.json.gz").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"has no \*\.xplane\.pb \(it has host\.trace\.json\.gz\)"):
+        profiling.read_xplane(tmp_path)
     with pytest.raises(ValueError, match="positive integer"):
         profiling.capture(jnp.sin, jnp.ones(2), steps=0)
