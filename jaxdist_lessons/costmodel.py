@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxdist_lessons import comms, memory, perf
+from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.models.vit import vit_params
 
 # --- Hardware -----------------------------------------------------------------------------------
@@ -250,9 +251,7 @@ class Layout:
 
     def __post_init__(self):
         for axis in ("data", "fsdp", "model"):
-            value = getattr(self, axis)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Layout.{axis} must be a positive integer, got {value!r}")
+            positive_int(f"Layout.{axis}", getattr(self, axis))
 
     @property
     def devices(self) -> int:

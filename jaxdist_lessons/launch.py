@@ -186,8 +186,15 @@ def coordinator_address(value: str | None, processes: Sequence[Process]) -> str:
         raise LayoutError(f"--coordinator {value} is a loopback address, which the processes on remote hosts "
                           f"{remote} cannot reach: give an address of the first host ({processes[0].host}) "
                           "that they can reach")
-    if port == "0":
-        return f"{host}:{free_port(host)}"
+    if port == "0":  # a port free here: only meaningful when process 0, whose coordinator binds it, runs here
+        if not is_local(processes[0].host):
+            raise LayoutError(f"--coordinator {value}: port 0 means a port free on this machine, but process 0 runs "
+                              f"on {processes[0].host}; give the port explicitly")
+        try:
+            return f"{host}:{free_port(host)}"
+        except OSError as error:
+            raise LayoutError(f"--coordinator {value}: cannot find a free port at {host} on this machine ({error}); "
+                              "give an address of this machine, or the port explicitly") from error
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise LayoutError(f"--coordinator port must be a number from 1 to 65535 (or 0 for a free one), got {port!r}")
     return value

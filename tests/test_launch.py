@@ -153,6 +153,15 @@ def test_coordinator_address():
     for bad in ["1234", "node0:", "node0:99999", "node0:http", ":1234"]:
         with pytest.raises(launch.LayoutError, match="--coordinator"):
             launch.coordinator_address(bad, local)
+    # Port 0: a port free on this machine, so only for a process 0 that runs here, at an address of this machine.
+    host, port = launch.coordinator_address("127.0.0.1:0", local).split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    elsewhere = launch.plan(2, [launch.Host("node0"), launch.Host("localhost")])
+    with pytest.raises(launch.LayoutError, match="port 0 means a port free on this machine, but process 0 runs on "
+                                                 "node0; give the port explicitly"):
+        launch.coordinator_address("node0:0", elsewhere)
+    with pytest.raises(launch.LayoutError, match="cannot find a free port at 192.0.2.1 on this machine"):
+        launch.coordinator_address("192.0.2.1:0", local)  # TEST-NET-1: an address no machine here has
 
 
 def test_command_line_splits_at_the_program():
