@@ -102,61 +102,52 @@ def _dim(spec: P) -> int | None:
     return next((d for d, entry in enumerate(spec) if entry is not None), None)
 
 
+def _by_spec(tree: Any, specs: Any, replicated: Callable[[Any], Any],
+             sharded: Callable[[Any, int], Any]) -> Any:
+    """``replicated(x)`` on each leaf whose spec shards nothing, ``sharded(x, dim)`` on the others."""
+    return jax.tree.map(
+        lambda x, s: replicated(x) if _dim(s) is None else sharded(x, _dim(s)),
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def _unchanged(x: Any, *_: Any) -> Any:
+    return x
+
+
 def _gather(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
     """Each sharded leaf all-gathered to its full shape; replicated leaves as they are.
 
     ``to="invarying"`` says the result is the same on every device (it may then leave ``shard_map``
     as ``P()``); the default keeps it per-device, which is what autodiff needs to reduce-scatter.
     """
-    return jax.tree.map(
-        lambda x, s: (
-            x
-            if _dim(s) is None
-            else lax.all_gather(x, axis, axis=_dim(s), tiled=True, to=to)
-        ),
-        tree,
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    return _by_spec(tree, specs, _unchanged,
+                    lambda x, dim: lax.all_gather(x, axis, axis=dim, tiled=True, to=to))
 
 
 def _mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
     """The mean over devices of each gradient: reduce-scattered where sharded, all-reduced where not."""
     n = lax.axis_size(axis)
-    return jax.tree.map(
-        lambda g, s: (
-            lax.pmean(g, axis)
-            if _dim(s) is None
-            else lax.psum_scatter(g, axis, scatter_dimension=_dim(s), tiled=True) / n
-        ),
-        grads,
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    return _by_spec(grads, specs, lambda g: lax.pmean(g, axis),
+                    lambda g, dim: lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True) / n)
 
 
 def _vary_replicated(tree: Any, specs: Any, axis: str) -> Any:
     """The replicated leaves cast to per-device values, so that their gradients stay local until reduced."""
-    return jax.tree.map(
-        lambda x, s: lax.pcast(x, axis, to="varying") if _dim(s) is None else x,
-        tree,
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    return _by_spec(tree, specs, lambda x: lax.pcast(x, axis, to="varying"), _unchanged)
 
 
 def _own_shard(tree: Any, specs: Any, axis: str) -> Any:
     """This device's block of each sharded leaf (no communication: the leaf is already here)."""
     index = lax.axis_index(axis)
 
-    def take(x, s):
-        dim = _dim(s)
-        if dim is None:
-            return x
+    def take(x, dim):
         size = x.shape[dim] // lax.axis_size(axis)
         return lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
 
-    return jax.tree.map(take, tree, specs, is_leaf=lambda x: isinstance(x, P))
+    return _by_spec(tree, specs, _unchanged, take)
 
 
 # --- The steps --------------------------------------------------------------------------------
@@ -211,13 +202,8 @@ def make_step(
         loss, grads = jax.value_and_grad(
             lambda p: loss_fn(_gather(p, pspecs, axis), batch)
         )(local)
-        n = lax.axis_size(axis)
-        grads = jax.tree.map(
-            lambda g, s: lax.pmean(g, axis) if _dim(s) is None else g / n,
-            grads,
-            pspecs,
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        n = lax.axis_size(axis)  # the sharded gradients are already reduce-scattered sums
+        grads = _by_spec(grads, pspecs, lambda g: lax.pmean(g, axis), lambda g, _: g / n)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
 
