@@ -23,7 +23,8 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,10 +35,25 @@ from jaxdist_lessons.compiled import compile_fn
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
     "c128": 16,
 }
 
@@ -61,7 +77,9 @@ class Collective:
     bytes: int
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     replica_groups: str
-    group_size: int | None  # devices per replica group; None where XLA does not say (or for a permute)
+    group_size: (
+        int | None
+    )  # devices per replica group; None where XLA does not say (or for a permute)
     in_loop: bool
     computation: str
     name: str
@@ -73,8 +91,10 @@ def _shapes(shape_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if m["dtype"] == "token":
             continue
         if m["dtype"] not in DTYPE_BYTES:
-            raise ValueError(f"unknown HLO element type {m['dtype']!r} in {shape_text!r}: add its size to "
-                             "comms.DTYPE_BYTES")
+            raise ValueError(
+                f"unknown HLO element type {m['dtype']!r} in {shape_text!r}: add its size to "
+                "comms.DTYPE_BYTES"
+            )
         found.append((m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)))
     return tuple(found)
 
@@ -84,8 +104,10 @@ def _attribute(rest: str, key: str) -> str:
     start = rest.find(f"{key}=")
     if start < 0:
         return ""
-    text = rest[start + len(key) + 1:]
-    if text.startswith("mesh["):  # mesh['a'=1,'b'=2] {'b'}, optionally with device_ids=(...) before the set
+    text = rest[start + len(key) + 1 :]
+    if text.startswith(
+        "mesh["
+    ):  # mesh['a'=1,'b'=2] {'b'}, optionally with device_ids=(...) before the set
         end = text.find("}", text.find("]"))
         return text[: end + 1] if end >= 0 else text
     depth = 0
@@ -107,8 +129,11 @@ def group_size(replica_groups: str) -> int | None:
     if iota:
         return int(iota[2])
     if replica_groups.startswith("mesh["):
-        sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", replica_groups.split("]")[0]))
-        axes = re.findall(r"'([^']+)'", replica_groups[replica_groups.rfind("{"):])
+        sizes = dict(
+            (k, int(v))
+            for k, v in re.findall(r"'([^']+)'=(\d+)", replica_groups.split("]")[0])
+        )
+        axes = re.findall(r"'([^']+)'", replica_groups[replica_groups.rfind("{") :])
         return math.prod(sizes[a] for a in axes)
     return None
 
@@ -127,7 +152,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in a compiled program's text, in program order."""
     computation = ""
     found: list[tuple[str, re.Match]] = []
-    starts: dict[str, str] = {}  # an async -start op's name -> its attributes (where the groups are)
+    starts: dict[
+        str, str
+    ] = {}  # an async -start op's name -> its attributes (where the groups are)
     calls: dict[str, set[str]] = collections.defaultdict(set)
     bodies: set[str] = set()
     for line in hlo_text.splitlines():
@@ -138,7 +165,9 @@ def collectives(hlo_text: str) -> list[Collective]:
         for callee in _CALLS.findall(line):
             calls[computation].add(callee)
         for group in _CALL_LISTS.findall(line):
-            calls[computation].update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+            calls[computation].update(
+                c.strip().lstrip("%") for c in group.split(",") if c.strip()
+            )
         bodies.update(re.findall(r"\bbody=%?([\w.\-]+)", line))
         op = _INSTRUCTION.match(line)
         if op and op["phase"] == "-start":
@@ -152,20 +181,26 @@ def collectives(hlo_text: str) -> list[Collective]:
         elements = sum(math.prod(dims) for _, dims in shapes)
         attributes = op["rest"]
         if op["phase"] == "-done":  # the groups are written on the matching -start op
-            attributes = starts.get(attributes.split(")")[0].strip().lstrip("%"), attributes)
-        groups = _attribute(attributes, "replica_groups") or _attribute(attributes, "source_target_pairs")
-        records.append(Collective(
-            kind=op["op"],
-            dtype=",".join(dict.fromkeys(dtype for dtype, _ in shapes)),
-            elements=elements,
-            bytes=sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in shapes),
-            shapes=shapes,
-            replica_groups=groups,
-            group_size=group_size(groups) if op["op"] != "collective-permute" else None,
-            in_loop=comp in in_loops,
-            computation=comp,
-            name=op["name"],
-        ))
+            attributes = starts.get(
+                attributes.split(")")[0].strip().lstrip("%"), attributes
+            )
+        groups = _attribute(attributes, "replica_groups") or _attribute(
+            attributes, "source_target_pairs"
+        )
+        records.append(
+            Collective(
+                kind=op["op"],
+                dtype=",".join(dict.fromkeys(dtype for dtype, _ in shapes)),
+                elements=elements,
+                bytes=sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in shapes),
+                shapes=shapes,
+                replica_groups=groups,
+                group_size=group_size(groups) if op["op"] != "collective-permute" else None,
+                in_loop=comp in in_loops,
+                computation=comp,
+                name=op["name"],
+            )
+        )
     return records
 
 
@@ -201,7 +236,9 @@ def compiled_text(fn: Any, *args: Any, **kwargs: Any) -> str:
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of every array (or ``ShapeDtypeStruct``) in a tree."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
 
 
 def data_parallel_bytes(params: Any) -> int:
@@ -229,7 +266,9 @@ def ring_reduce_scatter_bytes(full_bytes: float, num_devices: int) -> float:
     return ring_all_gather_bytes(full_bytes, num_devices)
 
 
-def ring_all_reduce_schedule(num_devices: int) -> dict[str, list[list[tuple[int, int, int]]]]:
+def ring_all_reduce_schedule(
+    num_devices: int,
+) -> dict[str, list[list[tuple[int, int, int]]]]:
     """Who sends which chunk to whom in a ring all-reduce: ``{phase: [[(src, dst, chunk), ...] per step]}``.
 
     The data is cut into N chunks. In the reduce-scatter phase, at step ``s`` device ``i`` sends
@@ -240,21 +279,36 @@ def ring_all_reduce_schedule(num_devices: int) -> dict[str, list[list[tuple[int,
     positive_int("num_devices", num_devices)
     n = num_devices
     return {
-        "reduce-scatter": [[(i, (i + 1) % n, (i - s) % n) for i in range(n)] for s in range(n - 1)],
-        "all-gather": [[(i, (i + 1) % n, (i + 1 - s) % n) for i in range(n)] for s in range(n - 1)],
+        "reduce-scatter": [
+            [(i, (i + 1) % n, (i - s) % n) for i in range(n)] for s in range(n - 1)
+        ],
+        "all-gather": [
+            [(i, (i + 1) % n, (i + 1 - s) % n) for i in range(n)] for s in range(n - 1)
+        ],
     }
 
 
 def table_rows(records: Iterable[Collective]) -> list[list[Any]]:
     """Rows for ``tables.Table``: kind, dtype, shapes, bytes, group size, in a loop."""
-    return [[c.kind, c.dtype, " ".join(f"{d}{list(s)}" for d, s in c.shapes), c.bytes, c.group_size,
-             "yes" if c.in_loop else "no"] for c in records]
+    return [
+        [
+            c.kind,
+            c.dtype,
+            " ".join(f"{d}{list(s)}" for d, s in c.shapes),
+            c.bytes,
+            c.group_size,
+            "yes" if c.in_loop else "no",
+        ]
+        for c in records
+    ]
 
 
 TABLE_HEADERS = ["kind", "dtype", "shapes", "bytes", "group size", "in a loop"]
 
 
-def replica_group_lists(replica_groups: str, num_devices: int | None = None) -> list[list[int]]:
+def replica_group_lists(
+    replica_groups: str, num_devices: int | None = None
+) -> list[list[int]]:
     """The device ids of every group, from any of XLA's spellings of ``replica_groups``.
 
     ``{{0,1},{2,3}}`` lists them; ``[2,4]<=[4,2]T(1,0)`` is an iota (ids ``0..7`` reshaped to
@@ -265,15 +319,23 @@ def replica_group_lists(replica_groups: str, num_devices: int | None = None) -> 
     text = replica_groups.strip()
     if text == "{}":
         if num_devices is None:
-            raise ValueError("replica_groups={} means one group of every device: pass num_devices")
+            raise ValueError(
+                "replica_groups={} means one group of every device: pass num_devices"
+            )
         return [list(range(positive_int("num_devices", num_devices)))]
     if text.startswith("{{"):
-        return [[int(i) for i in group.split(",")] for group in re.findall(r"\{([\d,\s]+)\}", text)]
+        return [
+            [int(i) for i in group.split(",")]
+            for group in re.findall(r"\{([\d,\s]+)\}", text)
+        ]
     iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
     if iota:
         ids = _iota([int(d) for d in iota[3].split(",")], iota[4])
         return ids.reshape(int(iota[1]), int(iota[2])).tolist()
-    mesh = re.fullmatch(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}", text)
+    mesh = re.fullmatch(
+        r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}",
+        text,
+    )
     if mesh and ":" not in mesh["over"]:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh["axes"])}
         names, shape = list(sizes), tuple(sizes.values())

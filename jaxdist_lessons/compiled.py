@@ -8,7 +8,8 @@ per device. Chapters use these numbers to check the arithmetic in the prose.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -47,7 +48,9 @@ def stats(compiled: jax.stages.Compiled) -> CompiledStats:
         cost = cost[0]
     memory = compiled.memory_analysis()
     if memory is None:
-        raise ValueError(f"this backend ({jax.default_backend()}) reports no memory analysis for compiled programs")
+        raise ValueError(
+            f"this backend ({jax.default_backend()}) reports no memory analysis for compiled programs"
+        )
     return CompiledStats(
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),

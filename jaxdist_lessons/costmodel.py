@@ -330,7 +330,9 @@ def sent_bytes(transfer: Transfer) -> float:
         return comms.ring_all_gather_bytes(b, g)
     if transfer.kind == "reduce-scatter":  # its result is one shard of the reduced array
         return comms.ring_reduce_scatter_bytes(b * g, g)
-    return (g - 1) / g * b  # all-to-all: each device keeps 1/g of its buffer and sends the rest
+    return (
+        (g - 1) / g * b
+    )  # all-to-all: each device keeps 1/g of its buffer and sends the rest
 
 
 def comm_seconds(transfers: Iterable[Transfer], hw: Hardware) -> float:
@@ -505,7 +507,11 @@ def estimate(
     # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
     # optimizer's update touches the local shard.
     gathered_params = spec.tp_params / layout.model + (spec.params - spec.tp_params)
-    hbm = gathered_params * 3 * weight_bytes + local_params * 2 * state_per_param + 2 * activations
+    hbm = (
+        gathered_params * 3 * weight_bytes
+        + local_params * 2 * state_per_param
+        + 2 * activations
+    )
     compute = max(flops / hw.peak_flops, hbm / hw.hbm_bytes_per_s)
     transfers = tuple(predict_transfers(spec, layout, **transfer_options))
     return Estimate(

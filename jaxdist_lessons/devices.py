@@ -15,7 +15,9 @@ import os
 
 import jax
 import jax.extend.backend
-from jax._src import xla_bridge  # the only way to ask "has JAX started?" without starting it
+from jax._src import (
+    xla_bridge,  # the only way to ask "has JAX started?" without starting it
+)
 
 from jaxdist_lessons._checks import positive_int
 
@@ -39,8 +41,10 @@ class DeviceInfo:
     def __str__(self) -> str:
         plural = "s" if self.count != 1 else ""
         if self.simulated:
-            return (f"jaxdist: {self.count} simulated {self.platform.upper()} device{plural} "
-                    f"(device kind: {self.device_kind}; set {ENV_VAR} to change the count)")
+            return (
+                f"jaxdist: {self.count} simulated {self.platform.upper()} device{plural} "
+                f"(device kind: {self.device_kind}; set {ENV_VAR} to change the count)"
+            )
         return f"jaxdist: {self.count} {self.platform.upper()} device{plural} (device kind: {self.device_kind})"
 
 

@@ -20,7 +20,8 @@ Each ``*_step`` returns ``step(state, batch) -> (state, {"loss", "grads"})``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -28,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Batch = tuple[jax.Array, jax.Array]  # (images_BHWC, labels_B)
 Step = Callable[[Any, Batch], tuple[Any, dict[str, Any]]]
@@ -61,7 +63,9 @@ class SmallCNN(nn.Module):
     @nn.compact
     def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         x = nn.Conv(self.channels, (3, 3))(images_BHWC)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=0.9, axis_name=self.axis_name
+        )(x)
         x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
         return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
 
@@ -78,29 +82,52 @@ class State:
     opt_state: Any
 
 
-def init_state(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array, images_BHWC: jax.Array) -> State:
+def init_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    images_BHWC: jax.Array,
+) -> State:
     """Initialise parameters, batch statistics and optimizer state for ``model``."""
     variables = model.init(rng, images_BHWC, train=False)
     params = variables["params"]
-    return State(params=params, batch_stats=variables.get("batch_stats", {}), opt_state=tx.init(params))
+    return State(
+        params=params,
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=tx.init(params),
+    )
 
 
-def loss_fn(model: nn.Module, params: Any, batch_stats: Any, batch: Batch) -> tuple[jax.Array, Any]:
+def loss_fn(
+    model: nn.Module, params: Any, batch_stats: Any, batch: Batch
+) -> tuple[jax.Array, Any]:
     """Mean cross-entropy over the batch this code sees, and the updated batch statistics."""
     images, labels = batch
     if batch_stats:
-        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images, train=True,
-                                      mutable=["batch_stats"])
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
+            mutable=["batch_stats"],
+        )
         batch_stats = updates["batch_stats"]
     else:
         logits = model.apply({"params": params}, images, train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), batch_stats
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels
+    ).mean(), batch_stats
 
 
-def apply_gradients(tx: optax.GradientTransformation, state: State, grads: Any, batch_stats: Any) -> State:
+def apply_gradients(
+    tx: optax.GradientTransformation, state: State, grads: Any, batch_stats: Any
+) -> State:
     """One optimizer update."""
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return State(params=optax.apply_updates(state.params, updates), batch_stats=batch_stats, opt_state=opt_state)
+    return State(
+        params=optax.apply_updates(state.params, updates),
+        batch_stats=batch_stats,
+        opt_state=opt_state,
+    )
 
 
 def with_axis_name(model: nn.Module, axis_name: str | None) -> nn.Module:
@@ -108,20 +135,31 @@ def with_axis_name(model: nn.Module, axis_name: str | None) -> nn.Module:
     return model.clone(axis_name=axis_name)
 
 
-def loss_and_grads(model: nn.Module, state: State, batch: Batch,
-                   reduce_loss: Callable[[jax.Array], jax.Array] = lambda loss: loss):
+def loss_and_grads(
+    model: nn.Module,
+    state: State,
+    batch: Batch,
+    reduce_loss: Callable[[jax.Array], jax.Array] = lambda loss: loss,
+):
     """``((loss, batch_stats), grads)`` of ``reduce_loss(loss_fn(...))`` with respect to the parameters."""
+
     def objective(params):
         loss, batch_stats = loss_fn(model, params, state.batch_stats, batch)
         return reduce_loss(loss), batch_stats
+
     return jax.value_and_grad(objective, has_aux=True)(state.params)
 
 
 def _global_view_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
     """A step written for the whole batch: the body of forms 1 and 3."""
+
     def step(state: State, batch: Batch):
         (loss, batch_stats), grads = loss_and_grads(model, state, batch)
-        return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
+
     return step
 
 
@@ -133,7 +171,9 @@ def single_device_step(model: nn.Module, tx: optax.GradientTransformation) -> St
     return jax.jit(_global_view_step(with_axis_name(model, None), tx))
 
 
-def pmap_step(model: nn.Module, tx: optax.GradientTransformation, axis_name: str = "data") -> Step:
+def pmap_step(
+    model: nn.Module, tx: optax.GradientTransformation, axis_name: str = "data"
+) -> Step:
     """Form 2, legacy: ``jax.pmap`` over a leading device axis; ``pmean`` the gradients over ``axis_name``.
 
     Call it on ``replicate(state)`` and ``split_batch(batch)``; ``unreplicate`` the result.
@@ -144,22 +184,32 @@ def pmap_step(model: nn.Module, tx: optax.GradientTransformation, axis_name: str
         (loss, batch_stats), grads = loss_and_grads(model, state, batch)
         grads = lax.pmean(grads, axis_name)  # each device had the mean over its slice
         loss = lax.pmean(loss, axis_name)
-        return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
 
     return jax.pmap(step, axis_name=axis_name)
 
 
-def jit_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data") -> Step:
+def jit_step(
+    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+) -> Step:
     """Form 3: ``jax.jit`` over the global batch, sharded over ``data_axis``; the state is replicated.
 
     The compiler sees a mean over a sharded dimension and inserts the all-reduce itself.
     """
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axis))
-    return jax.jit(_global_view_step(with_axis_name(model, None), tx),
-                   in_shardings=(replicated, sharded), out_shardings=(replicated, replicated))
+    return jax.jit(
+        _global_view_step(with_axis_name(model, None), tx),
+        in_shardings=(replicated, sharded),
+        out_shardings=(replicated, replicated),
+    )
 
 
-def shard_map_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data") -> Step:
+def shard_map_step(
+    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+) -> Step:
     """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean`` the *loss*.
 
     Autodiff of ``pmean`` gives each device the gradient of the global mean loss: the
@@ -168,13 +218,24 @@ def shard_map_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mes
     model = with_axis_name(model, data_axis)
 
     def local_step(state: State, batch: Batch):
-        (loss, batch_stats), grads = loss_and_grads(model, state, batch, lambda loss: lax.pmean(loss, data_axis))
-        return apply_gradients(tx, state, grads, batch_stats), {"loss": loss, "grads": grads}
+        (loss, batch_stats), grads = loss_and_grads(
+            model, state, batch, lambda loss: lax.pmean(loss, data_axis)
+        )
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
 
-    return jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=(P(), P())))
+    return jax.jit(
+        jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=(P(), P())
+        )
+    )
 
 
-def shard_map_trap_grads(model: nn.Module, mesh: Mesh, data_axis: str = "data") -> Callable[[State, Batch], Any]:
+def shard_map_trap_grads(
+    model: nn.Module, mesh: Mesh, data_axis: str = "data"
+) -> Callable[[State, Batch], Any]:
     """The porting mistake: gradients of the *local* loss, then ``pmean`` of the gradients.
 
     Under ``shard_map``'s default ``check_vma=True``, the gradient of a replicated input is
@@ -185,7 +246,9 @@ def shard_map_trap_grads(model: nn.Module, mesh: Mesh, data_axis: str = "data") 
     def local_grads(state: State, batch: Batch):
         return lax.pmean(loss_and_grads(model, state, batch)[1], data_axis)
 
-    return jax.jit(jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P()))
+    return jax.jit(
+        jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P())
+    )
 
 
 # --- Moving data to where each form wants it -------------------------------------------------
@@ -206,15 +269,21 @@ def split_batch(batch: Batch, num_devices: int | None = None) -> Batch:
     """``(B, ...)`` to ``(num_devices, B // num_devices, ...)`` for ``pmap``."""
     n = jax.local_device_count() if num_devices is None else num_devices
     if batch[0].shape[0] % n:
-        raise ValueError(f"a batch of {batch[0].shape[0]} does not split over {n} devices: "
-                         f"make it a multiple of {n} (drop or pad the remainder)")
+        raise ValueError(
+            f"a batch of {batch[0].shape[0]} does not split over {n} devices: "
+            f"make it a multiple of {n} (drop or pad the remainder)"
+        )
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def place(state: State, batch: Batch, mesh: Mesh, data_axis: str = "data") -> tuple[State, Batch]:
+def place(
+    state: State, batch: Batch, mesh: Mesh, data_axis: str = "data"
+) -> tuple[State, Batch]:
     """The state replicated and the batch sharded over ``data_axis``, as forms 3 and 4 take them."""
-    return (jax.device_put(state, NamedSharding(mesh, P())),
-            jax.device_put(batch, NamedSharding(mesh, P(data_axis))))
+    return (
+        jax.device_put(state, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P(data_axis))),
+    )
 
 
 # --- Running K steps of each form ------------------------------------------------------------
@@ -222,8 +291,14 @@ def place(state: State, batch: Batch, mesh: Mesh, data_axis: str = "data") -> tu
 FORMS = ("one device", "pmap", "jit", "shard_map")
 
 
-def run(form: str, model: nn.Module, tx: optax.GradientTransformation, state: State, batches: Sequence[Batch],
-        mesh: Mesh | None = None) -> tuple[State, list[dict[str, Any]]]:
+def run(
+    form: str,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    state: State,
+    batches: Sequence[Batch],
+    mesh: Mesh | None = None,
+) -> tuple[State, list[dict[str, Any]]]:
     """Run ``len(batches)`` steps of one form from ``state``; return the final state and each step's metrics.
 
     The state and metrics come back as ordinary (global) arrays whatever the form.
@@ -243,7 +318,9 @@ def run(form: str, model: nn.Module, tx: optax.GradientTransformation, state: St
         step = single_device_step(model, tx)
         put = lambda state, batch: jax.device_put((state, batch), jax.devices()[0])
     else:
-        step = jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        step = (
+            jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        )
         put = functools.partial(place, mesh=mesh)
     for batch in batches:
         state, metrics = step(*put(state, batch))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxdist_lessons._checks import positive_int
 
@@ -17,10 +17,14 @@ GB = 10**9
 GiB = 2**30
 
 DTYPE_BYTES: dict[str, int] = {
-    "fp32": 4, "float32": 4,
-    "bf16": 2, "bfloat16": 2,
-    "fp16": 2, "float16": 2,
-    "fp8": 1, "int8": 1,
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int8": 1,
 }
 
 # Optimizer state slots kept per parameter.
@@ -38,7 +42,12 @@ STRATEGIES = ("replicated", "data", "zero1", "zero2", "fsdp", "tensor")
 
 
 def _check_count(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or math.isnan(value)
+    ):
         raise ValueError(f"{name} must be a non-negative number, got {value!r}")
 
 
@@ -84,7 +93,9 @@ class TrainingMemory:
         return {**dataclasses.asdict(self), "total": self.total}
 
 
-def training_state_bytes(num_params: float, optimizer: str = "adam", precision: str = "fp32") -> TrainingMemory:
+def training_state_bytes(
+    num_params: float, optimizer: str = "adam", precision: str = "fp32"
+) -> TrainingMemory:
     """Bytes of weights, gradients, optimizer state and master weights for one model copy."""
     _check_count("num_params", num_params)
     slots = _lookup(OPTIMIZER_SLOTS, optimizer, "optimizer")
@@ -116,20 +127,22 @@ def per_device(memory: TrainingMemory, strategy: str, num_devices: int) -> Train
     positive_int("num_devices", num_devices)
     n = 1 if strategy == "replicated" else num_devices
     split = _lookup(_SPLIT, strategy, "strategy")
-    return TrainingMemory(**{
-        field: value / n if field in split else value
-        for field, value in dataclasses.asdict(memory).items()
-    })
+    return TrainingMemory(
+        **{
+            field: value / n if field in split else value
+            for field, value in dataclasses.asdict(memory).items()
+        }
+    )
 
 
 # Which parts of training memory each strategy divides among the devices.
 _SPLIT = {
-        "replicated": set(),
-        "data": {"activations"},
-        "zero1": {"activations", "optimizer", "master"},
-        "zero2": {"activations", "optimizer", "master", "grads"},
-        "fsdp": {"activations", "optimizer", "master", "grads", "params"},
-        "tensor": {"optimizer", "master", "grads", "params"},
+    "replicated": set(),
+    "data": {"activations"},
+    "zero1": {"activations", "optimizer", "master"},
+    "zero2": {"activations", "optimizer", "master", "grads"},
+    "fsdp": {"activations", "optimizer", "master", "grads", "params"},
+    "tensor": {"optimizer", "master", "grads", "params"},
 }
 
 
@@ -142,21 +155,29 @@ def transformer_layer_params(hidden: int, mlp_ratio: int = 4) -> int:
     With ``mlp_ratio=4`` this is ``12 h^2 + 13 h``.
     """
     _check_count("hidden", hidden)
-    attention = 4 * hidden * hidden + 4 * hidden  # Q, K, V and output projections, with biases
+    attention = (
+        4 * hidden * hidden + 4 * hidden
+    )  # Q, K, V and output projections, with biases
     mlp = 2 * mlp_ratio * hidden * hidden + mlp_ratio * hidden + hidden
     layer_norms = 2 * 2 * hidden  # scale and bias, twice
     return attention + mlp + layer_norms
 
 
-def transformer_params(num_layers: int, hidden: int, vocab_size: int, seq_len: int, mlp_ratio: int = 4) -> int:
+def transformer_params(
+    num_layers: int, hidden: int, vocab_size: int, seq_len: int, mlp_ratio: int = 4
+) -> int:
     """Parameters of a GPT-style decoder: layers, token and position embeddings, final LayerNorm.
 
     The output projection is tied to the token embedding, as in GPT-2 and GPT-3.
     """
-    for name, value in dict(num_layers=num_layers, vocab_size=vocab_size, seq_len=seq_len).items():
+    for name, value in dict(
+        num_layers=num_layers, vocab_size=vocab_size, seq_len=seq_len
+    ).items():
         _check_count(name, value)
     embeddings = vocab_size * hidden + seq_len * hidden
-    return num_layers * transformer_layer_params(hidden, mlp_ratio) + embeddings + 2 * hidden
+    return (
+        num_layers * transformer_layer_params(hidden, mlp_ratio) + embeddings + 2 * hidden
+    )
 
 
 GPT3_175B = dict(num_layers=96, hidden=12288, heads=96, vocab_size=50257, seq_len=2048)
@@ -175,7 +196,9 @@ def transformer_layer_activation_bytes(
     The ``5 a s / h`` term is the attention scores and softmax; an attention kernel that
     recomputes them (FlashAttention) does not store it.
     """
-    for name, value in dict(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads).items():
+    for name, value in dict(
+        seq_len=seq_len, batch=batch, hidden=hidden, heads=heads
+    ).items():
         _check_count(name, value)
     per_token = 34 * hidden + (0 if flash_attention else 5 * heads * seq_len)
     return seq_len * batch * per_token
@@ -194,7 +217,10 @@ class Layer:
 def _conv(name: str, c_in: int, c_out: int, k: int, size: int) -> list[Layer]:
     """A bias-free convolution followed by BatchNorm (scale and bias), as in ResNet."""
     out = size * size * c_out
-    return [Layer(f"{name}/conv", "conv", k * k * c_in * c_out, out), Layer(f"{name}/bn", "bn", 2 * c_out, out)]
+    return [
+        Layer(f"{name}/conv", "conv", k * k * c_in * c_out, out),
+        Layer(f"{name}/bn", "bn", 2 * c_out, out),
+    ]
 
 
 def _relu(name: str, elements: int) -> Layer:
@@ -217,9 +243,13 @@ def resnet_layers(
     if not stage_sizes or any(s < 1 for s in stage_sizes):
         raise ValueError(f"stage_sizes must be positive block counts, got {stage_sizes!r}")
     if image_size < 32 or image_size % 32:
-        raise ValueError(f"image_size must be a positive multiple of 32, got {image_size!r}")
+        raise ValueError(
+            f"image_size must be a positive multiple of 32, got {image_size!r}"
+        )
     size = image_size // 2
-    layers = _conv("stem", 3, base_width, 7, size) + [_relu("stem", size * size * base_width)]
+    layers = _conv("stem", 3, base_width, 7, size) + [
+        _relu("stem", size * size * base_width)
+    ]
     size //= 2
     layers.append(Layer("stem/maxpool", "pool", 0, size * size * base_width))
     c_in, expansion = base_width, (4 if bottleneck else 1)
@@ -231,18 +261,29 @@ def resnet_layers(
             in_size, size = size, size // stride
             c_out = c_mid * expansion
             if bottleneck:
-                layers += _conv(f"{name}/conv1", c_in, c_mid, 1, in_size) + [_relu(f"{name}/1", in_size**2 * c_mid)]
-                layers += _conv(f"{name}/conv2", c_mid, c_mid, 3, size) + [_relu(f"{name}/2", size**2 * c_mid)]
+                layers += _conv(f"{name}/conv1", c_in, c_mid, 1, in_size) + [
+                    _relu(f"{name}/1", in_size**2 * c_mid)
+                ]
+                layers += _conv(f"{name}/conv2", c_mid, c_mid, 3, size) + [
+                    _relu(f"{name}/2", size**2 * c_mid)
+                ]
                 layers += _conv(f"{name}/conv3", c_mid, c_out, 1, size)
             else:
-                layers += _conv(f"{name}/conv1", c_in, c_mid, 3, size) + [_relu(f"{name}/1", size**2 * c_mid)]
+                layers += _conv(f"{name}/conv1", c_in, c_mid, 3, size) + [
+                    _relu(f"{name}/1", size**2 * c_mid)
+                ]
                 layers += _conv(f"{name}/conv2", c_mid, c_out, 3, size)
             if stride != 1 or c_in != c_out:
                 layers += _conv(f"{name}/projection", c_in, c_out, 1, size)
-            layers += [Layer(f"{name}/add", "add", 0, size**2 * c_out), _relu(f"{name}/out", size**2 * c_out)]
+            layers += [
+                Layer(f"{name}/add", "add", 0, size**2 * c_out),
+                _relu(f"{name}/out", size**2 * c_out),
+            ]
             c_in = c_out
     layers.append(Layer("head/avgpool", "pool", 0, c_in))
-    layers.append(Layer("head/dense", "dense", c_in * num_classes + num_classes, num_classes))
+    layers.append(
+        Layer("head/dense", "dense", c_in * num_classes + num_classes, num_classes)
+    )
     return layers
 
 
@@ -251,14 +292,18 @@ def resnet_params(**kwargs) -> int:
     return sum(layer.params for layer in resnet_layers(**kwargs))
 
 
-def resnet_activation_bytes(batch: int, image_size: int = 224, dtype: str = "fp32", **kwargs) -> float:
+def resnet_activation_bytes(
+    batch: int, image_size: int = 224, dtype: str = "fp32", **kwargs
+) -> float:
     """Estimated activation bytes a ResNet keeps for backprop: every layer's output, stored once.
 
     Each convolution, BatchNorm, ReLU, residual add and pooling output is counted; the compiler
     may fuse some of them away or keep a few more, so treat this as an estimate.
     """
     _check_count("batch", batch)
-    elements = sum(layer.output_elements for layer in resnet_layers(image_size=image_size, **kwargs))
+    elements = sum(
+        layer.output_elements for layer in resnet_layers(image_size=image_size, **kwargs)
+    )
     return batch * elements * dtype_bytes(dtype)
 
 
@@ -274,15 +319,46 @@ class Accelerator:
     source: str
 
 
-ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
-    Accelerator("A100 40GB", 40 * GB, "NVIDIA A100 datasheet: 40GB HBM2 (nvidia.com/en-us/data-center/a100)"),
-    Accelerator("A100 80GB", 80 * GB, "NVIDIA A100 datasheet: 80GB HBM2e (nvidia.com/en-us/data-center/a100)"),
-    Accelerator("H100 80GB", 80 * GB, "NVIDIA H100 SXM datasheet: 80GB HBM3 (nvidia.com/en-us/data-center/h100)"),
-    Accelerator("H200 141GB", 141 * GB, "NVIDIA H200 datasheet: 141GB HBM3e (nvidia.com/en-us/data-center/h200)"),
-    Accelerator("TPU v4", 32 * GiB, "Google Cloud TPU v4 docs: 32 GiB HBM2 per chip (cloud.google.com/tpu/docs/v4)"),
-    Accelerator("TPU v5e", 16 * GB, "Google Cloud TPU v5e docs: 16 GB HBM2 per chip (cloud.google.com/tpu/docs/v5e)"),
-    Accelerator("TPU v5p", 95 * GB, "Google Cloud TPU v5p docs: 95 GB HBM2e per chip (cloud.google.com/tpu/docs/v5p)"),
-]}
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        Accelerator(
+            "A100 40GB",
+            40 * GB,
+            "NVIDIA A100 datasheet: 40GB HBM2 (nvidia.com/en-us/data-center/a100)",
+        ),
+        Accelerator(
+            "A100 80GB",
+            80 * GB,
+            "NVIDIA A100 datasheet: 80GB HBM2e (nvidia.com/en-us/data-center/a100)",
+        ),
+        Accelerator(
+            "H100 80GB",
+            80 * GB,
+            "NVIDIA H100 SXM datasheet: 80GB HBM3 (nvidia.com/en-us/data-center/h100)",
+        ),
+        Accelerator(
+            "H200 141GB",
+            141 * GB,
+            "NVIDIA H200 datasheet: 141GB HBM3e (nvidia.com/en-us/data-center/h200)",
+        ),
+        Accelerator(
+            "TPU v4",
+            32 * GiB,
+            "Google Cloud TPU v4 docs: 32 GiB HBM2 per chip (cloud.google.com/tpu/docs/v4)",
+        ),
+        Accelerator(
+            "TPU v5e",
+            16 * GB,
+            "Google Cloud TPU v5e docs: 16 GB HBM2 per chip (cloud.google.com/tpu/docs/v5e)",
+        ),
+        Accelerator(
+            "TPU v5p",
+            95 * GB,
+            "Google Cloud TPU v5p docs: 95 GB HBM2e per chip (cloud.google.com/tpu/docs/v5p)",
+        ),
+    ]
+}
 
 
 def accelerator(name: str) -> Accelerator:
@@ -290,7 +366,9 @@ def accelerator(name: str) -> Accelerator:
     return _lookup(ACCELERATORS, name, "accelerator")
 
 
-def devices_needed(total_bytes: float, accelerator: str, usable_fraction: float = 1.0) -> int:
+def devices_needed(
+    total_bytes: float, accelerator: str, usable_fraction: float = 1.0
+) -> int:
     """The fewest devices of a kind whose memory holds ``total_bytes``, if it is split evenly (FSDP).
 
     ``usable_fraction`` leaves room for the runtime; for example JAX preallocates 75% of a GPU.
@@ -298,5 +376,7 @@ def devices_needed(total_bytes: float, accelerator: str, usable_fraction: float 
     _check_count("total_bytes", total_bytes)
     if not 0 < usable_fraction <= 1:
         raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
-    capacity = _lookup(ACCELERATORS, accelerator, "accelerator").memory_bytes * usable_fraction
+    capacity = (
+        _lookup(ACCELERATORS, accelerator, "accelerator").memory_bytes * usable_fraction
+    )
     return max(1, math.ceil(total_bytes / capacity))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -32,12 +32,16 @@ def divisors(n: int) -> list[int]:
 def _check_names(axis_names: Sequence[str]) -> tuple[str, ...]:
     names = tuple(axis_names)
     if isinstance(axis_names, str):
-        raise MeshError(f"axis_names must be a sequence of names, not the string {axis_names!r}: "
-                        f"write ({axis_names!r},)")
+        raise MeshError(
+            f"axis_names must be a sequence of names, not the string {axis_names!r}: "
+            f"write ({axis_names!r},)"
+        )
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise MeshError(f"duplicate axis names {duplicates} in {names}: give every mesh axis its own name, "
-                        f"for example from {AXIS_NAMES}")
+        raise MeshError(
+            f"duplicate axis names {duplicates} in {names}: give every mesh axis its own name, "
+            f"for example from {AXIS_NAMES}"
+        )
     if not names:
         raise MeshError("a mesh needs at least one axis name, for example ('data',)")
     return names
@@ -50,8 +54,11 @@ def mesh_shapes(num_devices: int, axis_names: Sequence[str]) -> list[tuple[int, 
         positive_int("num_devices", num_devices)
     except ValueError as err:
         raise MeshError(str(err)) from None
-    return [shape for shape in itertools.product(divisors(num_devices), repeat=len(names))
-            if math.prod(shape) == num_devices]
+    return [
+        shape
+        for shape in itertools.product(divisors(num_devices), repeat=len(names))
+        if math.prod(shape) == num_devices
+    ]
 
 
 def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
@@ -71,11 +78,13 @@ def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
         raise MeshError(
             f"{num_devices} devices cannot be split as {dict(sizes)}: the fixed sizes multiply to {fixed}, "
             f"which does not divide {num_devices}. Choose sizes whose product divides {num_devices} "
-            f"(its divisors: {divisors(num_devices)})")
+            f"(its divisors: {divisors(num_devices)})"
+        )
     if not free and fixed != num_devices:
         raise MeshError(
             f"the sizes {dict(sizes)} use {fixed} devices, but there are {num_devices}: make their product "
-            f"{num_devices}, or let one axis take the rest with -1")
+            f"{num_devices}, or let one axis take the rest with -1"
+        )
     return tuple(num_devices // fixed if n in free else sizes[n] for n in names)
 
 
@@ -92,8 +101,10 @@ def make_mesh(
     names = _check_names(axis_names)
     shape = tuple(shape)
     if len(shape) != len(names):
-        raise MeshError(f"shape {shape} has {len(shape)} axes but axis_names {names} has {len(names)}: "
-                        "give one size per name")
+        raise MeshError(
+            f"shape {shape} has {len(shape)} axes but axis_names {names} has {len(names)}: "
+            "give one size per name"
+        )
     if any(not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
         raise MeshError(f"mesh sizes must be positive integers, got {shape}")
     devices = list(jax.devices() if devices is None else devices)
@@ -101,11 +112,18 @@ def make_mesh(
         options = mesh_shapes(len(devices), names)
         raise MeshError(
             f"mesh shape {shape} needs {math.prod(shape)} devices, but there are {len(devices)}: use a shape "
-            f"whose product is {len(devices)}, one of {options}")
-    types = (axis_types,) * len(names) if isinstance(axis_types, AxisType) else tuple(axis_types)
+            f"whose product is {len(devices)}, one of {options}"
+        )
+    types = (
+        (axis_types,) * len(names)
+        if isinstance(axis_types, AxisType)
+        else tuple(axis_types)
+    )
     if len(types) != len(names):
-        raise MeshError(f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType for all "
-                        "axes, or one per axis")
+        raise MeshError(
+            f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType for all "
+            "axes, or one per axis"
+        )
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
 
 

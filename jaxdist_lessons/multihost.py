@@ -59,11 +59,15 @@ class ProcessInfo:
     local_devices: int
     global_devices: int
     platform: str
-    joined_by: str  # "launcher", a cluster JAX detected (e.g. "SlurmCluster"), or "single process"
+    joined_by: (
+        str  # "launcher", a cluster JAX detected (e.g. "SlurmCluster"), or "single process"
+    )
 
     def __str__(self) -> str:
-        return (f"process {self.process_index} of {self.process_count}: {self.local_devices} local and "
-                f"{self.global_devices} global {self.platform.upper()} devices (joined by {self.joined_by})")
+        return (
+            f"process {self.process_index} of {self.process_count}: {self.local_devices} local and "
+            f"{self.global_devices} global {self.platform.upper()} devices (joined by {self.joined_by})"
+        )
 
 
 def launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSettings | None:
@@ -75,20 +79,33 @@ def launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSetti
         return None
     if len(present) < len(names):
         missing = sorted(set(names) - set(present))
-        raise MultihostError(f"{present} are set but {missing} are not: set all three (the launcher does), "
-                             "or none to let JAX detect the cluster")
+        raise MultihostError(
+            f"{present} are set but {missing} are not: set all three (the launcher does), "
+            "or none to let JAX detect the cluster"
+        )
     counts = {}
     for name in (launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
         if not re.fullmatch(r"\d+", environ[name]):
-            raise MultihostError(f"{name} must be a non-negative integer, got {environ[name]!r}")
+            raise MultihostError(
+                f"{name} must be a non-negative integer, got {environ[name]!r}"
+            )
         counts[name] = int(environ[name])
-    num_processes, process_id = counts[launch.ENV_NUM_PROCESSES], counts[launch.ENV_PROCESS_ID]
+    num_processes, process_id = (
+        counts[launch.ENV_NUM_PROCESSES],
+        counts[launch.ENV_PROCESS_ID],
+    )
     if not 0 <= process_id < num_processes:
-        raise MultihostError(f"{launch.ENV_PROCESS_ID}={process_id} must be in 0..{num_processes - 1} "
-                             f"for {launch.ENV_NUM_PROCESSES}={num_processes}")
+        raise MultihostError(
+            f"{launch.ENV_PROCESS_ID}={process_id} must be in 0..{num_processes - 1} "
+            f"for {launch.ENV_NUM_PROCESSES}={num_processes}"
+        )
     coordinator = environ[launch.ENV_COORDINATOR]
-    return LauncherSettings(coordinator, num_processes, process_id,
-                            bind=environ.get(launch.ENV_COORDINATOR_BIND) or coordinator)
+    return LauncherSettings(
+        coordinator,
+        num_processes,
+        process_id,
+        bind=environ.get(launch.ENV_COORDINATOR_BIND) or coordinator,
+    )
 
 
 def detected_cluster() -> str | None:
@@ -99,16 +116,23 @@ def detected_cluster() -> str | None:
     """
     registry = getattr(clusters.ClusterEnv, "_cluster_types", None)
     if registry is None:
-        raise MultihostError(f"jax {jax.__version__} moved its private list of cluster types "
-                             "(jax._src.clusters.ClusterEnv._cluster_types): update multihost.detected_cluster")
+        raise MultihostError(
+            f"jax {jax.__version__} moved its private list of cluster types "
+            "(jax._src.clusters.ClusterEnv._cluster_types): update multihost.detected_cluster"
+        )
     found = (env for env in registry if not env.opt_in_only_method and env.is_env_present())
     env = next(found, None)
     return None if env is None else env.__name__
 
 
-def initialize(num_devices: int | None = None, *, local_device_ids: int | Sequence[int] | None = None,
-               initialization_timeout: int = 300, heartbeat_timeout_seconds: int = 100,
-               shutdown_timeout_seconds: int = 300) -> ProcessInfo:
+def initialize(
+    num_devices: int | None = None,
+    *,
+    local_device_ids: int | Sequence[int] | None = None,
+    initialization_timeout: int = 300,
+    heartbeat_timeout_seconds: int = 100,
+    shutdown_timeout_seconds: int = 300,
+) -> ProcessInfo:
     """Join this process to the others, then start JAX; the multi-process ``devices.setup()``.
 
     Reads the launcher's variables; without them, lets JAX detect SLURM, Cloud TPU or Open MPI;
@@ -124,16 +148,25 @@ def initialize(num_devices: int | None = None, *, local_device_ids: int | Sequen
         raise MultihostError(
             "JAX has already started in this process, and processes can only be joined before JAX's first "
             "operation: call multihost.initialize() first thing in the script (instead of devices.setup()), "
-            "and start one process per host (python -m jaxdist_lessons.launch does)")
+            "and start one process per host (python -m jaxdist_lessons.launch does)"
+        )
     # The CPU client is created once, after initialize(): the device count must be set before it.
     jax.config.update("jax_num_cpu_devices", devices.requested_num_devices(num_devices))
-    options = {"local_device_ids": local_device_ids, "initialization_timeout": initialization_timeout,
-                "heartbeat_timeout_seconds": heartbeat_timeout_seconds,
-                "shutdown_timeout_seconds": shutdown_timeout_seconds}
+    options = {
+        "local_device_ids": local_device_ids,
+        "initialization_timeout": initialization_timeout,
+        "heartbeat_timeout_seconds": heartbeat_timeout_seconds,
+        "shutdown_timeout_seconds": shutdown_timeout_seconds,
+    }
     settings = launcher_settings()
     if settings is not None:
-        jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id,
-                                   coordinator_bind_address=settings.bind, **options)
+        jax.distributed.initialize(
+            settings.coordinator,
+            settings.num_processes,
+            settings.process_id,
+            coordinator_bind_address=settings.bind,
+            **options,
+        )
         joined_by = "launcher"
     elif (cluster := detected_cluster()) is not None:
         jax.distributed.initialize(**options)
@@ -145,8 +178,14 @@ def initialize(num_devices: int | None = None, *, local_device_ids: int | Sequen
 
 def process_info(joined_by: str = "") -> ProcessInfo:
     """This process's index, the process count and the devices it sees (starts JAX if needed)."""
-    return ProcessInfo(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
-                       jax.devices()[0].platform, joined_by or ("launcher" if launcher_settings() else "unknown"))
+    return ProcessInfo(
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+        joined_by or ("launcher" if launcher_settings() else "unknown"),
+    )
 
 
 def native_stdout_to_stderr() -> None:
@@ -161,8 +200,8 @@ def native_stdout_to_stderr() -> None:
     sys.stdout.flush()
     original = os.dup(1)
     os.dup2(2, 1)
-    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115 (lives on)
-                      errors=sys.stdout.errors)
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+    sys.stdout = open(original, "w", buffering=1, encoding=encoding, errors=errors)  # noqa: SIM115
 
 
 @contextlib.contextmanager
@@ -176,39 +215,61 @@ def fail_fast() -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        if not jax.distributed.is_initialized() or (isinstance(error, SystemExit) and error.code in (0, None)):
+        if not jax.distributed.is_initialized() or (
+            isinstance(error, SystemExit) and error.code in (0, None)
+        ):
             raise
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
+        code = (
+            error.code
+            if isinstance(error, SystemExit) and isinstance(error.code, int)
+            else 1
+        )
         os._exit(code)  # skips atexit's jax.distributed.shutdown(), and its barrier
 
 
 # --- Meshes and arrays across processes ---------------------------------------------------------
 
 
-def global_mesh(shape: Sequence[int], axis_names: Sequence[str], axis_types: AxisType = AxisType.Explicit) -> Mesh:
+def global_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str],
+    axis_types: AxisType = AxisType.Explicit,
+) -> Mesh:
     """A mesh over every process's devices (``jax.devices()`` lists them all, process 0's first)."""
     return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types)
 
 
-def hybrid_mesh(ici_shape: Sequence[int], dcn_shape: Sequence[int], axis_names: Sequence[str],
-                axis_types: AxisType = AxisType.Explicit) -> Mesh:
+def hybrid_mesh(
+    ici_shape: Sequence[int],
+    dcn_shape: Sequence[int],
+    axis_names: Sequence[str],
+    axis_types: AxisType = AxisType.Explicit,
+) -> Mesh:
     """A mesh whose axis ``i`` has ``ici_shape[i]`` devices inside a process times ``dcn_shape[i]`` processes.
 
     Collectives along an axis with ``dcn_shape[i] == 1`` never leave a host: put the chattiest
     parallelism (``model``) there and the least chatty (``data``) across hosts.
     """
     if len(ici_shape) != len(dcn_shape) or len(ici_shape) != len(axis_names):
-        raise MultihostError(f"ici_shape {tuple(ici_shape)}, dcn_shape {tuple(dcn_shape)} and axis_names "
-                             f"{tuple(axis_names)} need one entry per axis each")
-    if int(np.prod(dcn_shape)) != jax.process_count() or int(np.prod(ici_shape)) != jax.local_device_count():
+        raise MultihostError(
+            f"ici_shape {tuple(ici_shape)}, dcn_shape {tuple(dcn_shape)} and axis_names "
+            f"{tuple(axis_names)} need one entry per axis each"
+        )
+    if (
+        int(np.prod(dcn_shape)) != jax.process_count()
+        or int(np.prod(ici_shape)) != jax.local_device_count()
+    ):
         raise MultihostError(
             f"dcn_shape {tuple(dcn_shape)} must multiply to the {jax.process_count()} processes and ici_shape "
-            f"{tuple(ici_shape)} to the {jax.local_device_count()} devices of each process")
+            f"{tuple(ici_shape)} to the {jax.local_device_count()} devices of each process"
+        )
     # process_is_granule: a "slice" is a process (simulated CPU devices have no TPU slice ids).
-    grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, process_is_granule=True)
+    grid = mesh_utils.create_hybrid_device_mesh(
+        ici_shape, dcn_shape, process_is_granule=True
+    )
     types = (axis_types,) * len(axis_names)
     return Mesh(grid, tuple(axis_names), axis_types=types)
 
@@ -234,7 +295,9 @@ def global_array(local: np.ndarray, mesh: Mesh, spec: P | None = None) -> jax.Ar
     """
     spec = P("data") if spec is None else spec
     global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, global_shape)
+    return jax.make_array_from_process_local_data(
+        NamedSharding(mesh, spec), local, global_shape
+    )
 
 
 def allgather(tree: Any, tiled: bool = False) -> Any:

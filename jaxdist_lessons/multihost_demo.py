@@ -46,11 +46,22 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
     n, m = jax.device_count(), jax.local_device_count()
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     # Device k of the mesh holds the number k + 1; each process supplies its own devices' numbers.
-    mine = np.arange(jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32) + 1
+    mine = (
+        np.arange(jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32)
+        + 1
+    )
     numbers = multihost.global_array(mine, mesh)
-    psum = jax.jit(jax.shard_map(lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    psum = jax.jit(
+        jax.shard_map(
+            lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+        )
+    )
     total = psum(numbers)
-    [all_reduce] = [c for c in comms.collectives(psum.lower(numbers).compile().as_text()) if c.kind == "all-reduce"]
+    [all_reduce] = [
+        c
+        for c in comms.collectives(psum.lower(numbers).compile().as_text())
+        if c.kind == "all-reduce"
+    ]
     report = {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
@@ -59,49 +70,83 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
         "contributed": mine.tolist(),
         "psum_on_my_devices": [float(s.data[0]) for s in total.addressable_shards],
         "all_reduce_group_size": all_reduce.group_size,
-        "process_indices_gathered": multihost.allgather(np.int32(jax.process_index())).tolist(),
+        "process_indices_gathered": multihost.allgather(
+            np.int32(jax.process_index())
+        ).tolist(),
         "joined_by": info.joined_by,
         "jax_version": jax.__version__,
         # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
         "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
     }
-    print(f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}")
-    print(f"contributed {report['contributed']}; all-reduce over {all_reduce.group_size} devices gives "
-          f"{report['psum_on_my_devices']} on my devices; allgather of process indices: "
-          f"{report['process_indices_gathered']}")
+    print(
+        f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}"
+    )
+    print(
+        f"contributed {report['contributed']}; all-reduce over {all_reduce.group_size} devices gives "
+        f"{report['psum_on_my_devices']} on my devices; allgather of process indices: "
+        f"{report['process_indices_gathered']}"
+    )
     return report
 
 
 def hybrid() -> dict[str, Any]:
     """A hybrid mesh: ``model`` inside each process (ICI), ``data`` across processes (DCN); whose collectives go where."""
-    mesh = multihost.hybrid_mesh((1, jax.local_device_count()), (jax.process_count(), 1), ("data", "model"),
-                                 axis_types=AxisType.Explicit)
-    x = jax.device_put(np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "model")))
+    mesh = multihost.hybrid_mesh(
+        (1, jax.local_device_count()),
+        (jax.process_count(), 1),
+        ("data", "model"),
+        axis_types=AxisType.Explicit,
+    )
+    x = jax.device_put(
+        np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "model"))
+    )
     report = {"process_grid": multihost.process_grid(mesh).tolist()}
     for axis in mesh.axis_names:
-        fn = jax.jit(jax.shard_map(lambda block, axis=axis: lax.psum(block, axis), mesh=mesh,
-                                   in_specs=P("data", "model"), out_specs=P("data", "model")))
-        [op] = [c for c in comms.collectives(fn.lower(x).compile().as_text()) if c.kind == "all-reduce"]
+        fn = jax.jit(
+            jax.shard_map(
+                lambda block, axis=axis: lax.psum(block, axis),
+                mesh=mesh,
+                in_specs=P("data", "model"),
+                out_specs=P("data", "model"),
+            )
+        )
+        [op] = [
+            c
+            for c in comms.collectives(fn.lower(x).compile().as_text())
+            if c.kind == "all-reduce"
+        ]
         groups = comms.replica_group_lists(op.replica_groups, num_devices=mesh.size)
         report[f"{axis}_groups"] = groups
         report[f"{axis}_group_processes"] = multihost.processes_per_group(mesh, groups)
-    multihost.print0(f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n{multihost.process_grid(mesh)}")
+    multihost.print0(
+        f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n{multihost.process_grid(mesh)}"
+    )
     for axis in mesh.axis_names:
-        multihost.print0(f"all-reduce over {axis!r}: device groups {report[f'{axis}_groups']} "
-                         f"span processes {report[f'{axis}_group_processes']}")
+        multihost.print0(
+            f"all-reduce over {axis!r}: device groups {report[f'{axis}_groups']} "
+            f"span processes {report[f'{axis}_group_processes']}"
+        )
     return report
 
 
-def simulated_slurm_env(rank: int, ntasks: int, port: int, job_id: int = 4242) -> dict[str, str]:
+def simulated_slurm_env(
+    rank: int, ntasks: int, port: int, job_id: int = 4242
+) -> dict[str, str]:
     """The variables ``srun`` sets for task ``rank`` of a one-node job (node ``127.0.0.1``), to try JAX's SLURM detection.
 
     ``JAX_COORDINATOR_PORT`` replaces the port JAX derives from the job id, and
     ``JAX_COORDINATOR_BIND_ADDRESS`` keeps the coordinator on loopback (JAX binds every interface
     by default). Both are environment variables ``jax.distributed.initialize`` reads.
     """
-    return {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": str(ntasks),
-            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port),
-            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "JAX_COORDINATOR_PORT": str(port),
+        "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+    }
 
 
 FAILURES = ("kill", "raise", "hang")
@@ -118,9 +163,16 @@ def _fail(how: str, epoch: int) -> None:
             time.sleep(60)
 
 
-def train_digits(epochs: int = 3, steps_per_epoch: int = 4, global_batch: int = 32, learning_rate: float = 3e-3,
-                 checkpoint_dir: str | None = None, fail_rank: int | None = None, fail_at_epoch: int | None = None,
-                 fail_how: str = "kill") -> dict[str, Any]:
+def train_digits(
+    epochs: int = 3,
+    steps_per_epoch: int = 4,
+    global_batch: int = 32,
+    learning_rate: float = 3e-3,
+    checkpoint_dir: str | None = None,
+    fail_rank: int | None = None,
+    fail_at_epoch: int | None = None,
+    fail_how: str = "kill",
+) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
 
     Checkpoints after every epoch into ``checkpoint_dir`` and starts from its latest checkpoint.
@@ -133,16 +185,23 @@ def train_digits(epochs: int = 3, steps_per_epoch: int = 4, global_batch: int = 
     tx = optax.adam(learning_rate)
     shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
     train_step, eval_step = train.make_steps(shardings, mesh)
-    if multihost.is_primary():  # one process writes the dataset's files; the others wait, then read them
+    if (
+        multihost.is_primary()
+    ):  # one process writes the dataset's files; the others wait, then read them
         data.digits_source("train")
     multihost.sync("digits prepared")
     source = data.digits_source("train")
 
     restored = None
     if checkpoint_dir is not None:
-        restored = multihost.restore_latest(checkpoint_dir, train.abstract_state(MODEL, tx, IMAGE_SHAPE), shardings)
+        restored = multihost.restore_latest(
+            checkpoint_dir, train.abstract_state(MODEL, tx, IMAGE_SHAPE), shardings
+        )
     if restored is None:
-        state, first_step = train.create_train_state(MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE), 0
+        state, first_step = (
+            train.create_train_state(MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE),
+            0,
+        )
     else:
         state, first_step = restored
         multihost.print0(f"resumed from {os.path.join(checkpoint_dir, str(first_step))}")
@@ -151,37 +210,74 @@ def train_digits(epochs: int = 3, steps_per_epoch: int = 4, global_batch: int = 
         if epoch == fail_at_epoch and jax.process_index() == fail_rank:
             _fail(fail_how, epoch)
         state, history = train.fit(
-            state, train_step, eval_step,
-            lambda e: data.batches(source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS),
-            eval_batches=None, epochs=1, history=history, first_epoch=epoch, steps_per_epoch=steps_per_epoch,
-            progress=False)
+            state,
+            train_step,
+            eval_step,
+            lambda e: data.batches(
+                source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS
+            ),
+            eval_batches=None,
+            epochs=1,
+            history=history,
+            first_epoch=epoch,
+            steps_per_epoch=steps_per_epoch,
+            progress=False,
+        )
         losses = [r["loss"] for r in history.train if r["epoch"] == epoch]
         multihost.print0(f"epoch {epoch + 1}: losses {np.round(losses, 4).tolist()}")
         if checkpoint_dir is not None:
             multihost.save_checkpoint(checkpoint_dir, int(state.step), state)
-    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
-            "devices": jax.device_count(), "first_step": first_step,
-            "losses": [r["loss"] for r in history.train]}
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "devices": jax.device_count(),
+        "first_step": first_step,
+        "losses": [r["loss"] for r in history.train],
+    }
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and ``jax.distributed``'s timeouts."""
-    p = argparse.ArgumentParser(prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0])
-    p.add_argument("commands", nargs="+", choices=["hello", "hybrid", "train"], help="what to run, in order")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "commands",
+        nargs="+",
+        choices=["hello", "hybrid", "train"],
+        help="what to run, in order",
+    )
     p.add_argument("--out", help="directory where every process writes rank<i>.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps-per-epoch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--checkpoint-dir", help="save after every epoch here, and resume from the latest checkpoint")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="save after every epoch here, and resume from the latest checkpoint",
+    )
     p.add_argument("--fail-rank", type=int, help="the process that fails on purpose")
-    p.add_argument("--fail-at-epoch", type=int, help="0-based epoch at whose start --fail-rank fails")
-    p.add_argument("--fail-how", choices=FAILURES, default="kill", help="how it fails (default: %(default)s)")
+    p.add_argument(
+        "--fail-at-epoch", type=int, help="0-based epoch at whose start --fail-rank fails"
+    )
+    p.add_argument(
+        "--fail-how",
+        choices=FAILURES,
+        default="kill",
+        help="how it fails (default: %(default)s)",
+    )
     p.add_argument("--initialization-timeout", type=int, default=300)
     p.add_argument("--heartbeat-timeout", type=int, default=100)
     p.add_argument("--shutdown-timeout", type=int, default=300)
-    p.add_argument("--local-device-ids", type=_ids, help="comma-separated GPU ids for jax.distributed.initialize")
-    p.add_argument("--no-fail-fast", action="store_true",
-                   help="let an exception exit through jax.distributed.shutdown() (to see the job hang)")
+    p.add_argument(
+        "--local-device-ids",
+        type=_ids,
+        help="comma-separated GPU ids for jax.distributed.initialize",
+    )
+    p.add_argument(
+        "--no-fail-fast",
+        action="store_true",
+        help="let an exception exit through jax.distributed.shutdown() (to see the job hang)",
+    )
     return p
 
 
@@ -189,17 +285,21 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(i) for i in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Join the processes, run the commands, write ``--out``."""
     args = parser().parse_args(argv)
     multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
-    info = multihost.initialize(local_device_ids=args.local_device_ids,
-                                initialization_timeout=args.initialization_timeout,
-                                heartbeat_timeout_seconds=args.heartbeat_timeout,
-                                shutdown_timeout_seconds=args.shutdown_timeout)
+    info = multihost.initialize(
+        local_device_ids=args.local_device_ids,
+        initialization_timeout=args.initialization_timeout,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+        shutdown_timeout_seconds=args.shutdown_timeout,
+    )
     with contextlib.nullcontext() if args.no_fail_fast else multihost.fail_fast():
         report = {}
         for command in args.commands:
@@ -208,9 +308,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             elif command == "hybrid":
                 report["hybrid"] = hybrid()
             else:
-                report["train"] = train_digits(args.epochs, args.steps_per_epoch, args.global_batch,
-                                               checkpoint_dir=args.checkpoint_dir, fail_rank=args.fail_rank,
-                                               fail_at_epoch=args.fail_at_epoch, fail_how=args.fail_how)
+                report["train"] = train_digits(
+                    args.epochs,
+                    args.steps_per_epoch,
+                    args.global_batch,
+                    checkpoint_dir=args.checkpoint_dir,
+                    fail_rank=args.fail_rank,
+                    fail_at_epoch=args.fail_at_epoch,
+                    fail_how=args.fail_how,
+                )
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:

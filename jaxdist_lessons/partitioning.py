@@ -126,7 +126,9 @@ def four_axis_shape(num_devices: int) -> tuple[int, int, int, int]:
 def four_axis_mesh(num_devices: int | None = None) -> Mesh:
     """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right, shaped by ``four_axis_shape``."""
     n = jax.device_count() if num_devices is None else num_devices
-    return mesh_lib.make_mesh(four_axis_shape(n), (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto)
+    return mesh_lib.make_mesh(
+        four_axis_shape(n), (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto
+    )
 
 
 @contextlib.contextmanager

@@ -115,7 +115,9 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
     found = []
     for line in filter(None, map(str.strip, out.getvalue().splitlines())):
         m = _RESIDUAL.match(line)
-        if m is None:  # every line is a residual: one we cannot read must not be dropped silently
+        if (
+            m is None
+        ):  # every line is a residual: one we cannot read must not be dropped silently
             raise ValueError(f"cannot read this line of print_saved_residuals: {line!r}")
         shape = tuple(int(re.match(r"\d+", d)[0]) for d in m["dims"].split(",") if d)
         nbytes = math.prod(shape) * _short_dtype_bytes(m["dtype"])

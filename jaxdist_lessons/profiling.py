@@ -53,14 +53,18 @@ def op_kind(op: str) -> str:
     return "collective" if base in COLLECTIVES else "compute"
 
 
-def capture(fn: Callable, *args: Any, steps: int = 3, log_dir: str | None = None) -> pathlib.Path:
+def capture(
+    fn: Callable, *args: Any, steps: int = 3, log_dir: str | None = None
+) -> pathlib.Path:
     """Run ``fn(*args)`` once to compile, then ``steps`` times under ``jax.profiler.trace``; the trace directory.
 
     Each step is wrapped in a ``StepTraceAnnotation`` so that viewers can mark the steps.
     """
     positive_int("steps", steps)
     log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="jaxdist-trace-"))
-    jax.block_until_ready(fn(*args))  # compile outside the trace: we profile steady-state steps
+    jax.block_until_ready(
+        fn(*args)
+    )  # compile outside the trace: we profile steady-state steps
     with jax.profiler.trace(str(log_dir)):
         for step in range(steps):
             with jax.profiler.StepTraceAnnotation("step", step_num=step):
@@ -72,8 +76,10 @@ def trace_files(log_dir: str | pathlib.Path) -> dict[str, pathlib.Path]:
     """The newest run's files under ``log_dir``: ``{'trace.json.gz': ..., 'xplane.pb': ...}``, those it has."""
     runs = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/"))
     if not runs:
-        raise FileNotFoundError(f"no profile under {log_dir}: expected plugins/profile/<run>/ written by "
-                                "jax.profiler.trace(log_dir)")
+        raise FileNotFoundError(
+            f"no profile under {log_dir}: expected plugins/profile/<run>/ written by "
+            "jax.profiler.trace(log_dir)"
+        )
     files = {}
     for suffix in ("trace.json.gz", "xplane.pb"):
         found = sorted(runs[-1].glob(f"*.{suffix}"))
@@ -87,7 +93,9 @@ def trace_file(log_dir: str | pathlib.Path, suffix: str) -> pathlib.Path:
     files = trace_files(log_dir)
     if suffix not in files:
         found = ", ".join(p.name for p in files.values()) or "neither"
-        raise FileNotFoundError(f"the newest profile under {log_dir} has no *.{suffix} (it has {found})")
+        raise FileNotFoundError(
+            f"the newest profile under {log_dir} has no *.{suffix} (it has {found})"
+        )
     return files[suffix]
 
 
@@ -103,9 +111,15 @@ def read_trace(path: str | pathlib.Path) -> list[OpEvent]:
         args = e.get("args", {})
         # Complete events ('X') with an hlo_op are XLA running an instruction; the rest are host-side.
         if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end: "):
-            events.append(OpEvent(op=args["hlo_op"], module=args.get("hlo_module", ""),
-                                  device=int(args.get("device_ordinal", -1)), start_us=float(e["ts"]),
-                                  duration_us=float(e.get("dur", 0.0))))
+            events.append(
+                OpEvent(
+                    op=args["hlo_op"],
+                    module=args.get("hlo_module", ""),
+                    device=int(args.get("device_ordinal", -1)),
+                    start_us=float(e["ts"]),
+                    duration_us=float(e.get("dur", 0.0)),
+                )
+            )
     return sorted(events, key=lambda e: e.start_us)
 
 
@@ -120,9 +134,15 @@ def read_xplane(path: str | pathlib.Path) -> list[OpEvent]:
             for e in line.events:
                 stats = dict(e.stats)
                 if "hlo_op" in stats:
-                    events.append(OpEvent(op=stats["hlo_op"], module=stats.get("hlo_module", ""),
-                                          device=int(stats.get("device_ordinal", -1)), start_us=e.start_ns / 1e3,
-                                          duration_us=e.duration_ns / 1e3))
+                    events.append(
+                        OpEvent(
+                            op=stats["hlo_op"],
+                            module=stats.get("hlo_module", ""),
+                            device=int(stats.get("device_ordinal", -1)),
+                            start_us=e.start_ns / 1e3,
+                            duration_us=e.duration_ns / 1e3,
+                        )
+                    )
     return sorted(events, key=lambda e: e.start_us)
 
 
@@ -134,9 +154,18 @@ def op_table(events: Iterable[OpEvent]) -> list[list[Any]]:
         totals[e.module, e.op] += e.duration_us
         runs[e.module, e.op] += 1
     everything = sum(totals.values()) or 1.0
-    return [[module, op, op_kind(op), runs[module, op], total / 1e3, total / runs[module, op],
-             f"{total / everything:.1%}"]
-            for (module, op), total in sorted(totals.items(), key=lambda kv: -kv[1])]
+    return [
+        [
+            module,
+            op,
+            op_kind(op),
+            runs[module, op],
+            total / 1e3,
+            total / runs[module, op],
+            f"{total / everything:.1%}",
+        ]
+        for (module, op), total in sorted(totals.items(), key=lambda kv: -kv[1])
+    ]
 
 
 OP_TABLE_HEADERS = ["program", "HLO op", "kind", "runs", "total ms", "mean us", "share"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 VERDICTS = {
     "runs": "runs as written and is correct",
@@ -49,17 +50,27 @@ class Entry:
     given: str = ""  # definitions the article leaves out, each marked in the code
     article: str = ""  # the article's code as written; empty for a claim in prose
     shell: bool = False  # the article's code is a shell command: shown, not run as Python
-    applied: bool = False  # ``article`` is the article's prose advice applied by us, not its code
-    error: tuple[str, str] | None = None  # (exception class name, regex its message matches)
+    applied: bool = (
+        False  # ``article`` is the article's prose advice applied by us, not its code
+    )
+    error: tuple[str, str] | None = (
+        None  # (exception class name, regex its message matches)
+    )
     fix: str = ""  # the corrected version, or the check of the claim: runs and asserts
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
-            raise ValueError(f"{self.key}: verdict {self.verdict!r} is not one of {sorted(VERDICTS)}")
+            raise ValueError(
+                f"{self.key}: verdict {self.verdict!r} is not one of {sorted(VERDICTS)}"
+            )
         if self.chapter not in CHAPTERS:
-            raise ValueError(f"{self.key}: chapter {self.chapter!r} is not one of {sorted(CHAPTERS)}")
+            raise ValueError(
+                f"{self.key}: chapter {self.chapter!r} is not one of {sorted(CHAPTERS)}"
+            )
         if self.error and (not self.article or self.shell):
-            raise ValueError(f"{self.key}: only Python article code can have an expected error")
+            raise ValueError(
+                f"{self.key}: only Python article code can have an expected error"
+            )
 
     @property
     def code_cells(self) -> list[str]:
@@ -119,9 +130,12 @@ print(
 devices = jax.devices()  # 获取所有可用设备
 mesh = Mesh(devices, ('data', 'model'))  # 创建2D网格
 """,
-        error=("ValueError", r"Mesh requires the ndim of its first argument \(`devices`\) to equal the "
-                             r"length of its second argument \(`axis_names`\), but got devices.ndim == 1 "
-                             r"and len\(axis_names\) == 2"),
+        error=(
+            "ValueError",
+            r"Mesh requires the ndim of its first argument \(`devices`\) to equal the "
+            r"length of its second argument \(`axis_names`\), but got devices.ndim == 1 "
+            r"and len\(axis_names\) == 2",
+        ),
         fix="""\
 shape = mesh_shape(n, data=-1, model=2)  # (4, 2) on 8 devices
 mesh = jax.make_mesh(shape, ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -247,7 +261,7 @@ for name, grads in [
     Entry(
         key="auto-sync",
         section="§2.3",
-        title="\"pmap and pjit synchronise gradients automatically\"",
+        title='"pmap and pjit synchronise gradients automatically"',
         verdict="false",
         chapter="04_gradients",
         fix="""\
@@ -262,7 +276,7 @@ print("jax has pjit:", hasattr(jax, 'pjit'))
     Entry(
         key="pip-cuda11",
         section="§3.1",
-        title="`pip install \"jax[cuda11_pip]\" -f ...`",
+        title='`pip install "jax[cuda11_pip]" -f ...`',
         verdict="fails",
         chapter="01_why_distribute",
         shell=True,
@@ -320,8 +334,11 @@ ResNet50 = functools.partial(resnet.ResNet50, num_classes=10, width=0.125)
         article="""\
 state = create_train_state(rng, input_shape)  # given: the call, again
 """,
-        error=("IndivisibleError", r"implies that array axis 0 is partitioned 2 times, but the dimension "
-                                   r"size is \d+ \(full shape: \(\d+, \d+, \d+, \d+\)"),
+        error=(
+            "IndivisibleError",
+            r"implies that array axis 0 is partitioned 2 times, but the dimension "
+            r"size is \d+ \(full shape: \(\d+, \d+, \d+, \d+\)",
+        ),
         fix="""\
 variables = jax.eval_shape(ResNet50().init, rng, jnp.ones(input_shape))
 leaves = jax.tree.leaves(variables)
@@ -384,8 +401,11 @@ batch = {  # given: the article never defines a batch
         article="""\
 state = train_step(state, batch)  # given: one step, as §3.3 runs it
 """,
-        error=("ModifyScopeVariableError", r'Cannot update variable "mean" in "/bn_init" because '
-                                           r'collection "batch_stats" is immutable'),
+        error=(
+            "ModifyScopeVariableError",
+            r'Cannot update variable "mean" in "/bn_init" because '
+            r'collection "batch_stats" is immutable',
+        ),
         fix="""\
 print("init returned the collections:", list(state.params))  # params AND batch_stats
 
@@ -411,7 +431,10 @@ def train_step(state, batch):
         article="""\
 state = train_step(state, batch)  # given: one step, as §3.3 runs it
 """,
-        error=("ValueError", r"Incompatible shapes for broadcasting: shapes=\[\(\d+,\), \(\d+, 10\)\]"),
+        error=(
+            "ValueError",
+            r"Incompatible shapes for broadcasting: shapes=\[\(\d+,\), \(\d+, 10\)\]",
+        ),
         fix="""\
 logits = jax.random.normal(jax.random.key(2), (2 * n, 10))
 labels = batch['label']
@@ -483,7 +506,7 @@ assert losses[-1] < losses[0]
     Entry(
         key="with-sharding-constraint",
         section="§4.1",
-        title="\"use `with_sharding_constraint` to control communication\"",
+        title='"use `with_sharding_constraint` to control communication"',
         verdict="misleading",
         chapter="06_performance",
         applied=True,
@@ -503,8 +526,11 @@ jax.jit(
     )
 )(x)
 """,
-        error=("ValueError", r"The spec of NamedSharding passed to with_sharding_constraint can only "
-                             r"refer to Auto axes of the mesh"),
+        error=(
+            "ValueError",
+            r"The spec of NamedSharding passed to with_sharding_constraint can only "
+            r"refer to Auto axes of the mesh",
+        ),
         fix="""\
 with jax.set_mesh(explicit):  # Explicit axes: reshard
     y = jax.jit(lambda x: jax.sharding.reshard(x * 2, P('data', 'model')))(x)
@@ -523,7 +549,7 @@ assert z.sharding.shard_shape(z.shape) == y.sharding.shard_shape(y.shape) == blo
     Entry(
         key="gradient-accumulation",
         section="§4.1",
-        title="\"gradient accumulation reduces sync frequency\"",
+        title='"gradient accumulation reduces sync frequency"',
         verdict="misleading",
         chapter="06_performance",
         fix="""\
@@ -553,7 +579,7 @@ for name, variant in accumulate.VARIANTS.items():
     Entry(
         key="mixed-precision-comms",
         section="§4.1",
-        title="\"mixed precision reduces communication\"",
+        title='"mixed precision reduces communication"',
         verdict="misleading",
         chapter="06_performance",
         fix="""\
@@ -613,7 +639,7 @@ print(f"compiled instructions with the inner jit: {inner_jit}, without: {plain}"
     Entry(
         key="remat",
         section="§4.3",
-        title="\"use `jax.checkpoint` (rematerialisation)\"",
+        title='"use `jax.checkpoint` (rematerialisation)"',
         verdict="runs",
         chapter="06_performance",
         fix="""\
@@ -644,7 +670,7 @@ print(
     Entry(
         key="shard-optimizer-state",
         section="§4.3",
-        title="\"shard the optimizer state\"",
+        title='"shard the optimizer state"',
         verdict="runs",
         chapter="06_performance",
         fix="""\
@@ -666,7 +692,7 @@ print(f"Adam's first moment {mu.shape}, spec {mu.sharding.spec}: each device kee
     Entry(
         key="clipping-memory",
         section="§4.3",
-        title="\"gradient clipping controls memory\"",
+        title='"gradient clipping controls memory"',
         verdict="false",
         chapter="06_performance",
         fix="""\
@@ -717,8 +743,11 @@ odd_batch = jnp.zeros((n + 1, 3))  # given: a batch that does not divide by the 
         article="""\
 jax.device_put(odd_batch, NamedSharding(data_mesh, P('data')))
 """,
-        error=("IndivisibleError", r"implies that array axis 0 is partitioned \d+ times, but the "
-                                   r"dimension size is \d+"),
+        error=(
+            "IndivisibleError",
+            r"implies that array axis 0 is partitioned \d+ times, but the "
+            r"dimension size is \d+",
+        ),
         fix="""\
 batch_rows = odd_batch.shape[0]
 padded = (
@@ -735,7 +764,7 @@ print(
     Entry(
         key="check-jax-versions",
         section="§5.1",
-        title="\"check that all devices run the same JAX version\"",
+        title='"check that all devices run the same JAX version"',
         verdict="false",
         chapter="07_troubleshooting",
         fix="""\
@@ -779,7 +808,7 @@ assert before[2] == after[2] and before[1] != after[1]
     Entry(
         key="profiler",
         section="§5.3",
-        title="\"use `jax.profiler`\"",
+        title='"use `jax.profiler`"',
         verdict="runs",
         chapter="07_troubleshooting",
         fix="""\
@@ -889,7 +918,10 @@ tokens = jnp.ones((2 * n, 512))  # given: an input,
 variables = Transformer().init(rng, tokens)  # given: init,
 Transformer().apply(variables, tokens) + 1  # given: and a use of the output
 """,
-        error=("TypeError", r"unsupported operand type\(s\) for \+: 'Partitioned' and 'int'"),
+        error=(
+            "TypeError",
+            r"unsupported operand type\(s\) for \+: 'Partitioned' and 'int'",
+        ),
         fix="""\
 print(
     "the kernel's spec from the article's form:", nn.get_partition_spec(variables)['params']
@@ -931,12 +963,25 @@ print(
 # The article's own code, in order: what `undefined_names` reads.
 ARTICLE_SNIPPETS: tuple[str, ...] = tuple(
     "\n".join(line for line in e.article.splitlines() if "# given" not in line)
-    for e in ENTRIES if e.article and not (e.shell or e.applied)
+    for e in ENTRIES
+    if e.article and not (e.shell or e.applied)
 )
 
 # Names the article uses as if imported: its code never shows its imports.
-ASSUMED_IMPORTS = frozenset({"jax", "jnp", "np", "functools", "optax", "flax", "train_state",
-                             "Mesh", "NamedSharding", "P"})
+ASSUMED_IMPORTS = frozenset(
+    {
+        "jax",
+        "jnp",
+        "np",
+        "functools",
+        "optax",
+        "flax",
+        "train_state",
+        "Mesh",
+        "NamedSharding",
+        "P",
+    }
+)
 
 
 def entry(key: str) -> Entry:
@@ -948,38 +993,61 @@ def entry(key: str) -> Entry:
 
 
 def _names(node: ast.AST, context: type) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, context)}
+    return {
+        n.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, context)
+    }
 
 
 def _bound_inside(node: ast.AST) -> set[str]:
     """Names a definition binds for its own body: arguments, assignments, nested definitions."""
-    bound = _names(node, (ast.Store, ast.Del)) | {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
-    return bound | {d.name for d in ast.walk(node) if isinstance(d, (ast.FunctionDef, ast.ClassDef))}
+    bound = _names(node, (ast.Store, ast.Del)) | {
+        a.arg for a in ast.walk(node) if isinstance(a, ast.arg)
+    }
+    return bound | {
+        d.name for d in ast.walk(node) if isinstance(d, (ast.FunctionDef, ast.ClassDef))
+    }
 
 
 def _bound_before_use(node: ast.AST) -> set[str]:
     """Names a statement binds before its own code reads them: loop and ``with`` targets, arguments."""
-    targets = [t for n in ast.walk(node) for t in (
-        [n.target] if isinstance(n, (ast.For, ast.comprehension)) else
-        [n.optional_vars] if isinstance(n, ast.withitem) and n.optional_vars else [])]
+    targets = [
+        t
+        for n in ast.walk(node)
+        for t in (
+            [n.target]
+            if isinstance(n, (ast.For, ast.comprehension))
+            else [n.optional_vars]
+            if isinstance(n, ast.withitem) and n.optional_vars
+            else []
+        )
+    ]
     return {name for t in targets for name in _names(t, ast.Store)} | {
-        a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
+        a.arg for a in ast.walk(node) if isinstance(a, ast.arg)
+    }
 
 
-def undefined_names(snippets: Iterable[str], assumed: Iterable[str] = ASSUMED_IMPORTS) -> list[str]:
+def undefined_names(
+    snippets: Iterable[str], assumed: Iterable[str] = ASSUMED_IMPORTS
+) -> list[str]:
     """Names the snippets, run in order, read before binding (beyond builtins and ``assumed`` imports).
 
     A function's body runs later, so its free names only need binding somewhere in the snippets.
     """
     bound_so_far = set(assumed) | set(dir(builtins))
     early_reads: set[str] = set()  # read by top-level code before any binding
-    free_in_functions: set[str] = set()  # read by function bodies, bound nowhere inside them
+    free_in_functions: set[str] = (
+        set()
+    )  # read by function bodies, bound nowhere inside them
     for statement in (s for snippet in snippets for s in ast.parse(snippet).body):
         if isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
             free_in_functions |= _names(statement, ast.Load) - _bound_inside(statement)
             bound_so_far.add(statement.name)
         else:
-            early_reads |= _names(statement, ast.Load) - bound_so_far - _bound_before_use(statement)
+            early_reads |= (
+                _names(statement, ast.Load) - bound_so_far - _bound_before_use(statement)
+            )
             bound_so_far |= _names(statement, ast.Store)
     return sorted(early_reads | (free_in_functions - bound_so_far))
 
@@ -1004,14 +1072,19 @@ def counts() -> dict[str, int]:
 def chapter_link(chapter: str, existing: Iterable[str]) -> str:
     """A Markdown link to ``chapter`` if its notebook is in ``existing``, else its title."""
     title = CHAPTERS[chapter]
-    return f"[{title}]({chapter}.ipynb)" if chapter in set(existing) else f"{title} (to come)"
+    return f"[{title}]({chapter}.md)" if chapter in set(existing) else f"{title} (to come)"
 
 
 def verdict_markdown(existing: Iterable[str]) -> str:
     """The appendix's opening table: section, snippet or claim, verdict, and where the book fixes it."""
     existing = set(existing)
-    rows = ["| § | snippet or claim | verdict | where the book fixes it |", "|---|---|---|---|"]
+    rows = [
+        "| § | snippet or claim | verdict | where the book fixes it |",
+        "|---|---|---|---|",
+    ]
     for e in ENTRIES:
-        rows.append(f"| {e.section} | [{e.title}](#{e.key}) | **{e.verdict}** | "
-                    f"{chapter_link(e.chapter, existing)} |")
+        rows.append(
+            f"| {e.section} | [{e.title}](#{e.key}) | **{e.verdict}** | "
+            f"{chapter_link(e.chapter, existing)} |"
+        )
     return "\n".join(rows)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 class ShardingError(ValueError):
@@ -35,31 +37,40 @@ def check_spec(shape: Sequence[int], mesh: Mesh, spec: P, name: str = "array") -
     if len(spec) > len(shape):
         raise ShardingError(
             f"{name}: spec {spec} has {len(spec)} entries but the array has rank {len(shape)} {shape}: "
-            "a spec has at most one entry per array dimension")
+            "a spec has at most one entry per array dimension"
+        )
     used: list[str] = []
     for dim, entry in enumerate(spec):
         axes = _entry_axes(entry)
         for axis in axes:
             if axis not in mesh.shape:
-                raise ShardingError(f"{name}: spec {spec} names axis {axis!r}, which is not in the mesh "
-                                    f"{dict(mesh.shape)}: use one of {tuple(mesh.axis_names)}")
+                raise ShardingError(
+                    f"{name}: spec {spec} names axis {axis!r}, which is not in the mesh "
+                    f"{dict(mesh.shape)}: use one of {tuple(mesh.axis_names)}"
+                )
             if axis in used:
-                raise ShardingError(f"{name}: spec {spec} uses mesh axis {axis!r} twice; each mesh axis "
-                                    "can split at most one array dimension")
+                raise ShardingError(
+                    f"{name}: spec {spec} uses mesh axis {axis!r} twice; each mesh axis "
+                    "can split at most one array dimension"
+                )
             used.append(axis)
         ways = math.prod(mesh.shape[a] for a in axes)
         if shape[dim] % ways:
             raise ShardingError(
                 f"{name}: dimension {dim} of shape {shape} has size {shape[dim]}, which {ways} devices "
                 f"(axes {axes}) cannot split evenly: drop the remainder, pad it to a multiple of {ways}, "
-                f"or leave it unsharded (None) in the spec")
+                f"or leave it unsharded (None) in the spec"
+            )
 
 
 def shard_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...]:
     """The shape of the block each device holds, computed from the spec alone."""
     check_spec(shape, mesh, spec)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    return tuple(size // math.prod(mesh.shape[a] for a in _entry_axes(e)) for size, e in zip(shape, entries))
+    return tuple(
+        size // math.prod(mesh.shape[a] for a in _entry_axes(e))
+        for size, e in zip(shape, entries)
+    )
 
 
 def replicas(mesh: Mesh, spec: P) -> int:
@@ -90,11 +101,16 @@ def shard_shapes(array: jax.Array) -> dict[int, tuple[int, ...]]:
     return {shard.device.id: tuple(shard.data.shape) for shard in array.addressable_shards}
 
 
-def blocks(shape: Sequence[int], sharding: jax.sharding.Sharding) -> dict[tuple[tuple[int, int], ...], list[int]]:
+def blocks(
+    shape: Sequence[int], sharding: jax.sharding.Sharding
+) -> dict[tuple[tuple[int, int], ...], list[int]]:
     """Each distinct block, as ``((start, stop), ...)`` per dimension, with the ids of the devices holding it."""
     held: dict[tuple[tuple[int, int], ...], list[int]] = {}
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        key = tuple((s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, shape))
+        key = tuple(
+            (s.start or 0, size if s.stop is None else s.stop)
+            for s, size in zip(index, shape)
+        )
         held.setdefault(key, []).append(device.id)
     return {key: sorted(ids) for key, ids in sorted(held.items())}
 
@@ -137,15 +153,21 @@ def specs_from_rules(tree: Any, mesh: Mesh, rules: Rules, default: P | None = P(
     Every spec is checked against its leaf's shape and the mesh, so a bad rule fails here,
     with the leaf's path in the message, rather than deep inside ``device_put`` or ``jit``.
     """
+
     def leaf_spec(path, leaf):
         name = path_name(path)
         spec = spec_for(name, rules, default)
         check_spec(leaf.shape, mesh, spec, name=name)
         return spec
+
     return jax.tree_util.tree_map_with_path(leaf_spec, tree)
 
 
-def shardings_from_rules(tree: Any, mesh: Mesh, rules: Rules, default: P | None = P()) -> Any:
+def shardings_from_rules(
+    tree: Any, mesh: Mesh, rules: Rules, default: P | None = P()
+) -> Any:
     """``specs_from_rules`` turned into ``NamedSharding``s, ready for ``device_put`` or ``jit(out_shardings=...)``."""
     specs = specs_from_rules(tree, mesh, rules, default)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import html
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class Table:
     """Rows under headers. ``print(table)`` gives aligned text; notebooks show an HTML table."""
 
-    def __init__(self, headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""):
+    def __init__(
+        self, headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
+    ):
         self.headers = [str(h) for h in headers]
         self.rows = [[_cell(v) for v in row] for row in rows]
         bad = [row for row in self.rows if len(row) != len(self.headers)]
@@ -31,11 +34,14 @@ class Table:
         cell = 'style="padding: 2px 12px; text-align: right"'
         head = "".join(f"<th {cell}>{html.escape(h)}</th>" for h in self.headers)
         body = "".join(
-            "<tr>" + "".join(f"<td {cell}>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td {cell}>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in self.rows
         )
         caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
-        return (f'<table style="border-collapse: collapse">{caption}<thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
+        return (
+            f'<table style="border-collapse: collapse">{caption}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>"
+        )
 
 
 def _cell(value: Any) -> str:
@@ -48,7 +54,11 @@ def _cell(value: Any) -> str:
 
 def human_bytes(n: float, binary: bool = False) -> str:
     """``700 GB`` (powers of 1000) or, with ``binary=True``, ``651.9 GiB`` (powers of 1024)."""
-    base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]) if binary else (1000, ["B", "kB", "MB", "GB", "TB", "PB"])
+    base, units = (
+        (1024, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"])
+        if binary
+        else (1000, ["B", "kB", "MB", "GB", "TB", "PB"])
+    )
     value, unit = float(n), units[0]
     for unit in units:
         if abs(value) < base or unit == units[-1]:

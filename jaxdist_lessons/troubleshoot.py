@@ -45,7 +45,11 @@ class BatchError(sharding_lib.ShardingError):
 
 def _batch_ways(mesh: Mesh, spec: P) -> int:
     """How many pieces ``spec`` cuts the leading (batch) dimension into."""
-    return math.prod(mesh.shape[a] for a in sharding_lib._entry_axes(spec[0])) if len(spec) else 1
+    return (
+        math.prod(mesh.shape[a] for a in sharding_lib._entry_axes(spec[0]))
+        if len(spec)
+        else 1
+    )
 
 
 def batch_size(batch: Any) -> int:
@@ -53,14 +57,22 @@ def batch_size(batch: Any) -> int:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise BatchError("the batch has no arrays in it")
-    sizes = {sharding_lib.path_name(path) or "batch": np.shape(leaf)[0] if np.ndim(leaf) else None
-             for path, leaf in leaves}
+    sizes = {
+        sharding_lib.path_name(path) or "batch": np.shape(leaf)[0]
+        if np.ndim(leaf)
+        else None
+        for path, leaf in leaves
+    }
     scalars = [name for name, size in sizes.items() if size is None]
     if scalars:
-        raise BatchError(f"every array of a batch needs a leading (batch) axis; {', '.join(scalars)} "
-                         f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}")
+        raise BatchError(
+            f"every array of a batch needs a leading (batch) axis; {', '.join(scalars)} "
+            f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}"
+        )
     if len(set(sizes.values())) > 1:
-        raise BatchError(f"the arrays of a batch must share their leading (batch) size, got {sizes}")
+        raise BatchError(
+            f"the arrays of a batch must share their leading (batch) size, got {sizes}"
+        )
     return next(iter(sizes.values()))
 
 
@@ -86,12 +98,15 @@ def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
                 f"{name}: a batch of {size} does not split over the {ways} devices of mesh axes "
                 f"{spec[0]!r} (mesh {dict(mesh.shape)}). Fix: pad it to {up} and mask the padding "
                 f"(troubleshoot.pad_batch), or drop the remainder to {down} "
-                "(troubleshoot.drop_remainder, or drop_remainder=True in the input pipeline)")
+                "(troubleshoot.drop_remainder, or drop_remainder=True in the input pipeline)"
+            )
         sharding_lib.check_spec(np.shape(leaf), mesh, spec, name=name)
 
 
 def _names_ok(mesh: Mesh, spec: P) -> bool:
-    return all(axis in mesh.shape for entry in spec for axis in sharding_lib._entry_axes(entry))
+    return all(
+        axis in mesh.shape for entry in spec for axis in sharding_lib._entry_axes(entry)
+    )
 
 
 def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
@@ -103,7 +118,9 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
     positive_int("multiple", multiple)
     size = batch_size(batch)
     padded = -(-size // multiple) * multiple
-    pad = lambda x: np.concatenate([np.asarray(x), np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype)])
+    pad = lambda x: np.concatenate(
+        [np.asarray(x), np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype)]
+    )
     mask = (np.arange(padded) < size).astype(np.float32)
     return jax.tree.map(pad, batch), mask
 
@@ -113,7 +130,9 @@ def drop_remainder(batch: Any, multiple: int) -> Any:
     positive_int("multiple", multiple)
     size = batch_size(batch)
     if size < multiple:
-        raise BatchError(f"a batch of {size} has no full slice of {multiple}: nothing would be left")
+        raise BatchError(
+            f"a batch of {size} has no full slice of {multiple}: nothing would be left"
+        )
     return jax.tree.map(lambda x: x[: size // multiple * multiple], batch)
 
 
@@ -153,9 +172,11 @@ class RecompileError(RuntimeError):
     """A jitted function compiled more often than allowed inside ``count_compiles(..., limit=...)``."""
 
 
-_PMAP_FIX = ("reshape the batch to (devices, per_device, ...) (gradients.split_batch, after padding it to a "
-             "multiple of the devices or dropping the remainder), replicate the parameters along a leading device "
-             "axis, or better: use jax.jit with shardings")
+_PMAP_FIX = (
+    "reshape the batch to (devices, per_device, ...) (gradients.split_batch, after padding it to a "
+    "multiple of the devices or dropping the remainder), replicate the parameters along a leading device "
+    "axis, or better: use jax.jit with shardings"
+)
 
 # Patterns quote the real messages of jax 0.10.2: if an upgrade rewords one, the tests fail.
 KNOWN_ERRORS: tuple[KnownError, ...] = (
@@ -338,7 +359,9 @@ def explain(exc: BaseException) -> Explanation:
         match = re.search(entry.pattern, message, flags=re.DOTALL)
         if match:
             groups = match.groupdict()
-            return Explanation(entry.title, entry.cause.format(**groups), entry.fix.format(**groups))
+            return Explanation(
+                entry.title, entry.cause.format(**groups), entry.fix.format(**groups)
+            )
     first_line = message.strip().splitlines()[0] if message.strip() else "(no message)"
     return Explanation(
         f"unknown {type(exc).__name__}",
@@ -371,8 +394,10 @@ def device_budget(device: Any, usable_fraction: float = 1.0) -> float:
         return float(device) * usable_fraction
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
-        raise ValueError(f"{device} reports no memory limit (the CPU never does): pass the budget in bytes "
-                         "or an accelerator name such as 'H100 80GB'")
+        raise ValueError(
+            f"{device} reports no memory limit (the CPU never does): pass the budget in bytes "
+            "or an accelerator name such as 'H100 80GB'"
+        )
     return stats["bytes_limit"] * usable_fraction
 
 
@@ -397,18 +422,25 @@ class Fit:
 
     def __str__(self) -> str:
         verdict = "fits" if self.ok else "does NOT fit"
-        return (f"{self.what + ': ' if self.what else ''}{human_bytes(self.needed)} per device {verdict} in "
-                f"{human_bytes(self.budget)} (headroom {human_bytes(self.headroom)})")
+        return (
+            f"{self.what + ': ' if self.what else ''}{human_bytes(self.needed)} per device {verdict} in "
+            f"{human_bytes(self.budget)} (headroom {human_bytes(self.headroom)})"
+        )
 
     def check(self) -> Fit:
         """``self`` if it fits; otherwise ``OutOfMemoryError`` with the largest parts and the levers."""
         if self.ok:
             return self
-        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v)
+        parts = ", ".join(
+            f"{k} {human_bytes(v)}"
+            for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1])
+            if v
+        )
         raise OutOfMemoryError(
             f"{self}. Largest parts: {parts}. Levers: a smaller per-device batch or remat (activations), "
             "sharding the parameters, gradients and optimizer state (zero1/zero2/fsdp), donating the "
-            "state to the step, bf16")
+            "state to the step, bf16"
+        )
 
 
 def fits(
@@ -432,15 +464,29 @@ def fits(
     total = dataclasses.replace(state, activations=float(activation_bytes))
     share = memory.per_device(total, strategy, count)
     parts = {k: v for k, v in share.as_dict().items() if k != "total"}
-    return Fit(share.total, device_budget(budget, usable_fraction), parts,
-               what=f"{strategy} over {count} device{'s' if count > 1 else ''}, {optimizer}, {precision}")
+    return Fit(
+        share.total,
+        device_budget(budget, usable_fraction),
+        parts,
+        what=f"{strategy} over {count} device{'s' if count > 1 else ''}, {optimizer}, {precision}",
+    )
 
 
-def compiled_fits(stats: compiled.CompiledStats, budget: Any, usable_fraction: float = 1.0) -> Fit:
+def compiled_fits(
+    stats: compiled.CompiledStats, budget: Any, usable_fraction: float = 1.0
+) -> Fit:
     """The compiler's own figures for one device (arguments, outputs, temporaries, less aliasing) against a budget."""
-    parts = {"arguments": stats.argument_bytes, "outputs": stats.output_bytes - stats.alias_bytes,
-             "temporaries": stats.temp_bytes}
-    return Fit(stats.live_bytes, device_budget(budget, usable_fraction), parts, what="compiled program")
+    parts = {
+        "arguments": stats.argument_bytes,
+        "outputs": stats.output_bytes - stats.alias_bytes,
+        "temporaries": stats.temp_bytes,
+    }
+    return Fit(
+        stats.live_bytes,
+        device_budget(budget, usable_fraction),
+        parts,
+        what="compiled program",
+    )
 
 
 # --- A compile counter ---------------------------------------------------------------------
@@ -466,7 +512,11 @@ class CompileCounter:
     @property
     def compiles(self) -> int:
         """Backend compilations of the watched function (of every function when no name was given)."""
-        return len(self.compiled) if self.name is None else self.compiled.count(f"jit({self.name})")
+        return (
+            len(self.compiled)
+            if self.name is None
+            else self.compiled.count(f"jit({self.name})")
+        )
 
     def _listen(self, event: str, duration: float, fun_name: str = "", **_: Any) -> None:
         if event == TRACE_EVENT:
@@ -480,12 +530,16 @@ def _function_name(fn: Callable | str | None) -> str | None:
         return fn
     name = getattr(fn, "__name__", None)
     if name is None:
-        raise TypeError(f"cannot tell the name of {fn!r}: pass the function's name as a string")
+        raise TypeError(
+            f"cannot tell the name of {fn!r}: pass the function's name as a string"
+        )
     return name
 
 
 @contextlib.contextmanager
-def count_compiles(fn: Callable | str | None = None, limit: int | None = None) -> Iterator[CompileCounter]:
+def count_compiles(
+    fn: Callable | str | None = None, limit: int | None = None
+) -> Iterator[CompileCounter]:
     """Count the traces and compilations of ``fn`` (a jitted function or its name; all if None) in the block.
 
     Functions are matched by name, as ``jax.monitoring`` reports them: two functions called
@@ -506,7 +560,8 @@ def count_compiles(fn: Callable | str | None = None, limit: int | None = None) -
             f"{counter.name or 'the block'} compiled {counter.compiles} times (limit {limit}): its arguments "
             "changed shape, dtype or sharding between calls, or a static argument changed value. Fix: keep "
             "shapes fixed (pad or drop the last batch); run under jax.explain_cache_misses(True) to see "
-            "what changed")
+            "what changed"
+        )
 
 
 # --- Out-of-memory levers, measured ---------------------------------------------------------
@@ -535,7 +590,9 @@ class DeepMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:  # train: as gradients.loss_fn calls it
+    def __call__(
+        self, x: jax.Array, train: bool = True
+    ) -> jax.Array:  # train: as gradients.loss_fn calls it
         block = nn.remat(_Block) if self.remat else _Block
         for _ in range(self.depth):
             x = block(self.width, self.dtype)(x)
@@ -565,40 +622,74 @@ def lever_state(lever: Lever, width: int = 128, depth: int = 8) -> tuple[Any, An
     """The shapes (``ShapeDtypeStruct``s, nothing allocated) of ``DeepMLP``'s parameters and Adam state."""
     dtype = jnp.dtype(lever.dtype)
     model = DeepMLP(width, depth, lever.remat, dtype)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((1, width), dtype))["params"])
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.ones((1, width), dtype))["params"]
+    )
     return params, jax.eval_shape(LEVER_OPTIMIZER.init, params)
 
 
-def lever_batch(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128) -> tuple[Any, Any]:
+def lever_batch(
+    lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128
+) -> tuple[Any, Any]:
     """The shapes of one global batch (inputs, labels): ``per_device_batch`` rows for each device of ``axis``."""
-    global_batch = positive_int("per_device_batch", lever.per_device_batch) * mesh.shape[axis]
-    return (jax.ShapeDtypeStruct((global_batch, width), jnp.dtype(lever.dtype)),
-            jax.ShapeDtypeStruct((global_batch,), jnp.int32))
+    global_batch = (
+        positive_int("per_device_batch", lever.per_device_batch) * mesh.shape[axis]
+    )
+    return (
+        jax.ShapeDtypeStruct((global_batch, width), jnp.dtype(lever.dtype)),
+        jax.ShapeDtypeStruct((global_batch,), jnp.int32),
+    )
 
 
-def step_program(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8) -> jax.stages.Compiled:
+def step_program(
+    lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8
+) -> jax.stages.Compiled:
     """Compile (never run) one Adam step of ``DeepMLP`` set up as ``lever`` says, with ``zero.make_step``."""
     model = DeepMLP(width, depth, lever.remat, jnp.dtype(lever.dtype))
     params, opt_state = lever_state(lever, width, depth)
-    step = zero.make_step(lever.strategy, lambda p, batch: gradients.loss_fn(model, p, {}, batch)[0],
-                          LEVER_OPTIMIZER, mesh, params, opt_state, axis=axis, donate=lever.donate)
+    step = zero.make_step(
+        lever.strategy,
+        lambda p, batch: gradients.loss_fn(model, p, {}, batch)[0],
+        LEVER_OPTIMIZER,
+        mesh,
+        params,
+        opt_state,
+        axis=axis,
+        donate=lever.donate,
+    )
 
     def placed(tree: Any, specs: Any) -> Any:
-        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-                            tree, specs)
+        return jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+            ),
+            tree,
+            specs,
+        )
 
-    return step.lower(placed(params, zero.param_specs(lever.strategy, params, mesh, axis)),
-                      placed(opt_state, zero.opt_state_specs(lever.strategy, opt_state, mesh, axis)),
-                      placed(lever_batch(lever, mesh, axis, width), (P(axis), P(axis)))).compile()
+    return step.lower(
+        placed(params, zero.param_specs(lever.strategy, params, mesh, axis)),
+        placed(opt_state, zero.opt_state_specs(lever.strategy, opt_state, mesh, axis)),
+        placed(lever_batch(lever, mesh, axis, width), (P(axis), P(axis))),
+    ).compile()
 
 
-def step_memory(lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8) -> compiled.CompiledStats:
+def step_memory(
+    lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8
+) -> compiled.CompiledStats:
     """The compiler's figures per device for ``step_program``: arguments, outputs, temporaries, aliasing."""
     return compiled.stats(step_program(lever, mesh, axis, width, depth))
 
 
-def random_init_memory(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[compiled.CompiledStats, str]:
+def random_init_memory(
+    shape: Sequence[int], mesh: Mesh, spec: P
+) -> tuple[compiled.CompiledStats, str]:
     """Compile a sharded ``jax.random.normal`` init under the current PRNG flags: its figures and its key's type."""
-    key = jax.random.PRNGKey(0)  # the legacy constructor: its type is what jax_enable_custom_prng changes
-    init = jax.jit(lambda k: jax.random.normal(k, tuple(shape)), out_shardings=NamedSharding(mesh, spec))
+    key = jax.random.PRNGKey(
+        0
+    )  # the legacy constructor: its type is what jax_enable_custom_prng changes
+    init = jax.jit(
+        lambda k: jax.random.normal(k, tuple(shape)),
+        out_shardings=NamedSharding(mesh, spec),
+    )
     return compiled.compiled_stats(init, key), str(jax.typeof(key))

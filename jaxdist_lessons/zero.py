@@ -102,8 +102,12 @@ def _dim(spec: P) -> int | None:
     return next((d for d, entry in enumerate(spec) if entry is not None), None)
 
 
-def _by_spec(tree: Any, specs: Any, replicated: Callable[[Any], Any],
-             sharded: Callable[[Any, int], Any]) -> Any:
+def _by_spec(
+    tree: Any,
+    specs: Any,
+    replicated: Callable[[Any], Any],
+    sharded: Callable[[Any, int], Any],
+) -> Any:
     """``replicated(x)`` on each leaf whose spec shards nothing, ``sharded(x, dim)`` on the others."""
     return jax.tree.map(
         lambda x, s: replicated(x) if _dim(s) is None else sharded(x, _dim(s)),
@@ -123,15 +127,23 @@ def _gather(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
     ``to="invarying"`` says the result is the same on every device (it may then leave ``shard_map``
     as ``P()``); the default keeps it per-device, which is what autodiff needs to reduce-scatter.
     """
-    return _by_spec(tree, specs, _unchanged,
-                    lambda x, dim: lax.all_gather(x, axis, axis=dim, tiled=True, to=to))
+    return _by_spec(
+        tree,
+        specs,
+        _unchanged,
+        lambda x, dim: lax.all_gather(x, axis, axis=dim, tiled=True, to=to),
+    )
 
 
 def _mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
     """The mean over devices of each gradient: reduce-scattered where sharded, all-reduced where not."""
     n = lax.axis_size(axis)
-    return _by_spec(grads, specs, lambda g: lax.pmean(g, axis),
-                    lambda g, dim: lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True) / n)
+    return _by_spec(
+        grads,
+        specs,
+        lambda g: lax.pmean(g, axis),
+        lambda g, dim: lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True) / n,
+    )
 
 
 def _vary_replicated(tree: Any, specs: Any, axis: str) -> Any:

@@ -58,9 +58,15 @@ def test_local_grads_names_the_global_batch_it_needs(problem):
     # Inside shard_map the batch is one device's rows: 3 rows per device do not split into 2 micro-batches,
     # and the fix is a global batch that is a multiple of 2 x N, not of 2.
     _, _, (params, _) = problem
-    batch = jax.device_put((jnp.zeros((3 * N, 8)), jnp.zeros((3 * N,), jnp.int32)), NamedSharding(MESH, P("data")))
-    with pytest.raises(ValueError, match=rf"each device's 3 rows do not split into 2 equal micro-batches: "
-                                         rf"make the global batch a multiple of 2 x {N} devices = {2 * N}"):
+    batch = jax.device_put(
+        (jnp.zeros((3 * N, 8)), jnp.zeros((3 * N,), jnp.int32)),
+        NamedSharding(MESH, P("data")),
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"each device's 3 rows do not split into 2 equal micro-batches: "
+        rf"make the global batch a multiple of 2 x {N} devices = {2 * N}",
+    ):
         accumulate.local_grads(loss_fn, MESH, 2)(params, batch)
 
 

@@ -3,7 +3,8 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms
 from jaxdist_lessons.mesh import make_mesh
@@ -51,7 +52,18 @@ ENTRY %main (a: f32[16,8], b: bf16[2,2]) -> f32[16,8] {
 
 def test_hand_written_snippets_of_every_kind():
     found = {c.name: c for c in comms.collectives(SNIPPETS)}
-    assert list(found) == ["in-loop", "ar", "tuple-ar", "ag", "rs", "a2a", "ar-mesh", "cp", "ard", "agd"]
+    assert list(found) == [
+        "in-loop",
+        "ar",
+        "tuple-ar",
+        "ag",
+        "rs",
+        "a2a",
+        "ar-mesh",
+        "cp",
+        "ard",
+        "agd",
+    ]
     expected = {  # kind, dtype, elements, bytes, group size, in a loop
         "in-loop": ("all-reduce", "f32", 4, 16, 2, True),
         "ar": ("all-reduce", "f32", 128, 512, 4, False),
@@ -66,38 +78,68 @@ def test_hand_written_snippets_of_every_kind():
     }
     for name, (kind, dtype, elements, nbytes, group, in_loop) in expected.items():
         c = found[name]
-        assert (c.kind, c.dtype, c.elements, c.bytes, c.group_size, c.in_loop) == (kind, dtype, elements, nbytes,
-                                                                                    group, in_loop), name
+        assert (c.kind, c.dtype, c.elements, c.bytes, c.group_size, c.in_loop) == (
+            kind,
+            dtype,
+            elements,
+            nbytes,
+            group,
+            in_loop,
+        ), name
     assert found["tuple-ar"].shapes == (("f32", (3,)), ("bf16", (2, 2)), ("f32", (10,)))
-    assert found["rs"].replica_groups == "mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}"
+    assert (
+        found["rs"].replica_groups
+        == "mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}"
+    )
     assert found["ar-mesh"].replica_groups == "mesh['axis_0'=4,'axis_1'=2] {'axis_0'}"
     assert found["cp"].replica_groups == "{{0,1},{1,0}}"
 
 
 def test_totals_and_summary():
     assert comms.total_bytes(SNIPPETS, "all-reduce") == 16 + 512 + 60 + 24 + 20
-    assert comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
+    assert (
+        comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
+    )
     assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 5, "in_loop": 1, "bytes": 632}
-    assert comms.summary(SNIPPETS)["all-gather"] == {"count": 2, "in_loop": 0, "bytes": 2176}
-    with pytest.raises(ValueError, match="unknown collective kind 'allreduce'; allowed: all-reduce, all-gather"):
+    assert comms.summary(SNIPPETS)["all-gather"] == {
+        "count": 2,
+        "in_loop": 0,
+        "bytes": 2176,
+    }
+    with pytest.raises(
+        ValueError,
+        match="unknown collective kind 'allreduce'; allowed: all-reduce, all-gather",
+    ):
         comms.total_bytes(SNIPPETS, "allreduce")
 
 
 def test_unknown_element_types_are_not_counted_as_zero_bytes():
-    with pytest.raises(ValueError, match="unknown HLO element type 's3' .*add its size to comms.DTYPE_BYTES"):
-        comms.collectives("ENTRY %m () -> s3[4] {\n  %a = s3[4]{0} all-reduce(%x), replica_groups={{0,1}}\n}")
+    with pytest.raises(
+        ValueError,
+        match="unknown HLO element type 's3' .*add its size to comms.DTYPE_BYTES",
+    ):
+        comms.collectives(
+            "ENTRY %m () -> s3[4] {\n  %a = s3[4]{0} all-reduce(%x), replica_groups={{0,1}}\n}"
+        )
 
 
 def test_group_size_spellings():
     assert comms.group_size("{{0,1,2},{3,4,5}}") == 3
     assert comms.group_size("[4,2]<=[2,4]T(1,0)") == 2
-    assert comms.group_size("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1','axis_2'}") == 8
+    assert (
+        comms.group_size(
+            "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1','axis_2'}"
+        )
+        == 8
+    )
     assert comms.group_size("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}") == 8
     assert comms.group_size("{}") is None
 
 
 def sm(f, mesh, in_specs, out_specs):
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    return jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    )
 
 
 def test_real_programs_of_each_kind():
@@ -106,13 +148,46 @@ def test_real_programs_of_each_kind():
     full = jax.device_put(jnp.ones((4 * N, 8)), NamedSharding(mesh, P()))
     square = jax.device_put(jnp.ones((4 * N, 4 * N)), NamedSharding(mesh, P("data")))
     cases = [
-        (sm(lambda a: jax.lax.psum(a, "data"), mesh, P("data"), P("data")), x, "all-reduce", 4 * 8 * 4),
-        (sm(lambda a: jax.lax.all_gather(a, "data", tiled=True), mesh, P("data"), P()), x, "all-gather", 4 * N * 8 * 4),
-        (sm(lambda a: jax.lax.psum_scatter(a, "data", tiled=True), mesh, P(), P("data")), full, "reduce-scatter", 4 * 8 * 4),
-        (sm(lambda a: jax.lax.all_to_all(a, "data", 1, 0, tiled=True), mesh, P("data"), P("data")), square,
-         "all-to-all", 4 * 4 * N * 4),
-        (sm(lambda a: jax.lax.ppermute(a, "data", [(i, (i + 1) % N) for i in range(N)]), mesh, P("data"), P("data")),
-         x, "collective-permute", 4 * 8 * 4),
+        (
+            sm(lambda a: jax.lax.psum(a, "data"), mesh, P("data"), P("data")),
+            x,
+            "all-reduce",
+            4 * 8 * 4,
+        ),
+        (
+            sm(lambda a: jax.lax.all_gather(a, "data", tiled=True), mesh, P("data"), P()),
+            x,
+            "all-gather",
+            4 * N * 8 * 4,
+        ),
+        (
+            sm(lambda a: jax.lax.psum_scatter(a, "data", tiled=True), mesh, P(), P("data")),
+            full,
+            "reduce-scatter",
+            4 * 8 * 4,
+        ),
+        (
+            sm(
+                lambda a: jax.lax.all_to_all(a, "data", 1, 0, tiled=True),
+                mesh,
+                P("data"),
+                P("data"),
+            ),
+            square,
+            "all-to-all",
+            4 * 4 * N * 4,
+        ),
+        (
+            sm(
+                lambda a: jax.lax.ppermute(a, "data", [(i, (i + 1) % N) for i in range(N)]),
+                mesh,
+                P("data"),
+                P("data"),
+            ),
+            x,
+            "collective-permute",
+            4 * 8 * 4,
+        ),
     ]
     for fn, arg, kind, nbytes in cases:
         found = comms.collectives(comms.compiled_text(fn, arg))
@@ -129,9 +204,12 @@ def test_all_reduce_in_a_scan_body_is_in_a_loop():
         def body(carry, _):
             carry = carry * 0.5 + a
             return carry + jax.lax.psum(carry, "data"), None
+
         return jax.lax.scan(body, jnp.zeros_like(a), None, length=3)[0]
 
-    found = comms.collectives(comms.compiled_text(sm(accumulate, mesh, P("data"), P("data")), x))
+    found = comms.collectives(
+        comms.compiled_text(sm(accumulate, mesh, P("data"), P("data")), x)
+    )
     assert [(c.kind, c.in_loop) for c in found] == [("all-reduce", True)]
 
 
@@ -141,7 +219,11 @@ def test_analytic_bytes():
     assert comms.tree_bytes(jax.eval_shape(lambda: params)) == 840
     assert comms.ring_all_reduce_bytes(800, 8) == 1400
     assert comms.ring_all_reduce_bytes(800, 1) == 0
-    assert comms.ring_all_gather_bytes(800, 4) == 600 == comms.ring_reduce_scatter_bytes(800, 4)
+    assert (
+        comms.ring_all_gather_bytes(800, 4)
+        == 600
+        == comms.ring_reduce_scatter_bytes(800, 4)
+    )
     with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
         comms.ring_all_reduce_bytes(800, 0)
 
@@ -155,7 +237,9 @@ def test_ring_schedule_really_all_reduces_and_sends_2_n_minus_1_over_n(n):
     for src_dst_chunk in schedule["reduce-scatter"]:
         snapshot = [[set(c) for c in row] for row in held]
         for src, dst, chunk in src_dst_chunk:
-            assert snapshot[src][chunk].isdisjoint(held[dst][chunk])  # never add a contribution twice
+            assert snapshot[src][chunk].isdisjoint(
+                held[dst][chunk]
+            )  # never add a contribution twice
             held[dst][chunk] |= snapshot[src][chunk]
             sent[src] += 1
     for d in range(n):
@@ -168,4 +252,6 @@ def test_ring_schedule_really_all_reduces_and_sends_2_n_minus_1_over_n(n):
             sent[src] += 1
     assert all(chunk == set(range(n)) for row in held for chunk in row)
     nbytes = 1000.0 * n
-    assert all(count * nbytes / n == comms.ring_all_reduce_bytes(nbytes, n) for count in sent)
+    assert all(
+        count * nbytes / n == comms.ring_all_reduce_bytes(nbytes, n) for count in sent
+    )

@@ -3,7 +3,8 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import compiled
 
@@ -41,5 +42,10 @@ def test_donation_shows_up_as_aliased_bytes():
     assert stats.alias_bytes == x.nbytes
     assert stats.live_bytes == stats.argument_bytes + stats.temp_bytes
     kept = compiled.compiled_stats(jax.jit(lambda a: a * 2), x)
-    assert kept.alias_bytes == 0 and kept.live_bytes == kept.argument_bytes + kept.output_bytes + kept.temp_bytes
-    assert stats.peak_bytes < kept.peak_bytes  # donation lets the output reuse the input's buffer
+    assert (
+        kept.alias_bytes == 0
+        and kept.live_bytes == kept.argument_bytes + kept.output_bytes + kept.temp_bytes
+    )
+    assert (
+        stats.peak_bytes < kept.peak_bytes
+    )  # donation lets the output reuse the input's buffer

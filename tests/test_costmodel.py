@@ -44,7 +44,9 @@ def test_bytes_sent_by_each_kind_of_collective():
     assert C.sent_bytes(C.Transfer("collective-permute", 100, None)) == 100
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         C.sent_bytes(C.Transfer("broadcast", 1, 2))
-    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):  # without a group size too
+    with pytest.raises(
+        ValueError, match="unknown collective kind 'broadcast'"
+    ):  # without a group size too
         C.sent_bytes(C.Transfer("broadcast", 1, None))
 
 
@@ -122,7 +124,9 @@ def test_the_precision_sets_the_width_of_the_weights_that_are_sent_and_read():
     assert [t.bytes for t in mixed.transfers] == [86_567_656 * 2]  # bf16 gradients
     assert [t.bytes for t in fp32.transfers] == [86_567_656 * 4]  # fp32 gradients
     assert fp32.comm_s == pytest.approx(2 * mixed.comm_s)
-    assert fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16  # Adam: 16 bytes either way
+    assert (
+        fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16
+    )  # Adam: 16 bytes either way
     explicit = C.estimate(spec, layout, "A100 40GB", precision="fp32", param_bytes=2)
     assert explicit.transfers == mixed.transfers  # an explicit width still wins
     fsdp_mixed = C.estimate(spec, C.Layout(fsdp=8), "A100 40GB", precision="mixed")

@@ -30,28 +30,45 @@ def test_offline_dataset_is_scikit_learns_digits_built_by_tfds_as_array_record()
     assert (len(train), len(test)) == (1437, 360)
     assert type(train).__name__ == "ArrayRecordDataSource"
     reference = load_digits()
-    upscaled = lambda i: (np.kron(reference.images[i], np.ones((4, 4))) * (255 / 16)).round().astype(np.uint8)
-    index = {(upscaled(i).tobytes(), int(reference.target[i])): i for i in range(len(reference.images))}
+    upscaled = lambda i: (
+        (np.kron(reference.images[i], np.ones((4, 4))) * (255 / 16))
+        .round()
+        .astype(np.uint8)
+    )
+    index = {
+        (upscaled(i).tobytes(), int(reference.target[i])): i
+        for i in range(len(reference.images))
+    }
     for split, source in [("train", train), ("test", test)]:
         found = set()
         for k in range(len(source)):
             example = source[k]
-            assert example["image"].shape == (32, 32, 1) and example["image"].dtype == np.uint8
+            assert (
+                example["image"].shape == (32, 32, 1) and example["image"].dtype == np.uint8
+            )
             found.add(index[(example["image"][..., 0].tobytes(), int(example["label"]))])
         # every 5th digit is held out for testing; the rest train
-        expected = {i for i in range(len(reference.images)) if (i % 5 == 0) == (split == "test")}
+        expected = {
+            i for i in range(len(reference.images)) if (i % 5 == 0) == (split == "test")
+        }
         assert len(source) == len(expected)
         assert found <= expected
 
 
 def test_batches_are_global_arrays_sharded_over_data():
-    mesh = make_mesh(mesh_shape(N, data=-1, model=2) if N > 1 else (1, 1), ("data", "model"))
+    mesh = make_mesh(
+        mesh_shape(N, data=-1, model=2) if N > 1 else (1, 1), ("data", "model")
+    )
     batch = next(data.batches(digits("train"), 8 * N, mesh, seed=0))
-    assert batch["images"].shape == (8 * N, 32, 32, 3) and batch["images"].dtype == np.float32
+    assert (
+        batch["images"].shape == (8 * N, 32, 32, 3) and batch["images"].dtype == np.float32
+    )
     assert batch["labels"].shape == (8 * N,) and batch["labels"].dtype == np.int32
     assert batch["images"].sharding.spec == P("data")
     ways = mesh.shape["data"]
-    assert {s.data.shape for s in batch["images"].addressable_shards} == {(8 * N // ways, 32, 32, 3)}
+    assert {s.data.shape for s in batch["images"].addressable_shards} == {
+        (8 * N // ways, 32, 32, 3)
+    }
     assert float(batch["mask"].sum()) == 8 * N
 
 
@@ -67,14 +84,23 @@ def test_order_is_deterministic_for_a_seed_and_changes_with_the_epoch():
     assert not np.array_equal(run(seed=3, epoch=1), run(seed=3, epoch=2))
     assert not np.array_equal(run(seed=3, epoch=1), run(seed=4, epoch=1))
     in_order = run(shuffle=False)
-    np.testing.assert_array_equal(in_order, [int(source[i]["label"]) for i in range(len(in_order))])
+    np.testing.assert_array_equal(
+        in_order, [int(source[i]["label"]) for i in range(len(in_order))]
+    )
 
 
 @pytest.mark.parametrize("drop_remainder", [True, False])
 def test_remainder_is_dropped_or_padded_and_masked(drop_remainder):
     mesh = make_mesh((N,), ("data",))
-    source, global_batch = digits("test"), 16 * N  # 360 examples: a partial last batch for N >= 2
-    batches = list(data.batches(source, global_batch, mesh, shuffle=False, drop_remainder=drop_remainder))
+    source, global_batch = (
+        digits("test"),
+        16 * N,
+    )  # 360 examples: a partial last batch for N >= 2
+    batches = list(
+        data.batches(
+            source, global_batch, mesh, shuffle=False, drop_remainder=drop_remainder
+        )
+    )
     assert len(batches) == data.num_batches(len(source), global_batch, drop_remainder)
     seen = sum(float(b["mask"].sum()) for b in batches)
     if drop_remainder:
@@ -91,26 +117,37 @@ def test_each_process_reads_its_own_contiguous_slice():
     order = np.random.default_rng(0).permutation(100)
     for process_count in (1, 2, 4):
         for b in range(3):
-            parts = [data.process_rows(order, b, 16, p, process_count) for p in range(process_count)]
-            np.testing.assert_array_equal(np.concatenate(parts), order[16 * b:16 * (b + 1)])
+            parts = [
+                data.process_rows(order, b, 16, p, process_count)
+                for p in range(process_count)
+            ]
+            np.testing.assert_array_equal(
+                np.concatenate(parts), order[16 * b : 16 * (b + 1)]
+            )
             assert all(len(part) == 16 // process_count for part in parts)
 
 
 def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
     mesh = make_mesh((N,), ("data",))
-    with pytest.raises(ValueError, match="global_shape should be None or equal to local_data.shape"):
+    with pytest.raises(
+        ValueError, match="global_shape should be None or equal to local_data.shape"
+    ):
         next(data.batches(digits("test"), 2 * N, mesh, process_index=0, process_count=2))
 
 
 def test_augmentation_is_seeded_and_only_shifts():
     mesh = make_mesh((N,), ("data",))
     source = digits("train")
-    first = lambda **kw: np.asarray(next(data.batches(source, 2 * N, mesh, seed=1, **kw))["images"])
+    first = lambda **kw: np.asarray(
+        next(data.batches(source, 2 * N, mesh, seed=1, **kw))["images"]
+    )
     plain, shifted, again = first(augment=False), first(augment=True), first(augment=True)
     np.testing.assert_array_equal(shifted, again)
     assert not np.array_equal(plain, shifted)
     background = (0 - data.Preprocess().mean) / data.Preprocess().std
-    for p, s in zip(plain, shifted):  # a shift keeps the ink, as long as it stays inside the frame
+    for p, s in zip(
+        plain, shifted
+    ):  # a shift keeps the ink, as long as it stays inside the frame
         assert np.isclose((p != background).sum(), (s != background).sum(), rtol=0.1)
 
 
@@ -121,7 +158,9 @@ def test_real_tfds_datasets_through_mock_data():
         batch = next(data.batches(cifar, 2 * N, mesh))
         assert batch["images"].shape == (2 * N, 32, 32, 3)
         imagenette = data.source("imagenette/320px-v2", "train")  # images of varying sizes
-        batch = next(data.batches(imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24)))
+        batch = next(
+            data.batches(imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24))
+        )
         assert batch["images"].shape == (2 * N, 24, 24, 3)
 
 
@@ -132,12 +171,18 @@ def test_fit_image():
 
 
 def test_errors_name_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="TFDS dataset 'cifar10' is not prepared in .*: prepare it once with network "
-                                         "access .*or use the offline 'jaxdist_digits'"):
+    with pytest.raises(
+        ValueError,
+        match="TFDS dataset 'cifar10' is not prepared in .*: prepare it once with network "
+        "access .*or use the offline 'jaxdist_digits'",
+    ):
         data.source("cifar10", "train", data_dir=str(tmp_path))
     mesh = make_mesh((N,), ("data",))
     if N > 1:
-        with pytest.raises(ValueError, match=f"global batch {N + 1} must be a multiple of the {N} devices along 'data'"):
+        with pytest.raises(
+            ValueError,
+            match=f"global batch {N + 1} must be a multiple of the {N} devices along 'data'",
+        ):
             next(data.batches(digits("test"), N + 1, mesh))
     with pytest.raises(ValueError, match="global_batch must be a positive integer, got 0"):
         next(data.batches(digits("test"), 0, mesh))

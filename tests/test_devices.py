@@ -12,11 +12,22 @@ from jaxdist_lessons import devices
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("JAXDIST_NUM_DEVICES", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")}
-    clean["JAX_PLATFORMS"] = "cpu"  # the suite is about simulated devices, even on a GPU box
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**clean, **env}, timeout=120)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("JAXDIST_NUM_DEVICES", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")
+    }
+    clean["JAX_PLATFORMS"] = (
+        "cpu"  # the suite is about simulated devices, even on a GPU box
+    )
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=120,
+    )
 
 
 SHOW = """
@@ -29,7 +40,9 @@ print("RESULT", info.platform, info.count, info.simulated, jax.device_count())
 
 def result_line(proc: subprocess.CompletedProcess) -> list[str]:
     assert proc.returncode == 0, proc.stderr
-    return [line for line in proc.stdout.splitlines() if line.startswith("RESULT")][0].split()[1:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("RESULT")][
+        0
+    ].split()[1:]
 
 
 def test_default_is_eight_simulated_cpu_devices():
@@ -39,21 +52,35 @@ def test_default_is_eight_simulated_cpu_devices():
 
 
 def test_environment_variable_sets_the_count():
-    assert result_line(run_python(SHOW.format(args=""), JAXDIST_NUM_DEVICES="4")) == ["cpu", "4", "True", "4"]
+    assert result_line(run_python(SHOW.format(args=""), JAXDIST_NUM_DEVICES="4")) == [
+        "cpu",
+        "4",
+        "True",
+        "4",
+    ]
 
 
 def test_argument_overrides_environment_variable():
-    assert result_line(run_python(SHOW.format(args="num_devices=2"), JAXDIST_NUM_DEVICES="4")) == ["cpu", "2", "True", "2"]
+    assert result_line(
+        run_python(SHOW.format(args="num_devices=2"), JAXDIST_NUM_DEVICES="4")
+    ) == ["cpu", "2", "True", "2"]
 
 
 def test_min_devices_above_the_accelerators_falls_back_to_cpu():
-    assert result_line(run_python(SHOW.format(args="min_devices=64"))) == ["cpu", "8", "True", "8"]
+    assert result_line(run_python(SHOW.format(args="min_devices=64"))) == [
+        "cpu",
+        "8",
+        "True",
+        "8",
+    ]
 
 
 def test_prints_exactly_one_line():
     proc = run_python("from jaxdist_lessons import devices; devices.setup(3)")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["jaxdist: 3 simulated CPU devices (device kind: cpu; set JAXDIST_NUM_DEVICES to change the count)"]
+    assert proc.stdout.splitlines() == [
+        "jaxdist: 3 simulated CPU devices (device kind: cpu; set JAXDIST_NUM_DEVICES to change the count)"
+    ]
 
 
 def test_too_late_raises_an_error_that_says_how_to_fix_it():
@@ -64,8 +91,14 @@ def test_too_late_raises_an_error_that_says_how_to_fix_it():
         devices.setup()
     """)
     assert proc.returncode == 1
-    assert "SetupError: setup() asked for 8 CPU devices, but JAX had already started with 1 cpu device(s)" in proc.stderr
-    assert "restart the Python kernel and call jaxdist_lessons.devices.setup() before any other JAX call" in proc.stderr
+    assert (
+        "SetupError: setup() asked for 8 CPU devices, but JAX had already started with 1 cpu device(s)"
+        in proc.stderr
+    )
+    assert (
+        "restart the Python kernel and call jaxdist_lessons.devices.setup() before any other JAX call"
+        in proc.stderr
+    )
     assert "JAX_NUM_CPU_DEVICES=8" in proc.stderr
 
 
@@ -83,20 +116,26 @@ def test_too_late_is_fine_when_the_devices_present_satisfy_the_request():
 
 
 def test_the_fix_named_in_the_error_works():
-    proc = run_python("""
+    proc = run_python(
+        """
         import jax
         jax.devices()
         from jaxdist_lessons import devices
         devices.setup()
         print("RESULT", jax.device_count())
-    """, JAX_NUM_CPU_DEVICES="8")
+    """,
+        JAX_NUM_CPU_DEVICES="8",
+    )
     assert result_line(proc) == ["8"]
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-2", "2.5"])
 def test_bad_environment_variable(raw, monkeypatch):
     monkeypatch.setenv("JAXDIST_NUM_DEVICES", raw)
-    with pytest.raises(ValueError, match=rf"^JAXDIST_NUM_DEVICES must be a positive integer, got '?{re.escape(raw)}'?$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^JAXDIST_NUM_DEVICES must be a positive integer, got '?{re.escape(raw)}'?$",
+    ):
         devices.requested_num_devices()
 
 

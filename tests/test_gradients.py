@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist_lessons import comms, gradients as G
+from jaxdist_lessons import comms
+from jaxdist_lessons import gradients as G
 from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
@@ -45,7 +46,9 @@ def assert_trees_close(a, b, what):
     a, b = jax.device_get(a), jax.device_get(b)
     assert jax.tree.structure(a) == jax.tree.structure(b), what
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=what)
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=what
+        )
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -56,22 +59,36 @@ def test_every_form_matches_one_device_step_by_step(model_name, form):
     state, history = results[form]
     for k, (metrics, expected) in enumerate(zip(history, reference_history)):
         assert_trees_close(metrics["grads"], expected["grads"], f"{form} grads at step {k}")
-        np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-6)
-    assert_trees_close(state.params, reference_state.params, f"{form} params after {STEPS} steps")
-    assert_trees_close(state.opt_state, reference_state.opt_state, f"{form} momentum after {STEPS} steps")
-    assert_trees_close(state.batch_stats, reference_state.batch_stats, f"{form} batch stats after {STEPS} steps")
+        np.testing.assert_allclose(
+            float(metrics["loss"]), float(expected["loss"]), rtol=1e-6
+        )
+    assert_trees_close(
+        state.params, reference_state.params, f"{form} params after {STEPS} steps"
+    )
+    assert_trees_close(
+        state.opt_state, reference_state.opt_state, f"{form} momentum after {STEPS} steps"
+    )
+    assert_trees_close(
+        state.batch_stats,
+        reference_state.batch_stats,
+        f"{form} batch stats after {STEPS} steps",
+    )
 
 
 def test_the_cnn_really_has_batch_statistics_that_move():
     results, initial = runs("cnn")
     stats = results["one device"][0].batch_stats["BatchNorm_0"]
-    assert not np.allclose(np.asarray(stats["mean"]), np.asarray(initial.batch_stats["BatchNorm_0"]["mean"]))
+    assert not np.allclose(
+        np.asarray(stats["mean"]), np.asarray(initial.batch_stats["BatchNorm_0"]["mean"])
+    )
 
 
 def test_batchnorm_without_axis_name_under_pmap_gives_local_statistics():
     model, batch = G.SmallCNN(), make_batches(1)[0]
     state = G.init_state(model, TX, jax.random.key(7), batch[0][:1])
-    local = jax.pmap(lambda s, b: G.loss_fn(model, s.params, s.batch_stats, b)[1])  # no axis_name
+    local = jax.pmap(
+        lambda s, b: G.loss_fn(model, s.params, s.batch_stats, b)[1]
+    )  # no axis_name
     stats = local(G.replicate(state), G.split_batch(batch))
     means = np.asarray(stats["BatchNorm_0"]["mean"])
     assert not np.allclose(means[0], means[1])  # each device used only its slice
@@ -84,7 +101,9 @@ def test_shard_map_trap_gives_n_times_the_gradient(model_name):
     placed_state, batch = G.place(state, make_batches(1)[0], mesh())
     trapped = G.shard_map_trap_grads(MODELS[model_name], mesh())(placed_state, batch)
     for t, g in zip(jax.tree.leaves(jax.device_get(trapped)), jax.tree.leaves(true_grads)):
-        np.testing.assert_allclose(np.asarray(t), N * np.asarray(g), rtol=1e-5, atol=1e-6 * N)
+        np.testing.assert_allclose(
+            np.asarray(t), N * np.asarray(g), rtol=1e-5, atol=1e-6 * N
+        )
 
 
 def compiled_steps(model):
@@ -92,9 +111,15 @@ def compiled_steps(model):
     state = G.init_state(model, TX, jax.random.key(7), batch[0][:1])
     placed_state, placed_batch = G.place(state, batch, mesh())
     texts = {
-        "jit": comms.compiled_text(G.jit_step(model, TX, mesh()), placed_state, placed_batch),
-        "shard_map": comms.compiled_text(G.shard_map_step(model, TX, mesh()), placed_state, placed_batch),
-        "pmap": comms.compiled_text(G.pmap_step(model, TX), G.replicate(state), G.split_batch(batch)),
+        "jit": comms.compiled_text(
+            G.jit_step(model, TX, mesh()), placed_state, placed_batch
+        ),
+        "shard_map": comms.compiled_text(
+            G.shard_map_step(model, TX, mesh()), placed_state, placed_batch
+        ),
+        "pmap": comms.compiled_text(
+            G.pmap_step(model, TX), G.replicate(state), G.split_batch(batch)
+        ),
     }
     return state, texts
 
@@ -119,7 +144,11 @@ def test_gradient_only_program_all_reduces_exactly_the_parameter_bytes():
     placed_state, placed_batch = G.place(state, batch, mesh())
     grad_fn = jax.jit(jax.grad(lambda p, b: G.loss_fn(model, p, {}, b)[0]))
     text = comms.compiled_text(grad_fn, placed_state.params, placed_batch)
-    assert comms.total_bytes(text) == comms.total_bytes(text, "all-reduce") == comms.data_parallel_bytes(state.params)
+    assert (
+        comms.total_bytes(text)
+        == comms.total_bytes(text, "all-reduce")
+        == comms.data_parallel_bytes(state.params)
+    )
 
 
 def test_cnn_extra_all_reduces_are_batchnorm_statistics_and_the_loss():
@@ -127,7 +156,7 @@ def test_cnn_extra_all_reduces_are_batchnorm_statistics_and_the_loss():
     # print comms.collectives(text) for each form and account for every op.
     state, texts = compiled_steps(G.SmallCNN(channels=8))
     params_bytes, c = comms.data_parallel_bytes(state.params), 8
-    forward_stats = 2 * c * 4      # mean and mean of squares, per channel
+    forward_stats = 2 * c * 4  # mean and mean of squares, per channel
     backward_extra = {"jit": c * 4, "shard_map": c * 4, "pmap": 2 * c * 4}
     for form, text in texts.items():
         found = comms.collectives(text)
@@ -139,13 +168,20 @@ def test_cnn_extra_all_reduces_are_batchnorm_statistics_and_the_loss():
 
 
 def test_pmap_is_the_legacy_api():
-    assert jax.pmap.__doc__.startswith("Old way of doing parallel map. Use :py:func:`jax.shard_map` instead.")
+    assert jax.pmap.__doc__.startswith(
+        "Old way of doing parallel map. Use :py:func:`jax.shard_map` instead."
+    )
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="a batch of 10 does not split over 4 devices: make it a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="a batch of 10 does not split over 4 devices: make it a multiple of 4",
+    ):
         G.split_batch((jnp.zeros((10, 2)), jnp.zeros(10)), 4)
-    with pytest.raises(ValueError, match="unknown form 'pjit'; allowed: one device, pmap, jit, shard_map"):
+    with pytest.raises(
+        ValueError, match="unknown form 'pjit'; allowed: one device, pmap, jit, shard_map"
+    ):
         G.run("pjit", G.MLP(), TX, None, [])
     with pytest.raises(ValueError, match="form 'jit' needs a mesh"):
         G.run("jit", G.MLP(), TX, None, [])

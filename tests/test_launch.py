@@ -62,8 +62,14 @@ def worker(tmp_path):
 
 
 def launch_cli(*args, timeout=60, **kwargs):
-    return subprocess.run([sys.executable, "-m", "jaxdist_lessons.launch", *args], check=False, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist_lessons.launch", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def records(stdout):
@@ -97,21 +103,30 @@ def assert_none_left(pids, within=5.0):
 
 def test_parse_hostfile_reads_hosts_slots_and_comments():
     text = "# the cluster\nnode0 slots=2\n\nnode1   # one process\n10.0.0.7 slots=4\n"
-    assert launch.parse_hostfile(text) == [launch.Host("node0", 2), launch.Host("node1", 1),
-                                           launch.Host("10.0.0.7", 4)]
+    assert launch.parse_hostfile(text) == [
+        launch.Host("node0", 2),
+        launch.Host("node1", 1),
+        launch.Host("10.0.0.7", 4),
+    ]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("node0 slots=0", "slots must be a positive integer, got '0'"),
-    ("node0 slots=two", "slots must be a positive integer, got 'two'"),
-    ("node0 cpus=2", "unknown option 'cpus=2'"),
-    ("node0 2", "unknown option '2'"),
-    ("node0;reboot", "'node0;reboot' is not a host name"),
-    ("$(reboot)", "is not a host name"),
-    ("-oProxyCommand=reboot", "not starting with '-'"),
-    ("node0\nnode1\nnode0 slots=2", "hosts.txt:3: 'node0 slots=2': host 'node0' is listed twice"),
-    ("# nothing\n\n", "hosts.txt lists no hosts"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("node0 slots=0", "slots must be a positive integer, got '0'"),
+        ("node0 slots=two", "slots must be a positive integer, got 'two'"),
+        ("node0 cpus=2", "unknown option 'cpus=2'"),
+        ("node0 2", "unknown option '2'"),
+        ("node0;reboot", "'node0;reboot' is not a host name"),
+        ("$(reboot)", "is not a host name"),
+        ("-oProxyCommand=reboot", "not starting with '-'"),
+        (
+            "node0\nnode1\nnode0 slots=2",
+            "hosts.txt:3: 'node0 slots=2': host 'node0' is listed twice",
+        ),
+        ("# nothing\n\n", "hosts.txt lists no hosts"),
+    ],
+)
 def test_bad_hostfiles_are_rejected_with_the_line(text, message):
     with pytest.raises(launch.HostfileError) as error:
         launch.parse_hostfile(text, source="hosts.txt")
@@ -128,16 +143,27 @@ def test_missing_hostfile(tmp_path):
 
 def test_plan_fills_hosts_in_order():
     hosts = [launch.Host("a", 2), launch.Host("b", 2)]
-    assert launch.plan(3, hosts) == [launch.Process(0, "a", 0), launch.Process(1, "a", 1), launch.Process(2, "b", 0)]
+    assert launch.plan(3, hosts) == [
+        launch.Process(0, "a", 0),
+        launch.Process(1, "a", 1),
+        launch.Process(2, "b", 0),
+    ]
     assert len(launch.plan(None, hosts)) == 4
     assert launch.plan(None) == [launch.Process(0, "localhost", 0)]
     assert [p.host for p in launch.plan(3)] == ["localhost"] * 3
 
 
-@pytest.mark.parametrize("num_processes, hosts, message", [
-    (5, [launch.Host("a", 2), launch.Host("b", 2)], "5 processes do not fit in the 4 slots"),
-    (0, None, "--num-processes must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "num_processes, hosts, message",
+    [
+        (
+            5,
+            [launch.Host("a", 2), launch.Host("b", 2)],
+            "5 processes do not fit in the 4 slots",
+        ),
+        (0, None, "--num-processes must be a positive integer, got 0"),
+    ],
+)
 def test_impossible_layouts(num_processes, hosts, message):
     with pytest.raises(launch.LayoutError, match=message):
         launch.plan(num_processes, hosts)
@@ -148,8 +174,12 @@ def test_coordinator_address():
     host, port = launch.coordinator_address(None, local).split(":")
     assert host == "127.0.0.1" and 0 < int(port) < 65536
     assert launch.coordinator_address("10.0.0.1:1234", local) == "10.0.0.1:1234"
-    with pytest.raises(launch.LayoutError, match="remote hosts \\['node1'\\] cannot reach a coordinator"):
-        launch.coordinator_address(None, launch.plan(2, [launch.Host("localhost"), launch.Host("node1")]))
+    with pytest.raises(
+        launch.LayoutError, match="remote hosts \\['node1'\\] cannot reach a coordinator"
+    ):
+        launch.coordinator_address(
+            None, launch.plan(2, [launch.Host("localhost"), launch.Host("node1")])
+        )
     for bad in ["1234", "node0:", "node0:99999", "node0:http", ":1234"]:
         with pytest.raises(launch.LayoutError, match="--coordinator"):
             launch.coordinator_address(bad, local)
@@ -157,20 +187,32 @@ def test_coordinator_address():
     host, port = launch.coordinator_address("127.0.0.1:0", local).split(":")
     assert host == "127.0.0.1" and 0 < int(port) < 65536
     elsewhere = launch.plan(2, [launch.Host("node0"), launch.Host("localhost")])
-    with pytest.raises(launch.LayoutError, match="port 0 means a port free on this machine, but process 0 runs on "
-                                                 "node0; give the port explicitly"):
+    with pytest.raises(
+        launch.LayoutError,
+        match="port 0 means a port free on this machine, but process 0 runs on "
+        "node0; give the port explicitly",
+    ):
         launch.coordinator_address("node0:0", elsewhere)
-    with pytest.raises(launch.LayoutError, match="cannot find a free port at 192.0.2.1 on this machine"):
-        launch.coordinator_address("192.0.2.1:0", local)  # TEST-NET-1: an address no machine here has
+    with pytest.raises(
+        launch.LayoutError, match="cannot find a free port at 192.0.2.1 on this machine"
+    ):
+        launch.coordinator_address(
+            "192.0.2.1:0", local
+        )  # TEST-NET-1: an address no machine here has
 
 
 def test_command_line_splits_at_the_program():
     p = launch.parser()
-    assert launch.split_command_line(p, ["-n", "2", "-m", "mod", "--out", "x", "hello"]) == (
-        ["-n", "2", "-m", "mod"], ["--out", "x", "hello"])
-    assert launch.split_command_line(p, ["--timeout=3", "-d", "4", "train.py", "-n", "5"]) == (
-        ["--timeout=3", "-d", "4"], ["train.py", "-n", "5"])
-    assert launch.split_command_line(p, ["-n", "2", "--", "-weird.py"]) == (["-n", "2"], ["-weird.py"])
+    assert launch.split_command_line(
+        p, ["-n", "2", "-m", "mod", "--out", "x", "hello"]
+    ) == (["-n", "2", "-m", "mod"], ["--out", "x", "hello"])
+    assert launch.split_command_line(
+        p, ["--timeout=3", "-d", "4", "train.py", "-n", "5"]
+    ) == (["--timeout=3", "-d", "4"], ["train.py", "-n", "5"])
+    assert launch.split_command_line(p, ["-n", "2", "--", "-weird.py"]) == (
+        ["-n", "2"],
+        ["-weird.py"],
+    )
 
 
 def test_exit_statuses_in_words():
@@ -184,13 +226,23 @@ def test_the_devices_variable_is_the_one_setup_reads():
 
 def test_remote_commands_quote_every_argument():
     process = launch.Process(0, "node1", 0)
-    argv = launch.process_command(["train.py", "a b", "$HOME;x"], process, {"X": "1 2"}, "/venv/bin/python",
-                                  ["ssh", "-q"], "/my dir")
+    argv = launch.process_command(
+        ["train.py", "a b", "$HOME;x"],
+        process,
+        {"X": "1 2"},
+        "/venv/bin/python",
+        ["ssh", "-q"],
+        "/my dir",
+    )
     assert argv[:3] == ["ssh", "-q", "node1"] and len(argv) == 4
     watchdog = shlex.quote(launch.REMOTE_WATCHDOG)
-    assert argv[3] == (f"cd '/my dir' && exec /venv/bin/python -c {watchdog} 3 env 'X=1 2' /venv/bin/python "
-                       "train.py 'a b' '$HOME;x'")
-    assert launch.process_command(["t.py"], launch.Process(0, "localhost", 0), {}, "py", ["ssh"], "/") == ["py", "t.py"]
+    assert argv[3] == (
+        f"cd '/my dir' && exec /venv/bin/python -c {watchdog} 3 env 'X=1 2' /venv/bin/python "
+        "train.py 'a b' '$HOME;x'"
+    )
+    assert launch.process_command(
+        ["t.py"], launch.Process(0, "localhost", 0), {}, "py", ["ssh"], "/"
+    ) == ["py", "t.py"]
 
 
 # --- Real processes -------------------------------------------------------------------------------
@@ -235,10 +287,16 @@ def test_stdout_and_stderr_stay_apart_so_lines_stay_whole(tmp_path):
     result = launch_cli("-n", "2", str(script))
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
-        lines = [line for line in result.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        lines = [
+            line for line in result.stdout.splitlines() if line.startswith(f"[{rank}] ")
+        ]
         assert lines == [f"[{rank}] line {i} of the program" for i in range(200)]
-        chatter = [line for line in result.stderr.splitlines() if line.startswith(f"[{rank}] ")]
-        assert sum(line.count("connected") for line in chatter) == 400  # every piece arrived, on stderr
+        chatter = [
+            line for line in result.stderr.splitlines() if line.startswith(f"[{rank}] ")
+        ]
+        assert (
+            sum(line.count("connected") for line in chatter) == 400
+        )  # every piece arrived, on stderr
     assert "connected" not in result.stdout
 
 
@@ -248,7 +306,9 @@ def test_local_processes_start_in_the_directory_run_is_given(tmp_path):
     workdir = tmp_path / "workdir"
     workdir.mkdir()
     out, err = io.StringIO(), io.StringIO()
-    result = launch.run([str(script)], launch.plan(2), cwd=str(workdir), out=out, err=err, timeout=60)
+    result = launch.run(
+        [str(script)], launch.plan(2), cwd=str(workdir), out=out, err=err, timeout=60
+    )
     assert result.returncode == 0, err.getvalue()
     assert sorted(out.getvalue().splitlines()) == [f"[0] {workdir}", f"[1] {workdir}"]
 
@@ -264,8 +324,13 @@ def test_a_reader_that_goes_away_does_not_hang_the_job(tmp_path):
     script = tmp_path / "loud.py"
     script.write_text("for i in range(100_000):\n    print(f'line {i}')\n")
     launcher = [sys.executable, "-m", "jaxdist_lessons.launch", str(script)]
-    result = subprocess.run(f"{shlex.join(launcher)} | head -1", shell=True, capture_output=True, text=True,
-                            timeout=60)  # before the fix: the program blocked on a full pipe, forever
+    result = subprocess.run(
+        f"{shlex.join(launcher)} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # before the fix: the program blocked on a full pipe, forever
     assert result.stdout == "[0] line 0\n"
 
 
@@ -288,7 +353,9 @@ class ExitsRightAfterTheFailureCheck:
 
 def test_a_process_that_fails_last_is_never_reported_as_success():
     processes = launch.plan(2)
-    result = launch._wait(ExitsRightAfterTheFailureCheck(), processes, time.monotonic(), None)
+    result = launch._wait(
+        ExitsRightAfterTheFailureCheck(), processes, time.monotonic(), None
+    )
     assert (result.returncode, result.failed_rank) == (3, 1)
 
 
@@ -298,7 +365,10 @@ def test_a_failing_process_stops_the_others_at_once(worker):
     elapsed = time.monotonic() - start
     assert result.returncode == 3, result.stderr
     assert elapsed < 30
-    assert "launch: rank 1 (on localhost) exited with status 3; stopping the 2 process(es) still running" in result.stderr
+    assert (
+        "launch: rank 1 (on localhost) exited with status 3; stopping the 2 process(es) still running"
+        in result.stderr
+    )
     assert "[1] rank 1 gives up" in result.stderr  # its last lines are repeated at the end
     pids = [record["pid"] for _, record in records(result.stdout)]
     assert len(pids) >= 5  # 3 workers, and the grandchildren of those that got that far
@@ -311,15 +381,30 @@ def test_a_hung_job_is_stopped_by_the_timeout(worker):
     elapsed = time.monotonic() - start
     assert result.returncode == launch.EXIT_TIMEOUT
     assert 2 <= elapsed < 15
-    assert "launch: timed out after 2 s with ranks [0, 1] still running; stopping them" in result.stderr
+    assert (
+        "launch: timed out after 2 s with ranks [0, 1] still running; stopping them"
+        in result.stderr
+    )
     pids = [record["pid"] for _, record in records(result.stdout)]
     assert len(pids) == 4
     assert_none_left(pids)
 
 
 def test_stopping_the_launcher_stops_the_job(worker):
-    launcher = subprocess.Popen([sys.executable, "-m", "jaxdist_lessons.launch", "-n", "2", worker, "grandchild",
-                                 "hang"], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist_lessons.launch",
+            "-n",
+            "2",
+            worker,
+            "grandchild",
+            "hang",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pids = []
     while len(pids) < 4:
         line = launcher.stdout.readline()
@@ -337,15 +422,33 @@ def test_remote_hosts_go_through_the_remote_command(worker, tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost\nnode7 slots=2\n")
     tricky = "it's; echo INJECTED $HOME"
-    result = launch_cli("--hostfile", str(hostfile), "--coordinator", "node0:1234",
-                        "--remote-command", f"{sys.executable} {fake_ssh}", worker, tricky, cwd=tmp_path)
+    result = launch_cli(
+        "--hostfile",
+        str(hostfile),
+        "--coordinator",
+        "node0:1234",
+        "--remote-command",
+        f"{sys.executable} {fake_ssh}",
+        worker,
+        tricky,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     seen = dict(records(result.stdout))
     assert sorted(seen) == [0, 1, 2]
-    assert all(record["argv"] == [tricky] for record in seen.values())  # arrived intact, nothing ran
+    assert all(
+        record["argv"] == [tricky] for record in seen.values()
+    )  # arrived intact, nothing ran
     assert "INJECTED" not in result.stdout.replace(tricky, "")
-    assert result.stdout.count("fake ssh to node7") == 2 and "fake ssh to localhost" not in result.stdout
-    assert {record["env"]["JAXDIST_PROCESS_ID"] for record in seen.values()} == {"0", "1", "2"}
+    assert (
+        result.stdout.count("fake ssh to node7") == 2
+        and "fake ssh to localhost" not in result.stdout
+    )
+    assert {record["env"]["JAXDIST_PROCESS_ID"] for record in seen.values()} == {
+        "0",
+        "1",
+        "2",
+    }
 
 
 @pytest.fixture
@@ -357,9 +460,20 @@ def fake_ssh(tmp_path):
 
 def test_killing_ssh_leaves_the_remote_program_running(fake_ssh):
     """The problem the watchdog solves, shown with the fake ssh: its remote program outlives it."""
-    ssh = subprocess.Popen([*shlex.split(fake_ssh), "node7", "exec", sys.executable, "-c",
-                            shlex.quote("import os, time; print(os.getpid(), flush=True); time.sleep(600)")],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ssh = subprocess.Popen(
+        [
+            *shlex.split(fake_ssh),
+            "node7",
+            "exec",
+            sys.executable,
+            "-c",
+            shlex.quote("import os, time; print(os.getpid(), flush=True); time.sleep(600)"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     ssh.stdout.readline()  # "fake ssh to node7"
     remote = int(ssh.stdout.readline())
     os.killpg(ssh.pid, signal.SIGKILL)  # what the launcher does to a local process group
@@ -377,10 +491,33 @@ def test_killing_ssh_leaves_the_remote_program_running(fake_ssh):
 def test_stopping_a_job_stops_its_remote_processes(worker, tmp_path, fake_ssh, stop):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("node7 slots=3\n")
-    args = ["--hostfile", str(hostfile), "--coordinator", "node7:1234", "--remote-command", fake_ssh, "--grace", "1"]
-    if stop == "launcher killed":  # SIGKILL: the launcher cannot clean up; its pipes to ssh close as it dies
-        launcher = subprocess.Popen([sys.executable, "-m", "jaxdist_lessons.launch", *args, worker, "grandchild",
-                                     "hang"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        "--hostfile",
+        str(hostfile),
+        "--coordinator",
+        "node7:1234",
+        "--remote-command",
+        fake_ssh,
+        "--grace",
+        "1",
+    ]
+    if (
+        stop == "launcher killed"
+    ):  # SIGKILL: the launcher cannot clean up; its pipes to ssh close as it dies
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxdist_lessons.launch",
+                *args,
+                worker,
+                "grandchild",
+                "hang",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         pids = []
         while len(pids) < 6:
             line = launcher.stdout.readline()
@@ -391,10 +528,21 @@ def test_stopping_a_job_stops_its_remote_processes(worker, tmp_path, fake_ssh, s
         launcher.stdout.close()
     else:
         extra = ["--timeout", "3"] if stop == "timeout" else []
-        result = launch_cli(*args, *extra, worker, "grandchild", "hang", *(["fail"] if stop == "failure" else []))
-        assert result.returncode == (launch.EXIT_TIMEOUT if stop == "timeout" else 3), result.stderr
+        result = launch_cli(
+            *args,
+            *extra,
+            worker,
+            "grandchild",
+            "hang",
+            *(["fail"] if stop == "failure" else []),
+        )
+        assert result.returncode == (launch.EXIT_TIMEOUT if stop == "timeout" else 3), (
+            result.stderr
+        )
         pids = [record["pid"] for _, record in records(result.stdout)]
-        assert len(pids) >= 5  # 3 remote workers, and the grandchildren of those that got that far
+        assert (
+            len(pids) >= 5
+        )  # 3 remote workers, and the grandchildren of those that got that far
     assert_none_left(pids, within=10.0)
 
 
@@ -403,9 +551,16 @@ def test_bind_addresses():
     assert launch.bind_address("0.0.0.0:1234", "node0:1234") == ("0.0.0.0:1234", None)
     assert launch.bind_address("[::]:1234", "node0:1234") == ("[::]:1234", None)
     value, warning = launch.bind_address("0.0.0.0:99", "node0:1234")
-    assert value == "0.0.0.0:99" and "--bind port 99 is not the coordinator's port 1234" in warning
-    for bad, message in [("0.0.0.0", "--bind must be HOST:PORT"), ("0.0.0.0:0", "from 1 to 65535"),
-                         ("a b:1", "--bind must be HOST:PORT"), ("0.0.0.0:x", "from 1 to 65535")]:
+    assert (
+        value == "0.0.0.0:99"
+        and "--bind port 99 is not the coordinator's port 1234" in warning
+    )
+    for bad, message in [
+        ("0.0.0.0", "--bind must be HOST:PORT"),
+        ("0.0.0.0:0", "from 1 to 65535"),
+        ("a b:1", "--bind must be HOST:PORT"),
+        ("0.0.0.0:x", "from 1 to 65535"),
+    ]:
         with pytest.raises(launch.LayoutError, match=message):
             launch.bind_address(bad, "node0:1234")
 
@@ -413,38 +568,65 @@ def test_bind_addresses():
 def test_a_loopback_coordinator_with_remote_hosts_is_an_error():
     remote = launch.plan(2, [launch.Host("localhost"), launch.Host("node1")])
     for loopback in ["127.0.0.1:1234", "localhost:1234", "127.0.1.1:1234", "[::1]:1234"]:
-        with pytest.raises(launch.LayoutError, match="loopback address, which the processes on remote hosts "
-                                                     "\\['node1'\\] cannot reach"):
+        with pytest.raises(
+            launch.LayoutError,
+            match="loopback address, which the processes on remote hosts "
+            "\\['node1'\\] cannot reach",
+        ):
             launch.coordinator_address(loopback, remote)
     assert launch.coordinator_address("10.0.0.1:1234", remote) == "10.0.0.1:1234"
     assert launch.coordinator_address("127.0.0.1:1234", launch.plan(2)) == "127.0.0.1:1234"
 
 
 def test_a_bind_port_that_differs_is_a_warning(worker):
-    result = launch_cli("-n", "1", "--coordinator", "127.0.0.1:1234", "--bind", "127.0.0.1:1235", worker)
+    result = launch_cli(
+        "-n", "1", "--coordinator", "127.0.0.1:1234", "--bind", "127.0.0.1:1235", worker
+    )
     assert result.returncode == 0
-    assert "launch: warning: --bind port 1235 is not the coordinator's port 1234" in result.stderr
+    assert (
+        "launch: warning: --bind port 1235 is not the coordinator's port 1234"
+        in result.stderr
+    )
     [(_, record)] = records(result.stdout)
     assert record["env"]["JAXDIST_COORDINATOR_BIND"] == "127.0.0.1:1235"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-n", "5", "--hostfile", "{hostfile}", "x.py"], "5 processes do not fit in the 2 slots"),
-    (["--hostfile", "{tmp}/missing.txt", "x.py"], "cannot read hostfile"),
-    (["--hostfile", "{badfile}", "x.py"], "slots must be a positive integer"),
-    (["-n", "2", "-d", "0", "x.py"], "--devices-per-process must be a positive integer, got 0"),
-    (["-n", "2", "--timeout", "-1", "x.py"], "--timeout must be a positive number"),
-    (["-n", "2", "--coordinator", "nowhere", "x.py"], "--coordinator must be HOST:PORT"),
-    (["-n", "2", "--bind", "everywhere", "x.py"], "--bind must be HOST:PORT"),
-    (["--hostfile", "{remote}", "--coordinator", "127.0.0.1:1234", "x.py"], "is a loopback address"),
-    (["-n", "2"], "give the program to run"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["-n", "5", "--hostfile", "{hostfile}", "x.py"],
+            "5 processes do not fit in the 2 slots",
+        ),
+        (["--hostfile", "{tmp}/missing.txt", "x.py"], "cannot read hostfile"),
+        (["--hostfile", "{badfile}", "x.py"], "slots must be a positive integer"),
+        (
+            ["-n", "2", "-d", "0", "x.py"],
+            "--devices-per-process must be a positive integer, got 0",
+        ),
+        (["-n", "2", "--timeout", "-1", "x.py"], "--timeout must be a positive number"),
+        (
+            ["-n", "2", "--coordinator", "nowhere", "x.py"],
+            "--coordinator must be HOST:PORT",
+        ),
+        (["-n", "2", "--bind", "everywhere", "x.py"], "--bind must be HOST:PORT"),
+        (
+            ["--hostfile", "{remote}", "--coordinator", "127.0.0.1:1234", "x.py"],
+            "is a loopback address",
+        ),
+        (["-n", "2"], "give the program to run"),
+    ],
+)
 def test_command_line_errors_exit_2_with_a_message(tmp_path, args, message):
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
     (tmp_path / "bad.txt").write_text("localhost slots=-1\n")
     (tmp_path / "remote.txt").write_text("localhost\nnode1\n")
-    names = {"hostfile": tmp_path / "hosts.txt", "badfile": tmp_path / "bad.txt", "tmp": tmp_path,
-             "remote": tmp_path / "remote.txt"}
+    names = {
+        "hostfile": tmp_path / "hosts.txt",
+        "badfile": tmp_path / "bad.txt",
+        "tmp": tmp_path,
+        "remote": tmp_path / "remote.txt",
+    }
     result = launch_cli(*[a.format(**names) for a in args])
     assert result.returncode == launch.EXIT_USAGE
     assert message in result.stderr

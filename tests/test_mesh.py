@@ -13,8 +13,17 @@ def test_mesh_shapes_lists_every_factorisation():
     assert mesh.mesh_shapes(8, ("data", "model")) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert mesh.mesh_shapes(8, ("data",)) == [(8,)]
     three = mesh.mesh_shapes(8, ("data", "fsdp", "model"))
-    assert len(three) == 10 and all(math.prod(s) == 8 for s in three) and len(set(three)) == 10
-    assert mesh.mesh_shapes(12, ("data", "model")) == [(1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)]
+    assert (
+        len(three) == 10 and all(math.prod(s) == 8 for s in three) and len(set(three)) == 10
+    )
+    assert mesh.mesh_shapes(12, ("data", "model")) == [
+        (1, 12),
+        (2, 6),
+        (3, 4),
+        (4, 3),
+        (6, 2),
+        (12, 1),
+    ]
     assert mesh.mesh_shapes(7, ("data", "model")) == [(1, 7), (7, 1)]
 
 
@@ -32,7 +41,9 @@ def test_make_mesh_states_axis_types_and_uses_every_device():
     assert explicit.axis_types == (AxisType.Explicit, AxisType.Explicit)
     assert auto.axis_types == (AxisType.Auto,)
     assert sorted(d.id for d in explicit.devices.flat) == list(range(n))
-    mixed = mesh.make_mesh((n // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    mixed = mesh.make_mesh(
+        (n // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
     assert mixed.axis_types == (AxisType.Explicit, AxisType.Auto)
 
 
@@ -49,29 +60,55 @@ def test_divisors():
     assert mesh.divisors(1) == [1]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: mesh.make_mesh((3, 3), ("data", "model")),
-     "mesh shape (3, 3) needs 9 devices, but there are {n}: use a shape whose product is {n}, one of {shapes}"),
-    (lambda: mesh.make_mesh((2, 2), ("data", "data")),
-     "duplicate axis names ['data'] in ('data', 'data'): give every mesh axis its own name, "
-     "for example from ('data', 'fsdp', 'model', 'pipeline')"),
-    (lambda: mesh.make_mesh((2,), ("data", "model")),
-     "shape (2,) has 1 axes but axis_names ('data', 'model') has 2: give one size per name"),
-    (lambda: mesh.make_mesh((8,), "data"),
-     "axis_names must be a sequence of names, not the string 'data': write ('data',)"),
-    (lambda: mesh.mesh_shape(8, data=-1, model=3),
-     "8 devices cannot be split as {'data': -1, 'model': 3}: the fixed sizes multiply to 3, which does not "
-     "divide 8. Choose sizes whose product divides 8 (its divisors: [1, 2, 4, 8])"),
-    (lambda: mesh.mesh_shape(8, data=2, model=2),
-     "the sizes {'data': 2, 'model': 2} use 4 devices, but there are 8: make their product 8, or let one "
-     "axis take the rest with -1"),
-    (lambda: mesh.mesh_shape(8, data=-1, model=-1), "at most one axis may be -1, got ['data', 'model']"),
-    (lambda: mesh.mesh_shape(8, data=0), "axis sizes must be positive integers or -1, got {'data': 0}"),
-    (lambda: mesh.mesh_shapes(0, ("data",)), "num_devices must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: mesh.make_mesh((3, 3), ("data", "model")),
+            "mesh shape (3, 3) needs 9 devices, but there are {n}: use a shape whose product is {n}, one of {shapes}",
+        ),
+        (
+            lambda: mesh.make_mesh((2, 2), ("data", "data")),
+            "duplicate axis names ['data'] in ('data', 'data'): give every mesh axis its own name, "
+            "for example from ('data', 'fsdp', 'model', 'pipeline')",
+        ),
+        (
+            lambda: mesh.make_mesh((2,), ("data", "model")),
+            "shape (2,) has 1 axes but axis_names ('data', 'model') has 2: give one size per name",
+        ),
+        (
+            lambda: mesh.make_mesh((8,), "data"),
+            "axis_names must be a sequence of names, not the string 'data': write ('data',)",
+        ),
+        (
+            lambda: mesh.mesh_shape(8, data=-1, model=3),
+            "8 devices cannot be split as {'data': -1, 'model': 3}: the fixed sizes multiply to 3, which does not "
+            "divide 8. Choose sizes whose product divides 8 (its divisors: [1, 2, 4, 8])",
+        ),
+        (
+            lambda: mesh.mesh_shape(8, data=2, model=2),
+            "the sizes {'data': 2, 'model': 2} use 4 devices, but there are 8: make their product 8, or let one "
+            "axis take the rest with -1",
+        ),
+        (
+            lambda: mesh.mesh_shape(8, data=-1, model=-1),
+            "at most one axis may be -1, got ['data', 'model']",
+        ),
+        (
+            lambda: mesh.mesh_shape(8, data=0),
+            "axis sizes must be positive integers or -1, got {'data': 0}",
+        ),
+        (
+            lambda: mesh.mesh_shapes(0, ("data",)),
+            "num_devices must be a positive integer, got 0",
+        ),
+    ],
+)
 def test_bad_input_gets_an_error_naming_the_fix(call, message):
     n = jax.device_count()
     with pytest.raises(MeshError) as info:
         call()
-    expected = message.replace("{n}", str(n)).replace("{shapes}", str(mesh.mesh_shapes(n, ("data", "model"))))
+    expected = message.replace("{n}", str(n)).replace(
+        "{shapes}", str(mesh.mesh_shapes(n, ("data", "model")))
+    )
     assert str(info.value) == expected

@@ -24,10 +24,26 @@ TRAIN = ["--epochs", "2", "--steps-per-epoch", "2"]
 
 
 def launch_demo(num_processes, devices_per_process, out, *args, timeout=120):
-    cmd = [sys.executable, "-m", "jaxdist_lessons.launch", "-n", str(num_processes), "-d", str(devices_per_process),
-           "--timeout", str(timeout), "-m", "jaxdist_lessons.multihost_demo", "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist_lessons.launch",
+        "-n",
+        str(num_processes),
+        "-d",
+        str(devices_per_process),
+        "--timeout",
+        str(timeout),
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "--out",
+        str(out),
+        *args,
+    ]
     start = time.monotonic()
-    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout + 30)
+    result = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=timeout + 30
+    )
     return result, time.monotonic() - start
 
 
@@ -63,7 +79,7 @@ def layouts(tmp_path_factory):
 # --- Real processes -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l[0]}x{l[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"{layout[0]}x{layout[1]}")
 def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(layouts, layout):
     num_processes, per_process = layout
     result, ranks = layouts[layout]
@@ -74,12 +90,21 @@ def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(layouts
         assert (hello["process_index"], hello["process_count"]) == (i, num_processes)
         assert hello["global_device_ids"] == global_ids
         assert len(hello["local_device_ids"]) == per_process
-        assert hello["local_device_ids"] == global_ids[i * per_process:(i + 1) * per_process]
-        assert hello["contributed"] == [float(k + 1) for k in range(i * per_process, (i + 1) * per_process)]
-        assert hello["psum_on_my_devices"] == [36.0] * per_process  # 1 + 2 + ... + 8 on every device
+        assert (
+            hello["local_device_ids"] == global_ids[i * per_process : (i + 1) * per_process]
+        )
+        assert hello["contributed"] == [
+            float(k + 1) for k in range(i * per_process, (i + 1) * per_process)
+        ]
+        assert (
+            hello["psum_on_my_devices"] == [36.0] * per_process
+        )  # 1 + 2 + ... + 8 on every device
         assert hello["all_reduce_group_size"] == 8
         assert hello["process_indices_gathered"] == list(range(num_processes))
-    assert f"[0] process 0 of {num_processes}: {per_process} local and 8 global CPU devices" in result.stdout
+    assert (
+        f"[0] process 0 of {num_processes}: {per_process} local and 8 global CPU devices"
+        in result.stdout
+    )
     # gloo's connection messages (written by C++ to file descriptor 1) went to stderr, outside our lines
     assert "[Gloo]" not in result.stdout and "[Gloo]" in result.stderr
 
@@ -88,7 +113,9 @@ def test_training_losses_do_not_depend_on_the_layout(layouts):
     losses = {}
     for layout, (_, ranks) in layouts.items():
         per_rank = [r["train"]["losses"] for r in ranks]
-        assert all(l == per_rank[0] for l in per_rank), "processes disagree on the loss"
+        assert all(losses == per_rank[0] for losses in per_rank), (
+            "processes disagree on the loss"
+        )
         assert len(per_rank[0]) == 4
         losses[layout] = per_rank[0]
     reference = losses[(1, 8)]
@@ -99,16 +126,22 @@ def test_training_losses_do_not_depend_on_the_layout(layouts):
 
 
 def test_the_launched_runs_match_this_process(layouts):
-    here = multihost_demo.train_digits(epochs=2, steps_per_epoch=2)  # jax.device_count() devices, one process
+    here = multihost_demo.train_digits(
+        epochs=2, steps_per_epoch=2
+    )  # jax.device_count() devices, one process
     assert here["process_count"] == 1
-    np.testing.assert_allclose(here["losses"], layouts[(1, 8)][1][0]["train"]["losses"], rtol=1e-5)
+    np.testing.assert_allclose(
+        here["losses"], layouts[(1, 8)][1][0]["train"]["losses"], rtol=1e-5
+    )
 
 
 def test_a_killed_process_stops_the_job_and_the_checkpoint_resumes_it(layouts, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     before = set(demo_pids())
     args = ["train", *TRAIN, "--checkpoint-dir", str(checkpoints)]
-    result, _ = launch_demo(2, 4, tmp_path / "killed", *args, "--fail-rank", "1", "--fail-at-epoch", "1")
+    result, _ = launch_demo(
+        2, 4, tmp_path / "killed", *args, "--fail-rank", "1", "--fail-at-epoch", "1"
+    )
     assert result.returncode == 128 + 9, result.stderr[-3000:]
     assert "launch: rank 1 (on localhost) was killed by SIGKILL" in result.stderr
     assert "[1] epoch 2: process 1 fails (kill)" in result.stderr
@@ -141,7 +174,9 @@ def listening(port):
 
 def test_local_device_ids_reach_jax_distributed_initialize(tmp_path):
     # On a GPU, jax.distributed.initialize turns local_device_ids into jax_cuda_visible_devices; on the CPU too.
-    result, _ = launch_demo(2, 1, tmp_path, "--local-device-ids", "1,3", "hello", timeout=60)
+    result, _ = launch_demo(
+        2, 1, tmp_path, "--local-device-ids", "1,3", "hello", timeout=60
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for report in reports(tmp_path, 2):
         assert report["hello"]["joined_by"] == "launcher"
@@ -154,29 +189,65 @@ def run_as_slurm(out, ntasks, *args, timeout=60):
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     jobs = []
     for rank in range(ntasks):
-        env = {**base, **multihost_demo.simulated_slurm_env(rank, ntasks, port), "JAXDIST_NUM_DEVICES": "1"}
-        jobs.append(subprocess.Popen([sys.executable, "-m", "jaxdist_lessons.multihost_demo", "--out", str(out),
-                                      *args, "hello"], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True))
+        env = {
+            **base,
+            **multihost_demo.simulated_slurm_env(rank, ntasks, port),
+            "JAXDIST_NUM_DEVICES": "1",
+        }
+        jobs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxdist_lessons.multihost_demo",
+                    "--out",
+                    str(out),
+                    *args,
+                    "hello",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [job.communicate(timeout=timeout)[0] for job in jobs]
     return [job.returncode for job in jobs], outputs
 
 
 @pytest.mark.parametrize("ids, expected", [(None, ["0", "1"]), ("0,1", ["0,1", "0,1"])])
 def test_on_slurm_jax_gives_each_process_one_gpu_unless_told(tmp_path, ids, expected):
-    codes, outputs = run_as_slurm(tmp_path, 2, *(["--local-device-ids", ids] if ids else []))
+    codes, outputs = run_as_slurm(
+        tmp_path, 2, *(["--local-device-ids", ids] if ids else [])
+    )
     assert codes == [0, 0], outputs
     hellos = [report["hello"] for report in reports(tmp_path, 2)]
     assert [h["joined_by"] for h in hellos] == ["SlurmCluster"] * 2
-    assert [h["process_index"] for h in hellos] == [0, 1] and hellos[0]["psum_on_my_devices"] == [3.0]
+    assert [h["process_index"] for h in hellos] == [0, 1] and hellos[0][
+        "psum_on_my_devices"
+    ] == [3.0]
     # Without local_device_ids, task i drives GPU SLURM_LOCALID = i only: one process per GPU.
     assert [h["cuda_visible_devices"] for h in hellos] == expected
 
 
 def test_the_coordinator_listens_on_loopback_only(tmp_path):
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "jaxdist_lessons.launch", "-n", "2", "-d", "1", "--timeout", "60",
-           "--coordinator", f"127.0.0.1:{port}", "-m", "jaxdist_lessons.multihost_demo", "hello"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist_lessons.launch",
+        "-n",
+        "2",
+        "-d",
+        "1",
+        "--timeout",
+        "60",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "hello",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen = set()
     while job.poll() is None:
@@ -191,8 +262,23 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
 def test_a_failing_or_hung_process_does_not_hang_the_job(tmp_path, how, status):
     before = set(demo_pids())
     timeout = 10 if how == "hang" else 120
-    result, elapsed = launch_demo(2, 1, tmp_path, "train", "--epochs", "1", "--steps-per-epoch", "1",
-                                  "--fail-rank", "1", "--fail-at-epoch", "0", "--fail-how", how, timeout=timeout)
+    result, elapsed = launch_demo(
+        2,
+        1,
+        tmp_path,
+        "train",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "1",
+        "--fail-rank",
+        "1",
+        "--fail-at-epoch",
+        "0",
+        "--fail-how",
+        how,
+        timeout=timeout,
+    )
     assert result.returncode == status, result.stderr[-3000:]
     if how == "raise":
         # fail_fast: the exception ends the process at once, not after the 300 s shutdown barrier
@@ -206,9 +292,26 @@ def test_a_failing_or_hung_process_does_not_hang_the_job(tmp_path, how, status):
 
 
 def test_without_fail_fast_an_exception_waits_for_the_shutdown_barrier(tmp_path):
-    result, elapsed = launch_demo(2, 1, tmp_path, "--shutdown-timeout", "5", "--no-fail-fast", "train",
-                                  "--epochs", "1", "--steps-per-epoch", "1", "--fail-rank", "1",
-                                  "--fail-at-epoch", "0", "--fail-how", "raise", timeout=120)
+    result, elapsed = launch_demo(
+        2,
+        1,
+        tmp_path,
+        "--shutdown-timeout",
+        "5",
+        "--no-fail-fast",
+        "train",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "1",
+        "--fail-rank",
+        "1",
+        "--fail-at-epoch",
+        "0",
+        "--fail-how",
+        "raise",
+        timeout=120,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "RuntimeError: process 1 raised at epoch 1" in output
@@ -221,26 +324,49 @@ def test_without_fail_fast_an_exception_waits_for_the_shutdown_barrier(tmp_path)
 
 
 def test_launcher_settings_from_the_environment():
-    env = {launch.ENV_COORDINATOR: "127.0.0.1:1234", launch.ENV_NUM_PROCESSES: "4", launch.ENV_PROCESS_ID: "3"}
-    assert multihost.launcher_settings(env) == multihost.LauncherSettings("127.0.0.1:1234", 4, 3, "127.0.0.1:1234")
-    assert multihost.launcher_settings({**env, launch.ENV_COORDINATOR_BIND: "0.0.0.0:1234"}).bind == "0.0.0.0:1234"
+    env = {
+        launch.ENV_COORDINATOR: "127.0.0.1:1234",
+        launch.ENV_NUM_PROCESSES: "4",
+        launch.ENV_PROCESS_ID: "3",
+    }
+    assert multihost.launcher_settings(env) == multihost.LauncherSettings(
+        "127.0.0.1:1234", 4, 3, "127.0.0.1:1234"
+    )
+    assert (
+        multihost.launcher_settings(
+            {**env, launch.ENV_COORDINATOR_BIND: "0.0.0.0:1234"}
+        ).bind
+        == "0.0.0.0:1234"
+    )
     assert multihost.launcher_settings({}) is None
 
 
-@pytest.mark.parametrize("change, message", [
-    ({launch.ENV_PROCESS_ID: ""}, "are set but \\['JAXDIST_PROCESS_ID'\\] are not"),
-    ({launch.ENV_PROCESS_ID: "4"}, "JAXDIST_PROCESS_ID=4 must be in 0..3"),
-    ({launch.ENV_NUM_PROCESSES: "four"}, "JAXDIST_NUM_PROCESSES must be a non-negative integer, got 'four'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({launch.ENV_PROCESS_ID: ""}, "are set but \\['JAXDIST_PROCESS_ID'\\] are not"),
+        ({launch.ENV_PROCESS_ID: "4"}, "JAXDIST_PROCESS_ID=4 must be in 0..3"),
+        (
+            {launch.ENV_NUM_PROCESSES: "four"},
+            "JAXDIST_NUM_PROCESSES must be a non-negative integer, got 'four'",
+        ),
+    ],
+)
 def test_bad_launcher_settings(change, message):
-    env = {launch.ENV_COORDINATOR: "127.0.0.1:1234", launch.ENV_NUM_PROCESSES: "4", launch.ENV_PROCESS_ID: "0"}
+    env = {
+        launch.ENV_COORDINATOR: "127.0.0.1:1234",
+        launch.ENV_NUM_PROCESSES: "4",
+        launch.ENV_PROCESS_ID: "0",
+    }
     with pytest.raises(multihost.MultihostError, match=message):
         multihost.launcher_settings({**env, **change})
 
 
 def test_initialize_after_jax_started_says_how_to_fix_it():
     jax.devices()
-    with pytest.raises(multihost.MultihostError, match="call multihost.initialize\\(\\) first thing"):
+    with pytest.raises(
+        multihost.MultihostError, match="call multihost.initialize\\(\\) first thing"
+    ):
         multihost.initialize()
 
 
@@ -254,17 +380,31 @@ def test_the_private_jax_apis_multihost_uses_are_still_there():
 
 def test_a_moved_cluster_registry_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(multihost.clusters.ClusterEnv, "_cluster_types")
-    with pytest.raises(multihost.MultihostError, match="moved its private list of cluster types"):
+    with pytest.raises(
+        multihost.MultihostError, match="moved its private list of cluster types"
+    ):
         multihost.detected_cluster()
 
 
 def test_jax_detects_slurm_from_its_variables(monkeypatch):
-    for name in ["SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-                 "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"]:
+    for name in [
+        "SLURM_JOB_ID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "OMPI_MCA_orte_hnp_uri",
+        "KUBERNETES_SERVICE_HOST",
+    ]:
         monkeypatch.delenv(name, raising=False)
     assert multihost.detected_cluster() is None
-    for name, value in [("SLURM_JOB_ID", "7"), ("SLURM_STEP_NODELIST", "node[0-1]"), ("SLURM_NTASKS", "2"),
-                        ("SLURM_PROCID", "1"), ("SLURM_LOCALID", "0")]:
+    for name, value in [
+        ("SLURM_JOB_ID", "7"),
+        ("SLURM_STEP_NODELIST", "node[0-1]"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "0"),
+    ]:
         monkeypatch.setenv(name, value)
     assert multihost.detected_cluster() == "SlurmCluster"
 
@@ -273,7 +413,10 @@ def test_single_process_helpers():
     n = jax.device_count()
     info = multihost.process_info("single process")
     assert (info.process_index, info.process_count, info.global_devices) == (0, 1, n)
-    assert str(info) == f"process 0 of 1: {n} local and {n} global CPU devices (joined by single process)"
+    assert (
+        str(info)
+        == f"process 0 of 1: {n} local and {n} global CPU devices (joined by single process)"
+    )
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     x = multihost.global_array(np.arange(2 * n, dtype=np.float32), mesh)
     assert x.shape == (2 * n,) and x.sharding.spec == P("data")
@@ -285,12 +428,19 @@ def test_single_process_helpers():
 
 def test_native_stdout_goes_to_stderr_and_print_to_stdout():
     # os.write(1, ...) is what native code (gloo's std::cout) does: it writes to file descriptor 1.
-    program = ("import os; from jaxdist_lessons import multihost\n"
-               "print('before')\n"
-               "multihost.native_stdout_to_stderr()\n"
-               "os.write(1, b'native\\n'); print('python', flush=True); os.write(1, b'native again\\n')\n")
-    result = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True,
-                            timeout=60)
+    program = (
+        "import os; from jaxdist_lessons import multihost\n"
+        "print('before')\n"
+        "multihost.native_stdout_to_stderr()\n"
+        "os.write(1, b'native\\n'); print('python', flush=True); os.write(1, b'native again\\n')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "before\npython\n"
     assert result.stderr.endswith("native\nnative again\n")
@@ -303,7 +453,9 @@ def test_print0_prints_on_process_0(capsys):
 
 def test_hybrid_mesh_in_one_process():
     n = jax.device_count()
-    mesh = multihost.hybrid_mesh((1, n), (1, 1), ("data", "model"), axis_types=AxisType.Explicit)
+    mesh = multihost.hybrid_mesh(
+        (1, n), (1, 1), ("data", "model"), axis_types=AxisType.Explicit
+    )
     assert dict(mesh.shape) == {"data": 1, "model": n}
     assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
     assert multihost.process_grid(mesh).tolist() == [[0] * n]
@@ -316,7 +468,11 @@ def test_hybrid_mesh_in_one_process():
 def test_replica_groups_of_a_compiled_psum_and_their_processes():
     n = jax.device_count()
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+        )
+    )
     hlo = fn.lower(multihost.global_array(np.ones(n, np.float32), mesh)).compile().as_text()
     [op] = [c for c in comms.collectives(hlo) if c.kind == "all-reduce"]
     groups = comms.replica_group_lists(op.replica_groups, num_devices=n)

@@ -1,6 +1,9 @@
-"""Book hygiene: notebooks stored clean, set up first, listed in the TOC, and in the house style.
+"""Book hygiene: chapters kept as text and in sync with their notebooks, stored clean, set up
+first, listed in the TOC, and in the house style.
 
-JAX's own mesh constructors must get axis_types= (our mesh_lib.make_mesh always states them).
+Each chapter is a jupytext pair: ``book/NAME.md`` (MyST Markdown, the source) and
+``book/NAME.ipynb`` (what nbmake, Colab and Kaggle run). JAX's own mesh constructors must get
+axis_types= (our mesh_lib.make_mesh always states them).
 
 (Running the notebooks is nbmake's job: `pytest` collects book/*.ipynb too.)
 """
@@ -9,11 +12,13 @@ import json
 import pathlib
 import re
 
+import jupytext
 import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+SOURCES = sorted((ROOT / "book").glob("*.md"))
 
 
 def code_cells(path: pathlib.Path) -> list[dict]:
@@ -27,7 +32,9 @@ def source(cell: dict) -> str:
 def toc_files() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     files = [toc["root"]]
-    for entry in toc.get("chapters", []) + [c for part in toc.get("parts", []) for c in part["chapters"]]:
+    for entry in toc.get("chapters", []) + [
+        c for part in toc.get("parts", []) for c in part["chapters"]
+    ]:
         files.append(entry["file"])
     return files
 
@@ -36,11 +43,41 @@ def test_there_are_notebooks():
     assert {p.name for p in NOTEBOOKS} >= {"00_preface.ipynb", "01_why_distribute.ipynb"}
 
 
+def cell_key(cell: dict) -> tuple[str, str, tuple[str, ...]]:
+    """What must agree between the two files of a pair: each cell's type, text and tags."""
+    text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+    return cell["cell_type"], text.strip(), tuple(cell.get("metadata", {}).get("tags", []))
+
+
+def test_every_chapter_is_a_text_and_notebook_pair():
+    assert [p.stem for p in SOURCES] == [p.stem for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_pair_in_sync(path):
+    text = [cell_key(c) for c in jupytext.read(path)["cells"]]
+    notebook = [
+        cell_key(c) for c in json.loads(path.with_suffix(".ipynb").read_text())["cells"]
+    ]
+    assert text == notebook, (
+        f"{path.name} and {path.stem}.ipynb differ: edit the .md, then run "
+        f"`jupytext --sync book/{path.name}` (the pre-commit hook does this)"
+    )
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_text_source_is_paired_myst(path):
+    metadata = jupytext.read(path)["metadata"]
+    assert metadata["jupytext"]["formats"] == "ipynb,md:myst"
+    assert metadata["kernelspec"]["name"] == "python3"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_stored_without_outputs(path):
     for cell in code_cells(path):
         assert cell["outputs"] == [] and cell["execution_count"] is None, (
-            f"{path.name} is stored with outputs; clear them (the book build executes notebooks)")
+            f"{path.name} is stored with outputs; clear them (the book build executes notebooks)"
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -55,8 +92,13 @@ def test_house_style_outside_intentional_errors(path):
         if "raises-exception" in cell.get("metadata", {}).get("tags", []):
             continue
         src = source(cell)
-        if re.search(r"jax\.make_mesh\(|\bMesh\(", src) and "without axis_types=" not in src:
-            assert "axis_types=" in src, f"{path.name}: every mesh we make passes axis_types=\n{src}"
+        if (
+            re.search(r"jax\.make_mesh\(|\bMesh\(", src)
+            and "without axis_types=" not in src
+        ):
+            assert "axis_types=" in src, (
+                f"{path.name}: every mesh we make passes axis_types=\n{src}"
+            )
         assert "jax.pjit" not in src and "jax.experimental.shard_map" not in src, src
 
 
@@ -72,15 +114,25 @@ def test_chapters_end_with_what_we_learned_and_hidden_answers():
         cells = json.loads(path.read_text())["cells"]
         text = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
         assert "## What we learned" in text and "## Exercises" in text, path.name
-        assert any("hide-cell" in c.get("metadata", {}).get("tags", []) for c in cells), path.name
+        assert any("hide-cell" in c.get("metadata", {}).get("tags", []) for c in cells), (
+            path.name
+        )
 
 
 def test_book_config_executes_every_notebook_and_excludes_the_rest():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    assert config["execute"]["execute_notebooks"] == "force"
+    assert config["execute"]["execute_notebooks"] == "cache"
+    assert (
+        "book/*.ipynb" in config["exclude_patterns"]
+    )  # the book is built from the .md sources
     assert config["execute"]["allow_errors"] is False
     assert config["execute"]["timeout"] > 0
     for pattern in [".venv/*", "_build/*", "tests/*", "jaxdist_lessons/*"]:
         assert pattern in config["exclude_patterns"]
-    assert config["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
+    # No public home yet: no button may point to a repository that does not exist.
+    assert "repository" not in config
+    assert not any(
+        config["html"][b] for b in ("use_repository_button", "use_issues_button")
+    )
+    assert not any(config["launch_buttons"].get(k) for k in ("colab_url", "binderhub_url"))
     assert {"dollarmath", "colon_fence"} <= set(config["parse"]["myst_enable_extensions"])

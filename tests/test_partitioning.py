@@ -91,7 +91,9 @@ def test_four_axis_mesh_shrinks_pipeline_then_fsdp():
 
 def test_four_axis_rules_split_the_batch_over_data_and_fsdp_first():
     # The first matching rule wins: 'mlp' goes to 'model' (tensor rules come before FSDP's).
-    assert nn.logical_to_mesh_axes(("embed", "mlp"), PT.FOUR_AXIS_RULES) == P("fsdp", "model")
+    assert nn.logical_to_mesh_axes(("embed", "mlp"), PT.FOUR_AXIS_RULES) == P(
+        "fsdp", "model"
+    )
     assert nn.logical_to_mesh_axes(("mlp",), PT.FOUR_AXIS_RULES) == P("model")
     # 'fsdp' is taken by the batch, so 'embed' stays whole in an activation.
     assert nn.logical_to_mesh_axes(("batch", None, "embed"), PT.FOUR_AXIS_RULES) == P(

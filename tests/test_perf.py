@@ -98,16 +98,27 @@ def test_saved_residuals_of_arrays_sharded_on_explicit_axes_and_of_float8():
     with jax.set_mesh(mesh):
         w = jax.device_put(jnp.ones((2 * N, 4)), jax.NamedSharding(mesh, jax.P("data")))
         found = perf.saved_residuals(f, w)
-    assert [(r.dtype, r.shape, r.nbytes) for r in found] == [("f32", (2 * N, 4), 2 * N * 4 * 4)] * 2
+    assert [(r.dtype, r.shape, r.nbytes) for r in found] == [
+        ("f32", (2 * N, 4), 2 * N * 4 * 4)
+    ] * 2
     # JAX prints float8 as `f8_e4m3fn[6]`: one byte an element.
-    g = lambda x: (x.astype(jnp.float8_e4m3fn) * x.astype(jnp.float8_e4m3fn)).astype(jnp.float32).sum()
+    g = lambda x: (
+        (x.astype(jnp.float8_e4m3fn) * x.astype(jnp.float8_e4m3fn))
+        .astype(jnp.float32)
+        .sum()
+    )
     found = perf.saved_residuals(g, jnp.ones(6))
     assert [(r.dtype, r.shape, r.nbytes) for r in found] == [("f8_e4m3fn", (6,), 6)] * 2
 
 
 def test_a_residual_line_that_cannot_be_read_is_an_error(monkeypatch):
-    monkeypatch.setattr(jax.ad_checkpoint, "print_saved_residuals", lambda *a: print("f32<4> output of sin"))
-    with pytest.raises(ValueError, match="cannot read this line of print_saved_residuals: 'f32<4> output of sin'"):
+    monkeypatch.setattr(
+        jax.ad_checkpoint, "print_saved_residuals", lambda *a: print("f32<4> output of sin")
+    )
+    with pytest.raises(
+        ValueError,
+        match="cannot read this line of print_saved_residuals: 'f32<4> output of sin'",
+    ):
         perf.saved_residuals(jnp.sin, jnp.ones(4))
 
 

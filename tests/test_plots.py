@@ -2,11 +2,16 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import jax
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import comms, memory, plots
+from jaxdist_lessons import comms, memory, plots, sharding
+from jaxdist_lessons import mesh as mesh_lib
 
 
 def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
@@ -20,7 +25,11 @@ def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
     np.testing.assert_allclose(adam.get_ydata(), 16 * adam.get_xdata())
     assert lines["A100 80GB / H100 80GB"].get_ydata()[0] == 80e9
     assert lines["TPU v5e"].get_ydata()[0] == 16e9
-    assert [t.get_text() for t in ax.texts] == ["TPU v5e", "A100 80GB / H100 80GB", "GPT-3 175B"]
+    assert [t.get_text() for t in ax.texts] == [
+        "TPU v5e",
+        "A100 80GB / H100 80GB",
+        "GPT-3 175B",
+    ]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines)[:2]
     assert ax.get_xscale() == ax.get_yscale() == "log"
     plt.close(fig)
@@ -41,7 +50,13 @@ def test_memory_breakdown_stacks_each_part_per_strategy():
     for container in ax.containers:
         for name, bar in zip(shares, container):
             tops[name] = max(tops.get(name, 0), bar.get_y() + bar.get_height())
-    assert [c.get_label() for c in ax.containers] == ["params", "grads", "optimizer", "master", "activations"]
+    assert [c.get_label() for c in ax.containers] == [
+        "params",
+        "grads",
+        "optimizer",
+        "master",
+        "activations",
+    ]
     assert tops == pytest.approx({name: shares[name].total / 1e9 for name in shares})
     plt.close(fig)
 
@@ -51,13 +66,6 @@ def test_memory_breakdown_bad_unit():
         plots.memory_breakdown({"data": memory.training_state_bytes(1)}, unit="TB")
 
 
-import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
-from matplotlib.patches import Rectangle
-
-from jaxdist_lessons import mesh as mesh_lib
-from jaxdist_lessons import sharding
-
 N = jax.device_count()
 
 
@@ -65,7 +73,9 @@ def rectangles(fig):
     return [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
 
 
-@pytest.mark.parametrize("shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "model"))])
+@pytest.mark.parametrize(
+    "shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "model"))]
+)
 def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
     m = mesh_lib.make_mesh(shape, names)
     fig = plots.draw_mesh(m)
@@ -84,23 +94,33 @@ def test_draw_mesh_rejects_more_than_two_axes():
         plots.draw_mesh(m)
 
 
-@pytest.mark.parametrize("shape, spec", [
-    ((4 * N,), P("data")), ((4 * N,), P()), ((2 * N, 4), P("data", "model")), ((2 * N, 4), P(None, "model")),
-    ((2 * N, 4), P(("data", "model"))),
-])
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((4 * N,), P("data")),
+        ((4 * N,), P()),
+        ((2 * N, 4), P("data", "model")),
+        ((2 * N, 4), P(None, "model")),
+        ((2 * N, 4), P(("data", "model"))),
+    ],
+)
 def test_draw_sharding_draws_one_block_per_shard(shape, spec):
     m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
     s = NamedSharding(m, spec)
     fig = plots.draw_sharding(shape, s)
     held = sharding.blocks(shape, s)
     assert len(rectangles(fig)) == len(held)
-    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(",".join(map(str, ids)) for ids in held.values())
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(
+        ",".join(map(str, ids)) for ids in held.values()
+    )
     plt.close(fig)
 
 
 def test_draw_sharding_rejects_3d_arrays():
     m = mesh_lib.make_mesh((N,), ("data",))
-    with pytest.raises(ValueError, match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)"
+    ):
         plots.draw_sharding((2, 2, 2), NamedSharding(m, P()))
 
 
@@ -114,7 +134,9 @@ def test_ring_all_reduce_draws_the_ring_and_the_schedule(n):
     schedule = comms.ring_all_reduce_schedule(n)
     for ax, phase in [(scatter, "reduce-scatter"), (gather, "all-gather")]:
         labels = sorted(t.get_text() for t in ax.texts)
-        assert labels == sorted(f"chunk {c}" for step in schedule[phase] for _, _, c in step)
+        assert labels == sorted(
+            f"chunk {c}" for step in schedule[phase] for _, _, c in step
+        )
     plt.close(fig)
 
 
@@ -122,14 +144,20 @@ def test_training_curves_one_line_per_run():
     from jaxdist_lessons.train import History
 
     runs = {
-        "data parallel": History(train=[{"step": i, "loss": 2.0 - 0.1 * i} for i in range(5)],
-                                 eval=[{"step": 5, "accuracy": 0.8}]),
-        "hybrid": History(train=[{"step": i, "loss": 2.1 - 0.1 * i} for i in range(5)], eval=[]),
+        "data parallel": History(
+            train=[{"step": i, "loss": 2.0 - 0.1 * i} for i in range(5)],
+            eval=[{"step": 5, "accuracy": 0.8}],
+        ),
+        "hybrid": History(
+            train=[{"step": i, "loss": 2.1 - 0.1 * i} for i in range(5)], eval=[]
+        ),
     }
     fig = plots.training_curves(runs)
     loss_ax, acc_ax = fig.axes
     assert [line.get_label() for line in loss_ax.get_lines()] == ["data parallel", "hybrid"]
-    np.testing.assert_allclose(loss_ax.get_lines()[0].get_ydata(), [2.0, 1.9, 1.8, 1.7, 1.6])
+    np.testing.assert_allclose(
+        loss_ax.get_lines()[0].get_ydata(), [2.0, 1.9, 1.8, 1.7, 1.6]
+    )
     assert [line.get_label() for line in acc_ax.get_lines()] == ["data parallel"]
     plt.close(fig)
     with pytest.raises(ValueError, match="at least one history"):

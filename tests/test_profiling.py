@@ -18,8 +18,10 @@ N = jax.device_count()
 @pytest.fixture(scope="module")
 def traced():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
-    grad = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w))),
-                   in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))))
+    grad = jax.jit(
+        jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w))),
+        in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+    )
     # placed first: unplaced inputs would add a slicing program to every step
     w = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P()))
     x = jax.device_put(jnp.ones((N * 16, 64)), NamedSharding(mesh, P("data")))
@@ -50,8 +52,9 @@ def test_every_device_ran_every_op_of_the_compiled_program_each_step(traced):
         assert len(collectives) == 2 * N * len(comms.collectives(hlo_text))
         assert all(e.op.startswith("all-reduce") for e in collectives)
     totals = profiling.time_by_kind(events)
-    assert totals["compute"] > 0 and totals["compute"] + totals["collective"] == pytest.approx(
-        sum(e.duration_us for e in events))
+    assert totals["compute"] > 0 and totals["compute"] + totals[
+        "collective"
+    ] == pytest.approx(sum(e.duration_us for e in events))
 
 
 def test_the_xplane_holds_the_same_operations(traced):
@@ -71,9 +74,20 @@ def test_op_table_sums_over_devices_and_steps(traced):
 
 
 def test_op_kind_names_collectives_sync_and_async():
-    for op in ("all-reduce", "all-reduce.3", "all-gather-start.1", "reduce-scatter", "collective-permute-done"):
+    for op in (
+        "all-reduce",
+        "all-reduce.3",
+        "all-gather-start.1",
+        "reduce-scatter",
+        "collective-permute-done",
+    ):
         assert profiling.op_kind(op) == "collective"
-    for op in ("dot.1", "multiply_add_fusion", "all-reduce-fusion-like-name", "transpose_copy_fusion"):
+    for op in (
+        "dot.1",
+        "multiply_add_fusion",
+        "all-reduce-fusion-like-name",
+        "transpose_copy_fusion",
+    ):
         assert profiling.op_kind(op) == "compute"
     # every kind comms reads from a compiled program is a collective in a trace too
     assert all(profiling.op_kind(f"{kind}-done.2") == "collective" for kind in comms.KINDS)
@@ -86,11 +100,15 @@ def test_missing_traces_are_reported_clearly(tmp_path):
     run = tmp_path / "plugins" / "profile" / "2026_01_01"
     run.mkdir(parents=True)
     (run / "host.xplane.pb").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"has no \*\.trace\.json\.gz \(it has host\.xplane\.pb\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"has no \*\.trace\.json\.gz \(it has host\.xplane\.pb\)"
+    ):
         profiling.read_trace(tmp_path)
     (run / "host.xplane.pb").unlink()
     (run / "host.trace.json.gz").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"has no \*\.xplane\.pb \(it has host\.trace\.json\.gz\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"has no \*\.xplane\.pb \(it has host\.trace\.json\.gz\)"
+    ):
         profiling.read_xplane(tmp_path)
     with pytest.raises(ValueError, match="positive integer"):
         profiling.capture(jnp.sin, jnp.ones(2), steps=0)

@@ -77,28 +77,49 @@ def test_failing_snippets_have_an_expected_error_and_keys_are_unique():
 
 def test_entry_rejects_unknown_verdicts_and_chapters():
     with pytest.raises(ValueError, match="verdict 'wrong' is not one of"):
-        seed.Entry(key="k", section="§1", title="t", verdict="wrong", chapter="01_why_distribute")
+        seed.Entry(
+            key="k", section="§1", title="t", verdict="wrong", chapter="01_why_distribute"
+        )
     with pytest.raises(ValueError, match="chapter '99_x' is not one of"):
         seed.Entry(key="k", section="§1", title="t", verdict="runs", chapter="99_x")
     with pytest.raises(ValueError, match="only Python article code"):
-        seed.Entry(key="k", section="§1", title="t", verdict="fails", chapter="01_why_distribute",
-                   error=("ValueError", "x"))
+        seed.Entry(
+            key="k",
+            section="§1",
+            title="t",
+            verdict="fails",
+            chapter="01_why_distribute",
+            error=("ValueError", "x"),
+        )
     with pytest.raises(KeyError, match="no seed entry 'nope'"):
         seed.entry("nope")
     assert seed.entry("launcher").shell
 
 
 def test_undefined_names_reads_in_order_and_lets_functions_bind_late():
-    snippets = ["x = y + 1", "def f(a):\n    return a + z + w", "w = 2",
-                "for i in range(3):\n    q = i", "g = lambda t: t + k"]
+    snippets = [
+        "x = y + 1",
+        "def f(a):\n    return a + z + w",
+        "w = 2",
+        "for i in range(3):\n    q = i",
+        "g = lambda t: t + k",
+    ]
     assert seed.undefined_names(snippets) == ["k", "y", "z"]
     assert seed.undefined_names(["b = f(b)"], assumed={"f"}) == ["b"]
-    assert seed.undefined_names(["[u for u in range(2)]", "with open(f) as h:\n    h.read()"]) == ["f"]
+    assert seed.undefined_names(
+        ["[u for u in range(2)]", "with open(f) as h:\n    h.read()"]
+    ) == ["f"]
 
 
 def test_the_article_leaves_these_names_undefined():
     assert seed.undefined_names(seed.ARTICLE_SNIPPETS) == [
-        "ResNet50", "batch", "batch_size", "loss_fn", "num_steps", "rng"]
+        "ResNet50",
+        "batch",
+        "batch_size",
+        "loss_fn",
+        "num_steps",
+        "rng",
+    ]
 
 
 def _appendix() -> list[dict]:
@@ -112,10 +133,18 @@ def _source(cell: dict) -> str:
 def test_appendix_shows_exactly_the_entries_cells_in_order():
     code = [c for c in _appendix() if c["cell_type"] == "code"]
     sources = [_source(c) for c in code]
-    expected = [seed.PRELUDE.strip()] + [s.strip() for e in seed.ENTRIES for s in e.code_cells]
+    expected = [seed.PRELUDE.strip()] + [
+        s.strip() for e in seed.ENTRIES for s in e.code_cells
+    ]
     start = sources.index(seed.PRELUDE.strip())
-    assert sources[start:start + len(expected)] == expected, "regenerate the appendix's cells from seed.ENTRIES"
-    tagged = {_source(c) for c in code if "raises-exception" in c.get("metadata", {}).get("tags", [])}
+    assert sources[start : start + len(expected)] == expected, (
+        "regenerate the appendix's cells from seed.ENTRIES"
+    )
+    tagged = {
+        _source(c)
+        for c in code
+        if "raises-exception" in c.get("metadata", {}).get("tags", [])
+    }
     assert tagged == {e.article.strip() for e in seed.ENTRIES if e.error}
 
 
@@ -129,6 +158,8 @@ def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
         assert f"({e.key})=" in markdown, e.key
     for chapter in seed.CHAPTERS:  # each entry's closing sentence points to its chapter
         pointer = f"Chapter: {seed.chapter_link(chapter, existing)}."
-        assert markdown.count(pointer) == sum(e.chapter == chapter for e in seed.ENTRIES), pointer
-    assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.ipynb)"
+        assert markdown.count(pointer) == sum(e.chapter == chapter for e in seed.ENTRIES), (
+            pointer
+        )
+    assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.md)"
     assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"

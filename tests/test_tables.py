@@ -4,7 +4,9 @@ from jaxdist_lessons.tables import Table, human_bytes
 
 
 def test_table_text_and_html():
-    table = Table(["model", "bytes"], [["GPT-3", 700_000_000_000], ["tiny", 0.5]], title="weights")
+    table = Table(
+        ["model", "bytes"], [["GPT-3", 700_000_000_000], ["tiny", 0.5]], title="weights"
+    )
     assert str(table).splitlines() == [
         "weights",
         "model            bytes",
@@ -22,9 +24,15 @@ def test_rows_must_match_headers():
         Table(["a", "b"], [[1]])
 
 
-@pytest.mark.parametrize("n, binary, text", [
-    (700e9, False, "700.0 GB"), (700e9, True, "651.9 GiB"), (2.8e12, False, "2.8 TB"),
-    (512, False, "512 B"), (1536, True, "1.5 KiB"),
-])
+@pytest.mark.parametrize(
+    "n, binary, text",
+    [
+        (700e9, False, "700.0 GB"),
+        (700e9, True, "651.9 GiB"),
+        (2.8e12, False, "2.8 TB"),
+        (512, False, "512 B"),
+        (1536, True, "1.5 KiB"),
+    ],
+)
 def test_human_bytes(n, binary, text):
     assert human_bytes(n, binary) == text

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import data, sharding, train
 from jaxdist_lessons.mesh import make_mesh, mesh_shape
@@ -14,13 +15,20 @@ from jaxdist_lessons.models import resnet
 
 N = jax.device_count()
 # A two-stage ResNet: the same code paths as ResNet50 (BatchNorm, projections, rules), compiled in seconds.
-MODEL = resnet.ResNet(stage_sizes=(1, 1), block_cls=resnet.BasicBlock, num_classes=10, width=0.25)
+MODEL = resnet.ResNet(
+    stage_sizes=(1, 1), block_cls=resnet.BasicBlock, num_classes=10, width=0.25
+)
 TX = optax.adam(3e-3)
 IMAGE = (32, 32, 3)
 STRATEGIES = {
     "data parallel": (lambda devices: ((len(devices),), ("data",)), []),
-    "hybrid": (lambda devices: (mesh_shape(len(devices), data=-1, model=min(2, len(devices))), ("data", "model")),
-               resnet.partition_rules()),
+    "hybrid": (
+        lambda devices: (
+            mesh_shape(len(devices), data=-1, model=min(2, len(devices))),
+            ("data", "model"),
+        ),
+        resnet.partition_rules(),
+    ),
 }
 
 
@@ -37,7 +45,9 @@ def build(strategy, devices=None, tx=TX):
 def compiled(strategy, one_device=False, optimizer="adam"):
     """Mesh, shardings, the initial state on the host, and the jitted steps: built once per strategy."""
     tx = TX if optimizer == "adam" else optax.sgd(0.1, momentum=0.9)
-    mesh, shardings, state = build(strategy, devices=jax.devices()[:1] if one_device else None, tx=tx)
+    mesh, shardings, state = build(
+        strategy, devices=jax.devices()[:1] if one_device else None, tx=tx
+    )
     return mesh, shardings, jax.device_get(state), train.make_steps(shardings, mesh)
 
 
@@ -62,10 +72,14 @@ def host(tree):
 
 def test_state_is_born_sharded_by_the_rules():
     mesh, shardings, state = build("hybrid")
-    for (path, leaf), expected in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings)):
+    for (path, leaf), expected in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings)
+    ):
         assert leaf.sharding == expected, sharding.path_name(path)
     assert state.params["conv_init"]["kernel"].sharding.spec == P(None, None, None, "model")
-    mu = state.opt_state[0].mu["conv_init"]["kernel"]  # Adam's moments follow the parameters
+    mu = state.opt_state[0].mu["conv_init"][
+        "kernel"
+    ]  # Adam's moments follow the parameters
     assert mu.sharding.spec == P(None, None, None, "model")
 
 
@@ -74,12 +88,18 @@ def test_one_step_on_n_devices_equals_one_step_on_one_device(strategy):
     # SGD, not Adam: Adam's first step divides each gradient by its own magnitude, which turns float
     # rounding in a near-zero gradient into a full-size update of either sign.
     mesh, _, state, (train_step, _) = fresh(strategy, optimizer="sgd")
-    one_mesh, _, one_state, (one_train_step, _) = fresh(strategy, one_device=True, optimizer="sgd")
+    one_mesh, _, one_state, (one_train_step, _) = fresh(
+        strategy, one_device=True, optimizer="sgd"
+    )
     batch = first_batch(mesh)
-    one_batch = jax.device_put(jax.device_get(batch), jax.sharding.NamedSharding(one_mesh, P("data")))
+    one_batch = jax.device_put(
+        jax.device_get(batch), jax.sharding.NamedSharding(one_mesh, P("data"))
+    )
     new_state, metrics = train_step(state, batch)
     one_new_state, one_metrics = one_train_step(one_state, one_batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(one_metrics["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["loss"]), float(one_metrics["loss"]), rtol=1e-5
+    )
     for part in ("params", "batch_stats", "opt_state"):
         for a, b in zip(host(getattr(new_state, part)), host(getattr(one_new_state, part))):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=part)
@@ -94,52 +114,90 @@ def test_train_step_donates_the_state():
 
 def test_loss_falls_within_a_few_steps_on_the_offline_data():
     mesh, _, state, (train_step, eval_step) = fresh("data parallel")
-    state, history = train.fit(state, train_step, eval_step,
-                               lambda epoch: data.batches(source("train"), 8 * N, mesh, seed=0, epoch=epoch),
-                               None, epochs=1, steps_per_epoch=12, progress=False)
+    state, history = train.fit(
+        state,
+        train_step,
+        eval_step,
+        lambda epoch: data.batches(source("train"), 8 * N, mesh, seed=0, epoch=epoch),
+        None,
+        epochs=1,
+        steps_per_epoch=12,
+        progress=False,
+    )
     losses = [row["loss"] for row in history.train]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.15
-    assert np.mean(losses[-3:]) < np.log(10)  # below the loss of guessing uniformly among 10 classes
+    assert np.mean(losses[-3:]) < np.log(
+        10
+    )  # below the loss of guessing uniformly among 10 classes
 
 
 def test_evaluate_counts_every_example_once():
     mesh, _, state, (_, eval_step) = fresh("data parallel")
     test_set = source("test")
-    result = train.evaluate(eval_step, state, data.batches(test_set, 16 * N, mesh, shuffle=False, drop_remainder=False))
+    result = train.evaluate(
+        eval_step,
+        state,
+        data.batches(test_set, 16 * N, mesh, shuffle=False, drop_remainder=False),
+    )
     assert 0.0 <= result["accuracy"] <= 1.0 and result["loss"] > 0
-    counted = sum(float(eval_step(state, b)["count"])
-                  for b in data.batches(test_set, 16 * N, mesh, shuffle=False, drop_remainder=False))
+    counted = sum(
+        float(eval_step(state, b)["count"])
+        for b in data.batches(test_set, 16 * N, mesh, shuffle=False, drop_remainder=False)
+    )
     assert counted == len(test_set)
 
 
-def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_identically(tmp_path):
+def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_identically(
+    tmp_path,
+):
     mesh, shardings, state, (train_step, _) = fresh("data parallel")
     state, _ = train_step(state, first_batch(mesh))
     train.save_checkpoint(str(tmp_path / "ckpt"), state)
     saved = host(state)
 
     hybrid_mesh, hybrid_shardings, _, (hybrid_step, _) = fresh("hybrid")
-    restored = train.restore_checkpoint(str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), hybrid_shardings)
+    restored = train.restore_checkpoint(
+        str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), hybrid_shardings
+    )
     for a, b in zip(host(restored), saved):
         np.testing.assert_array_equal(a, b)
-    assert restored.params["conv_init"]["kernel"].sharding == hybrid_shardings.params["conv_init"]["kernel"]
+    assert (
+        restored.params["conv_init"]["kernel"].sharding
+        == hybrid_shardings.params["conv_init"]["kernel"]
+    )
     assert int(restored.step) == 1
-    signature = lambda tree: [(x.shape, x.dtype, x.weak_type) for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))]
-    assert signature(restored) == signature(state)  # so the jitted steps do not compile again for it
+    signature = lambda tree: [
+        (x.shape, x.dtype, x.weak_type)
+        for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))
+    ]
+    assert signature(restored) == signature(
+        state
+    )  # so the jitted steps do not compile again for it
 
     # Back on the original mesh, the restored state continues exactly like the original.
-    again = train.restore_checkpoint(str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), shardings)
+    again = train.restore_checkpoint(
+        str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), shardings
+    )
     batch = next(data.batches(source("train"), 4 * N, mesh, seed=0, epoch=1))
     _, from_original = train_step(state, batch)
     _, from_restored = train_step(again, batch)
     assert float(from_original["loss"]) == float(from_restored["loss"])
     # On the other mesh it continues with the same loss up to float rounding.
-    _, from_hybrid = hybrid_step(restored, jax.device_put(jax.device_get(batch), jax.sharding.NamedSharding(hybrid_mesh, P("data"))))
-    np.testing.assert_allclose(float(from_hybrid["loss"]), float(from_original["loss"]), rtol=1e-5)
+    _, from_hybrid = hybrid_step(
+        restored,
+        jax.device_put(
+            jax.device_get(batch), jax.sharding.NamedSharding(hybrid_mesh, P("data"))
+        ),
+    )
+    np.testing.assert_allclose(
+        float(from_hybrid["loss"]), float(from_original["loss"]), rtol=1e-5
+    )
 
 
 def test_fit_rejects_bad_lengths():
     with pytest.raises(ValueError, match="epochs must be >= 0, got -1"):
         train.fit(None, None, None, lambda e: [], None, epochs=-1)
-    with pytest.raises(ValueError, match="steps_per_epoch must be a positive integer or None, got 0"):
+    with pytest.raises(
+        ValueError, match="steps_per_epoch must be a positive integer or None, got 0"
+    ):
         train.fit(None, None, None, lambda e: [], None, epochs=1, steps_per_epoch=0)

@@ -31,7 +31,9 @@ def attend(
     ``dtype`` is: bf16's 7 explicit mantissa bits are too coarse for its sums.
     """
     head_dim = q_BTNK.shape[-1]
-    scores_BNTS = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BSNK) / jnp.sqrt(head_dim).astype(dtype)
+    scores_BNTS = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BSNK) / jnp.sqrt(head_dim).astype(
+        dtype
+    )
     if causal:
         t, s = scores_BNTS.shape[-2:]
         visible_TS = jnp.tril(jnp.ones((t, s), bool))

@@ -12,7 +12,8 @@ name (for example ``axis_name='data'``) so the statistics are averaged across de
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -42,7 +43,9 @@ class BasicBlock(_Block):
         y = self.conv(self.filters, (3, 3))(y)
         y = self.norm(scale_init=nn.initializers.zeros_init())(y)
         if residual.shape != y.shape:
-            residual = self.conv(self.filters, (1, 1), self.strides, name="proj_conv")(residual)
+            residual = self.conv(self.filters, (1, 1), self.strides, name="proj_conv")(
+                residual
+            )
             residual = self.norm(name="proj_bn")(residual)
         return nn.relu(residual + y)
 
@@ -58,7 +61,9 @@ class BottleneckBlock(_Block):
         y = self.conv(self.filters * 4, (1, 1))(y)
         y = self.norm(scale_init=nn.initializers.zeros_init())(y)
         if residual.shape != y.shape:
-            residual = self.conv(self.filters * 4, (1, 1), self.strides, name="proj_conv")(residual)
+            residual = self.conv(self.filters * 4, (1, 1), self.strides, name="proj_conv")(
+                residual
+            )
             residual = self.norm(name="proj_bn")(residual)
         return nn.relu(residual + y)
 
@@ -77,15 +82,25 @@ class ResNet(nn.Module):
     def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         base = max(1, int(64 * self.width))
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                                 dtype=self.dtype, axis_name=self.axis_name)
-        x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(images_BHWC)
+        norm = functools.partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            axis_name=self.axis_name,
+        )
+        x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(
+            images_BHWC
+        )
         x = nn.relu(norm(name="bn_init")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         for stage, blocks in enumerate(self.stage_sizes):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = self.block_cls(base * 2**stage, conv=conv, norm=norm, strides=strides)(x)
+                x = self.block_cls(base * 2**stage, conv=conv, norm=norm, strides=strides)(
+                    x
+                )
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 

@@ -14,18 +14,25 @@ def abstract_variables(model, image_size=32):
     return jax.eval_shape(init, jax.random.key(0), jnp.ones((1, image_size, image_size, 3)))
 
 
-@pytest.mark.parametrize("family, stage_sizes, bottleneck, published", [
-    (resnet.ResNet18, (2, 2, 2, 2), False, 11_689_512),
-    (resnet.ResNet34, (3, 4, 6, 3), False, 21_797_672),
-    (resnet.ResNet50, (3, 4, 6, 3), True, 25_557_032),
-    (resnet.ResNet101, (3, 4, 23, 3), True, 44_549_160),
-    (resnet.ResNet152, (3, 8, 36, 3), True, 60_192_808),
-])
-def test_parameter_counts_are_the_published_ones_and_match_the_memory_walk(family, stage_sizes, bottleneck, published):
+@pytest.mark.parametrize(
+    "family, stage_sizes, bottleneck, published",
+    [
+        (resnet.ResNet18, (2, 2, 2, 2), False, 11_689_512),
+        (resnet.ResNet34, (3, 4, 6, 3), False, 21_797_672),
+        (resnet.ResNet50, (3, 4, 6, 3), True, 25_557_032),
+        (resnet.ResNet101, (3, 4, 23, 3), True, 44_549_160),
+        (resnet.ResNet152, (3, 8, 36, 3), True, 60_192_808),
+    ],
+)
+def test_parameter_counts_are_the_published_ones_and_match_the_memory_walk(
+    family, stage_sizes, bottleneck, published
+):
     params = abstract_variables(family(num_classes=1000))["params"]
     count = sum(leaf.size for leaf in jax.tree.leaves(params))
     assert count == published
-    assert count == memory.resnet_params(stage_sizes=stage_sizes, bottleneck=bottleneck, num_classes=1000)
+    assert count == memory.resnet_params(
+        stage_sizes=stage_sizes, bottleneck=bottleneck, num_classes=1000
+    )
 
 
 def test_width_multiplier_and_batch_stats():
@@ -49,6 +56,8 @@ def test_partition_rules_cover_resnet50_on_a_model_axis():
     mesh = make_mesh(mesh_shape(n, data=-1, model=2), ("data", "model"))
     variables = abstract_variables(resnet.ResNet50(num_classes=1000))
     specs = sharding.specs_from_rules(variables, mesh, resnet.partition_rules())
-    assert specs["params"]["conv_init"]["kernel"] == jax.sharding.PartitionSpec(None, None, None, "model")
+    assert specs["params"]["conv_init"]["kernel"] == jax.sharding.PartitionSpec(
+        None, None, None, "model"
+    )
     assert specs["params"]["head"]["kernel"] == jax.sharding.PartitionSpec(None, "model")
     assert specs["batch_stats"]["bn_init"]["mean"] == jax.sharding.PartitionSpec("model")

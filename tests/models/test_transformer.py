@@ -73,7 +73,7 @@ def test_bf16_compute_keeps_fp32_parameters():
 def test_random_tokens_range():
     tokens = T.random_tokens(jax.random.key(0), 3, 5, 7)
     assert tokens.shape == (3, 5) and tokens.dtype == jnp.int32
-    assert 0 <= int(tokens.min()) and int(tokens.max()) < 7
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < 7
 
 
 def test_bad_shapes_are_explained():
