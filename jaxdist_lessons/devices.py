@@ -1,8 +1,14 @@
 """Choose the devices a chapter runs on: real accelerators, or simulated CPU devices.
 
-Every notebook starts with ``setup()``. On a laptop or CI machine it asks XLA for
-``num_devices`` CPU devices (8 unless ``JAXDIST_NUM_DEVICES`` says otherwise), so the
-whole book runs without a GPU. On a GPU box or a Colab TPU with enough chips it uses them.
+Every chapter starts with ``setup(min_devices=k)``, where ``k`` is the fewest devices its lesson
+needs. The choice is made by one pure function, ``choose``, from three facts: the devices JAX
+reports, the count asked for (the ``num_devices`` argument, else ``$JAXDIST_NUM_DEVICES``), and
+the chapter's minimum:
+
+- with at least ``k`` accelerators (GPUs, TPU chips), the chapter uses all of them;
+- with fewer, or none, it asks XLA for simulated CPU devices: the count asked for, else 8
+  (or ``k`` if that is more), and says why;
+- a count asked for below ``k`` is an error that says the chapter needs at least ``k`` devices.
 
 The number of CPU devices can only be chosen before JAX starts its backends (the first
 ``jax.devices()``, the first array). That is why ``setup()`` must come first.
@@ -15,10 +21,12 @@ import os
 
 import jax
 import jax.extend.backend
-from jax._src import (
-    xla_bridge,  # the only way to ask "has JAX started?" without starting it
-)
 
+# The only way to ask "has JAX started?" without starting it (a private module: the tests
+# fail if it moves).
+from jax._src import xla_bridge
+
+from jaxdist_lessons import doctor
 from jaxdist_lessons._checks import positive_int
 
 ENV_VAR = "JAXDIST_NUM_DEVICES"
@@ -26,12 +34,12 @@ DEFAULT_NUM_DEVICES = 8
 
 
 class SetupError(RuntimeError):
-    """``setup()`` was called after JAX started, and the devices present do not match."""
+    """The devices cannot be what the chapter needs: too few asked for, or JAX started too early."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
-    """What ``setup()`` chose: the platform, the device kind, how many, and whether simulated."""
+    """A set of devices: the platform, the device kind, how many, and whether simulated."""
 
     platform: str
     device_kind: str
@@ -45,21 +53,84 @@ class DeviceInfo:
                 f"jaxdist: {self.count} simulated {self.platform.upper()} device{plural} "
                 f"(device kind: {self.device_kind}; set {ENV_VAR} to change the count)"
             )
-        return f"jaxdist: {self.count} {self.platform.upper()} device{plural} (device kind: {self.device_kind})"
+        return (
+            f"jaxdist: {self.count} {self.platform.upper()} device{plural} "
+            f"(device kind: {self.device_kind})"
+        )
 
 
-def requested_num_devices(num_devices: int | None = None) -> int:
-    """The number of simulated CPU devices asked for: the argument, else ``$JAXDIST_NUM_DEVICES``, else 8."""
-    if num_devices is None:
-        raw = os.environ.get(ENV_VAR, "").strip()
-        if not raw:
-            return DEFAULT_NUM_DEVICES
-        try:
-            num_devices = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}") from None
-        return positive_int(ENV_VAR, num_devices)
-    return positive_int("num_devices", num_devices)
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``choose`` decided: the platform to use, how many devices, and why."""
+
+    platform: str
+    count: int
+    simulated: bool
+    reason: str
+
+
+def requested_num_devices(num_devices: int | None = None) -> int | None:
+    """The device count asked for: the argument, else ``$JAXDIST_NUM_DEVICES``, else ``None``."""
+    if num_devices is not None:
+        return positive_int("num_devices", num_devices)
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}") from None
+    return positive_int(ENV_VAR, value)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def choose(
+    available: DeviceInfo,
+    requested: int | None,
+    min_devices: int = 1,
+    requested_by: str = ENV_VAR,
+) -> Choice:
+    """Decide the devices from what JAX reports (``available``), the count asked for, the minimum.
+
+    ``available`` describes JAX's default backend before any choice: a CPU, or accelerators.
+    ``requested_by`` names where ``requested`` came from, for the error message.
+
+    Raises:
+        SetupError: ``requested`` is below ``min_devices``.
+    """
+    positive_int("min_devices", min_devices)
+    if requested is not None:
+        positive_int("requested", requested)
+        if requested < min_devices:
+            raise SetupError(
+                f"this chapter needs at least {min_devices} devices, but {requested_by}="
+                f"{requested} asks for {_plural(requested, 'device')}. Ask for "
+                f"{min_devices} or more (or unset {ENV_VAR} to get "
+                f"{max(DEFAULT_NUM_DEVICES, min_devices)})."
+            )
+    simulated = (
+        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    )
+    if available.platform == "cpu":
+        return Choice("cpu", simulated, True, "no accelerator found: simulated CPU devices")
+    accelerators = _plural(available.count, available.platform.upper())
+    if available.count >= min_devices:
+        return Choice(
+            available.platform,
+            available.count,
+            False,
+            f"{accelerators}, at least the {min_devices} this chapter needs",
+        )
+    return Choice(
+        "cpu",
+        simulated,
+        True,
+        f"{accelerators} {'is' if available.count == 1 else 'are'} fewer than the "
+        f"{min_devices} devices this chapter needs: simulated CPU devices instead",
+    )
 
 
 def current_devices() -> DeviceInfo:
@@ -74,60 +145,80 @@ def current_devices() -> DeviceInfo:
     )
 
 
-def _satisfies(info: DeviceInfo, num_devices: int, min_devices: int) -> bool:
-    if info.platform == "cpu":
-        return info.count == num_devices
-    return info.count >= min_devices
-
-
 def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
-    """Use the accelerators if there are at least ``min_devices``, else ``num_devices`` simulated CPU devices.
+    """Use the accelerators if there are at least ``min_devices``, else simulated CPU devices.
 
-    Call it once, first thing, before any other JAX call. It prints one line saying what
-    it chose and returns the same facts as a ``DeviceInfo``.
+    Call it once, first thing, before any other JAX call. It prints one line saying what it
+    chose and why, and returns the devices as a ``DeviceInfo``.
 
     Raises:
-        ValueError: ``num_devices``, ``min_devices`` or ``$JAXDIST_NUM_DEVICES`` is not a positive integer.
-        SetupError: JAX had already started with devices that do not satisfy the request.
+        ValueError: ``num_devices``, ``min_devices`` or ``$JAXDIST_NUM_DEVICES`` is not a
+            positive integer.
+        SetupError: the count asked for is below ``min_devices``, or JAX had already started
+            with devices that do not satisfy the request.
     """
-    num_devices = requested_num_devices(num_devices)
+    requested = requested_num_devices(num_devices)
+    requested_by = "num_devices" if num_devices is not None else ENV_VAR
     positive_int("min_devices", min_devices)
+    if requested is not None and requested < min_devices:
+        choose(DeviceInfo("cpu", "cpu", 0, True), requested, min_devices, requested_by)
 
     if xla_bridge.backends_are_initialized():
         info = current_devices()
-        if not _satisfies(info, num_devices, min_devices):
-            raise SetupError(_too_late_message(info, num_devices, min_devices))
-    else:
-        info = _start(num_devices, min_devices)
-    print(info)
+        if not _satisfies(info, requested, min_devices):
+            raise SetupError(_too_late_message(info, requested, min_devices))
+        print(info)
+        return info
+    info, choice, available = _start(requested, min_devices, requested_by)
+    # On a machine without accelerators the line says enough; with them, it also says why.
+    print(info if available.platform == "cpu" else f"{info}. Why: {choice.reason}")
+    warning = doctor.version_warning()
+    if warning:
+        print(warning)
     return info
 
 
-def _start(num_devices: int, min_devices: int) -> DeviceInfo:
-    """Start JAX's backends with ``num_devices`` CPU devices; fall back to CPU if accelerators are too few."""
-    jax.config.update("jax_num_cpu_devices", num_devices)
-    info = current_devices()
-    if info.platform != "cpu" and info.count < min_devices:
-        # Too few accelerators for this chapter: restart on the CPU alone.
+def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> bool:
+    if info.platform == "cpu":
+        wanted = (
+            requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+        )
+        return info.count == wanted
+    return info.count >= min_devices
+
+
+def _start(
+    requested: int | None, min_devices: int, requested_by: str
+) -> tuple[DeviceInfo, Choice, DeviceInfo]:
+    """Start JAX's backends as ``choose`` decides; restart on the CPU if accelerators are too few."""
+    cpu_count = (
+        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    )
+    # The CPU device count must be set before the first backend starts, whatever is chosen.
+    jax.config.update("jax_num_cpu_devices", cpu_count)
+    available = current_devices()
+    choice = choose(available, requested, min_devices, requested_by)
+    if choice.simulated and available.platform != "cpu":
         jax.extend.backend.clear_backends()
         jax.config.update("jax_platforms", "cpu")
-        info = current_devices()
-    return info
+    return current_devices(), choice, available
 
 
-def _too_late_message(info: DeviceInfo, num_devices: int, min_devices: int) -> str:
+def _too_late_message(info: DeviceInfo, requested: int | None, min_devices: int) -> str:
+    wanted = requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
     if info.platform != "cpu":  # too few accelerators, and too late to fall back to the CPU
         return (
-            f"setup() needs {min_devices} devices, but JAX had already started with {info.count} "
-            f"{info.platform} device(s), and can only switch to {num_devices} simulated CPU devices before "
-            "its first operation. Fix: restart the Python kernel and call jaxdist_lessons.devices.setup() "
-            f"before any other JAX call, or start Python with JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={num_devices}."
+            f"this chapter needs at least {min_devices} devices, but JAX had already started "
+            f"with {info.count} {info.platform} device(s), and can only switch to {wanted} "
+            "simulated CPU devices before its first operation. Fix: restart the Python kernel "
+            "and call jaxdist_lessons.devices.setup() before any other JAX call, or start "
+            f"Python with JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={wanted}."
         )
     return (
-        f"setup() asked for {num_devices} CPU devices, but JAX had already started with "
+        f"setup() asked for {wanted} CPU devices, but JAX had already started with "
         f"{info.count} {info.platform} device(s). The number of CPU devices can only be chosen "
         "before JAX's first operation (jax.devices(), creating an array, jit, ...). "
         "Fix: restart the Python kernel and call jaxdist_lessons.devices.setup() before any "
         "other JAX call, or start Python with the environment variable "
-        f"JAX_NUM_CPU_DEVICES={num_devices} set."
+        f"JAX_NUM_CPU_DEVICES={wanted} set."
     )

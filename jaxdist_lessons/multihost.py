@@ -151,7 +151,10 @@ def initialize(
             "and start one process per host (python -m jaxdist_lessons.launch does)"
         )
     # The CPU client is created once, after initialize(): the device count must be set before it.
-    jax.config.update("jax_num_cpu_devices", devices.requested_num_devices(num_devices))
+    jax.config.update(
+        "jax_num_cpu_devices",
+        devices.requested_num_devices(num_devices) or devices.DEFAULT_NUM_DEVICES,
+    )
     options = {
         "local_device_ids": local_device_ids,
         "initialization_timeout": initialization_timeout,

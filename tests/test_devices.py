@@ -66,15 +66,6 @@ def test_argument_overrides_environment_variable():
     ) == ["cpu", "2", "True", "2"]
 
 
-def test_min_devices_above_the_accelerators_falls_back_to_cpu():
-    assert result_line(run_python(SHOW.format(args="min_devices=64"))) == [
-        "cpu",
-        "8",
-        "True",
-        "8",
-    ]
-
-
 def test_prints_exactly_one_line():
     proc = run_python("from jaxdist_lessons import devices; devices.setup(3)")
     assert proc.returncode == 0, proc.stderr
@@ -149,7 +140,7 @@ def test_bad_arguments(bad):
 
 def test_requested_num_devices(monkeypatch):
     monkeypatch.delenv("JAXDIST_NUM_DEVICES", raising=False)
-    assert devices.requested_num_devices() == 8
+    assert devices.requested_num_devices() is None
     monkeypatch.setenv("JAXDIST_NUM_DEVICES", " 2 ")
     assert devices.requested_num_devices() == 2
     assert devices.requested_num_devices(5) == 5
@@ -157,6 +148,102 @@ def test_requested_num_devices(monkeypatch):
 
 def test_in_process_setup_matches_the_running_backend():
     # conftest.py called setup() first; a second call with the same request succeeds.
-    info = devices.setup()
+    count = devices.current_devices().count
+    info = devices.setup(num_devices=count)
     assert info == devices.current_devices()
-    assert info.count == devices.requested_num_devices()
+    assert info.count == count
+
+
+# --- The choice itself: a pure function of the devices JAX reports, the request, the minimum ---
+
+CPU = devices.DeviceInfo("cpu", "cpu", 1, True)
+ONE_GPU = devices.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 1, False)
+FOUR_GPUS = devices.DeviceInfo("gpu", "NVIDIA A100-SXM4-40GB", 4, False)
+EIGHT_GPUS = devices.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", 8, False)
+ONE_TPU = devices.DeviceInfo("tpu", "TPU v5 lite", 1, False)
+EIGHT_TPUS = devices.DeviceInfo("tpu", "TPU v4", 8, False)
+
+
+def chosen(available, requested=None, min_devices=1):
+    choice = devices.choose(available, requested, min_devices)
+    return choice.platform, choice.count, choice.simulated
+
+
+@pytest.mark.parametrize(
+    "available, requested, min_devices, expected",
+    [
+        # No accelerator: simulated CPU devices, 8 unless asked otherwise.
+        (CPU, None, 1, ("cpu", 8, True)),
+        (CPU, 3, 1, ("cpu", 3, True)),
+        (CPU, 1, 1, ("cpu", 1, True)),
+        (CPU, 6, 2, ("cpu", 6, True)),
+        # Enough accelerators: all of them, whatever count is asked for the CPU.
+        (ONE_GPU, None, 1, ("gpu", 1, False)),
+        (ONE_GPU, 5, 1, ("gpu", 1, False)),
+        (FOUR_GPUS, None, 2, ("gpu", 4, False)),
+        (FOUR_GPUS, None, 4, ("gpu", 4, False)),
+        (EIGHT_GPUS, None, 8, ("gpu", 8, False)),
+        (ONE_TPU, None, 1, ("tpu", 1, False)),
+        (EIGHT_TPUS, None, 2, ("tpu", 8, False)),
+        # Too few accelerators: simulated CPU devices instead.
+        (ONE_GPU, None, 2, ("cpu", 8, True)),
+        (ONE_GPU, 4, 2, ("cpu", 4, True)),
+        (FOUR_GPUS, None, 8, ("cpu", 8, True)),
+        (ONE_TPU, None, 2, ("cpu", 8, True)),
+        (EIGHT_TPUS, None, 16, ("cpu", 16, True)),
+    ],
+    ids=lambda v: getattr(v, "device_kind", v),
+)
+def test_choose(available, requested, min_devices, expected):
+    assert chosen(available, requested, min_devices) == expected
+
+
+def test_choose_says_why_it_falls_back_to_the_cpu():
+    choice = devices.choose(ONE_GPU, None, 2)
+    assert choice.reason == (
+        "1 GPU is fewer than the 2 devices this chapter needs: simulated CPU devices instead"
+    )
+    assert devices.choose(FOUR_GPUS, None, 8).reason.startswith(
+        "4 GPUs are fewer than the 8"
+    )
+    assert devices.choose(EIGHT_TPUS, None, 2).reason == (
+        "8 TPUs, at least the 2 this chapter needs"
+    )
+
+
+@pytest.mark.parametrize("available", [CPU, ONE_GPU, EIGHT_GPUS, ONE_TPU])
+def test_a_request_below_the_minimum_is_an_error(available):
+    with pytest.raises(
+        devices.SetupError,
+        match=r"^this chapter needs at least 4 devices, but JAXDIST_NUM_DEVICES=2 asks for 2 "
+        r"devices\. Ask for 4 or more",
+    ):
+        devices.choose(available, 2, 4)
+
+
+def test_setup_stops_below_the_chapter_minimum():
+    proc = run_python(
+        "from jaxdist_lessons import devices; devices.setup(min_devices=2)",
+        JAXDIST_NUM_DEVICES="1",
+    )
+    assert proc.returncode == 1
+    assert (
+        "SetupError: this chapter needs at least 2 devices, but JAXDIST_NUM_DEVICES=1"
+        in (proc.stderr)
+    )
+    assert "jax" not in proc.stdout
+
+
+def test_setup_meets_the_minimum_by_default():
+    assert result_line(run_python(SHOW.format(args="min_devices=2"))) == [
+        "cpu",
+        "8",
+        "True",
+        "8",
+    ]
+    assert result_line(run_python(SHOW.format(args="min_devices=12"))) == [
+        "cpu",
+        "12",
+        "True",
+        "12",
+    ]

@@ -81,9 +81,11 @@ def test_stored_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_first_code_cell_calls_setup(path):
-    first = source(code_cells(path)[0])
-    assert "from jaxdist_lessons import devices" in first and "devices.setup(" in first
+def test_setup_comes_right_after_the_install_cell_and_declares_the_minimum(path):
+    # The first code cell installs the package on Colab or Kaggle (tests/test_colab.py).
+    second = source(code_cells(path)[1])
+    assert "from jaxdist_lessons import devices" in second
+    assert re.search(r"devices\.setup\(min_devices=\d+\)", second), second
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

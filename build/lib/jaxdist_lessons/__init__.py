@@ -1,0 +1,1 @@
+"""jaxdist_lessons."""

@@ -1,0 +1,100 @@
+"""The first cell of every chapter: on Colab or Kaggle, install this package if it is missing.
+
+The cell is kept here, once, with the install source. ``python -m jaxdist_lessons.colab``
+writes it as the first code cell of every chapter's text source (``book/*.md``; then
+``jupytext --sync``), and ``tests/test_colab.py`` fails when a chapter's cell differs from it.
+
+What the cell does, only on a hosted runtime (Colab sets ``COLAB_RELEASE_TAG``, Kaggle
+``KAGGLE_KERNEL_RUN_TYPE``) where ``jaxdist_lessons`` cannot be imported:
+
+- it finds the install source: ``$JAXDIST_SOURCE`` if set, else the newest
+  ``jaxdist_lessons-*.whl`` uploaded to the working directory, ``/content`` or a Kaggle input;
+- it installs it with pip, holding ``jax`` and ``jaxlib`` at the runtime's versions, so the
+  runtime's accelerator build of JAX is never replaced (``devices.setup()`` then warns if that
+  version differs from the tested one);
+- with no source found, it stops with a message that says what to upload.
+
+Anywhere else (a laptop, CI) it does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+from collections.abc import Sequence
+
+# The install source is configured here, once: $JAXDIST_SOURCE if set, else the newest wheel
+# (built with `pip wheel --no-deps . -w dist`) uploaded to the notebook's files (Colab) or added
+# as a dataset (Kaggle). Change these lines when the package gets a public home.
+INSTALL_CELL = """\
+# Colab or Kaggle: install the book's companion package (elsewhere this cell does nothing).
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+WHEELS = ["*.whl", "/content/*.whl", "/kaggle/input/*/*.whl"]
+hosted = "COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
+    found = sorted(w for p in WHEELS for w in glob.glob(p) if "jaxdist_lessons-" in w)
+    source = os.environ.get("JAXDIST_SOURCE") or (found[-1] if found else None)
+    if source is None:
+        raise RuntimeError(
+            "Upload jaxdist_lessons-*.whl (made by `pip wheel --no-deps . -w dist` in "
+            "the book's repository) to this notebook's files, or set JAXDIST_SOURCE."
+        )
+    # Hold jax and jaxlib at the runtime's versions: its accelerator build stays.
+    keep = [f"{n}=={importlib.metadata.version(n)}" for n in ("jax", "jaxlib")]
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, source, *keep], check=True)
+"""
+
+TAGS = ("hide-cell",)  # in the HTML book the cell is folded away; on Colab it runs like any other
+
+_FIRST_CELL = re.compile(r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S)
+
+
+def cell_markdown() -> str:
+    """The cell as it stands in a MyST Markdown notebook."""
+    return f"```{{code-cell}}\n:tags: [{', '.join(TAGS)}]\n\n{INSTALL_CELL}```\n"
+
+
+def first_code_cell(text: str) -> str:
+    """The code of the first code cell of a MyST Markdown notebook."""
+    match = _FIRST_CELL.search(text)
+    if match is None:
+        raise ValueError("no code cell found")
+    return match.group("code")
+
+
+def with_install_cell(text: str) -> str:
+    """``text`` (a MyST Markdown chapter) with the install cell first: replaced, or inserted."""
+    match = _FIRST_CELL.search(text)
+    if match is None:
+        raise ValueError("no code cell found: every chapter starts with its setup cell")
+    if match.group("code").startswith(INSTALL_CELL.splitlines()[0]):
+        return text[: match.start()] + cell_markdown() + text[match.end() :]
+    return text[: match.start()] + cell_markdown() + "\n" + text[match.start() :]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the install cell into each chapter given (default: ``book/*.md``)."""
+    parser = argparse.ArgumentParser(prog="python -m jaxdist_lessons.colab", description=__doc__)
+    parser.add_argument("chapters", nargs="*", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    chapters = args.chapters or sorted(pathlib.Path("book").glob("*.md"))
+    for path in chapters:
+        text = path.read_text()
+        updated = with_install_cell(text)
+        if updated != text:
+            path.write_text(updated)
+            print(f"updated {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

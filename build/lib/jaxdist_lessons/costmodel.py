@@ -1,0 +1,699 @@
+"""A roofline-style cost model of one training step: time and memory per device (chapter 9).
+
+For a Transformer (a ViT or a GPT-style LM), a layout of the devices, and an accelerator, it
+estimates:
+
+- **compute**: the step's flops over the device's peak, or its memory traffic over the HBM
+  bandwidth, whichever is slower (the roofline);
+- **communication**: the collectives the layout needs, each as ``comms`` reports one read
+  from a compiled program (kind, bytes of its result on one device, group size), turned into
+  bytes sent by a ring algorithm and divided by the interconnect bandwidth. ``transfers_from_hlo``
+  reads the same records from a real compiled program, so prediction and compiler can be
+  compared line by line, and the same ``comm_seconds`` prices both;
+- **memory**: training state (weights, gradients, Adam moments, fp32 master weights) and the
+  activations kept for the backward pass (Korthikanti et al. 2022).
+
+A layout is ``(data, fsdp, model)``: batch split ``data x fsdp`` ways, parameters split over
+``fsdp`` (ZeRO-3), attention heads and MLP units split over ``model`` (Megatron tensor
+parallelism). ``(8, 1)`` in the article's notation is ``Layout(data=8)``, ``(4, 2)`` is
+``Layout(data=4, model=2)``.
+
+What it leaves out, on purpose: kernel efficiency (it assumes peak flops, the case most
+favourable to communication mattering), overlap is bracketed (``step_s`` adds compute and
+communication, ``overlapped_s`` takes the larger), latency per collective, and pipelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxdist_lessons import comms, memory, perf
+from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.models.vit import vit_params
+
+# --- Hardware -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator: dense bf16 peak, HBM bandwidth and capacity, and interconnect bandwidth per device.
+
+    ``link_bytes_per_s`` is what one device can send to its peers at once, one way.
+    """
+
+    name: str
+    device_kind: str  # what ``jax.devices()[0].device_kind`` reports on it
+    peak_flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    memory_bytes: float
+    link: str
+
+
+def _hardware(
+    name: str, device_kind: str, hbm_gb_s: float, link_gb_s: float, link: str
+) -> Hardware:
+    # Capacities come from memory.ACCELERATORS and peaks from perf.PEAK_BF16_FLOPS, which cite
+    # them; the bandwidths are cited below.
+    peak = perf.peak_flops(device_kind)
+    if peak is None:
+        raise ValueError(
+            f"no peak flops for device kind {device_kind!r} in perf.PEAK_BF16_FLOPS"
+        )
+    return Hardware(
+        name,
+        device_kind,
+        peak,
+        hbm_gb_s * 1e9,
+        link_gb_s * 1e9,
+        memory.ACCELERATORS[name].memory_bytes,
+        link,
+    )
+
+
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        # NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), SXM columns:
+        # GPU memory bandwidth 1,555 GB/s (40GB HBM2) and 2,039 GB/s (80GB HBM2e);
+        # NVLink 600 GB/s, a total over both directions, so 300 GB/s each way.
+        _hardware(
+            "A100 40GB",
+            "NVIDIA A100-SXM4-40GB",
+            1555,
+            300,
+            "NVLink 3 (600 GB/s bidirectional)",
+        ),
+        _hardware(
+            "A100 80GB",
+            "NVIDIA A100-SXM4-80GB",
+            2039,
+            300,
+            "NVLink 3 (600 GB/s bidirectional)",
+        ),
+        # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 SXM: 3.35 TB/s;
+        # NVLink 900 GB/s bidirectional.
+        _hardware(
+            "H100 80GB",
+            "NVIDIA H100 80GB HBM3",
+            3350,
+            450,
+            "NVLink 4 (900 GB/s bidirectional)",
+        ),
+        # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: 4.8 TB/s;
+        # NVLink 900 GB/s bidirectional.
+        _hardware(
+            "H200 141GB", "NVIDIA H200", 4800, 450, "NVLink 4 (900 GB/s bidirectional)"
+        ),
+        # Google Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 819 GB/s HBM, interchip
+        # interconnect 1,600 Gbps = 200 GB/s, the sum over the chip's links (optimistic for one axis).
+        _hardware("TPU v5e", "TPU v5 lite", 819, 200, "ICI 1,600 Gbps per chip"),
+        # Google Cloud TPU v5p docs (cloud.google.com/tpu/docs/v5p): 2,765 GB/s HBM, interchip
+        # interconnect 4,800 Gbps = 600 GB/s, the sum over the chip's links.
+        _hardware("TPU v5p", "TPU v5", 2765, 600, "ICI 4,800 Gbps per chip"),
+    ]
+}
+
+
+def hardware(name: str) -> Hardware:
+    """The accelerator called ``name``; ``ValueError`` listing the known names otherwise."""
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
+    return HARDWARE[name]
+
+
+# --- Models -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerSpec:
+    """A Transformer's sizes and one global batch: what the cost model needs to know about a model.
+
+    ``token_matmul_params``: weights outside the blocks that multiply every token (the patch
+    embedding, or an LM's output projection); ``sequence_matmul_params``: those applied once per
+    sequence (a ViT's classification head); ``logits_per_token``: output logits kept per token (LM vocab).
+    ``vocab_parallel``: tensor parallelism also splits the (tied) embedding and output projection
+    over the vocabulary, as Megatron-LM does.
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    mlp_dim: int
+    seq_len: int
+    params: int
+    global_batch: int
+    token_matmul_params: int = 0
+    sequence_matmul_params: int = 0
+    logits_per_token: int = 0
+    vocab_parallel: bool = False
+
+    @property
+    def layer_tp_params(self) -> int:
+        """Parameters of one block that tensor parallelism splits: Q, K, V, output and MLP kernels, Q/K/V and up biases."""
+        h, f = self.hidden, self.mlp_dim
+        return 4 * h * h + 3 * h + 2 * h * f + f
+
+    @property
+    def tp_params(self) -> int:
+        """All parameters that tensor parallelism splits."""
+        return self.num_layers * self.layer_tp_params + (
+            self.token_matmul_params if self.vocab_parallel else 0
+        )
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one global batch."""
+        return self.global_batch * self.seq_len
+
+
+def vit_spec(
+    name: str,
+    hidden: int,
+    num_layers: int,
+    num_heads: int,
+    mlp_dim: int,
+    patch_size: int = 16,
+    image_size: int = 224,
+    num_classes: int = 1000,
+    global_batch: int = 256,
+) -> TransformerSpec:
+    """A ViT (``models/vit.py``'s architecture) as a ``TransformerSpec``."""
+    tokens = (image_size // patch_size) ** 2 + 1
+    params = vit_params(hidden, num_layers, mlp_dim, patch_size, image_size, num_classes)
+    return TransformerSpec(
+        name,
+        num_layers,
+        hidden,
+        num_heads,
+        mlp_dim,
+        tokens,
+        params,
+        global_batch,
+        token_matmul_params=patch_size * patch_size * 3 * hidden,
+        sequence_matmul_params=hidden * num_classes,
+    )
+
+
+def gpt_spec(
+    name: str,
+    hidden: int,
+    num_layers: int,
+    num_heads: int,
+    vocab_size: int = 50257,
+    seq_len: int = 1024,
+    global_batch: int = 64,
+) -> TransformerSpec:
+    """A GPT-style decoder (``memory.transformer_params``: tied embeddings, MLP 4x) as a ``TransformerSpec``.
+
+    Tensor parallelism splits its vocabulary too (``vocab_parallel``).
+    """
+    params = memory.transformer_params(num_layers, hidden, vocab_size, seq_len)
+    return TransformerSpec(
+        name,
+        num_layers,
+        hidden,
+        num_heads,
+        4 * hidden,
+        seq_len,
+        params,
+        global_batch,
+        token_matmul_params=vocab_size * hidden,
+        logits_per_token=vocab_size,
+        vocab_parallel=True,
+    )
+
+
+MODELS: dict[str, TransformerSpec] = {
+    m.name: m
+    for m in [
+        vit_spec("ViT-B/16", 768, 12, 12, 3072),
+        vit_spec("ViT-L/16", 1024, 24, 16, 4096),
+        gpt_spec("GPT-2 (124M)", 768, 12, 12),
+        gpt_spec("GPT-2 medium (355M)", 1024, 24, 16),
+    ]
+}
+
+
+# --- Layouts ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Devices per axis: ``data`` and ``fsdp`` split the batch, ``fsdp`` also the parameters, ``model`` the layers."""
+
+    data: int = 1
+    fsdp: int = 1
+    model: int = 1
+
+    def __post_init__(self):
+        for axis in ("data", "fsdp", "model"):
+            positive_int(f"Layout.{axis}", getattr(self, axis))
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses."""
+        return self.data * self.fsdp * self.model
+
+    @property
+    def label(self) -> str:
+        """``(4,2)`` in the article's (data, model) notation, or ``FSDP 8``."""
+        if self.fsdp == 1:
+            return f"({self.data},{self.model})"
+        rest = f" x model {self.model}" if self.model > 1 else ""
+        return (
+            f"FSDP {self.fsdp}" + (f" x data {self.data}" if self.data > 1 else "") + rest
+        )
+
+
+def article_layouts(num_devices: int = 8) -> list[Layout]:
+    """The article's meshes for ``num_devices`` devices, ``(n,1)`` ... ``(1,n)`` over powers of two, then FSDP."""
+    models = [2**k for k in range(num_devices.bit_length()) if num_devices % 2**k == 0]
+    return [Layout(data=num_devices // m, model=m) for m in models] + [
+        Layout(fsdp=num_devices)
+    ]
+
+
+def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
+    """Reasons ``layout`` cannot run ``spec`` as is (an empty list when it can)."""
+    problems = []
+    if spec.num_heads % layout.model:
+        problems.append(f"{spec.num_heads} heads do not split over model={layout.model}")
+    if spec.mlp_dim % layout.model:
+        problems.append(
+            f"MLP width {spec.mlp_dim} does not split over model={layout.model}"
+        )
+    if spec.vocab_parallel and spec.logits_per_token % layout.model:
+        problems.append(
+            f"vocabulary of {spec.logits_per_token} does not split over model={layout.model}"
+        )
+    if spec.global_batch % (layout.data * layout.fsdp):
+        problems.append(
+            f"global batch {spec.global_batch} does not split over {layout.data * layout.fsdp} devices"
+        )
+    return problems
+
+
+def params_per_device(spec: TransformerSpec, layout: Layout) -> float:
+    """Parameters one device holds: tensor parallelism splits the block kernels, FSDP everything."""
+    return (spec.tp_params / layout.model + (spec.params - spec.tp_params)) / layout.fsdp
+
+
+# --- Communication ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective as ``comms`` reports it: kind, bytes of its result on one device, devices in its group."""
+
+    kind: str
+    bytes: float
+    group_size: int | None
+    what: str = ""
+
+
+def sent_bytes(transfer: Transfer) -> float:
+    """Bytes one device sends for a collective, with ring algorithms (``comms.ring_*``)."""
+    g, b = transfer.group_size, transfer.bytes
+    if transfer.kind not in comms.KINDS:
+        raise ValueError(
+            f"unknown collective kind {transfer.kind!r}; allowed: {', '.join(comms.KINDS)}"
+        )
+    if transfer.kind == "collective-permute" or g is None:
+        return b  # a permute sends its whole buffer once
+    if transfer.kind == "all-reduce":
+        return comms.ring_all_reduce_bytes(b, g)
+    if transfer.kind == "all-gather":
+        return comms.ring_all_gather_bytes(b, g)
+    if transfer.kind == "reduce-scatter":  # its result is one shard of the reduced array
+        return comms.ring_reduce_scatter_bytes(b * g, g)
+    return (
+        (g - 1) / g * b
+    )  # all-to-all: each device keeps 1/g of its buffer and sends the rest
+
+
+def comm_seconds(transfers: Iterable[Transfer], hw: Hardware) -> float:
+    """Seconds to send every transfer at the interconnect's bandwidth, one after another."""
+    return sum(sent_bytes(t) for t in transfers) / hw.link_bytes_per_s
+
+
+def transfers_from_hlo(hlo_text: str) -> list[Transfer]:
+    """The collectives of a compiled program (``comms.collectives``) as ``Transfer`` records."""
+    return [
+        Transfer(c.kind, c.bytes, c.group_size, c.name) for c in comms.collectives(hlo_text)
+    ]
+
+
+def predict_transfers(
+    spec: TransformerSpec,
+    layout: Layout,
+    param_bytes: int = 2,
+    activation_bytes: int = 2,
+    tp_allreduces_per_layer: int = 4,
+    fsdp_gathers: int = 2,
+) -> list[Transfer]:
+    """The collectives one training step needs on ``layout``, per device, as ``comms`` would report them.
+
+    - Tensor parallelism (Megatron): per block, an all-reduce of the activations after attention
+      and after the MLP going forward, and two for their input gradients going back:
+      ``tp_allreduces_per_layer=4`` (6 where Q, K and V are separate matmuls whose input gradients
+      are all-reduced one by one). A vocabulary-parallel LM adds two more: the embedding lookup
+      going forward, and the gradient of the output projection's input going back (the softmax's
+      per-token maximum and sum, 8 bytes a token, are left out).
+    - FSDP: every weight gathered ``fsdp_gathers`` times (forward, and again for the backward pass),
+      and the gradients reduce-scattered.
+    - Data parallelism: the (sharded) gradients all-reduced over ``data``.
+    """
+    out = []
+    local_tokens = spec.tokens / (layout.data * layout.fsdp)
+    if layout.model > 1:
+        size = local_tokens * spec.hidden * activation_bytes
+        count = spec.num_layers * tp_allreduces_per_layer + (
+            2 if spec.vocab_parallel else 0
+        )
+        out += [
+            Transfer("all-reduce", size, layout.model, "activations (tensor parallel)")
+        ] * count
+    shard = params_per_device(spec, layout) * param_bytes
+    if layout.fsdp > 1:
+        out += [
+            Transfer("all-gather", shard * layout.fsdp, layout.fsdp, "weights (FSDP)")
+        ] * fsdp_gathers
+        out.append(Transfer("reduce-scatter", shard, layout.fsdp, "gradients (FSDP)"))
+    if layout.data > 1:
+        out.append(Transfer("all-reduce", shard, layout.data, "gradients (data parallel)"))
+    return out
+
+
+# --- Compute and memory -------------------------------------------------------------------------
+
+
+def train_flops(spec: TransformerSpec) -> tuple[float, float]:
+    """Flops of one training step (forward and backward, 3x the forward) on the whole global batch.
+
+    Returned as ``(in_blocks, outside)``: tensor parallelism splits the first part, not the second.
+    Matmuls: ``6 x params x tokens`` for the block kernels and the per-token weights outside them,
+    ``6 x params x sequences`` for a per-sequence head; attention scores and their weighted sum:
+    ``3 x 4 x T^2 x H`` per sequence and layer.
+    """
+    block_matmuls = spec.num_layers * (4 * spec.hidden**2 + 2 * spec.hidden * spec.mlp_dim)
+    attention = 12 * spec.num_layers * spec.seq_len**2 * spec.hidden * spec.global_batch
+    outside = (
+        6 * spec.token_matmul_params * spec.tokens
+        + 6 * spec.sequence_matmul_params * spec.global_batch
+    )
+    return 6 * block_matmuls * spec.tokens + attention, outside
+
+
+def flops_per_device(spec: TransformerSpec, layout: Layout) -> float:
+    """Training flops one device runs: the blocks split over every device, the rest over the batch only
+    (over every device too for a vocabulary-parallel LM)."""
+    in_blocks, outside = train_flops(spec)
+    if spec.vocab_parallel:
+        return (in_blocks + outside) / layout.devices
+    return in_blocks / layout.devices + outside / (layout.data * layout.fsdp)
+
+
+def layer_activation_bytes(
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    model: int = 1,
+    flash_attention: bool = False,
+) -> float:
+    """Activation bytes one block keeps under ``model``-way tensor parallelism, 16-bit activations.
+
+    Korthikanti et al. 2022, eq. (2): ``s b h (10 + 24/t + 5 a s / (h t))``; with ``t = 1`` it is
+    eq. (1), ``memory.transformer_layer_activation_bytes``.
+    """
+    attention = 0 if flash_attention else 5 * heads * seq_len / (hidden * model)
+    return seq_len * batch * hidden * (10 + 24 / model + attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The cost model's answer for one model, layout and accelerator (seconds and bytes per device)."""
+
+    model: str
+    layout: Layout
+    hardware: str
+    flops: float
+    compute_s: float
+    comm_s: float
+    state_bytes: float
+    activation_bytes: float
+    transfers: tuple[Transfer, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def step_s(self) -> float:
+        """Compute then communication, no overlap: the slower end of the bracket."""
+        return self.compute_s + self.comm_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """Communication fully hidden behind compute (or the reverse): the faster end."""
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def memory_bytes(self) -> float:
+        """State and activations per device."""
+        return self.state_bytes + self.activation_bytes
+
+
+def estimate(
+    spec: TransformerSpec,
+    layout: Layout,
+    hw: Hardware | str,
+    optimizer: str = "adam",
+    precision: str = "mixed",
+    flash_attention: bool = False,
+    **transfer_options: Any,
+) -> Estimate:
+    """Step time and memory per device for ``spec`` on ``layout`` devices of ``hw`` (a roofline estimate).
+
+    Compute is ``max(flops / peak, HBM traffic / bandwidth)``; the HBM traffic counts weights read
+    twice and gradients written once (at the precision's weight width, 2 bytes in ``mixed``, and at
+    their gathered size under FSDP), the optimizer reading and writing its local state, and
+    activations written forward and read back. The collectives carry weights and gradients at that
+    width too, unless ``param_bytes`` says otherwise.
+    """
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    flops = flops_per_device(spec, layout)
+    state_per_param = memory.bytes_per_param(optimizer, precision)  # also checks both names
+    weight_bytes = memory.PRECISIONS[precision]["params"]  # what is gathered, read and sent
+    transfer_options.setdefault("param_bytes", weight_bytes)
+    local_params = params_per_device(spec, layout)
+    state = local_params * state_per_param
+    if layout.fsdp > 1:  # the gathered weights of the layer in use and the next one
+        state += 2 * weight_bytes * spec.layer_tp_params / layout.model
+    local_batch = spec.global_batch / (layout.data * layout.fsdp)
+    activations = spec.num_layers * layer_activation_bytes(
+        spec.seq_len,
+        local_batch,
+        spec.hidden,
+        spec.num_heads,
+        layout.model,
+        flash_attention,
+    )
+    logits_split = layout.model if spec.vocab_parallel else 1
+    activations += (
+        local_batch * spec.seq_len * spec.logits_per_token * 4 / logits_split
+    )  # fp32, for the loss
+    # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
+    # optimizer's update touches the local shard.
+    gathered_params = spec.tp_params / layout.model + (spec.params - spec.tp_params)
+    hbm = (
+        gathered_params * 3 * weight_bytes
+        + local_params * 2 * state_per_param
+        + 2 * activations
+    )
+    compute = max(flops / hw.peak_flops, hbm / hw.hbm_bytes_per_s)
+    transfers = tuple(predict_transfers(spec, layout, **transfer_options))
+    return Estimate(
+        spec.name,
+        layout,
+        hw.name,
+        flops,
+        compute,
+        comm_seconds(transfers, hw),
+        state,
+        activations,
+        transfers,
+        tuple(check_layout(spec, layout)),
+    )
+
+
+def estimates(
+    specs: Sequence[TransformerSpec],
+    layouts: Sequence[Layout],
+    hw: Hardware | str,
+    **options: Any,
+) -> dict[str, list[Estimate]]:
+    """``estimate`` for every model and layout: ``{model name: [Estimate per layout]}``."""
+    return {
+        spec.name: [estimate(spec, layout, hw, **options) for layout in layouts]
+        for spec in specs
+    }
+
+
+def speedup(base: Estimate, other: Estimate, overlapped: bool = False) -> float:
+    """How many times faster ``other`` is than ``base`` (above 1: faster)."""
+    if overlapped:
+        return base.overlapped_s / other.overlapped_s
+    return base.step_s / other.step_s
+
+
+def table_rows(results: Sequence[Estimate]) -> list[list[Any]]:
+    """Rows for ``tables.Table`` (``TABLE_HEADERS``): one per estimate."""
+    rows = []
+    for e in results:
+        rows.append(
+            [
+                e.model,
+                e.layout.label,
+                e.compute_s * 1e3,
+                e.comm_s * 1e3,
+                e.step_s * 1e3,
+                e.overlapped_s * 1e3,
+                e.memory_bytes / memory.GB,
+                "; ".join(e.problems) or "yes",
+            ]
+        )
+    return rows
+
+
+TABLE_HEADERS = [
+    "model",
+    "mesh",
+    "compute ms",
+    "comm ms",
+    "step ms (no overlap)",
+    "step ms (overlap)",
+    "memory GB",
+    "runs as is",
+]
+
+
+def plot(results: dict[str, list[Estimate]], hw: Hardware | str) -> Any:
+    """Predicted step time (compute and communication stacked) and memory per device, one column per model."""
+    import matplotlib.pyplot as plt
+
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    fig, axes = plt.subplots(
+        2, len(results), figsize=(3.6 * len(results), 6), squeeze=False
+    )
+    for col, (name, row) in enumerate(results.items()):
+        labels = [e.layout.label for e in row]
+        x = range(len(row))
+        time_ax, mem_ax = axes[0][col], axes[1][col]
+        compute = [e.compute_s * 1e3 for e in row]
+        comm = [e.comm_s * 1e3 for e in row]
+        time_ax.bar(x, compute, color="tab:blue", label="compute")
+        time_ax.bar(x, comm, bottom=compute, color="tab:orange", label="communication")
+        for i, e in enumerate(row):
+            if e.problems:  # a layout the model's sizes do not divide: hatch it
+                time_ax.bar(
+                    i, compute[i] + comm[i], fill=False, hatch="//", edgecolor="gray"
+                )
+        time_ax.set_title(name)
+        time_ax.set_ylabel("ms per step")
+        mem_ax.bar(
+            x, [e.state_bytes / memory.GB for e in row], color="tab:green", label="state"
+        )
+        mem_ax.bar(
+            x,
+            [e.activation_bytes / memory.GB for e in row],
+            bottom=[e.state_bytes / memory.GB for e in row],
+            color="tab:olive",
+            label="activations",
+        )
+        mem_ax.axhline(
+            hw.memory_bytes / memory.GB, color="red", linestyle="--", label=f"{hw.name}"
+        )
+        mem_ax.set_ylabel("GB per device")
+        for ax in (time_ax, mem_ax):
+            ax.set_xticks(list(x), labels, rotation=30, fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(
+        f"Predicted per device on {row[0].layout.devices} x {hw.name} (hatched: does not split evenly)"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def with_batch(spec: TransformerSpec, global_batch: int) -> TransformerSpec:
+    """The same model with another global batch."""
+    return dataclasses.replace(spec, global_batch=global_batch)
+
+
+def speedups_over_batch(
+    spec: TransformerSpec,
+    base: Layout,
+    other: Layout,
+    hw: Hardware | str,
+    global_batches: Sequence[int],
+    overlapped: bool = False,
+) -> list[float]:
+    """``speedup(base, other)`` for each global batch: how the answer to "which mesh?" moves with the batch."""
+    return [
+        speedup(
+            estimate(with_batch(spec, b), base, hw),
+            estimate(with_batch(spec, b), other, hw),
+            overlapped,
+        )
+        for b in global_batches
+    ]
+
+
+def plot_speedups(
+    specs: Sequence[TransformerSpec],
+    base: Layout,
+    others: Sequence[Layout],
+    hw: Hardware | str,
+    global_batches: Sequence[int],
+    claim: float | None = None,
+) -> Any:
+    """Predicted speedup of each ``other`` layout over ``base`` against the batch per device, one panel per model.
+
+    Solid: no overlap of compute and communication; dashed: perfect overlap.
+    """
+    import matplotlib.pyplot as plt
+
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.4), squeeze=False)
+    per_device = [b / base.devices for b in global_batches]
+    for ax, spec in zip(axes[0], specs):
+        for i, other in enumerate(others):
+            color = f"C{i}"
+            for overlapped, style in ((False, "-"), (True, "--")):
+                values = speedups_over_batch(
+                    spec, base, other, hw, global_batches, overlapped
+                )
+                ax.plot(
+                    per_device,
+                    values,
+                    style,
+                    color=color,
+                    label=f"{other.label} over {base.label}" if not overlapped else None,
+                )
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        if claim is not None:
+            ax.axhline(claim, color="red", linestyle=":", label=f"the article's {claim}x")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(
+            f"{'images' if spec.logits_per_token == 0 else 'sequences'} per device"
+        )
+        ax.set_ylabel("predicted speedup")
+        ax.set_title(spec.name)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(
+        f"{base.devices} x {hw.name} (solid: no overlap, dashed: full overlap)", fontsize=10
+    )
+    fig.tight_layout()
+    return fig

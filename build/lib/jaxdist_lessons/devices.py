@@ -1,0 +1,224 @@
+"""Choose the devices a chapter runs on: real accelerators, or simulated CPU devices.
+
+Every chapter starts with ``setup(min_devices=k)``, where ``k`` is the fewest devices its lesson
+needs. The choice is made by one pure function, ``choose``, from three facts: the devices JAX
+reports, the count asked for (the ``num_devices`` argument, else ``$JAXDIST_NUM_DEVICES``), and
+the chapter's minimum:
+
+- with at least ``k`` accelerators (GPUs, TPU chips), the chapter uses all of them;
+- with fewer, or none, it asks XLA for simulated CPU devices: the count asked for, else 8
+  (or ``k`` if that is more), and says why;
+- a count asked for below ``k`` is an error that says the chapter needs at least ``k`` devices.
+
+The number of CPU devices can only be chosen before JAX starts its backends (the first
+``jax.devices()``, the first array). That is why ``setup()`` must come first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.extend.backend
+
+# The only way to ask "has JAX started?" without starting it (a private module: the tests
+# fail if it moves).
+from jax._src import xla_bridge
+
+from jaxdist_lessons import doctor
+from jaxdist_lessons._checks import positive_int
+
+ENV_VAR = "JAXDIST_NUM_DEVICES"
+DEFAULT_NUM_DEVICES = 8
+
+
+class SetupError(RuntimeError):
+    """The devices cannot be what the chapter needs: too few asked for, or JAX started too early."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """A set of devices: the platform, the device kind, how many, and whether simulated."""
+
+    platform: str
+    device_kind: str
+    count: int
+    simulated: bool
+
+    def __str__(self) -> str:
+        plural = "s" if self.count != 1 else ""
+        if self.simulated:
+            return (
+                f"jaxdist: {self.count} simulated {self.platform.upper()} device{plural} "
+                f"(device kind: {self.device_kind}; set {ENV_VAR} to change the count)"
+            )
+        return (
+            f"jaxdist: {self.count} {self.platform.upper()} device{plural} "
+            f"(device kind: {self.device_kind})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``choose`` decided: the platform to use, how many devices, and why."""
+
+    platform: str
+    count: int
+    simulated: bool
+    reason: str
+
+
+def requested_num_devices(num_devices: int | None = None) -> int | None:
+    """The device count asked for: the argument, else ``$JAXDIST_NUM_DEVICES``, else ``None``."""
+    if num_devices is not None:
+        return positive_int("num_devices", num_devices)
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}") from None
+    return positive_int(ENV_VAR, value)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def choose(
+    available: DeviceInfo,
+    requested: int | None,
+    min_devices: int = 1,
+    requested_by: str = ENV_VAR,
+) -> Choice:
+    """Decide the devices from what JAX reports (``available``), the count asked for, the minimum.
+
+    ``available`` describes JAX's default backend before any choice: a CPU, or accelerators.
+    ``requested_by`` names where ``requested`` came from, for the error message.
+
+    Raises:
+        SetupError: ``requested`` is below ``min_devices``.
+    """
+    positive_int("min_devices", min_devices)
+    if requested is not None:
+        positive_int("requested", requested)
+        if requested < min_devices:
+            raise SetupError(
+                f"this chapter needs at least {min_devices} devices, but {requested_by}="
+                f"{requested} asks for {_plural(requested, 'device')}. Ask for "
+                f"{min_devices} or more (or unset {ENV_VAR} to get "
+                f"{max(DEFAULT_NUM_DEVICES, min_devices)})."
+            )
+    simulated = (
+        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    )
+    if available.platform == "cpu":
+        return Choice("cpu", simulated, True, "no accelerator found: simulated CPU devices")
+    accelerators = _plural(available.count, available.platform.upper())
+    if available.count >= min_devices:
+        return Choice(
+            available.platform,
+            available.count,
+            False,
+            f"{accelerators}, at least the {min_devices} this chapter needs",
+        )
+    return Choice(
+        "cpu",
+        simulated,
+        True,
+        f"{accelerators} {'is' if available.count == 1 else 'are'} fewer than the "
+        f"{min_devices} devices this chapter needs: simulated CPU devices instead",
+    )
+
+
+def current_devices() -> DeviceInfo:
+    """Describe the devices JAX is using now (this starts JAX's backends if needed)."""
+    devices = jax.devices()
+    platform = devices[0].platform
+    return DeviceInfo(
+        platform=platform,
+        device_kind=devices[0].device_kind,
+        count=len(devices),
+        simulated=platform == "cpu",
+    )
+
+
+def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
+    """Use the accelerators if there are at least ``min_devices``, else simulated CPU devices.
+
+    Call it once, first thing, before any other JAX call. It prints one line saying what it
+    chose and why, and returns the devices as a ``DeviceInfo``.
+
+    Raises:
+        ValueError: ``num_devices``, ``min_devices`` or ``$JAXDIST_NUM_DEVICES`` is not a
+            positive integer.
+        SetupError: the count asked for is below ``min_devices``, or JAX had already started
+            with devices that do not satisfy the request.
+    """
+    requested = requested_num_devices(num_devices)
+    requested_by = "num_devices" if num_devices is not None else ENV_VAR
+    positive_int("min_devices", min_devices)
+    if requested is not None and requested < min_devices:
+        choose(DeviceInfo("cpu", "cpu", 0, True), requested, min_devices, requested_by)
+
+    if xla_bridge.backends_are_initialized():
+        info = current_devices()
+        if not _satisfies(info, requested, min_devices):
+            raise SetupError(_too_late_message(info, requested, min_devices))
+        print(info)
+        return info
+    info, choice, available = _start(requested, min_devices, requested_by)
+    # On a machine without accelerators the line says enough; with them, it also says why.
+    print(info if available.platform == "cpu" else f"{info}. Why: {choice.reason}")
+    warning = doctor.version_warning()
+    if warning:
+        print(warning)
+    return info
+
+
+def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> bool:
+    if info.platform == "cpu":
+        wanted = (
+            requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+        )
+        return info.count == wanted
+    return info.count >= min_devices
+
+
+def _start(
+    requested: int | None, min_devices: int, requested_by: str
+) -> tuple[DeviceInfo, Choice, DeviceInfo]:
+    """Start JAX's backends as ``choose`` decides; restart on the CPU if accelerators are too few."""
+    cpu_count = (
+        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    )
+    # The CPU device count must be set before the first backend starts, whatever is chosen.
+    jax.config.update("jax_num_cpu_devices", cpu_count)
+    available = current_devices()
+    choice = choose(available, requested, min_devices, requested_by)
+    if choice.simulated and available.platform != "cpu":
+        jax.extend.backend.clear_backends()
+        jax.config.update("jax_platforms", "cpu")
+    return current_devices(), choice, available
+
+
+def _too_late_message(info: DeviceInfo, requested: int | None, min_devices: int) -> str:
+    wanted = requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    if info.platform != "cpu":  # too few accelerators, and too late to fall back to the CPU
+        return (
+            f"this chapter needs at least {min_devices} devices, but JAX had already started "
+            f"with {info.count} {info.platform} device(s), and can only switch to {wanted} "
+            "simulated CPU devices before its first operation. Fix: restart the Python kernel "
+            "and call jaxdist_lessons.devices.setup() before any other JAX call, or start "
+            f"Python with JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={wanted}."
+        )
+    return (
+        f"setup() asked for {wanted} CPU devices, but JAX had already started with "
+        f"{info.count} {info.platform} device(s). The number of CPU devices can only be chosen "
+        "before JAX's first operation (jax.devices(), creating an array, jit, ...). "
+        "Fix: restart the Python kernel and call jaxdist_lessons.devices.setup() before any "
+        "other JAX call, or start Python with the environment variable "
+        f"JAX_NUM_CPU_DEVICES={wanted} set."
+    )

@@ -1,0 +1,328 @@
+"""One data-parallel training step, four ways: one device, ``pmap``, ``jit`` with shardings, ``shard_map``.
+
+All four compute the gradient of the *global* mean loss, so they agree with each other
+(to fp32 rounding) and with one device processing the whole batch:
+
+1. **one device**: the reference.
+2. **``jax.pmap``** (legacy, in maintenance mode): each device sees its slice of the batch
+   and a replica of the state with a leading device axis; ``lax.pmean`` over the named axis
+   averages the gradients. BatchNorm needs ``axis_name`` to average its statistics.
+3. **``jax.jit`` with shardings**: the batch is sharded over ``data``, the state replicated;
+   the program is written for the global batch and the compiler inserts the all-reduce.
+   BatchNorm's statistics are global without any ``axis_name``.
+4. **``jax.shard_map``**: per-device code, like pmap, but on a mesh; average the *loss* with
+   ``lax.pmean`` and let autodiff do the rest. (``shard_map_trap_grads`` shows what happens
+   if you average the gradients instead: N times the true gradient.)
+
+Each ``*_step`` returns ``step(state, batch) -> (state, {"loss", "grads"})``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Batch = tuple[jax.Array, jax.Array]  # (images_BHWC, labels_B)
+Step = Callable[[Any, Batch], tuple[Any, dict[str, Any]]]
+
+
+# --- Two small models -------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Flatten, hidden ReLU layers, logits. No batch statistics."""
+
+    features: Sequence[int] = (32, 10)
+    axis_name: str | None = None  # unused; here so that every model takes one
+
+    @nn.compact
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
+        x = images_BHWC.reshape(images_BHWC.shape[0], -1)
+        for width in self.features[:-1]:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.features[-1])(x)
+
+
+class SmallCNN(nn.Module):
+    """Conv, BatchNorm, ReLU, average pool, Dense. BatchNorm averages over ``axis_name`` if given."""
+
+    channels: int = 8
+    num_classes: int = 10
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(self.channels, (3, 3))(images_BHWC)
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=0.9, axis_name=self.axis_name
+        )(x)
+        x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+
+# --- State and loss ---------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class State:
+    """What a step updates: parameters, BatchNorm statistics (``{}`` if none), optimizer state."""
+
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+
+
+def init_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    images_BHWC: jax.Array,
+) -> State:
+    """Initialise parameters, batch statistics and optimizer state for ``model``."""
+    variables = model.init(rng, images_BHWC, train=False)
+    params = variables["params"]
+    return State(
+        params=params,
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=tx.init(params),
+    )
+
+
+def loss_fn(
+    model: nn.Module, params: Any, batch_stats: Any, batch: Batch
+) -> tuple[jax.Array, Any]:
+    """Mean cross-entropy over the batch this code sees, and the updated batch statistics."""
+    images, labels = batch
+    if batch_stats:
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        batch_stats = updates["batch_stats"]
+    else:
+        logits = model.apply({"params": params}, images, train=True)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels
+    ).mean(), batch_stats
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation, state: State, grads: Any, batch_stats: Any
+) -> State:
+    """One optimizer update."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return State(
+        params=optax.apply_updates(state.params, updates),
+        batch_stats=batch_stats,
+        opt_state=opt_state,
+    )
+
+
+def with_axis_name(model: nn.Module, axis_name: str | None) -> nn.Module:
+    """The same model with its BatchNorm statistics averaged over ``axis_name``."""
+    return model.clone(axis_name=axis_name)
+
+
+def loss_and_grads(
+    model: nn.Module,
+    state: State,
+    batch: Batch,
+    reduce_loss: Callable[[jax.Array], jax.Array] = lambda loss: loss,
+):
+    """``((loss, batch_stats), grads)`` of ``reduce_loss(loss_fn(...))`` with respect to the parameters."""
+
+    def objective(params):
+        loss, batch_stats = loss_fn(model, params, state.batch_stats, batch)
+        return reduce_loss(loss), batch_stats
+
+    return jax.value_and_grad(objective, has_aux=True)(state.params)
+
+
+def _global_view_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
+    """A step written for the whole batch: the body of forms 1 and 3."""
+
+    def step(state: State, batch: Batch):
+        (loss, batch_stats), grads = loss_and_grads(model, state, batch)
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
+
+    return step
+
+
+# --- The four forms ---------------------------------------------------------------------------
+
+
+def single_device_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
+    """Form 1: the whole batch on one device. The reference for the others."""
+    return jax.jit(_global_view_step(with_axis_name(model, None), tx))
+
+
+def pmap_step(
+    model: nn.Module, tx: optax.GradientTransformation, axis_name: str = "data"
+) -> Step:
+    """Form 2, legacy: ``jax.pmap`` over a leading device axis; ``pmean`` the gradients over ``axis_name``.
+
+    Call it on ``replicate(state)`` and ``split_batch(batch)``; ``unreplicate`` the result.
+    """
+    model = with_axis_name(model, axis_name)
+
+    def step(state: State, batch: Batch):
+        (loss, batch_stats), grads = loss_and_grads(model, state, batch)
+        grads = lax.pmean(grads, axis_name)  # each device had the mean over its slice
+        loss = lax.pmean(loss, axis_name)
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
+
+    return jax.pmap(step, axis_name=axis_name)
+
+
+def jit_step(
+    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+) -> Step:
+    """Form 3: ``jax.jit`` over the global batch, sharded over ``data_axis``; the state is replicated.
+
+    The compiler sees a mean over a sharded dimension and inserts the all-reduce itself.
+    """
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axis))
+    return jax.jit(
+        _global_view_step(with_axis_name(model, None), tx),
+        in_shardings=(replicated, sharded),
+        out_shardings=(replicated, replicated),
+    )
+
+
+def shard_map_step(
+    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+) -> Step:
+    """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean`` the *loss*.
+
+    Autodiff of ``pmean`` gives each device the gradient of the global mean loss: the
+    all-reduce of the gradients comes from transposing it.
+    """
+    model = with_axis_name(model, data_axis)
+
+    def local_step(state: State, batch: Batch):
+        (loss, batch_stats), grads = loss_and_grads(
+            model, state, batch, lambda loss: lax.pmean(loss, data_axis)
+        )
+        return apply_gradients(tx, state, grads, batch_stats), {
+            "loss": loss,
+            "grads": grads,
+        }
+
+    return jax.jit(
+        jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=(P(), P())
+        )
+    )
+
+
+def shard_map_trap_grads(
+    model: nn.Module, mesh: Mesh, data_axis: str = "data"
+) -> Callable[[State, Batch], Any]:
+    """The porting mistake: gradients of the *local* loss, then ``pmean`` of the gradients.
+
+    Under ``shard_map``'s default ``check_vma=True``, the gradient of a replicated input is
+    already summed over devices by autodiff, so this returns N times the true gradient.
+    """
+    model = with_axis_name(model, data_axis)
+
+    def local_grads(state: State, batch: Batch):
+        return lax.pmean(loss_and_grads(model, state, batch)[1], data_axis)
+
+    return jax.jit(
+        jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P())
+    )
+
+
+# --- Moving data to where each form wants it -------------------------------------------------
+
+
+def replicate(tree: Any, num_devices: int | None = None) -> Any:
+    """A leading device axis on every leaf, for ``pmap`` (``jax.device_put_replicated`` is gone)."""
+    n = jax.local_device_count() if num_devices is None else num_devices
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def unreplicate(tree: Any) -> Any:
+    """Device 0's copy of a ``pmap`` result."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def split_batch(batch: Batch, num_devices: int | None = None) -> Batch:
+    """``(B, ...)`` to ``(num_devices, B // num_devices, ...)`` for ``pmap``."""
+    n = jax.local_device_count() if num_devices is None else num_devices
+    if batch[0].shape[0] % n:
+        raise ValueError(
+            f"a batch of {batch[0].shape[0]} does not split over {n} devices: "
+            f"make it a multiple of {n} (drop or pad the remainder)"
+        )
+    return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+
+def place(
+    state: State, batch: Batch, mesh: Mesh, data_axis: str = "data"
+) -> tuple[State, Batch]:
+    """The state replicated and the batch sharded over ``data_axis``, as forms 3 and 4 take them."""
+    return (
+        jax.device_put(state, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P(data_axis))),
+    )
+
+
+# --- Running K steps of each form ------------------------------------------------------------
+
+FORMS = ("one device", "pmap", "jit", "shard_map")
+
+
+def run(
+    form: str,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    state: State,
+    batches: Sequence[Batch],
+    mesh: Mesh | None = None,
+) -> tuple[State, list[dict[str, Any]]]:
+    """Run ``len(batches)`` steps of one form from ``state``; return the final state and each step's metrics.
+
+    The state and metrics come back as ordinary (global) arrays whatever the form.
+    """
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; allowed: {', '.join(FORMS)}")
+    if form in ("jit", "shard_map") and mesh is None:
+        raise ValueError(f"form {form!r} needs a mesh with a 'data' axis")
+    history = []
+    if form == "pmap":
+        step, state = pmap_step(model, tx), replicate(state)
+        for batch in batches:
+            state, metrics = step(state, split_batch(batch))
+            history.append(unreplicate(metrics))
+        return unreplicate(state), history
+    if form == "one device":
+        step = single_device_step(model, tx)
+        put = lambda state, batch: jax.device_put((state, batch), jax.devices()[0])
+    else:
+        step = (
+            jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        )
+        put = functools.partial(place, mesh=mesh)
+    for batch in batches:
+        state, metrics = step(*put(state, batch))
+        history.append(metrics)
+    return state, history

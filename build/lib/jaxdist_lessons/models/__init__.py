@@ -1,0 +1,1 @@
+"""Models used across the book."""

@@ -1,0 +1,235 @@
+"""A small GPT-style decoder in Flax Linen: pre-LayerNorm blocks of causal self-attention and an MLP.
+
+Chapter 6 measures its collectives and memory; chapter 9 shards it by logical axis names.
+The parameter count matches ``memory.transformer_params``: ``12 h^2 + 13 h`` per block, token and
+position embeddings, a final LayerNorm, and an output projection tied to the token embedding.
+
+Parameter paths (what sharding rules match against), for block ``i``::
+
+    Block_i/attention/{query,key,value}/kernel   (hidden, heads, head_dim)
+    Block_i/attention/{query,key,value}/bias     (heads, head_dim)
+    Block_i/attention/out/kernel                 (heads, head_dim, hidden)
+    Block_i/mlp/{up,down}/{kernel,bias}          (hidden, mlp) / (mlp, hidden)
+    Block_i/{ln_attention,ln_mlp}/{scale,bias}   (hidden,)
+    embed/embedding (vocab, hidden), position (max_len, hidden), ln_final/{scale,bias}
+
+``dtype`` is the compute dtype and ``param_dtype`` the storage dtype, as in every Flax layer:
+``dtype=jnp.bfloat16`` with the default ``param_dtype=jnp.float32`` is mixed precision.
+
+``logical_axes=True`` (default ``False``, which leaves the parameters plain arrays) creates every
+parameter through ``nn.with_logical_partitioning``, with these logical names for chapter 9's rules
+(``jaxdist_lessons.partitioning.RULES``)::
+
+    embed/embedding ('vocab', 'embed'), position ('posn', 'embed')
+    {query,key,value}/kernel ('embed', 'heads', 'kv'), bias ('heads', 'kv')
+    out/kernel ('heads', 'kv', 'embed'), bias ('embed',)
+    mlp/up/kernel ('embed', 'mlp'), bias ('mlp',); mlp/down/kernel ('mlp', 'embed'), bias ('embed',)
+    every LayerNorm's scale and bias ('embed',)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.linen.linear import default_embed_init, default_kernel_init
+
+from jaxdist_lessons.models import attention
+
+Dtype = Any
+
+
+def _named(init: Callable, names: tuple[str | None, ...], logical_axes: bool) -> Callable:
+    """``init`` boxed with logical axis names when ``logical_axes`` is set, unchanged otherwise."""
+    return nn.with_logical_partitioning(init, names) if logical_axes else init
+
+
+def _dense_inits(
+    kernel_names: tuple[str | None, ...],
+    bias_names: tuple[str | None, ...],
+    logical_axes: bool,
+    kernel_init: Callable,
+) -> dict[str, Callable]:
+    """Keyword arguments naming a dense layer's kernel and bias (Flax's default bias initializer)."""
+    return {
+        "kernel_init": _named(kernel_init, kernel_names, logical_axes),
+        "bias_init": _named(nn.initializers.zeros_init(), bias_names, logical_axes),
+    }
+
+
+def _norm_inits(logical_axes: bool) -> dict[str, Callable]:
+    """Keyword arguments naming a LayerNorm's scale and bias ``('embed',)``."""
+    return {
+        "scale_init": _named(nn.initializers.ones_init(), ("embed",), logical_axes),
+        "bias_init": _named(nn.initializers.zeros_init(), ("embed",), logical_axes),
+    }
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees itself and the positions before it."""
+
+    num_heads: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+        hidden = x_BTH.shape[-1]
+        head_dim = attention.head_dim(hidden, self.num_heads)
+        project = lambda name: nn.DenseGeneral(
+            (self.num_heads, head_dim),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+            **_dense_inits(
+                ("embed", "heads", "kv"),
+                ("heads", "kv"),
+                self.logical_axes,
+                default_kernel_init,
+            ),
+        )(x_BTH)
+        q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
+        out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype)
+        return nn.DenseGeneral(
+            hidden,
+            axis=(-2, -1),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+            **_dense_inits(
+                ("heads", "kv", "embed"), ("embed",), self.logical_axes, default_kernel_init
+            ),
+        )(out_BTNK)
+
+
+class MLP(nn.Module):
+    """Two Dense layers with a GELU between: hidden to ``mlp_ratio * hidden`` and back."""
+
+    mlp_ratio: int = 4
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+        hidden = x_BTH.shape[-1]
+        names = {"up": (("embed", "mlp"), ("mlp",)), "down": (("mlp", "embed"), ("embed",))}
+        dense = lambda features, name: nn.Dense(
+            features,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+            **_dense_inits(*names[name], self.logical_axes, default_kernel_init),
+        )
+        return dense(hidden, "down")(nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTH)))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm Transformer block: ``x + attention(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    num_heads: int
+    mlp_ratio: int = 4
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+        norm = lambda name: nn.LayerNorm(
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+            **_norm_inits(self.logical_axes),
+        )
+        x_BTH = x_BTH + CausalSelfAttention(
+            self.num_heads,
+            self.dtype,
+            self.param_dtype,
+            self.logical_axes,
+            name="attention",
+        )(norm("ln_attention")(x_BTH))
+        return x_BTH + MLP(
+            self.mlp_ratio, self.dtype, self.param_dtype, self.logical_axes, name="mlp"
+        )(norm("ln_mlp")(x_BTH))
+
+
+class Decoder(nn.Module):
+    """Token and position embeddings, ``num_layers`` blocks, a final LayerNorm, tied output logits.
+
+    ``remat_policy`` (a ``jax.checkpoint_policies`` function, or ``"full"`` to save nothing
+    but each block's input) recomputes activations in the backward pass instead of storing them.
+    """
+
+    vocab_size: int
+    num_layers: int
+    hidden: int
+    num_heads: int
+    max_len: int
+    mlp_ratio: int = 4
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: Callable | str | None = None
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        length = tokens_BT.shape[1]
+        if length > self.max_len:
+            raise ValueError(
+                f"sequence length {length} is longer than max_len={self.max_len}"
+            )
+        embed = nn.Embed(
+            self.vocab_size,
+            self.hidden,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="embed",
+            embedding_init=_named(
+                default_embed_init, ("vocab", "embed"), self.logical_axes
+            ),
+        )
+        position_TH = self.param(
+            "position",
+            _named(nn.initializers.normal(0.02), ("posn", "embed"), self.logical_axes),
+            (self.max_len, self.hidden),
+            self.param_dtype,
+        )
+        x_BTH = embed(tokens_BT) + position_TH[:length].astype(self.dtype)
+        block = Block
+        if self.remat_policy is not None:
+            policy = None if self.remat_policy == "full" else self.remat_policy
+            block = nn.remat(Block, policy=policy)
+        for i in range(self.num_layers):
+            x_BTH = block(
+                self.num_heads,
+                self.mlp_ratio,
+                self.dtype,
+                self.param_dtype,
+                logical_axes=self.logical_axes,
+                name=f"Block_{i}",
+            )(x_BTH)
+        x_BTH = nn.LayerNorm(
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="ln_final",
+            **_norm_inits(self.logical_axes),
+        )(x_BTH)
+        return embed.attend(x_BTH).astype(jnp.float32)
+
+
+def next_token_loss(model: nn.Module, params: Any, tokens_BT: jax.Array) -> jax.Array:
+    """Mean cross-entropy of predicting each token from the ones before it."""
+    logits_BTV = model.apply({"params": params}, tokens_BT[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV, tokens_BT[:, 1:]
+    ).mean()
+
+
+def random_tokens(rng: jax.Array, batch: int, length: int, vocab_size: int) -> jax.Array:
+    """A batch of uniformly random token ids, ``(batch, length)`` int32: enough to measure a step."""
+    return jax.random.randint(rng, (batch, length), 0, vocab_size, dtype=jnp.int32)

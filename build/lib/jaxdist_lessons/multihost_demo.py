@@ -1,0 +1,327 @@
+"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,train}``.
+
+Run it through the launcher, for example on 2 processes of 4 simulated CPU devices each::
+
+    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo hello
+    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo train --epochs 3
+
+``hello`` shows what each process sees and runs an all-reduce across processes. ``hybrid``
+builds a hybrid mesh and shows which all-reduces stay inside a process. ``train`` trains
+a small CNN data-parallel over every process's devices with chapter 5's digits pipeline and
+train module, can checkpoint after every epoch and resume from the latest checkpoint, and can
+make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every process writes what it found to
+``DIR/rank<i>.json``. Run alone (``python -m jaxdist_lessons.multihost_demo hello``) it is a
+single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import comms, data, gradients, multihost, train
+
+MODEL = gradients.SmallCNN(channels=8)
+IMAGE_SHAPE = (32, 32, 1)
+PREPROCESS = data.Preprocess(channels=1)
+
+
+def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
+    """What this process sees, and an all-reduce over every device of every process."""
+    info = multihost.process_info() if info is None else info
+    n, m = jax.device_count(), jax.local_device_count()
+    mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
+    # Device k of the mesh holds the number k + 1; each process supplies its own devices' numbers.
+    mine = (
+        np.arange(jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32)
+        + 1
+    )
+    numbers = multihost.global_array(mine, mesh)
+    psum = jax.jit(
+        jax.shard_map(
+            lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+        )
+    )
+    total = psum(numbers)
+    [all_reduce] = [
+        c
+        for c in comms.collectives(psum.lower(numbers).compile().as_text())
+        if c.kind == "all-reduce"
+    ]
+    report = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_device_ids": [d.id for d in jax.local_devices()],
+        "global_device_ids": [d.id for d in jax.devices()],
+        "contributed": mine.tolist(),
+        "psum_on_my_devices": [float(s.data[0]) for s in total.addressable_shards],
+        "all_reduce_group_size": all_reduce.group_size,
+        "process_indices_gathered": multihost.allgather(
+            np.int32(jax.process_index())
+        ).tolist(),
+        "joined_by": info.joined_by,
+        "jax_version": jax.__version__,
+        # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
+        "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
+    }
+    print(
+        f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}"
+    )
+    print(
+        f"contributed {report['contributed']}; all-reduce over {all_reduce.group_size} devices gives "
+        f"{report['psum_on_my_devices']} on my devices; allgather of process indices: "
+        f"{report['process_indices_gathered']}"
+    )
+    return report
+
+
+def hybrid() -> dict[str, Any]:
+    """A hybrid mesh: ``model`` inside each process (ICI), ``data`` across processes (DCN); whose collectives go where."""
+    mesh = multihost.hybrid_mesh(
+        (1, jax.local_device_count()),
+        (jax.process_count(), 1),
+        ("data", "model"),
+        axis_types=AxisType.Explicit,
+    )
+    x = jax.device_put(
+        np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "model"))
+    )
+    report = {"process_grid": multihost.process_grid(mesh).tolist()}
+    for axis in mesh.axis_names:
+        fn = jax.jit(
+            jax.shard_map(
+                lambda block, axis=axis: lax.psum(block, axis),
+                mesh=mesh,
+                in_specs=P("data", "model"),
+                out_specs=P("data", "model"),
+            )
+        )
+        [op] = [
+            c
+            for c in comms.collectives(fn.lower(x).compile().as_text())
+            if c.kind == "all-reduce"
+        ]
+        groups = comms.replica_group_lists(op.replica_groups, num_devices=mesh.size)
+        report[f"{axis}_groups"] = groups
+        report[f"{axis}_group_processes"] = multihost.processes_per_group(mesh, groups)
+    multihost.print0(
+        f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n{multihost.process_grid(mesh)}"
+    )
+    for axis in mesh.axis_names:
+        multihost.print0(
+            f"all-reduce over {axis!r}: device groups {report[f'{axis}_groups']} "
+            f"span processes {report[f'{axis}_group_processes']}"
+        )
+    return report
+
+
+def simulated_slurm_env(
+    rank: int, ntasks: int, port: int, job_id: int = 4242
+) -> dict[str, str]:
+    """The variables ``srun`` sets for task ``rank`` of a one-node job (node ``127.0.0.1``), to try JAX's SLURM detection.
+
+    ``JAX_COORDINATOR_PORT`` replaces the port JAX derives from the job id, and
+    ``JAX_COORDINATOR_BIND_ADDRESS`` keeps the coordinator on loopback (JAX binds every interface
+    by default). Both are environment variables ``jax.distributed.initialize`` reads.
+    """
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "JAX_COORDINATOR_PORT": str(port),
+        "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+    }
+
+
+FAILURES = ("kill", "raise", "hang")
+
+
+def _fail(how: str, epoch: int) -> None:
+    print(f"epoch {epoch + 1}: process {jax.process_index()} fails ({how})", flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "raise":
+        raise RuntimeError(f"process {jax.process_index()} raised at epoch {epoch + 1}")
+    else:
+        while True:
+            time.sleep(60)
+
+
+def train_digits(
+    epochs: int = 3,
+    steps_per_epoch: int = 4,
+    global_batch: int = 32,
+    learning_rate: float = 3e-3,
+    checkpoint_dir: str | None = None,
+    fail_rank: int | None = None,
+    fail_at_epoch: int | None = None,
+    fail_how: str = "kill",
+) -> dict[str, Any]:
+    """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
+
+    Checkpoints after every epoch into ``checkpoint_dir`` and starts from its latest checkpoint.
+    Process ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
+    (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever).
+    """
+    if fail_how not in FAILURES:
+        raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")
+    mesh = multihost.global_mesh((jax.device_count(),), ("data",), axis_types=AxisType.Auto)
+    tx = optax.adam(learning_rate)
+    shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
+    train_step, eval_step = train.make_steps(shardings, mesh)
+    if (
+        multihost.is_primary()
+    ):  # one process writes the dataset's files; the others wait, then read them
+        data.digits_source("train")
+    multihost.sync("digits prepared")
+    source = data.digits_source("train")
+
+    restored = None
+    if checkpoint_dir is not None:
+        restored = multihost.restore_latest(
+            checkpoint_dir, train.abstract_state(MODEL, tx, IMAGE_SHAPE), shardings
+        )
+    if restored is None:
+        state, first_step = (
+            train.create_train_state(MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE),
+            0,
+        )
+    else:
+        state, first_step = restored
+        multihost.print0(f"resumed from {os.path.join(checkpoint_dir, str(first_step))}")
+    history = train.History()
+    for epoch in range(first_step // steps_per_epoch, epochs):
+        if epoch == fail_at_epoch and jax.process_index() == fail_rank:
+            _fail(fail_how, epoch)
+        state, history = train.fit(
+            state,
+            train_step,
+            eval_step,
+            lambda e: data.batches(
+                source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS
+            ),
+            eval_batches=None,
+            epochs=1,
+            history=history,
+            first_epoch=epoch,
+            steps_per_epoch=steps_per_epoch,
+            progress=False,
+        )
+        losses = [r["loss"] for r in history.train if r["epoch"] == epoch]
+        multihost.print0(f"epoch {epoch + 1}: losses {np.round(losses, 4).tolist()}")
+        if checkpoint_dir is not None:
+            multihost.save_checkpoint(checkpoint_dir, int(state.step), state)
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "devices": jax.device_count(),
+        "first_step": first_step,
+        "losses": [r["loss"] for r in history.train],
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and ``jax.distributed``'s timeouts."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "commands",
+        nargs="+",
+        choices=["hello", "hybrid", "train"],
+        help="what to run, in order",
+    )
+    p.add_argument("--out", help="directory where every process writes rank<i>.json")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps-per-epoch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument(
+        "--checkpoint-dir",
+        help="save after every epoch here, and resume from the latest checkpoint",
+    )
+    p.add_argument("--fail-rank", type=int, help="the process that fails on purpose")
+    p.add_argument(
+        "--fail-at-epoch", type=int, help="0-based epoch at whose start --fail-rank fails"
+    )
+    p.add_argument(
+        "--fail-how",
+        choices=FAILURES,
+        default="kill",
+        help="how it fails (default: %(default)s)",
+    )
+    p.add_argument("--initialization-timeout", type=int, default=300)
+    p.add_argument("--heartbeat-timeout", type=int, default=100)
+    p.add_argument("--shutdown-timeout", type=int, default=300)
+    p.add_argument(
+        "--local-device-ids",
+        type=_ids,
+        help="comma-separated GPU ids for jax.distributed.initialize",
+    )
+    p.add_argument(
+        "--no-fail-fast",
+        action="store_true",
+        help="let an exception exit through jax.distributed.shutdown() (to see the job hang)",
+    )
+    return p
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Join the processes, run the commands, write ``--out``."""
+    args = parser().parse_args(argv)
+    multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
+    info = multihost.initialize(
+        local_device_ids=args.local_device_ids,
+        initialization_timeout=args.initialization_timeout,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+        shutdown_timeout_seconds=args.shutdown_timeout,
+    )
+    with contextlib.nullcontext() if args.no_fail_fast else multihost.fail_fast():
+        report = {}
+        for command in args.commands:
+            if command == "hello":
+                report["hello"] = hello(info)
+            elif command == "hybrid":
+                report["hybrid"] = hybrid()
+            else:
+                report["train"] = train_digits(
+                    args.epochs,
+                    args.steps_per_epoch,
+                    args.global_batch,
+                    checkpoint_dir=args.checkpoint_dir,
+                    fail_rank=args.fail_rank,
+                    fail_at_epoch=args.fail_at_epoch,
+                    fail_how=args.fail_how,
+                )
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:
+                json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,368 @@
+"""Flax partitioning by logical axis names: one model, many layouts, chosen by rules (chapter 9).
+
+A model names the dimensions of its parameters and activations with *logical* names
+(``'embed'``, ``'mlp'``, ``'heads'``, ``'batch'``...; see ``models/vit.py``). A rule set maps each
+logical name to a mesh axis, or to nothing (replicated). Swapping the rule set changes the
+strategy:
+
+- ``data``: only the batch is split (over ``'data'``); every device holds every parameter;
+- ``fsdp``: the batch and the parameters are split over ``'fsdp'`` (ZeRO-3);
+- ``tensor``: attention heads, the MLP's hidden units and an LM's vocabulary are split over ``'model'`` (Megatron);
+- ``hybrid``: ``data`` and ``tensor`` together on a 2-D mesh;
+- ``fsdp+tensor``: ``fsdp`` and ``tensor`` together.
+
+The Linen recipe: ``jax.eval_shape(init)`` gives boxed (``nn.LogicallyPartitioned``) shapes,
+``nn.get_partition_spec`` their logical specs, ``nn.logical_to_mesh_sharding`` the
+``NamedSharding`` of every leaf under a rule set, and ``jax.jit(init, out_shardings=...)`` creates
+the state already sharded. The NNX equivalents are at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.sharding import path_name
+
+LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+MESH_AXES = ("data", "fsdp", "model")
+
+_DATA: LogicalRules = (("batch", "data"),)
+# Priority order matters: a mesh axis goes to the first listed name a parameter has, so a kernel
+# ('embed', 'mlp') is split on 'embed', and a bias ('mlp',) still finds 'fsdp' through 'mlp'.
+_FSDP_PARAMS: LogicalRules = (
+    ("embed", "fsdp"),
+    ("mlp", "fsdp"),
+    ("heads", "fsdp"),
+    ("vocab", "fsdp"),
+)
+_TENSOR: LogicalRules = (
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("act_heads", "model"),
+    ("act_mlp", "model"),
+)
+
+RULES: dict[str, LogicalRules] = {
+    "data": _DATA,
+    "fsdp": (("batch", "fsdp"), *_FSDP_PARAMS),
+    "tensor": _TENSOR,
+    "hybrid": (*_DATA, *_TENSOR),
+    "fsdp+tensor": (("batch", "fsdp"), *_TENSOR, *_FSDP_PARAMS),
+}
+STRATEGIES = tuple(RULES)
+
+# For the article's 4-axis mesh ('data', 'fsdp', 'model', 'pipeline'): the batch over 'data' and
+# 'fsdp' together, FSDP and tensor parallelism as above. No rule names 'pipeline', so every device
+# along it holds the same blocks: the name alone pipelines nothing (see ``pipeline.py``).
+FOUR_AXIS_RULES: LogicalRules = (("batch", ("data", "fsdp")), *_TENSOR, *_FSDP_PARAMS)
+
+
+def rules_for(strategy: str) -> LogicalRules:
+    """The logical-axis rules of a strategy; ``ValueError`` naming the known ones otherwise."""
+    if strategy not in RULES:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    return RULES[strategy]
+
+
+def mesh_shape_for(strategy: str, num_devices: int, model: int = 2) -> tuple[int, int, int]:
+    """Sizes of ``('data', 'fsdp', 'model')`` for a strategy on ``num_devices`` devices.
+
+    Pure strategies put every device on their one axis; the 2-D ones put ``model`` devices
+    (at most ``num_devices``) on ``'model'`` and the rest on ``'data'`` or ``'fsdp'``.
+    """
+    rules_for(strategy)
+    n = num_devices
+    model = min(model, n)
+    shapes = {
+        "data": {"data": n, "fsdp": 1, "model": 1},
+        "fsdp": {"data": 1, "fsdp": n, "model": 1},
+        "tensor": {"data": 1, "fsdp": 1, "model": n},
+        "hybrid": {"data": -1, "fsdp": 1, "model": model},
+        "fsdp+tensor": {"data": 1, "fsdp": -1, "model": model},
+    }
+    return mesh_lib.mesh_shape(n, **shapes[strategy])
+
+
+def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2) -> Mesh:
+    """A ``('data', 'fsdp', 'model')`` mesh with Auto axes, shaped for ``strategy``.
+
+    Auto, because Linen's ``with_logical_constraint`` is a sharding *constraint* that XLA
+    propagates from; Explicit axes make sharding part of every type instead.
+    """
+    n = jax.device_count() if num_devices is None else num_devices
+    return mesh_lib.make_mesh(
+        mesh_shape_for(strategy, n, model), MESH_AXES, axis_types=AxisType.Auto
+    )
+
+
+def four_axis_shape(num_devices: int) -> tuple[int, int, int, int]:
+    """Sizes of ``('data', 'fsdp', 'model', 'pipeline')`` on ``num_devices``: ``(1, 2, 2, 2)`` on 8.
+
+    With fewer than 8 devices ``pipeline`` shrinks to 1 first, then ``fsdp`` (``(1, 2, 2, 1)`` on 4,
+    ``(1, 1, 2, 1)`` on 2); ``model`` stays 2 down to 2 devices. With more, ``fsdp`` grows.
+    """
+    n = positive_int("num_devices", num_devices)
+    pipeline = 2 if n >= 8 else 1
+    model = 2 if n >= 2 else 1
+    return tuple(mesh_lib.mesh_shape(n, data=1, fsdp=-1, model=model, pipeline=pipeline))
+
+
+def four_axis_mesh(num_devices: int | None = None) -> Mesh:
+    """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right, shaped by ``four_axis_shape``."""
+    n = jax.device_count() if num_devices is None else num_devices
+    return mesh_lib.make_mesh(
+        four_axis_shape(n), (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto
+    )
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
+    """Make ``mesh`` and ``rules`` the context that ``nn.with_logical_constraint`` reads."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+# --- Specs and shardings of a tree ------------------------------------------------------------
+
+
+def logical_specs(tree: Any) -> Any:
+    """The logical ``PartitionSpec`` of every leaf (``P()`` where a leaf carries no names)."""
+    return nn.get_partition_spec(tree)
+
+
+def mesh_specs(tree: Any, rules: LogicalRules) -> Any:
+    """The mesh ``PartitionSpec`` of every leaf, with logical names translated by ``rules``."""
+    return jax.tree.map(
+        lambda spec: nn.logical_to_mesh_axes(tuple(spec), rules),
+        logical_specs(tree),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def mesh_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+    """The ``NamedSharding`` of every leaf under ``rules``: what ``jit(..., out_shardings=)`` takes."""
+    return nn.logical_to_mesh_sharding(logical_specs(tree), mesh, rules)
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
+    """Where the leading (``'batch'``) dimension of the inputs goes under ``rules``."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",), rules))
+
+
+def describe(tree: Any, mesh: Mesh, rules: LogicalRules) -> list[list[Any]]:
+    """One row per leaf: path, shape, logical spec, mesh spec, the block one device holds."""
+    rows = []
+    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(tree))
+    logical = jax.tree.leaves(logical_specs(tree), is_leaf=lambda x: isinstance(x, P))
+    physical = jax.tree.leaves(mesh_specs(tree, rules), is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), lspec, mspec in zip(leaves, logical, physical):
+        block = NamedSharding(mesh, mspec).shard_shape(leaf.shape)
+        rows.append([path_name(path), tuple(leaf.shape), str(lspec), str(mspec), block])
+    return rows
+
+
+# --- Training under a rule set ----------------------------------------------------------------
+
+
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, sample: Any) -> Callable:
+    def init(rng: jax.Array) -> train_state.TrainState:
+        params = model.init(rng, sample)["params"]
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        return state.replace(step=jnp.zeros((), jnp.int32))
+
+    return init
+
+
+def create_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    sample: Any,
+    mesh: Mesh,
+    rules: LogicalRules,
+    rng: jax.Array,
+) -> tuple[train_state.TrainState, Any]:
+    """Parameters and optimizer state born sharded by ``rules`` on ``mesh``, and their shardings.
+
+    The optimizer's moments inherit the parameters' boxes, so they are sharded the same way.
+    """
+    init = _init_fn(model, tx, sample)
+    shardings = mesh_shardings(jax.eval_shape(init, rng), mesh, rules)
+    # Deliberately outside ``activate``: ``out_shardings`` places the state, and Flax's DenseGeneral
+    # builds a named kernel flat then reshapes it, which an active rule set would reject.
+    return jax.jit(init, out_shardings=shardings)(rng), shardings
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    mesh: Mesh,
+    rules: LogicalRules,
+    shardings: Any,
+    constrain_activations: bool = True,
+) -> Callable:
+    """``step(state, batch) -> (state, loss)``, jitted for these shardings; it donates ``state``.
+
+    ``constrain_activations`` puts the rules in context, so the model's ``with_logical_constraint``
+    calls take effect. Turn it off for a model that names only its parameters and uses Flax's
+    ``DenseGeneral`` with named multi-dimensional kernels (the decoder): at every call Flax traces
+    the kernel's initializer, which builds the kernel flat, and a rule set in context rejects a
+    3-name constraint on the flat kernel.
+    """
+
+    def step(
+        state: train_state.TrainState, batch: Any
+    ) -> tuple[train_state.TrainState, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding(mesh, rules)),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+    context = (
+        (lambda: activate(mesh, rules)) if constrain_activations else contextlib.nullcontext
+    )
+
+    def run(
+        state: train_state.TrainState, batch: Any
+    ) -> tuple[train_state.TrainState, jax.Array]:
+        with context():
+            return jitted(state, batch)
+
+    def lower(state: train_state.TrainState, batch: Any) -> jax.stages.Lowered:
+        with context():
+            return jitted.lower(state, batch)
+
+    run.lower = lower
+    return run
+
+
+@dataclasses.dataclass
+class Run:
+    """What ``train`` did: the loss of every step, the final state, the compiled step and its mesh."""
+
+    losses: list[float]
+    state: train_state.TrainState
+    program: jax.stages.Compiled
+    mesh: Mesh
+
+
+def train(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    batches: Sequence[Any],
+    strategy: str,
+    tx: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
+    seed: int = 0,
+    sample: Any = None,
+    rules: LogicalRules | None = None,
+    constrain_activations: bool = True,
+) -> Run:
+    """Train ``model`` on ``batches`` (one step each) under a strategy's rules (or ``rules``).
+
+    ``loss_fn(params, batch)``; ``sample`` is what ``model.init`` is called on (by default the
+    first example of the first batch's first array). The step is compiled once, ahead of time.
+    ``constrain_activations``: see ``make_train_step``.
+    """
+    if not batches:
+        raise ValueError("train needs at least one batch")
+    rules = rules_for(strategy) if rules is None else rules
+    mesh = strategy_mesh(strategy) if mesh is None else mesh
+    tx = optax.adam(1e-3) if tx is None else tx
+    sample = jax.tree.leaves(batches[0])[0][:1] if sample is None else sample
+    state, shardings = create_state(model, tx, sample, mesh, rules, jax.random.key(seed))
+    placed = [jax.device_put(batch, batch_sharding(mesh, rules)) for batch in batches]
+    step = make_train_step(loss_fn, mesh, rules, shardings, constrain_activations)
+    program = step.lower(state, placed[0]).compile()
+    losses = []
+    for batch in placed:
+        state, loss = program(state, batch)
+        losses.append(float(loss))
+    return Run(losses, state, program, mesh)
+
+
+def compare_strategies(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    batches: Sequence[Any],
+    strategies: Iterable[str] = STRATEGIES,
+    **kwargs: Any,
+) -> dict[str, Run]:
+    """The same training run under each strategy."""
+    return {s: train(model, loss_fn, batches, s, **kwargs) for s in strategies}
+
+
+# --- NNX: the same idea on stateful modules ---------------------------------------------------
+
+
+class NNXMLP(nnx.Module):
+    """A two-layer MLP in NNX, split Megatron-style: the first kernel by columns, the second by rows."""
+
+    def __init__(
+        self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, axis: str = "model"
+    ):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(
+            din,
+            hidden,
+            rngs=rngs,
+            kernel_init=nnx.with_partitioning(init, (None, axis)),
+            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axis,)),
+        )
+        self.down = nnx.Linear(
+            hidden, dout, rngs=rngs, kernel_init=nnx.with_partitioning(init, (axis, None))
+        )
+
+    def __call__(self, x: jax.Array, out_sharding: P | None = None) -> jax.Array:
+        # On Explicit axes the row-split matmul must be told where its sum goes (``out_sharding``);
+        # on Auto axes XLA chooses.
+        return self.down(nnx.gelu(self.up(x)), out_sharding=out_sharding)
+
+
+def nnx_sharded_mlp(
+    mesh: Mesh, din: int = 16, hidden: int = 64, dout: int = 4, seed: int = 0
+) -> NNXMLP:
+    """An ``NNXMLP`` created inside ``mesh``, so each parameter is born with its sharding."""
+    with jax.set_mesh(mesh):
+        return NNXMLP(din, hidden, dout, rngs=nnx.Rngs(seed))
+
+
+def nnx_optimizer(
+    model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh
+) -> nnx.Optimizer:
+    """An optimizer for ``model``'s ``nnx.Param``s, created inside ``mesh`` so its moments are sharded like them."""
+    with jax.set_mesh(mesh):
+        return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def nnx_train_step(
+    model: NNXMLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
+) -> jax.Array:
+    """One squared-error step on an NNX model; ``model`` and ``optimizer`` are updated in place."""
+
+    def loss_fn(model: NNXMLP) -> jax.Array:
+        return jnp.mean((model(x, out_sharding=jax.typeof(y).sharding.spec) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss

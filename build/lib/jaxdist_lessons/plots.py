@@ -1,0 +1,417 @@
+"""Figures for the book, made by functions so that tests can check what they draw."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from jaxdist_lessons import comms, memory
+from jaxdist_lessons import sharding as sharding_lib
+
+if TYPE_CHECKING:
+    from jaxdist_lessons import profiling as profiling_lib
+    from jaxdist_lessons import train as train_lib
+
+
+def memory_vs_model_size(
+    accelerators: Sequence[str] = tuple(memory.ACCELERATORS),
+    min_params: float = 1e8,
+    max_params: float = 1e12,
+    marks: Mapping[str, float] | None = None,
+) -> Figure:
+    """Memory needed against parameter count, weights only (fp32) and Adam training, beside accelerators.
+
+    Each accelerator's memory is a horizontal line; a model to the right of where a curve
+    crosses that line does not fit on one such device. ``marks`` labels named models.
+    """
+    if not 0 < min_params < max_params:
+        raise ValueError(
+            f"need 0 < min_params < max_params, got {min_params!r}, {max_params!r}"
+        )
+    marks = {"GPT-3 175B": 175e9} if marks is None else marks
+    params = np.logspace(np.log10(min_params), np.log10(max_params), 200)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    curves = {
+        "weights only, fp32 (4 B/param)": memory.weights_bytes(1, "fp32"),
+        "training with Adam, fp32 (16 B/param)": memory.bytes_per_param("adam", "fp32"),
+    }
+    for label, per_param in curves.items():
+        ax.plot(params, params * per_param, linewidth=2.5, label=label)
+    by_capacity: dict[float, list[str]] = {}
+    for name in accelerators:
+        by_capacity.setdefault(memory.accelerator(name).memory_bytes, []).append(name)
+    for i, (capacity, names) in enumerate(sorted(by_capacity.items())):
+        label = " / ".join(names)
+        ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
+        right = i % 2 == 0  # alternate sides so that close capacities do not overlap
+        ax.annotate(
+            label,
+            (params[-1] if right else params[0], capacity),
+            xytext=(-4 if right else 4, 2),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            va="bottom",
+            fontsize=8,
+            color="0.25",
+        )
+    for name, count in marks.items():
+        ax.axvline(count, color="tab:red", linewidth=0.8, alpha=0.6)
+        ax.annotate(
+            name,
+            (count, params[0] * 4),
+            rotation=90,
+            ha="right",
+            va="bottom",
+            color="tab:red",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="parameters",
+        ylabel="bytes",
+        title="Memory needed vs. one accelerator's memory",
+    )
+    ax.grid(True, which="major", alpha=0.3)
+    curve_lines = ax.get_lines()[: len(curves)]
+    ax.legend(handles=curve_lines, fontsize=9, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def memory_breakdown(
+    shares: Mapping[str, memory.TrainingMemory],
+    unit: str = "GB",
+    accelerator: str | None = None,
+) -> Figure:
+    """Stacked bars, one per strategy: the bytes of params, grads, optimizer, master weights and activations.
+
+    With ``accelerator``, a dashed line marks that device's memory.
+    """
+    if not shares:
+        raise ValueError("memory_breakdown needs at least one strategy")
+    scale = {"GB": memory.GB, "GiB": memory.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
+    if scale is None:
+        raise ValueError(f"unknown unit {unit!r}; allowed: GB, GiB, MB, MiB")
+    parts = [f.name for f in dataclasses.fields(memory.TrainingMemory)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(shares)
+    bottom = np.zeros(len(names))
+    for part in parts:
+        heights = np.array([getattr(shares[n], part) for n in names]) / scale
+        ax.bar(names, heights, bottom=bottom, label=part)
+        bottom += heights
+    if accelerator is not None:
+        capacity = memory.accelerator(accelerator).memory_bytes / scale
+        ax.axhline(
+            capacity,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"{accelerator} memory",
+        )
+    ax.set(ylabel=f"{unit} per device", title="What each device holds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _device_color(device_id: int):
+    return plt.cm.tab20(device_id % 20)
+
+
+def draw_mesh(mesh: Mesh, title: str | None = None) -> Figure:
+    """The device grid of a 1-D or 2-D mesh: one box per device, with its id and coordinates."""
+    if mesh.devices.ndim > 2:
+        raise ValueError(
+            f"draw_mesh draws 1-D and 2-D meshes; this one has shape {dict(mesh.shape)}"
+        )
+    grid = mesh.devices.reshape(1, -1) if mesh.devices.ndim == 1 else mesh.devices
+    rows, cols = grid.shape
+    names = list(mesh.axis_names)
+    fig, ax = plt.subplots(figsize=(1.6 * cols + 1.2, 1.1 * rows + 1.0))
+    for r, c in np.ndindex(grid.shape):
+        device = grid[r, c]
+        ax.add_patch(
+            Rectangle(
+                (c, rows - 1 - r),
+                0.92,
+                0.88,
+                facecolor=_device_color(device.id),
+                alpha=0.55,
+                edgecolor="black",
+            )
+        )
+        coords = (c,) if mesh.devices.ndim == 1 else (r, c)
+        label = ", ".join(f"{n}={i}" for n, i in zip(names, coords))
+        ax.text(
+            c + 0.46,
+            rows - 1 - r + 0.44,
+            f"device {device.id}\n{label}",
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_xlim(-0.1, cols + 0.02)
+    ax.set_ylim(-0.1, rows + 0.02)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel(f"{names[-1]} ({mesh.shape[names[-1]]}) \u2192")
+    if mesh.devices.ndim == 2:
+        ax.set_ylabel(f"\u2190 {names[0]} ({mesh.shape[names[0]]})")
+    ax.set_title(
+        title
+        or f"Mesh {dict(mesh.shape)}, axis types {tuple(t.name for t in mesh.axis_types)}",
+        fontsize=10,
+    )
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_sharding(
+    shape: Sequence[int], sharding: NamedSharding, title: str | None = None
+) -> Figure:
+    """A 1-D or 2-D array's blocks, each coloured by (and labelled with) the devices that hold it."""
+    shape = tuple(shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(f"draw_sharding draws 1-D and 2-D arrays; got shape {shape}")
+    held = sharding_lib.blocks(shape, sharding)
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    fig, ax = plt.subplots(
+        figsize=(
+            min(10, 2 + 6 * cols / max(rows, cols)),
+            min(6, 1.5 + 4 * rows / max(rows, cols)),
+        )
+    )
+    for block, device_ids in held.items():
+        (r0, r1), (c0, c1) = ((0, 1), block[0]) if len(shape) == 1 else block
+        ax.add_patch(
+            Rectangle(
+                (c0, rows - r1),
+                c1 - c0,
+                r1 - r0,
+                facecolor=_device_color(device_ids[0]),
+                alpha=0.6,
+                edgecolor="black",
+                linewidth=1.5,
+            )
+        )
+        ax.text(
+            (c0 + c1) / 2,
+            rows - (r0 + r1) / 2,
+            ",".join(map(str, device_ids)),
+            ha="center",
+            va="center",
+            fontsize=9,
+        )
+    ax.set_xlim(0, cols)
+    ax.set_ylim(0, rows)
+    ax.set_xticks([0, cols])
+    ax.set_yticks(
+        [] if len(shape) == 1 else [0, rows], [] if len(shape) == 1 else [rows, 0]
+    )
+    spec = getattr(sharding, "spec", "")
+    ax.set_title(
+        title or f"shape {shape}, {spec}: {len(held)} block(s), labelled by device id",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def ring_all_reduce(num_devices: int = 4) -> Figure:
+    """A ring all-reduce: the ring of devices, then which chunk each device sends at each step of each phase."""
+    schedule = comms.ring_all_reduce_schedule(num_devices)
+    n = num_devices
+    fig, axes = plt.subplots(
+        1, 3, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1, 1.2, 1.2]}
+    )
+    ring = axes[0]
+    angles = np.pi / 2 - 2 * np.pi * np.arange(n) / n
+    xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    for i in range(n):
+        ring.add_patch(
+            plt.Circle(
+                xy[i], 0.22, facecolor=_device_color(i), alpha=0.6, edgecolor="black"
+            )
+        )
+        ring.text(*xy[i], str(i), ha="center", va="center", fontsize=11)
+        if n > 1:
+            start, end = xy[i], xy[(i + 1) % n]
+            direction = (end - start) / np.linalg.norm(end - start)
+            ring.annotate(
+                "",
+                xy=end - 0.25 * direction,
+                xytext=start + 0.25 * direction,
+                arrowprops=dict(arrowstyle="->", color="0.3"),
+            )
+    ring.set(
+        xlim=(-1.4, 1.4), ylim=(-1.4, 1.4), aspect="equal", title=f"{n} devices in a ring"
+    )
+    ring.axis("off")
+    for ax, (phase, steps) in zip(axes[1:], schedule.items()):
+        grid = np.array([[chunk for _, _, chunk in step] for step in steps]).reshape(
+            len(steps), n
+        )
+        for s, i in np.ndindex(grid.shape):
+            ax.add_patch(
+                Rectangle(
+                    (i, len(steps) - 1 - s),
+                    0.95,
+                    0.9,
+                    facecolor=plt.cm.Pastel1(grid[s, i] % 9),
+                    edgecolor="0.4",
+                )
+            )
+            ax.text(
+                i + 0.47,
+                len(steps) - 1 - s + 0.45,
+                f"chunk {grid[s, i]}",
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
+        ax.set(
+            xlim=(0, n),
+            ylim=(0, max(1, len(steps))),
+            xlabel="sending device",
+            title=f"{phase}: {len(steps)} steps of 1/{n} each",
+        )
+        ax.set_xticks(np.arange(n) + 0.47, [str(i) for i in range(n)])
+        ax.set_yticks(
+            np.arange(len(steps)) + 0.45,
+            [f"step {len(steps) - k}" for k in range(len(steps))],
+        )
+    fig.suptitle(
+        f"Ring all-reduce: every device sends 2(N-1)/N = {2 * (n - 1) / n:.2f} times the data",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def training_curves(histories: Mapping[str, train_lib.History]) -> Figure:
+    """Training loss per step and held-out accuracy per epoch, one line per run."""
+    if not histories:
+        raise ValueError("training_curves needs at least one history")
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, history in histories.items():
+        loss_ax.plot(
+            [r["step"] for r in history.train],
+            [r["loss"] for r in history.train],
+            label=name,
+            alpha=0.8,
+        )
+        if history.eval:
+            acc_ax.plot(
+                [r["step"] for r in history.eval],
+                [r["accuracy"] for r in history.eval],
+                "o-",
+                label=name,
+            )
+    loss_ax.set(xlabel="step", ylabel="training loss (batch)", title="Loss")
+    acc_ax.set(
+        xlabel="step",
+        ylabel="held-out accuracy",
+        ylim=(0, 1),
+        title="Accuracy after each epoch",
+    )
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def image_grid(images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8) -> Figure:
+    """A grid of images with their labels (the first channel, as grey levels)."""
+    images_BHWC = np.asarray(images_BHWC)
+    if images_BHWC.ndim != 4 or len(images_BHWC) != len(labels):
+        raise ValueError(
+            f"need images (B, H, W, C) and B labels; got {images_BHWC.shape} and {len(labels)} labels"
+        )
+    rows = max(1, -(-len(images_BHWC) // columns))
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(1.2 * columns, 1.35 * rows), squeeze=False
+    )
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, label in zip(axes.flat, images_BHWC, labels):
+        ax.imshow(image[..., 0], cmap="gray_r")
+        ax.set_title(str(int(label)), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def profile_timeline(
+    events: Sequence[profiling_lib.OpEvent], title: str = "Profile"
+) -> Figure:
+    """Each device's operations on a time line, compute apart from collectives (``profiling.read_trace`` events).
+
+    Left: one row per device, one bar per HLO operation, coloured by kind. Right: the time
+    each device spent in each kind.
+    """
+    if not events:
+        raise ValueError(
+            "profile_timeline needs at least one event (did the trace capture any XLA operations?)"
+        )
+    colors = {"compute": "tab:blue", "collective": "tab:orange"}
+    start = min(e.start_us for e in events)
+    device_ids = sorted({e.device for e in events})
+    row = {d: i for i, d in enumerate(device_ids)}
+    fig, (line_ax, bar_ax) = plt.subplots(
+        1,
+        2,
+        figsize=(12, 0.45 * len(device_ids) + 2.2),
+        gridspec_kw={"width_ratios": [3, 1]},
+    )
+    for kind, color in colors.items():
+        spans = [e for e in events if e.kind == kind]
+        for d in device_ids:
+            bars = [
+                ((e.start_us - start) / 1e3, e.duration_us / 1e3)
+                for e in spans
+                if e.device == d
+            ]
+            line_ax.broken_barh(
+                bars,
+                (row[d] - 0.4, 0.8),
+                facecolors=color,
+                label=kind if d == device_ids[0] else None,
+            )
+    line_ax.set(
+        xlabel="time (ms)",
+        ylabel="device",
+        title=title,
+        yticks=range(len(device_ids)),
+        yticklabels=[str(d) for d in device_ids],
+    )
+    line_ax.invert_yaxis()
+    line_ax.legend(loc="upper right", fontsize=8)
+    left = np.zeros(len(device_ids))
+    for kind, color in colors.items():
+        ms = np.array(
+            [
+                sum(e.duration_us for e in events if e.device == d and e.kind == kind) / 1e3
+                for d in device_ids
+            ]
+        )
+        bar_ax.barh(range(len(device_ids)), ms, left=left, color=color, label=kind)
+        left += ms
+    bar_ax.set(
+        xlabel="total time (ms)",
+        title="Time by kind",
+        yticks=range(len(device_ids)),
+        yticklabels=[str(d) for d in device_ids],
+    )
+    bar_ax.invert_yaxis()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,192 @@
+"""Profile a jitted step: capture a ``jax.profiler`` trace, read it back, and split compute from collectives.
+
+Chapter 7 uses it. ``jax.profiler.trace(log_dir)`` writes, under
+``log_dir/plugins/profile/<run>/``, a ``<host>.xplane.pb`` (the XSpace protobuf that
+TensorBoard's profile plugin and XProf read) and a ``<host>.trace.json.gz`` (the Chrome
+trace-event format that Perfetto opens). The JSON needs only the standard library to read:
+every operation XLA ran is an event with ``args.hlo_op``, ``args.hlo_module`` and the
+``args.device_ordinal`` it ran on. ``read_xplane`` reads the same events from the protobuf
+with ``jax.profiler.ProfileData``, which ships with jax.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import pathlib
+import re
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from jaxdist_lessons import comms
+from jaxdist_lessons._checks import positive_int
+
+# HLO collectives, as named in the trace (async pairs as -start and -done, which op_kind strips): the kinds
+# comms reads from compiled programs, and two more that comms does not parse but a profile may hold.
+COLLECTIVES = (*comms.KINDS, "ragged-all-to-all", "collective-broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEvent:
+    """One HLO operation that ran on one device: when, for how long (microseconds), and of what kind."""
+
+    op: str  # the HLO instruction, e.g. 'all-reduce.3' or 'dot.1'
+    module: str  # the compiled program, e.g. 'jit_train_step'
+    device: int
+    start_us: float
+    duration_us: float
+
+    @property
+    def kind(self) -> str:
+        """``'collective'`` for communication between devices, ``'compute'`` for everything else."""
+        return "collective" if op_kind(self.op) == "collective" else "compute"
+
+
+def op_kind(op: str) -> str:
+    """``'collective'`` if the HLO op ``op`` (e.g. ``'all-reduce.1'``, ``'all-gather-start'``) is one, else ``'compute'``."""
+    base = re.sub(r"(-start|-done)?(\.\d+)*$", "", op)
+    return "collective" if base in COLLECTIVES else "compute"
+
+
+def capture(
+    fn: Callable, *args: Any, steps: int = 3, log_dir: str | None = None
+) -> pathlib.Path:
+    """Run ``fn(*args)`` once to compile, then ``steps`` times under ``jax.profiler.trace``; the trace directory.
+
+    Each step is wrapped in a ``StepTraceAnnotation`` so that viewers can mark the steps.
+    """
+    positive_int("steps", steps)
+    log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="jaxdist-trace-"))
+    jax.block_until_ready(
+        fn(*args)
+    )  # compile outside the trace: we profile steady-state steps
+    with jax.profiler.trace(str(log_dir)):
+        for step in range(steps):
+            with jax.profiler.StepTraceAnnotation("step", step_num=step):
+                jax.block_until_ready(fn(*args))
+    return log_dir
+
+
+def trace_files(log_dir: str | pathlib.Path) -> dict[str, pathlib.Path]:
+    """The newest run's files under ``log_dir``: ``{'trace.json.gz': ..., 'xplane.pb': ...}``, those it has."""
+    runs = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/"))
+    if not runs:
+        raise FileNotFoundError(
+            f"no profile under {log_dir}: expected plugins/profile/<run>/ written by "
+            "jax.profiler.trace(log_dir)"
+        )
+    files = {}
+    for suffix in ("trace.json.gz", "xplane.pb"):
+        found = sorted(runs[-1].glob(f"*.{suffix}"))
+        if found:
+            files[suffix] = found[0]
+    return files
+
+
+def trace_file(log_dir: str | pathlib.Path, suffix: str) -> pathlib.Path:
+    """The newest run's ``*.{suffix}`` under ``log_dir``, or a ``FileNotFoundError`` saying what is there."""
+    files = trace_files(log_dir)
+    if suffix not in files:
+        found = ", ".join(p.name for p in files.values()) or "neither"
+        raise FileNotFoundError(
+            f"the newest profile under {log_dir} has no *.{suffix} (it has {found})"
+        )
+    return files[suffix]
+
+
+def read_trace(path: str | pathlib.Path) -> list[OpEvent]:
+    """The HLO operations in a ``*.trace.json.gz`` (or a profile directory), in start order."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = trace_file(path, "trace.json.gz")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    events = []
+    for e in trace.get("traceEvents", []):
+        args = e.get("args", {})
+        # Complete events ('X') with an hlo_op are XLA running an instruction; the rest are host-side.
+        if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end: "):
+            events.append(
+                OpEvent(
+                    op=args["hlo_op"],
+                    module=args.get("hlo_module", ""),
+                    device=int(args.get("device_ordinal", -1)),
+                    start_us=float(e["ts"]),
+                    duration_us=float(e.get("dur", 0.0)),
+                )
+            )
+    return sorted(events, key=lambda e: e.start_us)
+
+
+def read_xplane(path: str | pathlib.Path) -> list[OpEvent]:
+    """The same operations read from the ``*.xplane.pb`` (or a profile directory) with ``jax.profiler.ProfileData``."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = trace_file(path, "xplane.pb")
+    events = []
+    for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            for e in line.events:
+                stats = dict(e.stats)
+                if "hlo_op" in stats:
+                    events.append(
+                        OpEvent(
+                            op=stats["hlo_op"],
+                            module=stats.get("hlo_module", ""),
+                            device=int(stats.get("device_ordinal", -1)),
+                            start_us=e.start_ns / 1e3,
+                            duration_us=e.duration_ns / 1e3,
+                        )
+                    )
+    return sorted(events, key=lambda e: e.start_us)
+
+
+def op_table(events: Iterable[OpEvent]) -> list[list[Any]]:
+    """Rows ``[program, op, kind, runs, total ms, mean us, share of time]``, longest first, summed over devices."""
+    totals: dict[tuple[str, str], float] = collections.defaultdict(float)
+    runs: collections.Counter = collections.Counter()
+    for e in events:
+        totals[e.module, e.op] += e.duration_us
+        runs[e.module, e.op] += 1
+    everything = sum(totals.values()) or 1.0
+    return [
+        [
+            module,
+            op,
+            op_kind(op),
+            runs[module, op],
+            total / 1e3,
+            total / runs[module, op],
+            f"{total / everything:.1%}",
+        ]
+        for (module, op), total in sorted(totals.items(), key=lambda kv: -kv[1])
+    ]
+
+
+OP_TABLE_HEADERS = ["program", "HLO op", "kind", "runs", "total ms", "mean us", "share"]
+
+
+def time_by_kind(events: Iterable[OpEvent]) -> dict[str, float]:
+    """Microseconds spent in compute and in collectives, summed over devices."""
+    totals = {"compute": 0.0, "collective": 0.0}
+    for e in events:
+        totals[e.kind] += e.duration_us
+    return totals
+
+
+def perfetto_instructions(log_dir: str | pathlib.Path) -> str:
+    """How to open this trace in Perfetto and in TensorBoard, with its real paths."""
+    return (
+        f"Perfetto: open https://ui.perfetto.dev, choose 'Open trace file' and pick\n"
+        f"    {trace_file(log_dir, 'trace.json.gz')}\n"
+        "  (or call jax.profiler.trace(log_dir, create_perfetto_link=True), which serves the trace and\n"
+        "  waits until you open the link it prints).\n"
+        f"TensorBoard: pip install tensorboard xprof, then\n"
+        f"    tensorboard --logdir {log_dir}\n"
+        "  and open the Profile tab; it reads the .xplane.pb file."
+    )

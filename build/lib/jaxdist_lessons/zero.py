@@ -1,0 +1,321 @@
+"""Data parallelism, ZeRO-1 and FSDP (ZeRO-3) as training steps, with the bytes theory says they move (chapter 6).
+
+Three ways to spread one Adam step over the ``data`` axis, written with ``shard_map`` so that every
+collective is one we asked for:
+
+- ``data``: parameters and optimizer state replicated; the gradients are all-reduced.
+- ``zero1``: parameters replicated, optimizer state sharded. The gradients are reduce-scattered,
+  each device updates its shard of the parameters, and the new shards are all-gathered.
+- ``fsdp``: parameters, gradients and optimizer state all sharded. The forward pass all-gathers
+  the parameters; autodiff turns that all-gather into a reduce-scatter of the gradients. Each
+  parameter is gathered once, and autodiff keeps the full copies for the backward pass: the state
+  is sharded between steps, not within one. ZeRO-3 as usually run gathers again in the backward
+  pass instead (``regathering_fsdp_ring_bytes`` gives its bytes).
+
+The sharding rule (``fsdp_spec``): split each array along its largest dimension that the devices
+divide evenly. An array with no such dimension (a bias of 10 classes on 8 devices, Adam's step
+count) stays replicated: the small *remainder*, whose gradients are all-reduced as in ``data``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import comms
+
+STRATEGIES = ("data", "zero1", "fsdp")
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+
+
+def shard_dim(shape: Sequence[int], num_shards: int) -> int | None:
+    """The largest dimension of ``shape`` that ``num_shards`` divides (the first, on a tie); ``None`` if none."""
+    fits = [
+        d for d, size in enumerate(shape) if size % num_shards == 0 and size >= num_shards
+    ]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def fsdp_spec(shape: Sequence[int], mesh: Mesh, axis: str = "data") -> P:
+    """The rule: ``axis`` on the array's largest evenly divisible dimension, else replicated (``P()``)."""
+    dim = shard_dim(shape, mesh.shape[axis])
+    return (
+        P() if dim is None else P(*[axis if d == dim else None for d in range(len(shape))])
+    )
+
+
+def _specs(tree: Any, mesh: Mesh, axis: str, sharded: bool) -> Any:
+    return jax.tree.map(lambda x: fsdp_spec(x.shape, mesh, axis) if sharded else P(), tree)
+
+
+def param_specs(strategy: str, params: Any, mesh: Mesh, axis: str = "data") -> Any:
+    """Specs of the parameters: sharded by ``fsdp_spec`` under ``fsdp``, replicated otherwise."""
+    _check_strategy(strategy)
+    return _specs(params, mesh, axis, strategy == "fsdp")
+
+
+def opt_state_specs(strategy: str, opt_state: Any, mesh: Mesh, axis: str = "data") -> Any:
+    """Specs of the optimizer state: sharded by ``fsdp_spec`` under ``zero1`` and ``fsdp``, replicated under ``data``."""
+    _check_strategy(strategy)
+    return _specs(opt_state, mesh, axis, strategy != "data")
+
+
+def place(
+    strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
+) -> tuple[Any, Any]:
+    """Copies of the parameters and optimizer state, put on the devices as ``strategy`` keeps them.
+
+    Always new buffers: the steps donate their inputs, which must not delete yours (``device_put``
+    may reuse a buffer that is already on a device, even with ``may_alias=False``).
+    """
+    named = lambda specs: jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    shardings = (
+        named(param_specs(strategy, params, mesh, axis)),
+        named(opt_state_specs(strategy, opt_state, mesh, axis)),
+    )
+    return jax.jit(
+        lambda tree: jax.tree.map(lambda x: x.copy(), tree), out_shardings=shardings
+    )((params, opt_state))
+
+
+# --- The collectives, leaf by leaf ------------------------------------------------------------
+
+
+def _dim(spec: P) -> int | None:
+    return next((d for d, entry in enumerate(spec) if entry is not None), None)
+
+
+def _by_spec(
+    tree: Any,
+    specs: Any,
+    replicated: Callable[[Any], Any],
+    sharded: Callable[[Any, int], Any],
+) -> Any:
+    """``replicated(x)`` on each leaf whose spec shards nothing, ``sharded(x, dim)`` on the others."""
+    return jax.tree.map(
+        lambda x, s: replicated(x) if _dim(s) is None else sharded(x, _dim(s)),
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def _unchanged(x: Any, *_: Any) -> Any:
+    return x
+
+
+def _gather(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
+    """Each sharded leaf all-gathered to its full shape; replicated leaves as they are.
+
+    ``to="invarying"`` says the result is the same on every device (it may then leave ``shard_map``
+    as ``P()``); the default keeps it per-device, which is what autodiff needs to reduce-scatter.
+    """
+    return _by_spec(
+        tree,
+        specs,
+        _unchanged,
+        lambda x, dim: lax.all_gather(x, axis, axis=dim, tiled=True, to=to),
+    )
+
+
+def _mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
+    """The mean over devices of each gradient: reduce-scattered where sharded, all-reduced where not."""
+    n = lax.axis_size(axis)
+    return _by_spec(
+        grads,
+        specs,
+        lambda g: lax.pmean(g, axis),
+        lambda g, dim: lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True) / n,
+    )
+
+
+def _vary_replicated(tree: Any, specs: Any, axis: str) -> Any:
+    """The replicated leaves cast to per-device values, so that their gradients stay local until reduced."""
+    return _by_spec(tree, specs, lambda x: lax.pcast(x, axis, to="varying"), _unchanged)
+
+
+def _own_shard(tree: Any, specs: Any, axis: str) -> Any:
+    """This device's block of each sharded leaf (no communication: the leaf is already here)."""
+    index = lax.axis_index(axis)
+
+    def take(x, dim):
+        size = x.shape[dim] // lax.axis_size(axis)
+        return lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+
+    return _by_spec(tree, specs, _unchanged, take)
+
+
+# --- The steps --------------------------------------------------------------------------------
+
+
+def make_step(
+    strategy: str,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    params: Any,
+    opt_state: Any,
+    axis: str = "data",
+    donate: bool = True,
+) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``strategy``, jitted.
+
+    ``params`` and ``opt_state`` (arrays or ``ShapeDtypeStruct``s) give the shapes the specs come
+    from; pass them to the step placed by ``place``. The batch is sharded over ``axis``.
+    """
+    _check_strategy(strategy)
+    pspecs = param_specs(strategy, params, mesh, axis)
+    ospecs = opt_state_specs(strategy, opt_state, mesh, axis)
+    shard_specs = param_specs("fsdp", params, mesh, axis)  # how zero1 splits the update
+
+    # Every step differentiates the *local* loss with respect to per-device ("varying") parameters and
+    # then reduces each gradient once. (Differentiating a pmean'd loss with respect to replicated
+    # parameters also works, but all-reduces a parameter once per use: twice for a tied embedding.)
+    def data_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(
+            lax.pcast(params, axis, to="varying"), batch
+        )
+        grads = lax.pmean(grads, axis)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
+
+    def zero1_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(
+            lax.pcast(params, axis, to="varying"), batch
+        )
+        grads = _mean_scatter(grads, shard_specs, axis)
+        mine = _own_shard(params, shard_specs, axis)
+        updates, opt_state = tx.update(grads, opt_state, mine)
+        new_params = _gather(
+            optax.apply_updates(mine, updates), shard_specs, axis, to="invarying"
+        )
+        return new_params, opt_state, lax.pmean(loss, axis)
+
+    def fsdp_step(params, opt_state, batch):
+        # The all-gather's transpose is a reduce-scatter (a sum): autodiff writes FSDP's backward pass.
+        local = _vary_replicated(params, pspecs, axis)
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(_gather(p, pspecs, axis), batch)
+        )(local)
+        n = lax.axis_size(axis)  # the sharded gradients are already reduce-scattered sums
+        grads = _by_spec(grads, pspecs, lambda g: lax.pmean(g, axis), lambda g, _: g / n)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
+
+    body = {"data": data_step, "zero1": zero1_step, "fsdp": fsdp_step}[strategy]
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(pspecs, ospecs, P(axis)), out_specs=(pspecs, ospecs, P())
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
+
+
+# --- What theory says ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Bytes of a tree that the rule shards, and of the remainder it leaves replicated (with the leaves' names)."""
+
+    sharded: int
+    replicated: int
+    replicated_leaves: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        """All the bytes."""
+        return self.sharded + self.replicated
+
+
+def split(tree: Any, num_shards: int) -> Split:
+    """How ``fsdp_spec`` divides ``tree`` over ``num_shards`` devices."""
+    sharded, replicated, names = 0, 0, []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        if shard_dim(leaf.shape, num_shards) is None:
+            replicated += nbytes
+            names.append(jax.tree_util.keystr(path, simple=True, separator="/"))
+        else:
+            sharded += nbytes
+    return Split(sharded, replicated, tuple(names))
+
+
+def expected_collectives(
+    strategy: str, params: Any, num_devices: int, loss_bytes: int = 4
+) -> dict[str, int]:
+    """Bytes per device of each kind of collective the step's program holds (``comms`` counts results).
+
+    ``data``: one all-reduce of every gradient. ``zero1`` and ``fsdp``: an all-gather of the sharded
+    parameters, a reduce-scatter of their gradients (each device keeps ``1/N``), and an all-reduce of
+    the remainder's gradients. The loss adds ``loss_bytes`` to the all-reduce.
+    """
+    _check_strategy(strategy)
+    if num_devices == 1:
+        return {}  # XLA drops collectives over a single device
+    if strategy == "data":
+        return {"all-reduce": comms.tree_bytes(params) + loss_bytes}
+    parts = split(params, num_devices)
+    return {
+        "all-gather": parts.sharded,
+        "reduce-scatter": parts.sharded // num_devices,
+        "all-reduce": parts.replicated + loss_bytes,
+    }
+
+
+def ring_bytes_sent(strategy: str, params: Any, num_devices: int) -> float:
+    """Bytes each device sends per step with ring collectives: the same ``2 (N-1)/N`` of the gradients for all three."""
+    _check_strategy(strategy)
+    if strategy == "data":
+        return comms.ring_all_reduce_bytes(comms.tree_bytes(params), num_devices)
+    parts = split(params, num_devices)
+    return (
+        comms.ring_all_gather_bytes(parts.sharded, num_devices)
+        + comms.ring_reduce_scatter_bytes(parts.sharded, num_devices)
+        + comms.ring_all_reduce_bytes(parts.replicated, num_devices)
+    )
+
+
+def regathering_fsdp_ring_bytes(params: Any, num_devices: int) -> float:
+    """Bytes each device sends per step in FSDP as ZeRO-3 runs it: ``3 (N-1)/N`` of the sharded bytes.
+
+    Unlike ``make_step("fsdp", ...)``, which gathers each parameter once and keeps the full copy
+    for the backward pass, ZeRO-3 (and PyTorch's FSDP) frees each layer's gathered parameters after
+    its forward computation and all-gathers them again in the backward pass: two all-gathers and a
+    reduce-scatter of the sharded bytes, plus the remainder's all-reduce.
+    """
+    parts = split(params, num_devices)
+    return (
+        2 * comms.ring_all_gather_bytes(parts.sharded, num_devices)
+        + comms.ring_reduce_scatter_bytes(parts.sharded, num_devices)
+        + comms.ring_all_reduce_bytes(parts.replicated, num_devices)
+    )
+
+
+def expected_state_bytes(
+    strategy: str, params: Any, opt_state: Any, num_devices: int
+) -> int:
+    """Bytes of parameters and optimizer state each device holds: sharded parts divided by N, remainder whole."""
+    _check_strategy(strategy)
+    p, o = split(params, num_devices), split(opt_state, num_devices)
+    if strategy == "data":
+        return p.total + o.total
+    optimizer = o.sharded // num_devices + o.replicated
+    if strategy == "zero1":
+        return p.total + optimizer
+    return p.sharded // num_devices + p.replicated + optimizer

@@ -1,0 +1,71 @@
+"""The environment check: tested versions kept equal to requirements.txt, and a report that runs."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+from jaxdist_lessons import devices, doctor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pins() -> dict[str, str]:
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    return dict(
+        m.groups() for line in lines if (m := re.match(r"^([\w.-]+)==([\w.]+)", line))
+    )
+
+
+def test_tested_versions_are_the_ones_requirements_pins():
+    pinned = pins()
+    assert {name: pinned[name] for name in doctor.TESTED} == doctor.TESTED
+
+
+def test_this_environment_has_the_tested_versions():
+    assert doctor.untested() == {}
+    assert doctor.version_warning() is None
+
+
+def test_warning_names_what_differs():
+    versions = {**doctor.TESTED, "jax": "0.9.0", "flax": None}
+    assert doctor.untested(versions) == {"jax": "0.9.0", "flax": None}
+    assert doctor.version_warning(versions) == (
+        "jaxdist: warning: this book is tested with jax 0.10.2, flax 0.12.8; found jax 0.9.0, "
+        "flax missing. Most chapters still run, but printed numbers and error messages may differ."
+    )
+
+
+def test_choices_table_for_one_gpu():
+    gpu = devices.DeviceInfo("gpu", "Tesla T4", 1, False)
+    rows = doctor.choices_table(gpu, None).rows
+    assert rows[0] == ["1", "gpu", "1", "1 GPU, at least the 1 this chapter needs"]
+    assert rows[1][:3] == ["2", "cpu", "8"]
+    assert rows[2][:3] == ["8", "cpu", "8"]
+
+
+def test_choices_table_shows_a_request_below_a_minimum_as_an_error():
+    rows = doctor.choices_table(devices.DeviceInfo("cpu", "cpu", 1, True), 1).rows
+    assert rows[0][:3] == ["1", "cpu", "1"]
+    assert rows[1][3].startswith("this chapter needs at least 2 devices")
+
+
+def test_command_line_prints_every_section():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist_lessons.doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for heading in [
+        "Versions",
+        "Platform: Linux",
+        "Accelerator build of JAX: none (CPU only)",
+        "JAX reports: 1 CPU device(s)",
+        "What setup() would choose",
+    ]:
+        assert heading in out, out
+    assert re.search(r"jax\s+0\.10\.2\s+0\.10\.2\s+yes", out)
