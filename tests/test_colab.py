@@ -109,6 +109,21 @@ def test_on_simulated_colab_without_a_wheel_the_cell_says_what_to_upload(
     assert "RuntimeError: Upload jaxdist_lessons-*.whl" in proc.stderr
 
 
+def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(colab_like):
+    python, content = colab_like
+    assert python_in(python, "import jaxdist_lessons", content).returncode == 1
+    show_jax = "import jax; print(jax.__file__, jax.__version__)"
+    jax_before = python_in(python, show_jax, content).stdout
+    proc = run_cell(str(python), content, COLAB_RELEASE_TAG="simulated")
+    assert proc.returncode == 0, proc.stderr
+    installed = python_in(
+        python, "import jaxdist_lessons; print(jaxdist_lessons.__file__)", content
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert str(python.parent.parent) in installed.stdout  # the wheel, not the editable copy
+    assert python_in(python, show_jax, content).stdout == jax_before
+
+
 def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path):
     python, content = colab_like
     chapter = ROOT / "book" / "02_device_mesh.ipynb"
@@ -129,18 +144,3 @@ def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAN" in proc.stdout
-
-
-def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(colab_like):
-    python, content = colab_like
-    assert python_in(python, "import jaxdist_lessons", content).returncode == 1
-    show_jax = "import jax; print(jax.__file__, jax.__version__)"
-    jax_before = python_in(python, show_jax, content).stdout
-    proc = run_cell(str(python), content, COLAB_RELEASE_TAG="simulated")
-    assert proc.returncode == 0, proc.stderr
-    installed = python_in(
-        python, "import jaxdist_lessons; print(jaxdist_lessons.__file__)", content
-    )
-    assert installed.returncode == 0, installed.stderr
-    assert str(python.parent.parent) in installed.stdout  # the wheel, not the editable copy
-    assert python_in(python, show_jax, content).stdout == jax_before
