@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,21 @@ from jaxdist_lessons import sharding as sharding_lib
 if TYPE_CHECKING:
     from jaxdist_lessons import profiling as profiling_lib
     from jaxdist_lessons import train as train_lib
+
+
+def show(fig: Figure, dpi: int = 110) -> None:
+    """Display ``fig`` in the notebook as a PNG, whatever matplotlib's backend, then close it.
+
+    A figure left for the inline backend to show disappears under ``MPLBACKEND=Agg`` (as in CI,
+    which builds the HTML book): chapters display each figure explicitly. Closing it keeps the
+    inline backend from showing it a second time.
+    """
+    from IPython.display import Image, display
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(data=buffer.getvalue(), format="png"))
 
 
 def memory_vs_model_size(
