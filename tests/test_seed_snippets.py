@@ -1,26 +1,65 @@
 """The appendix's claims about the seed article, checked on the pinned versions.
 
-Every entry of ``jaxdist_lessons.seed`` runs here in one namespace, in the article's order, as in
-``book/appendix_seed_errata.ipynb``: each article snippet must still fail the way the appendix says,
-and each fix must still run (the fixes assert their own results). If an upgrade changes a message or
-breaks a fix, update the entry in ``jaxdist_lessons/seed.py`` and the prose around it in the appendix.
+The article's code and our fixes live once, in the appendix's cells
+(``book/appendix_seed_errata.md``); ``jaxdist_lessons.seed`` says what each entry's cells must do.
+Here the cells run in one IPython namespace, top to bottom from the imports, as in the notebook:
+each article snippet must still fail the way the appendix says, and each fix must still run (the
+fixes assert their own results). If an upgrade changes a message or breaks a fix, update the cell
+and the prose around it in the appendix, and the entry in ``jaxdist_lessons/seed.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import pathlib
 import re
 import traceback
 
+import jupytext
 import pytest
 import yaml
+from IPython.core.interactiveshell import InteractiveShell
 
 from jaxdist_lessons import seed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-APPENDIX = ROOT / "book" / "appendix_seed_errata.ipynb"
+APPENDIX = ROOT / "book" / "appendix_seed_errata.md"
+PRELUDE_TAG = "seed-prelude"
+
+
+@functools.cache
+def _cells() -> tuple:
+    return tuple(jupytext.read(APPENDIX).cells)
+
+
+def _tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def _part(cell) -> tuple[str, str] | None:
+    """The (entry key, part) a code cell's ``seed-<key>-<part>`` tag names, if any."""
+    for tag in _tags(cell):
+        key, _, part = tag.removeprefix("seed-").rpartition("-")
+        if tag.startswith("seed-") and part in seed.PARTS:
+            return key, part
+    return None
+
+
+def _code_from_prelude() -> list:
+    code = [c for c in _cells() if c.cell_type == "code"]
+    starts = [i for i, c in enumerate(code) if PRELUDE_TAG in _tags(c)]
+    assert len(starts) == 1, f"the appendix needs one cell tagged {PRELUDE_TAG}"
+    return code[starts[0] :]
+
+
+def _tagged(part: str) -> dict[str, str]:
+    """Each entry's ``part`` cell source, by key."""
+    return {
+        found[0]: c.source
+        for c in _cells()
+        if (found := _part(c)) is not None and found[1] == part
+    }
 
 
 @dataclasses.dataclass
@@ -29,25 +68,38 @@ class Outcome:
     fix_error: str | None = None  # the traceback, if the given code or the fix failed
 
 
+@dataclasses.dataclass
+class Run:
+    shell: InteractiveShell  # its namespace and its history ``In`` hold what the cells left
+    outcomes: dict[str, Outcome]
+
+
 @pytest.fixture(scope="module")
-def outcomes() -> dict[str, Outcome]:
-    namespace = seed.new_namespace()
-    results = {}
-    for entry in seed.ENTRIES:
-        outcome = results[entry.key] = Outcome()
-        try:
-            if entry.given:
-                seed.run(entry.given, namespace)
-            if entry.article and not entry.shell:
-                try:
-                    seed.run(entry.article, namespace)
-                except Exception as exc:  # the article's own error: what the appendix shows
-                    outcome.article_error = exc
-            if entry.fix:
-                seed.run(entry.fix, namespace)
-        except Exception:
-            outcome.fix_error = traceback.format_exc()
-    return results
+def run() -> Run:
+    """An IPython shell that has run the appendix's cells, from the imports to the end."""
+    shell = InteractiveShell.instance()
+    shell.reset(new_session=True)
+    outcomes: dict[str, Outcome] = {e.key: Outcome() for e in seed.ENTRIES}
+    for cell in _code_from_prelude():
+        found = _part(cell)
+        if found and outcomes[found[0]].fix_error:
+            continue  # an entry whose given code or fix failed stops there
+        result = shell.run_cell(cell.source, store_history=True)
+        error = result.error_before_exec or result.error_in_exec
+        if found is None:
+            assert error is None, f"an untagged cell failed:\n{cell.source}"
+        elif found[1] == "article":
+            outcomes[
+                found[0]
+            ].article_error = error  # the article's own error: what we show
+        elif error is not None:
+            outcomes[found[0]].fix_error = "".join(traceback.format_exception(error))
+    return Run(shell, outcomes)
+
+
+@pytest.fixture(scope="module")
+def outcomes(run) -> dict[str, Outcome]:
+    return run.outcomes
 
 
 @pytest.mark.parametrize("entry", seed.ENTRIES, ids=lambda e: e.key)
@@ -75,25 +127,23 @@ def test_failing_snippets_have_an_expected_error_and_keys_are_unique():
             assert e.error is not None, e.key
 
 
-def test_entry_rejects_unknown_verdicts_and_chapters():
+def test_entry_rejects_unknown_verdicts_chapters_and_cells():
     with pytest.raises(ValueError, match="verdict 'wrong' is not one of"):
-        seed.Entry(
-            key="k", section="§1", title="t", verdict="wrong", chapter="01_why_distribute"
-        )
+        seed.Entry("k", "§1", "t", "wrong", "01_why_distribute")
     with pytest.raises(ValueError, match="chapter '99_x' is not one of"):
-        seed.Entry(key="k", section="§1", title="t", verdict="runs", chapter="99_x")
+        seed.Entry("k", "§1", "t", "runs", "99_x")
     with pytest.raises(ValueError, match="only Python article code"):
-        seed.Entry(
-            key="k",
-            section="§1",
-            title="t",
-            verdict="fails",
-            chapter="01_why_distribute",
-            error=("ValueError", "x"),
-        )
+        seed.Entry("k", "§1", "t", "fails", "01_why_distribute", error=("ValueError", "x"))
+    with pytest.raises(ValueError, match="are not drawn from"):
+        seed.Entry("k", "§1", "t", "runs", "01_why_distribute", ("fix", "article"))
+    with pytest.raises(ValueError, match="a shell command is shown"):
+        seed.Entry("k", "§1", "t", "fails", "setup", ("article",), shell=True)
     with pytest.raises(KeyError, match="no seed entry 'nope'"):
         seed.entry("nope")
+    with pytest.raises(KeyError, match="has no 'given' cell"):
+        seed.entry("launcher").tag("given")
     assert seed.entry("launcher").shell
+    assert seed.entry("pjit").tag("article") == "seed-pjit-article"
 
 
 def test_undefined_names_reads_in_order_and_lets_functions_bind_late():
@@ -111,8 +161,28 @@ def test_undefined_names_reads_in_order_and_lets_functions_bind_late():
     ) == ["f"]
 
 
-def test_the_article_leaves_these_names_undefined():
-    assert seed.undefined_names(seed.ARTICLE_SNIPPETS) == [
+def test_article_code_takes_the_marked_cells_and_drops_given_lines():
+    sources = [
+        "x = 1",
+        f"{seed.ARTICLE_MARK}§9\ny = f(x)\nf(y)  {seed.GIVEN_MARK}: a call",
+        "# §9's advice, applied by us\nz = 2",
+    ]
+    assert seed.article_code(sources) == [f"{seed.ARTICLE_MARK}§9\ny = f(x)"]
+
+
+def _article_sources() -> list[str]:
+    """The article cells of the entries that run the article's own code, in page order."""
+    own = {e.key for e in seed.ENTRIES if not e.applied}
+    return [source for key, source in _tagged("article").items() if key in own]
+
+
+def test_the_article_cells_are_marked_and_leave_these_names_undefined():
+    every_code_cell = [c.source for c in _cells() if c.cell_type == "code"]
+    assert seed.article_code(every_code_cell) == seed.article_code(_article_sources())
+    assert len(seed.article_code(every_code_cell)) == sum(
+        "article" in e.cells and not e.applied for e in seed.ENTRIES
+    )
+    assert seed.undefined_names(seed.article_code(_article_sources())) == [
         "ResNet50",
         "batch",
         "batch_size",
@@ -122,37 +192,78 @@ def test_the_article_leaves_these_names_undefined():
     ]
 
 
-def _appendix() -> list[dict]:
-    return json.loads(APPENDIX.read_text())["cells"]
-
-
-def _source(cell: dict) -> str:
-    return "".join(cell["source"]).strip()
-
-
-def test_appendix_shows_exactly_the_entries_cells_in_order():
-    code = [c for c in _appendix() if c["cell_type"] == "code"]
-    sources = [_source(c) for c in code]
-    expected = [seed.PRELUDE.strip()] + [
-        s.strip() for e in seed.ENTRIES for s in e.code_cells
+def test_the_notebook_reads_the_article_cells_from_its_history(run):
+    history = run.shell.user_ns["In"]
+    in_history = [s.strip() for s in seed.article_code(history)]
+    assert in_history == [s.strip() for s in seed.article_code(_article_sources())]
+    assert run.shell.user_ns["undefined"] == [  # what the §3.3 entry printed
+        "ResNet50",
+        "batch",
+        "batch_size",
+        "loss_fn",
+        "num_steps",
+        "rng",
     ]
-    start = sources.index(seed.PRELUDE.strip())
-    assert sources[start : start + len(expected)] == expected, (
-        "regenerate the appendix's cells from seed.ENTRIES"
-    )
-    tagged = {
-        _source(c)
-        for c in code
-        if "raises-exception" in c.get("metadata", {}).get("tags", [])
+
+
+def test_every_entry_has_its_cells_under_its_heading_in_order():
+    entries, parts = [], []  # keys in page order; (key, part) of each tagged cell in order
+    current = None
+    for cell in _cells():
+        if cell.cell_type == "markdown":
+            for e in seed.ENTRIES:
+                if f"({e.key})=" in cell.source:
+                    current = e.key
+                    entries.append(e.key)
+        elif (found := _part(cell)) is not None:
+            assert found[0] == current, f"{found} sits under the heading of {current}"
+            parts.append(found)
+    assert entries == [e.key for e in seed.ENTRIES]
+    assert parts == [(e.key, p) for e in seed.ENTRIES for p in e.cells]
+    assert [
+        _part(c) for c in _code_from_prelude()[1:] if "hide-cell" not in _tags(c)
+    ] == parts
+    tagged = {_part(c) for c in _cells() if "raises-exception" in _tags(c)}
+    assert tagged == {(e.key, "article") for e in seed.ENTRIES if e.error}
+
+
+def _entry_markdown() -> dict[str, str]:
+    """The Markdown of each entry: from its label to the next entry's, or to the page's end."""
+    text = APPENDIX.read_text()
+    starts = [text.index(f"\n({e.key})=\n") for e in seed.ENTRIES]
+    ends = [*starts[1:], text.index("\n## What we learned")]
+    return {e.key: text[a:b] for e, a, b in zip(seed.ENTRIES, starts, ends)}
+
+
+def test_every_entry_has_its_anchor_heading_verdict_and_article_code():
+    for e in seed.ENTRIES:
+        block = _entry_markdown()[e.key]
+        assert block.startswith(f"\n({e.key})=\n### {e.section}: {e.title}\n"), e.key
+        assert f"**Verdict: {e.verdict}" in block, e.key
+        if e.shell:  # the command is shown as the article wrote it, not run
+            assert "```bash\n" in block, e.key
+        if "article" in e.cells and not e.applied:
+            assert _tagged("article")[e.key].startswith(f"{seed.ARTICLE_MARK}{e.section}\n")
+
+
+def test_the_verdicts_this_page_gives():
+    assert seed.counts() == {
+        "runs": 3,
+        "fails": 12,
+        "misleading": 8,
+        "false": 4,
+        "unverified": 1,
     }
-    assert tagged == {e.article.strip() for e in seed.ENTRIES if e.error}
+    assert seed.entry("check-jax-versions").verdict == "misleading"
+    assert seed.entry("check-jax-versions").chapter == "08_multi_host"
+    assert seed.entry("pip-cuda11").chapter == "setup"
 
 
 def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     existing = [pathlib.Path(entry["file"]).name for entry in toc["chapters"]]
     table = seed.verdict_markdown(existing)
-    markdown = "\n".join(_source(c) for c in _appendix() if c["cell_type"] == "markdown")
+    markdown = "\n".join(c.source for c in _cells() if c.cell_type == "markdown")
     assert table in markdown, "replace the appendix's table with seed.verdict_markdown(...)"
     for e in seed.ENTRIES:
         assert f"({e.key})=" in markdown, e.key
@@ -162,4 +273,7 @@ def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
             pointer
         )
     assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.md)"
+    assert seed.chapter_link("setup", existing) == "[Setting up](setup.md)"
     assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"
+    for chapter in seed.CHAPTERS:  # every page the appendix links to exists
+        assert (ROOT / "book" / f"{chapter}.md").exists(), chapter
