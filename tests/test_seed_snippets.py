@@ -277,3 +277,23 @@ def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
     assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"
     for chapter in seed.CHAPTERS:  # every page the appendix links to exists
         assert (ROOT / "book" / f"{chapter}.md").exists(), chapter
+
+
+def test_other_pages_link_to_entries_by_label_and_reuse_no_entry_label():
+    """Sphinx labels are global: ``[text](#<key>)`` reaches an entry from any page.
+
+    ``[text](appendix_seed_errata.md#<key>)`` would not: MyST resolves ``page.md#id`` only
+    against heading slugs, and the book's build treats the warning as an error.
+    """
+    keys = {e.key for e in seed.ENTRIES}
+    for page in sorted((ROOT / "book").glob("*.md")):
+        text = page.read_text()
+        if page != APPENDIX:
+            labels = set(re.findall(r"^\(([^)\s]+)\)=$", text, re.M))
+            assert not labels & keys, (
+                f"{page.name} reuses the appendix's labels {labels & keys}"
+            )
+        for anchor in re.findall(r"\]\(appendix_seed_errata\.md#([^)]+)\)", text):
+            raise AssertionError(
+                f"{page.name}: write [text](#{anchor}), not ...md#{anchor}"
+            )
