@@ -172,9 +172,7 @@ def compiled_strategy_table(
 ) -> Table:
     """``strategy_table`` for a step already compiled by ``zero.make_step``; it donates (so consumes) ``state``."""
     n = num_devices
-    measured = {
-        kind: row["bytes"] for kind, row in comms.summary(program.as_text()).items()
-    }
+    measured = comms.bytes_by_kind(program.as_text())
     expected = zero.expected_collectives(strategy, work.params, n)
     rows = [
         [

@@ -101,6 +101,11 @@ def total_bytes(hlo_text: str, kind: str | None = None) -> int:
     return sum(c.bytes for c in collectives(hlo_text) if kind is None or c.kind == kind)
 
 
+def bytes_by_kind(hlo_text: str) -> dict[str, int]:
+    """Bytes per device of each kind of collective in the program (the ``bytes`` of ``summary``)."""
+    return {kind: row["bytes"] for kind, row in summary(hlo_text).items()}
+
+
 def summary(hlo_text: str) -> dict[str, dict[str, int]]:
     """Per kind: how many ops, how many inside loop bodies, and their bytes."""
     out: dict[str, dict[str, int]] = {}

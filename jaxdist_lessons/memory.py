@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from jaxdist_lessons import hardware, hlo
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.tables import Table, human_bytes
 
 # The dtype names the arithmetic accepts: those a training run stores (their sizes are hlo's).
 DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8", "int8")
@@ -314,3 +315,42 @@ def devices_needed(
         raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
     capacity = hardware.chip(accelerator).memory_bytes * usable_fraction
     return max(1, math.ceil(total_bytes / capacity))
+
+
+# --- Tables -----------------------------------------------------------------------------------
+
+
+def per_param_table() -> Table:
+    """Bytes of training state per parameter, for every precision and optimizer."""
+    rows = []
+    for precision in PRECISIONS:
+        for optimizer in OPTIMIZER_SLOTS:
+            one = training_state_bytes(1, optimizer, precision)
+            rows.append([precision, optimizer, *dataclasses.astuple(one)[:4], one.state])
+    headers = ["weights", "grads", "optimizer state", "master", "bytes / param"]
+    return Table(
+        ["precision", "optimizer", *headers],
+        rows,
+        title="Training state per parameter, in bytes",
+    )
+
+
+def shares_table(shares: Mapping[str, TrainingMemory], title: str = "") -> Table:
+    """Each strategy's share of training memory on one device (``per_device``'s results), part by part."""
+    parts = ["weights", "grads", "optimizer", "master", "activations", "total per device"]
+    rows = [[s, *map(human_bytes, m.as_dict().values())] for s, m in shares.items()]
+    return Table(["strategy", *parts], rows, title=title)
+
+
+def devices_needed_table(totals: Mapping[str, float], title: str = "") -> Table:
+    """The fewest chips of each kind in ``hardware.CHIPS`` that hold each total, with the memory's source."""
+    rows = [
+        [
+            chip.name,
+            chip.memory_label,
+            *(devices_needed(total, chip.name) for total in totals.values()),
+            chip.sources["memory"].split(": ")[0],
+        ]
+        for chip in hardware.CHIPS.values()
+    ]
+    return Table(["accelerator", "memory", *totals, "source"], rows, title=title)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -120,6 +120,32 @@ def blocks(
         )
         held.setdefault(key, []).append(device.id)
     return {key: sorted(ids) for key, ids in sorted(held.items())}
+
+
+PLACEMENT_HEADERS = [
+    "spec",
+    "block shape",
+    "copies of each block",
+    "bytes per device",
+    "distinct blocks",
+]
+
+
+def placement_rows(arrays: Iterable[jax.Array]) -> list[list[Any]]:
+    """Rows under ``PLACEMENT_HEADERS``, read from arrays placed with ``NamedSharding``s."""
+    rows = []
+    for array in arrays:
+        mesh, spec = array.sharding.mesh, array.sharding.spec
+        rows.append(
+            [
+                str(spec),
+                next(iter(shard_shapes(array).values())),
+                replicas(mesh, spec),
+                max(bytes_per_device(array).values()),
+                len(blocks(array.shape, array.sharding)),
+            ]
+        )
+    return rows
 
 
 # --- A whole tree, from rules -----------------------------------------------------------------
