@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from jaxdist_lessons.recompiles import RecompileError
+from jaxdist_lessons.tables import Table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,3 +247,12 @@ def explain(exc: BaseException) -> Explanation:
         "'Errors' page (docs.jax.dev/en/latest/errors.html)",
         known=False,
     )
+
+
+def explain_calls(calls: Mapping[str, Callable[[], Any]], title: str = "") -> Table:
+    """Run each call and explain what it raises: what was done, the exception, ``explain``'s title."""
+    rows = []
+    for what, call in calls.items():
+        exc = caught(call)
+        rows.append([what, type(exc).__name__, explain(exc).title])
+    return Table(["what we did", "exception", "explain() says"], rows, title=title)

@@ -101,6 +101,7 @@ def test_totals_and_summary():
         comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
     )
     assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 5, "in_loop": 1, "bytes": 632}
+    assert comms.bytes_by_kind(SNIPPETS)["all-reduce"] == 632
     assert comms.summary(SNIPPETS)["all-gather"] == {
         "count": 2,
         "in_loop": 0,

@@ -337,3 +337,18 @@ def test_explain_says_plainly_when_it_does_not_know():
     assert "explain() has no entry for this error" in explanation.cause
     with pytest.raises(TypeError, match="takes an exception"):
         errors.explain("a message")
+
+
+def test_explain_calls_tabulates_what_each_call_raises():
+    table = errors.explain_calls(
+        {
+            "missing axis": lambda: NamedSharding(
+                jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), P("model")
+            ),
+            "a key": lambda: {}["x"],
+        }
+    )
+    assert table.rows == [
+        ["missing axis", "ValueError", "spec names an axis the mesh does not have"],
+        ["a key", "KeyError", "unknown KeyError"],
+    ]
