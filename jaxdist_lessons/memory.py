@@ -172,9 +172,6 @@ def transformer_params(
     )
 
 
-GPT3_175B = dict(num_layers=96, hidden=12288, heads=96, vocab_size=50257, seq_len=2048)
-
-
 # --- Activations ------------------------------------------------------------------------------
 
 
