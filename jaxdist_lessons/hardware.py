@@ -66,61 +66,33 @@ class Chip:
         return f"{self.memory:g} {self.memory_unit}"
 
 
-def _nvidia(
+def _chip(
     name: str,
     kinds: tuple[str, ...],
     page: str,
-    memory_gb: float,
-    bf16_tflops: float,
-    fp32_tflops: float,
+    memory: tuple[float, str],
+    tflops: tuple[float, float | None],
     hbm_gb_s: float,
-    nvlink_gb_s: float | None,
+    link: tuple[str, float | None],
     words: dict[str, str],
 ) -> Chip:
-    """A GPU from NVIDIA's product page: NVLink's figure is both directions, so half goes each way."""
-    sources = {field: f"{page}: {text}" for field, text in words.items()}
+    """A chip from its vendor's page: ``memory`` as (figure, unit), ``tflops`` as (bf16, fp32),
+    ``link`` as (name, GB/s over both directions, of which half goes each way)."""
+    link_name, both_ways = link
+    kinds_source = _TPU_KINDS if name.startswith("TPU") else _CUDA_NAME
     return Chip(
         name,
         kinds,
-        memory_gb,
-        "GB",
-        bf16_tflops * 1e12,
-        fp32_tflops * 1e12,
+        *memory,
+        tflops[0] * 1e12,
+        None if tflops[1] is None else tflops[1] * 1e12,
         hbm_gb_s * 1e9,
-        None if nvlink_gb_s is None else nvlink_gb_s / 2 * 1e9,
-        f"NVLink ({nvlink_gb_s:g} GB/s bidirectional)" if nvlink_gb_s else "PCIe",
-        {**sources, "device_kinds": _CUDA_NAME},
-    )
-
-
-def _tpu(
-    name: str,
-    kinds: tuple[str, ...],
-    page: str,
-    memory: float,
-    unit: str,
-    bf16_tflops: float,
-    hbm_gb_s: float,
-    ici_bidirectional_gb_s: float | None,
-    words: dict[str, str],
-) -> Chip:
-    """A TPU from its Cloud TPU page: the ICI figure is both directions, so half goes each way."""
-    sources = {field: f"{page}: {text}" for field, text in words.items()}
-    one_way, link = None, "ICI"
-    if ici_bidirectional_gb_s is not None:
-        one_way = ici_bidirectional_gb_s / 2 * 1e9
-        link = f"ICI ({ici_bidirectional_gb_s:g} GB/s bidirectional per chip)"
-    return Chip(
-        name,
-        kinds,
-        memory,
-        unit,
-        bf16_tflops * 1e12,
-        None,
-        hbm_gb_s * 1e9,
-        one_way,
-        link,
-        {**sources, "device_kinds": _TPU_KINDS},
+        None if both_ways is None else both_ways / 2 * 1e9,
+        f"{link_name} ({both_ways:g} GB/s bidirectional)" if both_ways else link_name,
+        {
+            **{f: f"{page}: {text}" for f, text in words.items()},
+            "device_kinds": kinds_source,
+        },
     )
 
 
@@ -133,15 +105,14 @@ _H100_WORDS = {"peak_fp32_flops": "FP32 67 teraFLOPS (H100 SXM), 51 (H100 PCIe)"
 CHIPS: dict[str, Chip] = {
     chip.name: chip
     for chip in [
-        _nvidia(
+        _chip(
             "A100 40GB",
             ("NVIDIA A100-SXM4-40GB",),
             _A100,
-            40,
-            312,
-            19.5,
+            (40, "GB"),
+            (312, 19.5),
             1555,
-            600,
+            ("NVLink", 600),
             {
                 **_A100_WORDS,
                 "memory": "A100 40GB, GPU memory 40GB HBM2",
@@ -149,30 +120,28 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
         ),
-        _nvidia(
+        _chip(
             "A100 40GB PCIe",
             ("NVIDIA A100-PCIE-40GB",),
             _A100,
-            40,
-            312,
-            19.5,
+            (40, "GB"),
+            (312, 19.5),
             1555,
-            None,
+            ("PCIe", None),
             {
                 **_A100_WORDS,
                 "memory": "A100 40GB PCIe, GPU memory 40GB HBM2",
                 "hbm_bytes_per_s": "GPU memory bandwidth 1,555GB/s",
             },
         ),
-        _nvidia(
+        _chip(
             "A100 80GB",
             ("NVIDIA A100-SXM4-80GB",),
             _A100,
-            80,
-            312,
-            19.5,
+            (80, "GB"),
+            (312, 19.5),
             2039,
-            600,
+            ("NVLink", 600),
             {
                 **_A100_WORDS,
                 "memory": "A100 80GB SXM, GPU memory 80GB HBM2e",
@@ -180,30 +149,28 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
         ),
-        _nvidia(
+        _chip(
             "A100 80GB PCIe",
             ("NVIDIA A100 80GB PCIe",),
             _A100,
-            80,
-            312,
-            19.5,
+            (80, "GB"),
+            (312, 19.5),
             1935,
-            None,
+            ("PCIe", None),
             {
                 **_A100_WORDS,
                 "memory": "A100 80GB PCIe, GPU memory 80GB HBM2e",
                 "hbm_bytes_per_s": "GPU memory bandwidth 1,935GB/s",
             },
         ),
-        _nvidia(
+        _chip(
             "H100 80GB",
             ("NVIDIA H100 80GB HBM3",),
             _H100,
-            80,
-            989,
-            67,
+            (80, "GB"),
+            (989, 67),
             3350,
-            900,
+            ("NVLink", 900),
             {
                 **_H100_WORDS,
                 "memory": "H100 SXM, GPU memory 80GB",
@@ -212,15 +179,14 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "H100 SXM, NVIDIA NVLink 900GB/s",
             },
         ),
-        _nvidia(
+        _chip(
             "H100 PCIe",
             ("NVIDIA H100 PCIe",),
             _H100,
-            80,
-            756,
-            51,
+            (80, "GB"),
+            (756, 51),
             2000,
-            None,
+            ("PCIe", None),
             {
                 **_H100_WORDS,
                 "memory": "H100 PCIe, GPU memory 80GB",
@@ -228,16 +194,15 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "H100 PCIe, GPU memory bandwidth 2TB/s",
             },
         ),
-        _nvidia(
-            "H200 141GB",
+        _chip(
             # An H200 NVL, with a lower peak, may report the same name: pass its own figures.
+            "H200 141GB",
             ("NVIDIA H200",),
             _H200,
-            141,
-            989,
-            67,
+            (141, "GB"),
+            (989, 67),
             4800,
-            900,
+            ("NVLink", 900),
             {
                 "memory": "H200 SXM, GPU memory 141GB",
                 "peak_bf16_flops": "H200 SXM, BF16 Tensor Core 1,979 TFLOPS with sparsity, so 989 dense",
@@ -246,30 +211,28 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "H200 SXM, NVIDIA NVLink 900GB/s",
             },
         ),
-        _tpu(
+        _chip(
             "TPU v4",
             ("TPU v4",),
             _TPU_V4,
-            32,
-            "GiB",
-            275,
+            (32, "GiB"),
+            (275, None),
             1200,
-            None,
+            ("ICI", None),
             {
                 "memory": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
                 "peak_bf16_flops": "Peak compute per chip: 275 teraflops (bf16 or int8)",
                 "hbm_bytes_per_s": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
             },
         ),
-        _tpu(
+        _chip(
             "TPU v5e",
             ("TPU v5 lite", "TPU v5e"),
             _TPU_V5E,
-            16,
-            "GB",
-            197,
+            (16, "GB"),
+            (197, None),
             819,
-            400,
+            ("ICI", 400),
             {
                 "memory": "HBM2 capacity and bandwidth: 16 GB, 819 GBps",
                 "peak_bf16_flops": "Peak compute per chip (bf16): 197 TFLOPs",
@@ -277,15 +240,14 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 400 GBps",
             },
         ),
-        _tpu(
+        _chip(
             "TPU v5p",
             ("TPU v5", "TPU v5p"),
             _TPU_V5P,
-            95,
-            "GiB",
-            459,
+            (95, "GiB"),
+            (459, None),
             2765,
-            1200,
+            ("ICI", 1200),
             {
                 "memory": "HBM capacity per chip (GiB): 95",
                 "peak_bf16_flops": "Peak compute per chip (BF16) (TFLOPs): 459",
