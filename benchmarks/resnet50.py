@@ -4,7 +4,7 @@ The step is chapter 5's (``train.make_steps``: cross-entropy, SGD with momentum,
 state), the batch sharded over every device present, the model computing in bf16 (``--dtype``) with
 fp32 parameters. The utilisation is the flops XLA's ``cost_analysis()`` counts for one device's share
 of a step, over the step time multiplied by that device's peak for the compute dtype: the bf16 peak
-(``perf.PEAK_BF16_FLOPS``, or ``--peak-tflops``) under ``--dtype bfloat16``; under ``--dtype float32``
+(``hardware.CHIPS``, via ``hardware.peak_flops``, or ``--peak-tflops``) under ``--dtype bfloat16``; under ``--dtype float32``
 only ``--peak-tflops`` (give the device's fp32 or TF32 peak), since the table holds bf16 peaks. XLA's
 count is of the program, so it includes any recomputation: it is hardware flops utilisation, which
 equals model flops utilisation (MFU) here only because this step does no remat.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
     import optax
 
-    from jaxdist_lessons import compiled, perf, train
+    from jaxdist_lessons import benchmark, compiled, hardware, train
     from jaxdist_lessons.mesh import make_mesh
     from jaxdist_lessons.models.resnet import ResNet50
     from jaxdist_lessons.tables import Table
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> None:
         holder[0], metrics = program(holder[0], batch)
         return metrics["loss"]
 
-    seconds = perf.time_per_call(call, calls=args.steps, warmup=2)
+    seconds = benchmark.time_per_call(call, calls=args.steps, warmup=2)
     kind = jax.devices()[0].device_kind
     if args.peak_tflops:
         peak = args.peak_tflops * 1e12
     else:  # the table holds bf16 peaks: dividing float32 work by them would understate utilisation
-        peak = perf.peak_flops(kind) if args.dtype == "bfloat16" else None
+        peak = hardware.peak_flops(kind) if args.dtype == "bfloat16" else None
     rows = [
         ["devices", f"{n} x {kind}"],
         [
@@ -118,12 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         ],
         [
             "flops utilisation (XLA flops / peak; MFU without remat)",
-            f"{perf.mfu(stats.flops, seconds, peak):.1%}" if peak else "n/a",
+            f"{benchmark.mfu(stats.flops, seconds, peak):.1%}" if peak else "n/a",
         ],
         ["temporaries per device", stats.temp_bytes],
         ["live bytes per device (args + outputs + temps - aliased)", stats.live_bytes],
     ]
-    print(perf.environment(), end="\n\n")
+    print(benchmark.environment(), end="\n\n")
     print(Table(["ResNet50 training", "value"], rows, title="ResNet50, data parallel"))
 
 

@@ -42,7 +42,7 @@ def main() -> None:
     devices.setup()
     import jax  # after setup(), which must choose the devices first
 
-    from jaxdist_lessons import perf
+    from jaxdist_lessons import benchmark
     from jaxdist_lessons.mesh import make_mesh
 
     n = jax.device_count()
@@ -50,13 +50,13 @@ def main() -> None:
     workloads = []
     if args.model in ("mlp", "both"):
         workloads.append(
-            perf.mlp_workload(
+            benchmark.mlp_workload(
                 n, width=args.width, per_device_batch=args.per_device_batch or 32
             )
         )
     if args.model in ("transformer", "both"):
         workloads.append(
-            perf.transformer_workload(
+            benchmark.transformer_workload(
                 n,
                 num_layers=args.layers,
                 hidden=args.hidden,
@@ -64,10 +64,12 @@ def main() -> None:
                 per_device_batch=args.per_device_batch or 4,
             )
         )
-    print(perf.environment(), end="\n\n")
+    print(benchmark.environment(), end="\n\n")
     for work in workloads:
         for strategy in args.strategies:
-            print(perf.benchmark(strategy, work, mesh, calls=args.calls), end="\n\n")
+            print(
+                benchmark.strategy_table(strategy, work, mesh, calls=args.calls), end="\n\n"
+            )
 
 
 if __name__ == "__main__":

@@ -19,52 +19,20 @@ companions at the end say how much a ring algorithm sends for each.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxdist_lessons import hlo
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.compiled import compile_fn
+from jaxdist_lessons.hlo import replica_group_lists  # noqa: F401 - multihost_demo reads it here
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "f8e4m3": 1,
-    "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+"
-    r"(?P<op>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\((?P<rest>.*)$"
-)
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
-_CALLS = re.compile(r"\b(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
-_CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,130 +43,48 @@ class Collective:
     dtype: str
     elements: int
     bytes: int
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    shapes: hlo.Shapes
     replica_groups: str
-    group_size: (
-        int | None
-    )  # devices per replica group; None where XLA does not say (or for a permute)
+    # devices per replica group; None where XLA does not say (or for a permute)
+    group_size: int | None
     in_loop: bool
     computation: str
     name: str
 
 
-def _shapes(shape_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    found = []
-    for m in _ARRAY.finditer(shape_text):
-        if m["dtype"] == "token":
-            continue
-        if m["dtype"] not in DTYPE_BYTES:
-            raise ValueError(
-                f"unknown HLO element type {m['dtype']!r} in {shape_text!r}: add its size to "
-                "comms.DTYPE_BYTES"
-            )
-        found.append((m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d)))
-    return tuple(found)
-
-
-def _attribute(rest: str, key: str) -> str:
-    """The raw value of ``key=...`` in an instruction's attributes (brackets balanced)."""
-    start = rest.find(f"{key}=")
-    if start < 0:
-        return ""
-    text = rest[start + len(key) + 1 :]
-    if text.startswith(
-        "mesh["
-    ):  # mesh['a'=1,'b'=2] {'b'}, optionally with device_ids=(...) before the set
-        end = text.find("}", text.find("]"))
-        return text[: end + 1] if end >= 0 else text
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            return text[:i]
-    return text
-
-
-def group_size(replica_groups: str) -> int | None:
-    """Devices per group, from any of XLA's three spellings of ``replica_groups``."""
-    if replica_groups.startswith("{{"):
-        return len(replica_groups[2:].split("}")[0].split(","))
-    iota = re.match(r"\[(\d+),(\d+)\]<=", replica_groups)
-    if iota:
-        return int(iota[2])
-    if replica_groups.startswith("mesh["):
-        sizes = dict(
-            (k, int(v))
-            for k, v in re.findall(r"'([^']+)'=(\d+)", replica_groups.split("]")[0])
-        )
-        axes = re.findall(r"'([^']+)'", replica_groups[replica_groups.rfind("{") :])
-        return math.prod(sizes[a] for a in axes)
-    return None
-
-
-def _loop_computations(calls: dict[str, set[str]], bodies: set[str]) -> set[str]:
-    inside, todo = set(), list(bodies)
-    while todo:
-        name = todo.pop()
-        if name not in inside:
-            inside.add(name)
-            todo.extend(calls.get(name, ()))
-    return inside
-
-
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in a compiled program's text, in program order."""
-    computation = ""
-    found: list[tuple[str, re.Match]] = []
-    starts: dict[
-        str, str
-    ] = {}  # an async -start op's name -> its attributes (where the groups are)
-    calls: dict[str, set[str]] = collections.defaultdict(set)
-    bodies: set[str] = set()
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line) if not line.startswith(" ") else None
-        if header:
-            computation = header["name"]
-            continue
-        for callee in _CALLS.findall(line):
-            calls[computation].add(callee)
-        for group in _CALL_LISTS.findall(line):
-            calls[computation].update(
-                c.strip().lstrip("%") for c in group.split(",") if c.strip()
-            )
-        bodies.update(re.findall(r"\bbody=%?([\w.\-]+)", line))
-        op = _INSTRUCTION.match(line)
-        if op and op["phase"] == "-start":
-            starts[op["name"]] = op["rest"]
-        elif op:
-            found.append((computation, op))
-    in_loops = _loop_computations(calls, bodies)
+    in_loops = hlo.loop_computations(hlo_text)
+    starts: dict[str, str] = {}  # an async -start op's name -> its attributes (the groups)
     records = []
-    for comp, op in found:
-        shapes = _shapes(op["shape"])
-        elements = sum(math.prod(dims) for _, dims in shapes)
-        attributes = op["rest"]
-        if op["phase"] == "-done":  # the groups are written on the matching -start op
+    for op in hlo.instructions(hlo_text):
+        kind, phase = hlo.split_async(op.opcode)
+        if kind not in KINDS:
+            continue
+        if phase == "-start":
+            starts[op.name] = op.rest
+            continue
+        attributes = op.rest
+        if phase == "-done":  # the groups are written on the matching -start op
             attributes = starts.get(
                 attributes.split(")")[0].strip().lstrip("%"), attributes
             )
-        groups = _attribute(attributes, "replica_groups") or _attribute(
+        groups = hlo.attribute(attributes, "replica_groups") or hlo.attribute(
             attributes, "source_target_pairs"
         )
+        arrays = hlo.shapes(op.shape)
         records.append(
             Collective(
-                kind=op["op"],
-                dtype=",".join(dict.fromkeys(dtype for dtype, _ in shapes)),
-                elements=elements,
-                bytes=sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in shapes),
-                shapes=shapes,
+                kind=kind,
+                dtype=",".join(dict.fromkeys(dtype for dtype, _ in arrays)),
+                elements=sum(math.prod(dims) for _, dims in arrays),
+                bytes=hlo.shapes_bytes(arrays),
+                shapes=arrays,
                 replica_groups=groups,
-                group_size=group_size(groups) if op["op"] != "collective-permute" else None,
-                in_loop=comp in in_loops,
-                computation=comp,
-                name=op["name"],
+                group_size=hlo.group_size(groups) if kind != "collective-permute" else None,
+                in_loop=op.computation in in_loops,
+                computation=op.computation,
+                name=op.name,
             )
         )
     return records
@@ -213,6 +99,11 @@ def total_bytes(hlo_text: str, kind: str | None = None) -> int:
     """Bytes of all collectives in the program (per device), or of one ``kind``."""
     _check_kind(kind)
     return sum(c.bytes for c in collectives(hlo_text) if kind is None or c.kind == kind)
+
+
+def bytes_by_kind(hlo_text: str) -> dict[str, int]:
+    """Bytes per device of each kind of collective in the program (the ``bytes`` of ``summary``)."""
+    return {kind: row["bytes"] for kind, row in summary(hlo_text).items()}
 
 
 def summary(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -304,61 +195,3 @@ def table_rows(records: Iterable[Collective]) -> list[list[Any]]:
 
 
 TABLE_HEADERS = ["kind", "dtype", "shapes", "bytes", "group size", "in a loop"]
-
-
-def replica_group_lists(
-    replica_groups: str, num_devices: int | None = None
-) -> list[list[int]]:
-    """The device ids of every group, from any of XLA's spellings of ``replica_groups``.
-
-    ``{{0,1},{2,3}}`` lists them; ``[2,4]<=[4,2]T(1,0)`` is an iota (ids ``0..7`` reshaped to
-    ``[4,2]``, transposed, then cut into 2 groups of 4); ``mesh['a'=2,'b'=4] {'b'}`` groups the
-    devices of a mesh along the named axes (its ids are an iota, or ``device_ids=(...)``).
-    ``{}`` is one group of all ``num_devices`` devices.
-    """
-    text = replica_groups.strip()
-    if text == "{}":
-        if num_devices is None:
-            raise ValueError(
-                "replica_groups={} means one group of every device: pass num_devices"
-            )
-        return [list(range(positive_int("num_devices", num_devices)))]
-    if text.startswith("{{"):
-        return [
-            [int(i) for i in group.split(",")]
-            for group in re.findall(r"\{([\d,\s]+)\}", text)
-        ]
-    iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if iota:
-        ids = _iota([int(d) for d in iota[3].split(",")], iota[4])
-        return ids.reshape(int(iota[1]), int(iota[2])).tolist()
-    mesh = re.fullmatch(
-        r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}",
-        text,
-    )
-    if mesh and ":" not in mesh["over"]:
-        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh["axes"])}
-        names, shape = list(sizes), tuple(sizes.values())
-        over = re.findall(r"'([^']+)'", mesh["over"])
-        if set(over) <= set(names):
-            ids = _mesh_device_ids(mesh["ids"], shape)
-            axes = [names.index(a) for a in over]
-            rest = [i for i in range(len(names)) if i not in axes]
-            size = math.prod(sizes[a] for a in over)
-            return ids.transpose(rest + axes).reshape(-1, size).tolist()
-    raise ValueError(f"cannot read replica groups {replica_groups!r}")
-
-
-def _iota(reshape_dims: list[int], transpose: str | None) -> np.ndarray:
-    ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
-    return ids.transpose([int(p) for p in transpose.split(",")]) if transpose else ids
-
-
-def _mesh_device_ids(spelled: str | None, shape: tuple[int, ...]) -> np.ndarray:
-    """The device id at each mesh position: ``0..N-1`` in order, an iota ``[4,16]T(1,0)``, or a list ``0,2,1,3``."""
-    if not spelled:
-        return np.arange(math.prod(shape)).reshape(shape)
-    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spelled)
-    if iota:
-        return _iota([int(d) for d in iota[1].split(",")], iota[2]).reshape(shape)
-    return np.array([int(i) for i in spelled.split(",")]).reshape(shape)

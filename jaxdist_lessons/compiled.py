@@ -2,16 +2,20 @@
 
 ``jax.jit(f).lower(*args).compile()`` is the program XLA will run. After SPMD
 partitioning it is the program of *one* device, so its cost and memory figures are
-per device. Chapters use these numbers to check the arithmetic in the prose.
+per device. Chapters use these numbers to check the arithmetic in the prose, and
+``memory_report`` sets several programs' memory side by side. (The program's text, its
+instructions and collectives, is ``hlo``'s to read.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+
+from jaxdist_lessons.tables import Table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +69,31 @@ def stats(compiled: jax.stages.Compiled) -> CompiledStats:
 def compiled_stats(fn: Callable, *args: Any, **kwargs: Any) -> CompiledStats:
     """``stats(compile_fn(fn, *args))``: what one device will do and hold when ``fn`` runs."""
     return stats(compile_fn(fn, *args, **kwargs))
+
+
+MEMORY_HEADERS = ["arguments", "outputs", "temporaries", "aliased", "live", "XLA peak"]
+
+
+def memory_row(stats: CompiledStats) -> list[int]:
+    """A compiled program's memory per device, as a row under ``MEMORY_HEADERS``."""
+    return [
+        stats.argument_bytes,
+        stats.output_bytes,
+        stats.temp_bytes,
+        stats.alias_bytes,
+        stats.live_bytes,
+        stats.peak_bytes,
+    ]
+
+
+def memory_report(programs: Mapping[str, jax.stages.Compiled], title: str = "") -> Table:
+    """A table of compiled programs' memory per device, one row per program, under ``MEMORY_HEADERS``.
+
+    "live" bounds what the program holds at once; "XLA peak" is ``peak_memory_in_bytes``, which on
+    XLA:CPU leaves the temporaries out (see ``CompiledStats.peak_bytes``).
+    """
+    return Table(
+        ["program", *MEMORY_HEADERS],
+        [[name, *memory_row(stats(program))] for name, program in programs.items()],
+        title=title,
+    )

@@ -29,99 +29,21 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxdist_lessons import comms, memory, perf
+from jaxdist_lessons import comms, hardware, memory
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.models.vit import vit_params
 
-# --- Hardware -----------------------------------------------------------------------------------
 
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One accelerator: dense bf16 peak, HBM bandwidth and capacity, and interconnect bandwidth per device.
-
-    ``link_bytes_per_s`` is what one device can send to its peers at once, one way.
-    """
-
-    name: str
-    device_kind: str  # what ``jax.devices()[0].device_kind`` reports on it
-    peak_flops: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float
-    memory_bytes: float
-    link: str
-
-
-def _hardware(
-    name: str, device_kind: str, hbm_gb_s: float, link_gb_s: float, link: str
-) -> Hardware:
-    # Capacities come from memory.ACCELERATORS and peaks from perf.PEAK_BF16_FLOPS, which cite
-    # them; the bandwidths are cited below.
-    peak = perf.peak_flops(device_kind)
-    if peak is None:
+def _chip(hw: hardware.Chip | str) -> hardware.Chip:
+    """The chip itself, or the one ``hardware`` calls ``hw``; it must have an interconnect figure."""
+    chip = hardware.chip(hw) if isinstance(hw, str) else hw
+    if chip.link_bytes_per_s is None:
+        with_links = [c.name for c in hardware.CHIPS.values() if c.link_bytes_per_s]
         raise ValueError(
-            f"no peak flops for device kind {device_kind!r} in perf.PEAK_BF16_FLOPS"
+            f"{chip.name} has no chip-to-chip bandwidth in hardware.CHIPS, which the cost model "
+            f"needs; use one of {', '.join(with_links)}"
         )
-    return Hardware(
-        name,
-        device_kind,
-        peak,
-        hbm_gb_s * 1e9,
-        link_gb_s * 1e9,
-        memory.ACCELERATORS[name].memory_bytes,
-        link,
-    )
-
-
-HARDWARE: dict[str, Hardware] = {
-    h.name: h
-    for h in [
-        # NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), SXM columns:
-        # GPU memory bandwidth 1,555 GB/s (40GB HBM2) and 2,039 GB/s (80GB HBM2e);
-        # NVLink 600 GB/s, a total over both directions, so 300 GB/s each way.
-        _hardware(
-            "A100 40GB",
-            "NVIDIA A100-SXM4-40GB",
-            1555,
-            300,
-            "NVLink 3 (600 GB/s bidirectional)",
-        ),
-        _hardware(
-            "A100 80GB",
-            "NVIDIA A100-SXM4-80GB",
-            2039,
-            300,
-            "NVLink 3 (600 GB/s bidirectional)",
-        ),
-        # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 SXM: 3.35 TB/s;
-        # NVLink 900 GB/s bidirectional.
-        _hardware(
-            "H100 80GB",
-            "NVIDIA H100 80GB HBM3",
-            3350,
-            450,
-            "NVLink 4 (900 GB/s bidirectional)",
-        ),
-        # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: 4.8 TB/s;
-        # NVLink 900 GB/s bidirectional.
-        _hardware(
-            "H200 141GB", "NVIDIA H200", 4800, 450, "NVLink 4 (900 GB/s bidirectional)"
-        ),
-        # Google Cloud TPU v5e docs (cloud.google.com/tpu/docs/v5e): 819 GB/s HBM, interchip
-        # interconnect 1,600 Gbps = 200 GB/s, the sum over the chip's links (optimistic for one axis).
-        _hardware("TPU v5e", "TPU v5 lite", 819, 200, "ICI 1,600 Gbps per chip"),
-        # Google Cloud TPU v5p docs (cloud.google.com/tpu/docs/v5p): 2,765 GB/s HBM, interchip
-        # interconnect 4,800 Gbps = 600 GB/s, the sum over the chip's links.
-        _hardware("TPU v5p", "TPU v5", 2765, 600, "ICI 4,800 Gbps per chip"),
-    ]
-}
-
-
-def hardware(name: str) -> Hardware:
-    """The accelerator called ``name``; ``ValueError`` listing the known names otherwise."""
-    if name not in HARDWARE:
-        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}")
-    return HARDWARE[name]
+    return chip
 
 
 # --- Models -------------------------------------------------------------------------------------
@@ -335,7 +257,7 @@ def sent_bytes(transfer: Transfer) -> float:
     )  # all-to-all: each device keeps 1/g of its buffer and sends the rest
 
 
-def comm_seconds(transfers: Iterable[Transfer], hw: Hardware) -> float:
+def comm_seconds(transfers: Iterable[Transfer], hw: hardware.Chip) -> float:
     """Seconds to send every transfer at the interconnect's bandwidth, one after another."""
     return sum(sent_bytes(t) for t in transfers) / hw.link_bytes_per_s
 
@@ -468,7 +390,7 @@ class Estimate:
 def estimate(
     spec: TransformerSpec,
     layout: Layout,
-    hw: Hardware | str,
+    hw: hardware.Chip | str,
     optimizer: str = "adam",
     precision: str = "mixed",
     flash_attention: bool = False,
@@ -482,7 +404,7 @@ def estimate(
     activations written forward and read back. The collectives carry weights and gradients at that
     width too, unless ``param_bytes`` says otherwise.
     """
-    hw = hardware(hw) if isinstance(hw, str) else hw
+    hw = _chip(hw)
     flops = flops_per_device(spec, layout)
     state_per_param = memory.bytes_per_param(optimizer, precision)  # also checks both names
     weight_bytes = memory.PRECISIONS[precision]["params"]  # what is gathered, read and sent
@@ -512,7 +434,7 @@ def estimate(
         + local_params * 2 * state_per_param
         + 2 * activations
     )
-    compute = max(flops / hw.peak_flops, hbm / hw.hbm_bytes_per_s)
+    compute = max(flops / hw.peak_bf16_flops, hbm / hw.hbm_bytes_per_s)
     transfers = tuple(predict_transfers(spec, layout, **transfer_options))
     return Estimate(
         spec.name,
@@ -531,7 +453,7 @@ def estimate(
 def estimates(
     specs: Sequence[TransformerSpec],
     layouts: Sequence[Layout],
-    hw: Hardware | str,
+    hw: hardware.Chip | str,
     **options: Any,
 ) -> dict[str, list[Estimate]]:
     """``estimate`` for every model and layout: ``{model name: [Estimate per layout]}``."""
@@ -560,7 +482,7 @@ def table_rows(results: Sequence[Estimate]) -> list[list[Any]]:
                 e.comm_s * 1e3,
                 e.step_s * 1e3,
                 e.overlapped_s * 1e3,
-                e.memory_bytes / memory.GB,
+                e.memory_bytes / hardware.GB,
                 "; ".join(e.problems) or "yes",
             ]
         )
@@ -579,54 +501,6 @@ TABLE_HEADERS = [
 ]
 
 
-def plot(results: dict[str, list[Estimate]], hw: Hardware | str) -> Any:
-    """Predicted step time (compute and communication stacked) and memory per device, one column per model."""
-    import matplotlib.pyplot as plt
-
-    hw = hardware(hw) if isinstance(hw, str) else hw
-    fig, axes = plt.subplots(
-        2, len(results), figsize=(3.6 * len(results), 6), squeeze=False
-    )
-    for col, (name, row) in enumerate(results.items()):
-        labels = [e.layout.label for e in row]
-        x = range(len(row))
-        time_ax, mem_ax = axes[0][col], axes[1][col]
-        compute = [e.compute_s * 1e3 for e in row]
-        comm = [e.comm_s * 1e3 for e in row]
-        time_ax.bar(x, compute, color="tab:blue", label="compute")
-        time_ax.bar(x, comm, bottom=compute, color="tab:orange", label="communication")
-        for i, e in enumerate(row):
-            if e.problems:  # a layout the model's sizes do not divide: hatch it
-                time_ax.bar(
-                    i, compute[i] + comm[i], fill=False, hatch="//", edgecolor="gray"
-                )
-        time_ax.set_title(name)
-        time_ax.set_ylabel("ms per step")
-        mem_ax.bar(
-            x, [e.state_bytes / memory.GB for e in row], color="tab:green", label="state"
-        )
-        mem_ax.bar(
-            x,
-            [e.activation_bytes / memory.GB for e in row],
-            bottom=[e.state_bytes / memory.GB for e in row],
-            color="tab:olive",
-            label="activations",
-        )
-        mem_ax.axhline(
-            hw.memory_bytes / memory.GB, color="red", linestyle="--", label=f"{hw.name}"
-        )
-        mem_ax.set_ylabel("GB per device")
-        for ax in (time_ax, mem_ax):
-            ax.set_xticks(list(x), labels, rotation=30, fontsize=8)
-    axes[0][0].legend(fontsize=8)
-    axes[1][0].legend(fontsize=8)
-    fig.suptitle(
-        f"Predicted per device on {row[0].layout.devices} x {hw.name} (hatched: does not split evenly)"
-    )
-    fig.tight_layout()
-    return fig
-
-
 def with_batch(spec: TransformerSpec, global_batch: int) -> TransformerSpec:
     """The same model with another global batch."""
     return dataclasses.replace(spec, global_batch=global_batch)
@@ -636,7 +510,7 @@ def speedups_over_batch(
     spec: TransformerSpec,
     base: Layout,
     other: Layout,
-    hw: Hardware | str,
+    hw: hardware.Chip | str,
     global_batches: Sequence[int],
     overlapped: bool = False,
 ) -> list[float]:
@@ -649,51 +523,3 @@ def speedups_over_batch(
         )
         for b in global_batches
     ]
-
-
-def plot_speedups(
-    specs: Sequence[TransformerSpec],
-    base: Layout,
-    others: Sequence[Layout],
-    hw: Hardware | str,
-    global_batches: Sequence[int],
-    claim: float | None = None,
-) -> Any:
-    """Predicted speedup of each ``other`` layout over ``base`` against the batch per device, one panel per model.
-
-    Solid: no overlap of compute and communication; dashed: perfect overlap.
-    """
-    import matplotlib.pyplot as plt
-
-    hw = hardware(hw) if isinstance(hw, str) else hw
-    fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.4), squeeze=False)
-    per_device = [b / base.devices for b in global_batches]
-    for ax, spec in zip(axes[0], specs):
-        for i, other in enumerate(others):
-            color = f"C{i}"
-            for overlapped, style in ((False, "-"), (True, "--")):
-                values = speedups_over_batch(
-                    spec, base, other, hw, global_batches, overlapped
-                )
-                ax.plot(
-                    per_device,
-                    values,
-                    style,
-                    color=color,
-                    label=f"{other.label} over {base.label}" if not overlapped else None,
-                )
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-        if claim is not None:
-            ax.axhline(claim, color="red", linestyle=":", label=f"the article's {claim}x")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(
-            f"{'images' if spec.logits_per_token == 0 else 'sequences'} per device"
-        )
-        ax.set_ylabel("predicted speedup")
-        ax.set_title(spec.name)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(
-        f"{base.devices} x {hw.name} (solid: no overlap, dashed: full overlap)", fontsize=10
-    )
-    fig.tight_layout()
-    return fig

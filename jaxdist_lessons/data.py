@@ -27,7 +27,7 @@ import tensorflow_datasets as tfds
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.sharding import check_batch_divides
 
 DIGITS = "jaxdist_digits"
 DEFAULT_DATA_DIR = os.path.join(
@@ -188,7 +188,7 @@ def batches(
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    _check_batch(global_batch, mesh, data_axis, process_count)
+    check_batch_divides(global_batch, mesh, data_axis, process_count)
     order = np.arange(len(data))
     if shuffle:
         order = np.random.default_rng((seed, epoch)).permutation(len(data))
@@ -221,21 +221,6 @@ def process_rows(
     per_process = global_batch // process_count
     batch = order[batch_index * global_batch : (batch_index + 1) * global_batch]
     return batch[process_index * per_process : (process_index + 1) * per_process]
-
-
-def _check_batch(global_batch: int, mesh: Mesh, data_axis: str, process_count: int) -> None:
-    positive_int("global_batch", global_batch)
-    if data_axis not in mesh.shape:
-        raise ValueError(
-            f"mesh {dict(mesh.shape)} has no axis {data_axis!r} to shard the batch over"
-        )
-    ways = mesh.shape[data_axis]
-    if global_batch % ways or global_batch % process_count:
-        raise ValueError(
-            f"global batch {global_batch} must be a multiple of the {ways} devices along "
-            f"{data_axis!r} and of the {process_count} processes: try "
-            f"{math.lcm(ways, process_count) * max(1, global_batch // math.lcm(ways, process_count))}"
-        )
 
 
 def fit_image(image_HWC: np.ndarray, size: int) -> np.ndarray:

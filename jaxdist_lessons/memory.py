@@ -2,30 +2,21 @@
 
 Everything here is plain Python on counts and bytes, so it runs instantly for a
 175-billion-parameter model. Later chapters compare these numbers with what the
-compiler reports (``jaxdist_lessons.compiled``).
+compiler reports (``jaxdist_lessons.compiled``). Chips' memory sizes are ``hardware``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+from jaxdist_lessons import hardware, hlo
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.tables import Table, human_bytes
 
-GB = 10**9
-GiB = 2**30
-
-DTYPE_BYTES: dict[str, int] = {
-    "fp32": 4,
-    "float32": 4,
-    "bf16": 2,
-    "bfloat16": 2,
-    "fp16": 2,
-    "float16": 2,
-    "fp8": 1,
-    "int8": 1,
-}
+# The dtype names the arithmetic accepts: those a training run stores (their sizes are hlo's).
+DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8", "int8")
 
 # Optimizer state slots kept per parameter.
 OPTIMIZER_SLOTS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -58,8 +49,9 @@ def _lookup(table: dict, key: str, what: str):
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name such as ``'fp32'`` or ``'bfloat16'``."""
-    return _lookup(DTYPE_BYTES, dtype, "dtype")
+    """Bytes per element of a dtype name such as ``'fp32'`` or ``'bfloat16'`` (one of ``DTYPES``)."""
+    _lookup(dict.fromkeys(DTYPES), dtype, "dtype")
+    return hlo.dtype_bytes(dtype)
 
 
 def weights_bytes(num_params: float, dtype: str = "fp32") -> float:
@@ -178,9 +170,6 @@ def transformer_params(
     return (
         num_layers * transformer_layer_params(hidden, mlp_ratio) + embeddings + 2 * hidden
     )
-
-
-GPT3_175B = dict(num_layers=96, hidden=12288, heads=96, vocab_size=50257, seq_len=2048)
 
 
 # --- Activations ------------------------------------------------------------------------------
@@ -307,76 +296,58 @@ def resnet_activation_bytes(
     return batch * elements * dtype_bytes(dtype)
 
 
-# --- Accelerators -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """An accelerator's memory as its vendor states it (GB = 10^9 B, GiB = 2^30 B), and where that figure comes from."""
-
-    name: str
-    memory_bytes: float
-    source: str
-
-
-ACCELERATORS: dict[str, Accelerator] = {
-    a.name: a
-    for a in [
-        Accelerator(
-            "A100 40GB",
-            40 * GB,
-            "NVIDIA A100 datasheet: 40GB HBM2 (nvidia.com/en-us/data-center/a100)",
-        ),
-        Accelerator(
-            "A100 80GB",
-            80 * GB,
-            "NVIDIA A100 datasheet: 80GB HBM2e (nvidia.com/en-us/data-center/a100)",
-        ),
-        Accelerator(
-            "H100 80GB",
-            80 * GB,
-            "NVIDIA H100 SXM datasheet: 80GB HBM3 (nvidia.com/en-us/data-center/h100)",
-        ),
-        Accelerator(
-            "H200 141GB",
-            141 * GB,
-            "NVIDIA H200 datasheet: 141GB HBM3e (nvidia.com/en-us/data-center/h200)",
-        ),
-        Accelerator(
-            "TPU v4",
-            32 * GiB,
-            "Google Cloud TPU v4 docs: 32 GiB HBM2 per chip (cloud.google.com/tpu/docs/v4)",
-        ),
-        Accelerator(
-            "TPU v5e",
-            16 * GB,
-            "Google Cloud TPU v5e docs: 16 GB HBM2 per chip (cloud.google.com/tpu/docs/v5e)",
-        ),
-        Accelerator(
-            "TPU v5p",
-            95 * GB,
-            "Google Cloud TPU v5p docs: 95 GB HBM2e per chip (cloud.google.com/tpu/docs/v5p)",
-        ),
-    ]
-}
-
-
-def accelerator(name: str) -> Accelerator:
-    """The accelerator called ``name``; ``ValueError`` listing the known names otherwise."""
-    return _lookup(ACCELERATORS, name, "accelerator")
+# --- Devices ---------------------------------------------------------------------------------
 
 
 def devices_needed(
     total_bytes: float, accelerator: str, usable_fraction: float = 1.0
 ) -> int:
-    """The fewest devices of a kind whose memory holds ``total_bytes``, if it is split evenly (FSDP).
+    """The fewest chips called ``accelerator`` (``hardware.CHIPS``) whose memory holds ``total_bytes``,
+    if it is split evenly (FSDP).
 
     ``usable_fraction`` leaves room for the runtime; for example JAX preallocates 75% of a GPU.
     """
     _check_count("total_bytes", total_bytes)
     if not 0 < usable_fraction <= 1:
         raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
-    capacity = (
-        _lookup(ACCELERATORS, accelerator, "accelerator").memory_bytes * usable_fraction
-    )
+    capacity = hardware.chip(accelerator).memory_bytes * usable_fraction
     return max(1, math.ceil(total_bytes / capacity))
+
+
+# --- Tables -----------------------------------------------------------------------------------
+
+
+def per_param_table() -> Table:
+    """Bytes of training state per parameter, for every precision and optimizer."""
+    rows = []
+    for precision in PRECISIONS:
+        for optimizer in OPTIMIZER_SLOTS:
+            one = training_state_bytes(1, optimizer, precision)
+            rows.append([precision, optimizer, *dataclasses.astuple(one)[:4], one.state])
+    headers = ["weights", "grads", "optimizer state", "master", "bytes / param"]
+    return Table(
+        ["precision", "optimizer", *headers],
+        rows,
+        title="Training state per parameter, in bytes",
+    )
+
+
+def shares_table(shares: Mapping[str, TrainingMemory], title: str = "") -> Table:
+    """Each strategy's share of training memory on one device (``per_device``'s results), part by part."""
+    parts = ["weights", "grads", "optimizer", "master", "activations", "total per device"]
+    rows = [[s, *map(human_bytes, m.as_dict().values())] for s, m in shares.items()]
+    return Table(["strategy", *parts], rows, title=title)
+
+
+def devices_needed_table(totals: Mapping[str, float], title: str = "") -> Table:
+    """The fewest chips of each kind in ``hardware.CHIPS`` that hold each total, with the memory's source."""
+    rows = [
+        [
+            chip.name,
+            chip.memory_label,
+            *(devices_needed(total, chip.name) for total in totals.values()),
+            chip.sources["memory"].split(": ")[0],
+        ]
+        for chip in hardware.CHIPS.values()
+    ]
+    return Table(["accelerator", "memory", *totals, "source"], rows, title=title)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import comms, memory
+from jaxdist_lessons import comms, costmodel, hardware, memory, pipeline
 from jaxdist_lessons import sharding as sharding_lib
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def show(fig: Figure, dpi: int = 110) -> None:
 
 
 def memory_vs_model_size(
-    accelerators: Sequence[str] = tuple(memory.ACCELERATORS),
+    accelerators: Sequence[str] = tuple(hardware.CHIPS),
     min_params: float = 1e8,
     max_params: float = 1e12,
     marks: Mapping[str, float] | None = None,
@@ -62,7 +62,7 @@ def memory_vs_model_size(
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
     by_capacity: dict[float, list[str]] = {}
     for name in accelerators:
-        by_capacity.setdefault(memory.accelerator(name).memory_bytes, []).append(name)
+        by_capacity.setdefault(hardware.chip(name).memory_bytes, []).append(name)
     for i, (capacity, names) in enumerate(sorted(by_capacity.items())):
         label = " / ".join(names)
         ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
@@ -112,7 +112,7 @@ def memory_breakdown(
     """
     if not shares:
         raise ValueError("memory_breakdown needs at least one strategy")
-    scale = {"GB": memory.GB, "GiB": memory.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
+    scale = {"GB": hardware.GB, "GiB": hardware.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
     if scale is None:
         raise ValueError(f"unknown unit {unit!r}; allowed: GB, GiB, MB, MiB")
     parts = [f.name for f in dataclasses.fields(memory.TrainingMemory)]
@@ -124,7 +124,7 @@ def memory_breakdown(
         ax.bar(names, heights, bottom=bottom, label=part)
         bottom += heights
     if accelerator is not None:
-        capacity = memory.accelerator(accelerator).memory_bytes / scale
+        capacity = hardware.chip(accelerator).memory_bytes / scale
         ax.axhline(
             capacity,
             color="black",
@@ -429,5 +429,146 @@ def profile_timeline(
         yticklabels=[str(d) for d in device_ids],
     )
     bar_ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def cost_estimates(
+    results: Mapping[str, list[costmodel.Estimate]], hw: hardware.Chip | str
+) -> Figure:
+    """``costmodel.estimates``' predicted step time (compute and communication stacked) and memory per device, one column per model."""
+    hw = hardware.chip(hw) if isinstance(hw, str) else hw
+    fig, axes = plt.subplots(
+        2, len(results), figsize=(3.6 * len(results), 6), squeeze=False
+    )
+    for col, (name, row) in enumerate(results.items()):
+        labels = [e.layout.label for e in row]
+        x = range(len(row))
+        time_ax, mem_ax = axes[0][col], axes[1][col]
+        compute = [e.compute_s * 1e3 for e in row]
+        comm = [e.comm_s * 1e3 for e in row]
+        time_ax.bar(x, compute, color="tab:blue", label="compute")
+        time_ax.bar(x, comm, bottom=compute, color="tab:orange", label="communication")
+        for i, e in enumerate(row):
+            if e.problems:  # a layout the model's sizes do not divide: hatch it
+                time_ax.bar(
+                    i, compute[i] + comm[i], fill=False, hatch="//", edgecolor="gray"
+                )
+        time_ax.set_title(name)
+        time_ax.set_ylabel("ms per step")
+        mem_ax.bar(
+            x, [e.state_bytes / hardware.GB for e in row], color="tab:green", label="state"
+        )
+        mem_ax.bar(
+            x,
+            [e.activation_bytes / hardware.GB for e in row],
+            bottom=[e.state_bytes / hardware.GB for e in row],
+            color="tab:olive",
+            label="activations",
+        )
+        mem_ax.axhline(
+            hw.memory_bytes / hardware.GB, color="red", linestyle="--", label=f"{hw.name}"
+        )
+        mem_ax.set_ylabel("GB per device")
+        for ax in (time_ax, mem_ax):
+            ax.set_xticks(list(x), labels, rotation=30, fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(
+        f"Predicted per device on {row[0].layout.devices} x {hw.name} (hatched: does not split evenly)"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def cost_speedups(
+    specs: Sequence[costmodel.TransformerSpec],
+    base: costmodel.Layout,
+    others: Sequence[costmodel.Layout],
+    hw: hardware.Chip | str,
+    global_batches: Sequence[int],
+    claim: float | None = None,
+) -> Figure:
+    """``costmodel``'s predicted speedup of each ``other`` layout over ``base`` against the batch per device, one panel per model.
+
+    Solid: no overlap of compute and communication; dashed: perfect overlap.
+    """
+    hw = hardware.chip(hw) if isinstance(hw, str) else hw
+    fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.4), squeeze=False)
+    per_device = [b / base.devices for b in global_batches]
+    for ax, spec in zip(axes[0], specs):
+        for i, other in enumerate(others):
+            color = f"C{i}"
+            for overlapped, style in ((False, "-"), (True, "--")):
+                values = costmodel.speedups_over_batch(
+                    spec, base, other, hw, global_batches, overlapped
+                )
+                ax.plot(
+                    per_device,
+                    values,
+                    style,
+                    color=color,
+                    label=f"{other.label} over {base.label}" if not overlapped else None,
+                )
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        if claim is not None:
+            ax.axhline(claim, color="red", linestyle=":", label=f"the article's {claim}x")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(
+            f"{'images' if spec.logits_per_token == 0 else 'sequences'} per device"
+        )
+        ax.set_ylabel("predicted speedup")
+        ax.set_title(spec.name)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(
+        f"{base.devices} x {hw.name} (solid: no overlap, dashed: full overlap)", fontsize=10
+    )
+    fig.tight_layout()
+    return fig
+
+
+def pipeline_schedule(num_stages: int, num_microbatches: int) -> Figure:
+    """``pipeline.schedule``: the GPipe forward schedule as a chart: one row per stage, one column per tick, idle slots blank."""
+    table = pipeline.schedule(num_stages, num_microbatches)
+    fig, ax = plt.subplots(figsize=(0.5 * len(table) + 1.5, 0.5 * num_stages + 1.2))
+    colors = plt.get_cmap("tab10")
+    for tick, row in enumerate(table):
+        for stage, micro in enumerate(row):
+            if micro is None:
+                continue
+            ax.add_patch(
+                Rectangle(
+                    (tick, num_stages - 1 - stage),
+                    0.95,
+                    0.9,
+                    color=colors(micro % 10),
+                    alpha=0.7,
+                )
+            )
+            ax.text(
+                tick + 0.47,
+                num_stages - 1 - stage + 0.45,
+                str(micro),
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
+    ax.set_xlim(0, len(table))
+    ax.set_ylim(0, num_stages)
+    ax.set_xticks(
+        [t + 0.5 for t in range(len(table))],
+        [str(t) for t in range(len(table))],
+        fontsize=7,
+    )
+    ax.set_yticks(
+        [num_stages - 1 - s + 0.45 for s in range(num_stages)],
+        [f"stage {s}" for s in range(num_stages)],
+    )
+    ax.set_xlabel("tick")
+    ax.set_title(
+        f"GPipe forward, {num_stages} stages x {num_microbatches} microbatches: "
+        f"bubble {pipeline.bubble_fraction(num_stages, num_microbatches):.0%}",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig

@@ -16,19 +16,14 @@ import dataclasses
 import gzip
 import json
 import pathlib
-import re
 import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 
-from jaxdist_lessons import comms
+from jaxdist_lessons import hlo
 from jaxdist_lessons._checks import positive_int
-
-# HLO collectives, as named in the trace (async pairs as -start and -done, which op_kind strips): the kinds
-# comms reads from compiled programs, and two more that comms does not parse but a profile may hold.
-COLLECTIVES = (*comms.KINDS, "ragged-all-to-all", "collective-broadcast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +44,7 @@ class OpEvent:
 
 def op_kind(op: str) -> str:
     """``'collective'`` if the HLO op ``op`` (e.g. ``'all-reduce.1'``, ``'all-gather-start'``) is one, else ``'compute'``."""
-    base = re.sub(r"(-start|-done)?(\.\d+)*$", "", op)
-    return "collective" if base in COLLECTIVES else "compute"
+    return "collective" if hlo.opcode_of(op) in hlo.COLLECTIVE_OPCODES else "compute"
 
 
 def capture(

@@ -1,21 +1,28 @@
-"""Where an array's pieces live: shard shapes, bytes per device, and specs for a whole tree.
+"""Where an array's pieces live: shard shapes, bytes per device, specs for a whole tree, batches.
 
 A ``PartitionSpec`` is positional: entry *i* says which mesh axes split array dimension *i*
 (``None``: not split; a tuple of names: split over their product). Mesh axes the spec does
 not name hold replicas.
+
+A batch is split along its leading axis. ``check_batch_divides`` is the one check that a
+global batch splits evenly over the devices (and processes) that share it, which the input
+pipeline (``data.batches``) and ``check_batch`` both make; ``pad_batch`` and
+``drop_remainder`` are the two fixes.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons._checks import positive_int
 
 
 class ShardingError(ValueError):
@@ -115,6 +122,32 @@ def blocks(
     return {key: sorted(ids) for key, ids in sorted(held.items())}
 
 
+PLACEMENT_HEADERS = [
+    "spec",
+    "block shape",
+    "copies of each block",
+    "bytes per device",
+    "distinct blocks",
+]
+
+
+def placement_rows(arrays: Iterable[jax.Array]) -> list[list[Any]]:
+    """Rows under ``PLACEMENT_HEADERS``, read from arrays placed with ``NamedSharding``s."""
+    rows = []
+    for array in arrays:
+        mesh, spec = array.sharding.mesh, array.sharding.spec
+        rows.append(
+            [
+                str(spec),
+                next(iter(shard_shapes(array).values())),
+                replicas(mesh, spec),
+                max(bytes_per_device(array).values()),
+                len(blocks(array.shape, array.sharding)),
+            ]
+        )
+    return rows
+
+
 # --- A whole tree, from rules -----------------------------------------------------------------
 
 
@@ -171,3 +204,113 @@ def shardings_from_rules(
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
+
+
+# --- A batch over the devices -----------------------------------------------------------------
+
+
+class BatchError(ShardingError):
+    """A batch that cannot be sharded as asked; raised before JAX sees it, and names the fix."""
+
+
+def check_batch_divides(
+    global_batch: int,
+    mesh: Mesh,
+    axes: str | Sequence[str] | None,
+    process_count: int = 1,
+    name: str = "global batch",
+) -> int:
+    """Raise ``BatchError`` unless ``global_batch`` splits evenly over the devices of mesh ``axes``
+    (a name, names, or a spec's entry) and over ``process_count`` processes; the devices it splits over.
+    """
+    positive_int("global_batch", global_batch)
+    for axis in _entry_axes(axes):
+        if axis not in mesh.shape:
+            raise ShardingError(
+                f"mesh {dict(mesh.shape)} has no axis {axis!r} to shard the batch over"
+            )
+    ways = math.prod(mesh.shape[a] for a in _entry_axes(axes))
+    multiple = math.lcm(ways, process_count)
+    if global_batch % multiple:
+        down, up = (
+            global_batch // multiple * multiple,
+            -(-global_batch // multiple) * multiple,
+        )
+        processes = f" and the {process_count} processes" if process_count > 1 else ""
+        fixes = f"pad it to {up} and mask the padding (sharding.pad_batch)"
+        if down:
+            fixes += (
+                f", or drop the remainder to {down} (sharding.drop_remainder, or "
+                "drop_remainder=True in the input pipeline)"
+            )
+        raise BatchError(
+            f"{name}: a batch of {global_batch} does not split over the {ways} devices of mesh "
+            f"axes {axes!r} (mesh {dict(mesh.shape)}){processes}. Fix: {fixes}"
+        )
+    return ways
+
+
+def batch_size(batch: Any) -> int:
+    """The leading (batch) size that every array of ``batch`` shares; ``BatchError`` if they differ or there are none."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise BatchError("the batch has no arrays in it")
+    sizes = {
+        path_name(path) or "batch": np.shape(leaf)[0] if np.ndim(leaf) else None
+        for path, leaf in leaves
+    }
+    scalars = [name for name, size in sizes.items() if size is None]
+    if scalars:
+        raise BatchError(
+            f"every array of a batch needs a leading (batch) axis; {', '.join(scalars)} "
+            f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}"
+        )
+    if len(set(sizes.values())) > 1:
+        raise BatchError(
+            f"the arrays of a batch must share their leading (batch) size, got {sizes}"
+        )
+    return next(iter(sizes.values()))
+
+
+def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
+    """Raise ``BatchError`` unless every array in ``batch`` can be sharded with ``spec`` on ``mesh``.
+
+    Every leaf must share one leading (batch) size (``batch_size``), and the mesh axes in
+    ``spec[0]`` must divide it (``check_batch_divides``). Other problems (an axis name not in the
+    mesh, a spec longer than an array's rank) raise ``ShardingError`` naming the leaf.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if len(spec):  # a replicated batch (P()) may hold scalars
+        size = batch_size(batch)
+        if all(axis in mesh.shape for axis in _entry_axes(spec[0])):
+            first = path_name(leaves[0][0]) or "batch"
+            check_batch_divides(size, mesh, spec[0], name=first)
+    for path, leaf in leaves:
+        check_spec(np.shape(leaf), mesh, spec, name=path_name(path) or "batch")
+
+
+def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
+    """Pad every array's leading axis with zeros to a multiple of ``multiple``; return it and a 0/1 mask.
+
+    Weight the loss by the mask so that the padded examples count for nothing. Every array must
+    share one leading size (``BatchError`` otherwise).
+    """
+    positive_int("multiple", multiple)
+    size = batch_size(batch)
+    padded = -(-size // multiple) * multiple
+    pad = lambda x: np.concatenate(
+        [np.asarray(x), np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype)]
+    )
+    mask = (np.arange(padded) < size).astype(np.float32)
+    return jax.tree.map(pad, batch), mask
+
+
+def drop_remainder(batch: Any, multiple: int) -> Any:
+    """Keep the largest leading slice of every array whose size is a multiple of ``multiple``."""
+    positive_int("multiple", multiple)
+    size = batch_size(batch)
+    if size < multiple:
+        raise BatchError(
+            f"a batch of {size} has no full slice of {multiple}: nothing would be left"
+        )
+    return jax.tree.map(lambda x: x[: size // multiple * multiple], batch)

@@ -101,6 +101,7 @@ def test_totals_and_summary():
         comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
     )
     assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 5, "in_loop": 1, "bytes": 632}
+    assert comms.bytes_by_kind(SNIPPETS)["all-reduce"] == 632
     assert comms.summary(SNIPPETS)["all-gather"] == {
         "count": 2,
         "in_loop": 0,
@@ -116,24 +117,11 @@ def test_totals_and_summary():
 def test_unknown_element_types_are_not_counted_as_zero_bytes():
     with pytest.raises(
         ValueError,
-        match="unknown HLO element type 's3' .*add its size to comms.DTYPE_BYTES",
+        match="unknown HLO element type 's3' .*add its size to hlo.DTYPE_BYTES",
     ):
         comms.collectives(
             "ENTRY %m () -> s3[4] {\n  %a = s3[4]{0} all-reduce(%x), replica_groups={{0,1}}\n}"
         )
-
-
-def test_group_size_spellings():
-    assert comms.group_size("{{0,1,2},{3,4,5}}") == 3
-    assert comms.group_size("[4,2]<=[2,4]T(1,0)") == 2
-    assert (
-        comms.group_size(
-            "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1','axis_2'}"
-        )
-        == 8
-    )
-    assert comms.group_size("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}") == 8
-    assert comms.group_size("{}") is None
 
 
 def sm(f, mesh, in_specs, out_specs):

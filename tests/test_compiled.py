@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import compiled
+from jaxdist_lessons import comms, compiled
 
 
 def matmul_loss(x, w):
@@ -49,3 +49,35 @@ def test_donation_shows_up_as_aliased_bytes():
     assert (
         stats.peak_bytes < kept.peak_bytes
     )  # donation lets the output reuse the input's buffer
+
+
+def test_memory_row_and_donation():
+    step = lambda state, x: jax.tree.map(lambda s: s + x.sum(), state)
+    state, x = {"a": jnp.ones((64, 64)), "b": jnp.ones(64)}, jnp.ones(8)
+    kept = compiled.compiled_stats(jax.jit(step), state, x)
+    donated = compiled.compiled_stats(jax.jit(step, donate_argnums=0), state, x)
+    assert compiled.memory_row(kept)[3] == 0
+    assert compiled.memory_row(donated)[3] == comms.tree_bytes(state)
+    assert len(compiled.memory_row(kept)) == len(compiled.MEMORY_HEADERS)
+    report = compiled.memory_report(
+        {"kept": jax.jit(step).lower(state, x).compile()}, title="t"
+    )
+    assert (
+        report.headers == ["program", *compiled.MEMORY_HEADERS]
+        and report.rows[0][0] == "kept"
+    )
+    assert report.rows[0][1] == f"{kept.argument_bytes:,}"
+
+
+def test_live_bytes_count_the_temporaries_that_xla_cpu_peak_leaves_out():
+    x = jnp.ones((256, 256))
+    stats = compiled.compiled_stats(lambda x: jnp.sin(jnp.exp(x) @ jnp.cos(x)).sum(), x)
+    row = dict(zip(compiled.MEMORY_HEADERS, compiled.memory_row(stats)))
+    assert (
+        row["live"]
+        == row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
+    )
+    assert row["temporaries"] >= 2 * x.nbytes  # exp(x) and cos(x) at least, before the dot
+    if jax.default_backend() == "cpu":
+        # What compiled.CompiledStats.peak_bytes warns of: XLA:CPU's peak is the arguments and outputs.
+        assert row["XLA peak"] == row["arguments"] + row["outputs"] < row["live"]

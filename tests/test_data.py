@@ -181,7 +181,7 @@ def test_errors_name_the_fix(tmp_path):
     if N > 1:
         with pytest.raises(
             ValueError,
-            match=f"global batch {N + 1} must be a multiple of the {N} devices along 'data'",
+            match=f"global batch: a batch of {N + 1} does not split over the {N} devices of mesh axes 'data'",
         ):
             next(data.batches(digits("test"), N + 1, mesh))
     with pytest.raises(ValueError, match="global_batch must be a positive integer, got 0"):

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import comms, memory, plots, sharding
+from jaxdist_lessons import comms, costmodel, memory, plots, sharding
 from jaxdist_lessons import mesh as mesh_lib
 
 
@@ -171,3 +171,46 @@ def test_image_grid():
     plt.close(fig)
     with pytest.raises(ValueError, match="need images"):
         plots.image_grid(np.zeros((2, 8, 8)), [0, 1])
+
+
+def test_plot_has_a_time_and_a_memory_panel_per_model():
+    specs = [costmodel.MODELS["ViT-B/16"], costmodel.MODELS["GPT-2 (124M)"]]
+    fig = plots.cost_estimates(
+        costmodel.estimates(specs, costmodel.article_layouts(8), "A100 40GB"), "A100 40GB"
+    )
+    axes = fig.get_axes()
+    assert (
+        len(axes) == 4
+        and axes[0].get_title() == "ViT-B/16"
+        and axes[1].get_title() == "GPT-2 (124M)"
+    )
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == [
+        "(8,1)",
+        "(4,2)",
+        "(2,4)",
+        "(1,8)",
+        "FSDP 8",
+    ]
+
+
+def test_speedup_figure_has_a_solid_and_a_dashed_line_per_layout():
+    spec = costmodel.MODELS["ViT-B/16"]
+    others = [costmodel.Layout(data=4, model=2), costmodel.Layout(fsdp=8)]
+    fig = plots.cost_speedups(
+        [spec], costmodel.Layout(data=8), others, "A100 40GB", [8, 64, 512], claim=1.8
+    )
+    (ax,) = fig.get_axes()
+    curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 3]
+    assert [line.get_linestyle() for line in curves] == ["-", "--", "-", "--"]
+    assert list(curves[0].get_xdata()) == [1, 8, 64]  # images per device
+    expected = costmodel.speedups_over_batch(
+        spec, costmodel.Layout(data=8), others[0], "A100 40GB", [8, 64, 512]
+    )
+    assert list(curves[0].get_ydata()) == pytest.approx(expected)
+
+
+def test_schedule_figure_draws_one_box_per_busy_slot():
+    fig = plots.pipeline_schedule(4, 6)
+    (ax,) = fig.get_axes()
+    assert len(ax.patches) == 4 * 6 and "bubble 33%" in ax.get_title()
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"stage {s}" for s in range(4)]

@@ -173,3 +173,78 @@ def test_bytes_per_device_sums_a_whole_tree():
         "b": [jax.device_put(jnp.zeros(6, jnp.int8), NamedSharding(m, P()))],
     }
     assert sharding.bytes_per_device(tree) == {d.id: 2 * 4 * 4 + 6 for d in jax.devices()}
+
+
+# --- A batch over the devices ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auto():
+    return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def odd_batch():
+    # A batch every device count > 1 fails to divide: one example more than a multiple.
+    return np.ones((2 * N + 1, 3), np.float32)
+
+
+@pytest.mark.skipif(N == 1, reason="one device divides every batch")
+def test_check_batch_raises_before_jax_and_names_both_fixes(auto):
+    batch = {"images": odd_batch(), "labels": np.zeros(2 * N + 1, np.int32)}
+    with pytest.raises(
+        sharding.BatchError,
+        match=rf"images: a batch of {2 * N + 1} does not split over the {N} devices"
+        rf".*pad it to {3 * N} .* drop the remainder to {2 * N}",
+    ):
+        sharding.check_batch(batch, auto, P("data"))
+    padded, mask = sharding.pad_batch(batch, N)
+    sharding.check_batch(padded, auto, P("data"))
+    assert (
+        padded["images"].shape == (3 * N, 3) and mask.sum() == 2 * N + 1 and mask[-1] == 0
+    )
+    assert np.array_equal(padded["labels"][: 2 * N + 1], batch["labels"])
+    sharding.check_batch(sharding.drop_remainder(batch, N), auto, P("data"))
+    assert sharding.drop_remainder(batch, N)["labels"].shape == (2 * N,)
+
+
+def test_pad_and_drop_need_one_leading_size():
+    mismatched = {"images": np.ones((5, 3)), "labels": np.zeros(7, np.int32)}
+    for fix in (sharding.pad_batch, sharding.drop_remainder):
+        with pytest.raises(
+            sharding.BatchError,
+            match=r"must share their leading \(batch\) size, got "
+            r"\{'images': 5, 'labels': 7\}",
+        ):
+            fix(mismatched, 4)
+        with pytest.raises(sharding.BatchError, match="step is a scalar"):
+            fix({"images": np.ones((5, 3)), "step": np.int32(3)}, 4)
+        with pytest.raises(sharding.BatchError, match="no arrays"):
+            fix({}, 4)
+    assert sharding.batch_size({"images": np.ones((5, 3)), "labels": np.zeros(5)}) == 5
+
+
+def test_check_batch_names_the_other_spec_problems(auto):
+    good = np.ones((N, 3))
+    sharding.check_batch({"x": good}, auto, P("data"))
+    with pytest.raises(ShardingError, match="names axis 'model', which is not in the mesh"):
+        sharding.check_batch({"x": good}, auto, P("model"))
+    with pytest.raises(
+        ShardingError, match="x: spec .* has 3 entries but the array has rank 2"
+    ):
+        sharding.check_batch({"x": good}, auto, P("data", None, None))
+    with pytest.raises(sharding.BatchError, match="share their leading"):
+        sharding.check_batch({"x": good, "y": np.ones(N + 1)}, auto, P("data"))
+    with pytest.raises(sharding.BatchError, match="no arrays"):
+        sharding.check_batch({}, auto, P("data"))
+
+
+def test_one_check_for_the_input_pipeline_and_check_batch(auto):
+    assert sharding.check_batch_divides(4 * N, auto, "data", process_count=2) == N
+    with pytest.raises(
+        sharding.BatchError,
+        match=rf"a batch of {2 * N + 1} does not split over the {N} devices of mesh axes "
+        rf"'data' \(mesh \{{'data': {N}\}}\) and the 2 processes",
+    ):
+        sharding.check_batch_divides(2 * N + 1, auto, "data", process_count=2)
+    with pytest.raises(ShardingError, match="has no axis 'model' to shard the batch over"):
+        sharding.check_batch_divides(N, auto, "model")

@@ -17,8 +17,8 @@ Parameter paths (what sharding rules match against), for block ``i``::
 ``dtype=jnp.bfloat16`` with the default ``param_dtype=jnp.float32`` is mixed precision.
 
 ``logical_axes=True`` (default ``False``, which leaves the parameters plain arrays) creates every
-parameter through ``nn.with_logical_partitioning``, with these logical names for chapter 9's rules
-(``jaxdist_lessons.partitioning.RULES``)::
+parameter through ``axes.named``, with ``models/axes.py``'s logical names, which chapter 9's rules
+(``jaxdist_lessons.partitioning.RULES``) map to the mesh::
 
     embed/embedding ('vocab', 'embed'), position ('posn', 'embed')
     {query,key,value}/kernel ('embed', 'heads', 'kv'), bias ('heads', 'kv')
@@ -36,37 +36,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax.linen.linear import default_embed_init, default_kernel_init
+from flax.linen.linear import default_embed_init
 
-from jaxdist_lessons.models import attention
+from jaxdist_lessons.models import attention, axes
 
 Dtype = Any
-
-
-def _named(init: Callable, names: tuple[str | None, ...], logical_axes: bool) -> Callable:
-    """``init`` boxed with logical axis names when ``logical_axes`` is set, unchanged otherwise."""
-    return nn.with_logical_partitioning(init, names) if logical_axes else init
-
-
-def _dense_inits(
-    kernel_names: tuple[str | None, ...],
-    bias_names: tuple[str | None, ...],
-    logical_axes: bool,
-    kernel_init: Callable,
-) -> dict[str, Callable]:
-    """Keyword arguments naming a dense layer's kernel and bias (Flax's default bias initializer)."""
-    return {
-        "kernel_init": _named(kernel_init, kernel_names, logical_axes),
-        "bias_init": _named(nn.initializers.zeros_init(), bias_names, logical_axes),
-    }
-
-
-def _norm_inits(logical_axes: bool) -> dict[str, Callable]:
-    """Keyword arguments naming a LayerNorm's scale and bias ``('embed',)``."""
-    return {
-        "scale_init": _named(nn.initializers.ones_init(), ("embed",), logical_axes),
-        "bias_init": _named(nn.initializers.zeros_init(), ("embed",), logical_axes),
-    }
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,11 +60,8 @@ class CausalSelfAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
-            **_dense_inits(
-                ("embed", "heads", "kv"),
-                ("heads", "kv"),
-                self.logical_axes,
-                default_kernel_init,
+            **axes.dense_inits(
+                ("embed", "heads", "kv"), ("heads", "kv"), self.logical_axes
             ),
         )(x_BTH)
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
@@ -101,9 +72,7 @@ class CausalSelfAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="out",
-            **_dense_inits(
-                ("heads", "kv", "embed"), ("embed",), self.logical_axes, default_kernel_init
-            ),
+            **axes.dense_inits(("heads", "kv", "embed"), ("embed",), self.logical_axes),
         )(out_BTNK)
 
 
@@ -124,7 +93,7 @@ class MLP(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
-            **_dense_inits(*names[name], self.logical_axes, default_kernel_init),
+            **axes.dense_inits(*names[name], self.logical_axes),
         )
         return dense(hidden, "down")(nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTH)))
 
@@ -140,11 +109,8 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
-        norm = lambda name: nn.LayerNorm(
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-            **_norm_inits(self.logical_axes),
+        norm = lambda name: axes.layer_norm(
+            name, self.dtype, self.param_dtype, self.logical_axes
         )
         x_BTH = x_BTH + CausalSelfAttention(
             self.num_heads,
@@ -189,13 +155,15 @@ class Decoder(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="embed",
-            embedding_init=_named(
-                default_embed_init, ("vocab", "embed"), self.logical_axes
+            embedding_init=axes.named(
+                default_embed_init, "vocab", "embed", enabled=self.logical_axes
             ),
         )
         position_TH = self.param(
             "position",
-            _named(nn.initializers.normal(0.02), ("posn", "embed"), self.logical_axes),
+            axes.named(
+                nn.initializers.normal(0.02), "posn", "embed", enabled=self.logical_axes
+            ),
             (self.max_len, self.hidden),
             self.param_dtype,
         )
@@ -213,11 +181,8 @@ class Decoder(nn.Module):
                 logical_axes=self.logical_axes,
                 name=f"Block_{i}",
             )(x_BTH)
-        x_BTH = nn.LayerNorm(
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="ln_final",
-            **_norm_inits(self.logical_axes),
+        x_BTH = axes.layer_norm(
+            "ln_final", self.dtype, self.param_dtype, self.logical_axes
         )(x_BTH)
         return embed.attend(x_BTH).astype(jnp.float32)
 

@@ -1,15 +1,10 @@
 """A small Vision Transformer (ViT) whose parameters and activations carry logical axis names (chapter 9).
 
-Every parameter is created through ``nn.with_logical_partitioning``, so it carries names such as
-``('embed', 'mlp')`` rather than mesh axes; a set of rules (``jaxdist_lessons.partitioning.RULES``)
-maps those names to the mesh at run time. One model then runs under data parallelism, FSDP,
-tensor parallelism or a hybrid by swapping the rules, not by editing the model.
-
-Logical names used::
-
-    parameters:  embed (hidden), mlp (MLP hidden), heads, kv (per-head), patch (pixels of a
-                 patch), classes, posn (token positions)
-    activations: batch, seq, act_embed, act_mlp, act_heads
+Every parameter is created through ``axes.named``, so it carries logical names such as
+``('embed', 'mlp')`` (``models/axes.py``'s set, shared with ``transformer.Decoder``) rather than
+mesh axes; a set of rules (``jaxdist_lessons.partitioning.RULES``) maps those names to the mesh
+at run time. One model then runs under data parallelism, FSDP, tensor parallelism or a hybrid
+by swapping the rules, not by editing the model.
 
 Parameter paths, for block ``i``::
 
@@ -33,23 +28,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist_lessons.models import attention
+from jaxdist_lessons.models import attention, axes
 
 Dtype = Any
 
-lecun = nn.initializers.lecun_normal()
 zeros = nn.initializers.zeros_init()
-ones = nn.initializers.ones_init()
-
-
-def logical(init: Any, *names: str | None) -> Any:
-    """An initializer whose result is boxed with logical axis names (one per dimension)."""
-    return nn.with_logical_partitioning(init, names)
-
-
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """Ask for a layout of an activation by logical names; without rules in context it does nothing."""
-    return nn.with_logical_constraint(x, names)
 
 
 def patchify(images_BHWC: jax.Array, patch_size: int) -> jax.Array:
@@ -60,17 +43,6 @@ def patchify(images_BHWC: jax.Array, patch_size: int) -> jax.Array:
         raise ValueError(f"image size {(h, w)} is not divisible by patch_size={p}")
     x = images_BHWC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
     return x.reshape(b, (h // p) * (w // p), p * p * c)
-
-
-def layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
-    """A LayerNorm whose scale and bias are named ``embed``."""
-    return nn.LayerNorm(
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name=name,
-        scale_init=logical(ones, "embed"),
-        bias_init=logical(zeros, "embed"),
-    )
 
 
 class HeadsDense(nn.Module):
@@ -94,10 +66,13 @@ class HeadsDense(nn.Module):
             1.0, "fan_in", "truncated_normal", in_axis=inputs, out_axis=outputs
         )
         kernel = self.param(
-            "kernel", logical(init, *self.kernel_names), self.kernel_shape, self.param_dtype
+            "kernel",
+            axes.named(init, *self.kernel_names),
+            self.kernel_shape,
+            self.param_dtype,
         )
         bias = self.param(
-            "bias", logical(zeros, *self.bias_names), self.bias_shape, self.param_dtype
+            "bias", axes.named(zeros, *self.bias_names), self.bias_shape, self.param_dtype
         )
         return jnp.einsum(
             self.equation, x.astype(self.dtype), kernel.astype(self.dtype)
@@ -127,7 +102,7 @@ class Attention(nn.Module):
                 self.param_dtype,
                 name=name,
             )(x_BTD)
-            return constrain(y, "batch", "seq", "act_heads", None)
+            return axes.constrain(y, "batch", "seq", "act_heads", None)
 
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
         out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype)
@@ -141,7 +116,7 @@ class Attention(nn.Module):
             self.param_dtype,
             name="out",
         )(out_BTNK)
-        return constrain(out_BTD, "batch", "seq", "act_embed")
+        return axes.constrain(out_BTD, "batch", "seq", "act_embed")
 
 
 class MLP(nn.Module):
@@ -158,20 +133,18 @@ class MLP(nn.Module):
             self.mlp_dim,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=logical(lecun, "embed", "mlp"),
-            bias_init=logical(zeros, "mlp"),
+            **axes.dense_inits(("embed", "mlp"), ("mlp",)),
             name="up",
         )(x_BTD)
-        h_BTF = constrain(nn.gelu(h_BTF), "batch", "seq", "act_mlp")
+        h_BTF = axes.constrain(nn.gelu(h_BTF), "batch", "seq", "act_mlp")
         out_BTD = nn.Dense(
             hidden,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=logical(lecun, "mlp", "embed"),
-            bias_init=logical(zeros, "embed"),
+            **axes.dense_inits(("mlp", "embed"), ("embed",)),
             name="down",
         )(h_BTF)
-        return constrain(out_BTD, "batch", "seq", "act_embed")
+        return axes.constrain(out_BTD, "batch", "seq", "act_embed")
 
 
 class Block(nn.Module):
@@ -184,7 +157,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        norm = lambda name: layer_norm(name, self.dtype, self.param_dtype)
+        norm = lambda name: axes.layer_norm(name, self.dtype, self.param_dtype)
         x_BTD = x_BTD + Attention(
             self.num_heads, self.dtype, self.param_dtype, name="attention"
         )(norm("ln_attention")(x_BTD))
@@ -212,26 +185,25 @@ class ViT(nn.Module):
             self.hidden,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=logical(lecun, "patch", "embed"),
-            bias_init=logical(zeros, "embed"),
+            **axes.dense_inits(("patch", "embed"), ("embed",)),
             name="patch_embed",
         )(patches_BTP)
         batch, tokens = x_BTD.shape[0], x_BTD.shape[1] + 1
         cls = self.param(
             "cls",
-            logical(zeros, None, None, "embed"),
+            axes.named(zeros, None, None, "embed"),
             (1, 1, self.hidden),
             self.param_dtype,
         )
         position = self.param(
             "position",
-            logical(nn.initializers.normal(0.02), None, "posn", "embed"),
+            axes.named(nn.initializers.normal(0.02), None, "posn", "embed"),
             (1, tokens, self.hidden),
             self.param_dtype,
         )
         cls_B1D = jnp.broadcast_to(cls.astype(self.dtype), (batch, 1, self.hidden))
         x_BTD = jnp.concatenate([cls_B1D, x_BTD], axis=1) + position.astype(self.dtype)
-        x_BTD = constrain(x_BTD, "batch", "seq", "act_embed")
+        x_BTD = axes.constrain(x_BTD, "batch", "seq", "act_embed")
         for i in range(self.num_layers):
             x_BTD = Block(
                 self.num_heads,
@@ -240,13 +212,12 @@ class ViT(nn.Module):
                 self.param_dtype,
                 name=f"Block_{i}",
             )(x_BTD)
-        x_BD = layer_norm("ln_final", self.dtype, self.param_dtype)(x_BTD)[:, 0]
+        x_BD = axes.layer_norm("ln_final", self.dtype, self.param_dtype)(x_BTD)[:, 0]
         logits_BC = nn.Dense(
             self.num_classes,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=logical(lecun, "embed", "classes"),
-            bias_init=logical(zeros, "classes"),
+            **axes.dense_inits(("embed", "classes"), ("classes",)),
             name="head",
         )(x_BD)
         return logits_BC.astype(jnp.float32)

@@ -1,7 +1,7 @@
 """Every error chapter 7 catalogues, reproduced: the message JAX raises today, and explain() recognising it.
 
 If a JAX upgrade rewords one of these messages, a test here fails, and we update the chapter
-(and ``troubleshoot.KNOWN_ERRORS``) before a reader meets the new text.
+(and ``errors.KNOWN_ERRORS``) before a reader meets the new text.
 """
 
 import re
@@ -14,9 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, devices, memory, zero
-from jaxdist_lessons import troubleshoot as T
-from jaxdist_lessons.sharding import ShardingError
+from jaxdist_lessons import devices, errors
 
 N = jax.device_count()
 
@@ -43,7 +41,7 @@ def raised(fn, *args, **kwargs) -> BaseException:
 
 
 def assert_explained(exc, title):
-    explanation = T.explain(exc)
+    explanation = errors.explain(exc)
     assert explanation.known, f"explain() did not recognise {type(exc).__name__}: {exc}"
     assert explanation.title == title
     return explanation
@@ -334,187 +332,23 @@ def test_explain_knows_the_gpu_wording_of_out_of_memory(message, size):
 
 
 def test_explain_says_plainly_when_it_does_not_know():
-    explanation = T.explain(KeyError("something else"))
+    explanation = errors.explain(KeyError("something else"))
     assert not explanation.known and explanation.title == "unknown KeyError"
     assert "explain() has no entry for this error" in explanation.cause
     with pytest.raises(TypeError, match="takes an exception"):
-        T.explain("a message")
+        errors.explain("a message")
 
 
-# --- Pre-flight checks -------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(N == 1, reason="one device divides every batch")
-def test_check_batch_raises_before_jax_and_names_both_fixes(auto):
-    batch = {"images": odd_batch(), "labels": np.zeros(2 * N + 1, np.int32)}
-    with pytest.raises(
-        T.BatchError,
-        match=rf"images: a batch of {2 * N + 1} does not split over the {N} devices"
-        rf".*pad it to {3 * N} .* drop the remainder to {2 * N}",
-    ):
-        T.check_batch(batch, auto, P("data"))
-    padded, mask = T.pad_batch(batch, N)
-    T.check_batch(padded, auto, P("data"))
-    assert (
-        padded["images"].shape == (3 * N, 3) and mask.sum() == 2 * N + 1 and mask[-1] == 0
+def test_explain_calls_tabulates_what_each_call_raises():
+    table = errors.explain_calls(
+        {
+            "missing axis": lambda: NamedSharding(
+                jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), P("model")
+            ),
+            "a key": lambda: {}["x"],
+        }
     )
-    assert np.array_equal(padded["labels"][: 2 * N + 1], batch["labels"])
-    T.check_batch(T.drop_remainder(batch, N), auto, P("data"))
-    assert T.drop_remainder(batch, N)["labels"].shape == (2 * N,)
-
-
-def test_pad_and_drop_need_one_leading_size():
-    mismatched = {"images": np.ones((5, 3)), "labels": np.zeros(7, np.int32)}
-    for fix in (T.pad_batch, T.drop_remainder):
-        with pytest.raises(
-            T.BatchError,
-            match=r"must share their leading \(batch\) size, got "
-            r"\{'images': 5, 'labels': 7\}",
-        ):
-            fix(mismatched, 4)
-        with pytest.raises(T.BatchError, match="step is a scalar"):
-            fix({"images": np.ones((5, 3)), "step": np.int32(3)}, 4)
-        with pytest.raises(T.BatchError, match="no arrays"):
-            fix({}, 4)
-    assert T.batch_size({"images": np.ones((5, 3)), "labels": np.zeros(5)}) == 5
-
-
-def test_check_batch_names_the_other_spec_problems(auto):
-    good = np.ones((N, 3))
-    T.check_batch({"x": good}, auto, P("data"))
-    with pytest.raises(ShardingError, match="names axis 'model', which is not in the mesh"):
-        T.check_batch({"x": good}, auto, P("model"))
-    with pytest.raises(
-        ShardingError, match="x: spec .* has 3 entries but the array has rank 2"
-    ):
-        T.check_batch({"x": good}, auto, P("data", None, None))
-    with pytest.raises(T.BatchError, match="share their leading"):
-        T.check_batch({"x": good, "y": np.ones(N + 1)}, auto, P("data"))
-    with pytest.raises(T.BatchError, match="no arrays"):
-        T.check_batch({}, auto, P("data"))
-
-
-def test_fits_uses_chapter_1_arithmetic():
-    gpt3 = memory.transformer_params(
-        **{k: v for k, v in memory.GPT3_175B.items() if k != "heads"}
-    )
-    one = T.fits(gpt3, 1, "H100 80GB")
-    assert one.needed == 16 * gpt3 and not one.ok
-    sharded = T.fits(gpt3, 64, "H100 80GB", strategy="fsdp")
-    assert sharded.needed == pytest.approx(16 * gpt3 / 64) and sharded.ok
-    assert sharded.check() is sharded
-    with pytest.raises(
-        T.OutOfMemoryError, match="does NOT fit in 80.0 GB.*Largest parts: optimizer"
-    ):
-        one.check()
-    assert (
-        T.fits(1e9, 8, 40e9, strategy="data", activation_bytes=8e9).parts["activations"]
-        == 1e9
-    )
-    with pytest.raises(ValueError, match="reports no memory limit"):
-        T.fits(1e6, 1, jax.devices()[0])
-    with pytest.raises(ValueError, match="positive integer"):
-        T.fits(1e6, 0, 1e9)
-
-
-def test_compiled_fits_reads_the_compilers_figures(auto):
-    stats = T.step_memory(T.Lever(per_device_batch=64), auto)
-    fit = T.compiled_fits(stats, 1e9)
-    assert fit.needed == stats.live_bytes and fit.ok
-    assert not T.compiled_fits(stats, stats.live_bytes - 1).ok
-
-
-# --- The compile counter ---------------------------------------------------------------------
-
-
-def test_count_compiles_sees_a_recompile_per_new_shape():
-    @jax.jit
-    def step(x):
-        return (x * 2).sum()
-
-    with T.count_compiles(step) as counter:
-        for size in (8, 8, 7, 6, 8):
-            step(jnp.ones((size, 3)))
-    assert (counter.traces, counter.compiles) == (3, 3)
-    assert step._cache_size() == 3  # jax's own count agrees
-    with T.count_compiles(step) as counter:
-        step(jnp.ones((8, 3)))
-    assert counter.compiles == 0
-    limit_error = pytest.raises(
-        T.RecompileError, match="step compiled 2 times \\(limit 1\\)"
-    )
-    with limit_error as info, T.count_compiles(step, limit=1):
-        step(jnp.ones((5, 3)))
-        step(jnp.ones((4, 3)))
-    assert_explained(info.value, "recompiled on every step")
-    # the listener is gone once the block ends: later compilations are not counted
-    step(jnp.ones((3, 3)))
-    assert counter.compiles == 0
-
-
-# --- Out-of-memory levers ---------------------------------------------------------------------
-
-
-def test_each_lever_lowers_what_it_should(auto):
-    base = T.step_memory(T.Lever(), auto)
-    half = T.step_memory(T.Lever(per_device_batch=512), auto)
-    remat = T.step_memory(T.Lever(remat=True), auto)
-    donated = T.step_memory(T.Lever(donate=True), auto)
-    bf16 = T.step_memory(T.Lever(dtype="bfloat16"), auto)
-    assert half.temp_bytes < base.temp_bytes and remat.temp_bytes < base.temp_bytes
-    assert (
-        donated.alias_bytes >= base.output_bytes - 1024
-        and donated.live_bytes < base.live_bytes
-    )
-    # bf16 halves the state (XLA:CPU still computes bf16 matmuls in f32, so not the temporaries)
-    assert bf16.output_bytes == pytest.approx(base.output_bytes / 2, rel=1e-3)
-    if N > 1:
-        lever = T.Lever(shard_state=True)
-        sharded = T.step_memory(lever, auto)
-        # the state (params and Adam's moments) is what the step outputs; only what zero.fsdp_spec cannot
-        # split (Adam's step count, and the 10-way head's bias unless N divides 10) stays whole
-        assert base.output_bytes / N < sharded.output_bytes < base.output_bytes / N * 1.01
-        # the arguments are the state and this device's slice of the batch: the state is what zero's theory says
-        batch_bytes = comms.tree_bytes(T.lever_batch(lever, auto)) // N
-        assert sharded.argument_bytes - batch_bytes == zero.expected_state_bytes(
-            "fsdp", *T.lever_state(lever), N
-        )
-        assert base.argument_bytes - batch_bytes == comms.tree_bytes(
-            T.lever_state(T.Lever())
-        )
-
-
-def test_custom_prng_changes_the_key_type_not_the_memory(auto):
-    shape = (16 * N, 256)
-    plain, plain_type = T.random_init_memory(shape, auto, P("data"))
-    with jax.enable_custom_prng(True):
-        custom, custom_type = T.random_init_memory(shape, auto, P("data"))
-    assert (plain_type, custom_type) == ("uint32[2]", "key<fry>[]")
-    assert plain == custom
-
-
-@pytest.mark.skipif(N < 4, reason="compares meshes of 2 and 4 devices")
-def test_threefry_partitionable_keeps_temporaries_flat_as_devices_grow():
-    temps = {}
-    for k in (2, 4):
-        submesh = jax.make_mesh(
-            (k,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:k]
-        )
-        on, _ = T.random_init_memory((16 * k, 256), submesh, P("data"))
-        with jax.threefry_partitionable(False):
-            off, _ = T.random_init_memory((16 * k, 256), submesh, P("data"))
-        temps[k] = on.temp_bytes, off.temp_bytes
-    assert temps[2][0] == temps[4][0]  # partitionable: depends on the shard only
-    assert temps[4][1] > temps[2][1] and temps[4][1] > temps[4][0]
-    assert (
-        temps[2][1] < temps[2][0]
-    )  # on two devices the old scheme needs fewer temporaries
-    assert jax.config.jax_threefry_partitionable  # the context manager restored the default
-
-
-def test_threefry_partitionable_changes_the_numbers():
-    draw = jax.jit(lambda key: jax.random.normal(key, (4 * N, 4)))
-    new = draw(jax.random.key(0))
-    with jax.threefry_partitionable(False):
-        old = draw(jax.random.key(0))
-    assert not np.array_equal(new, old)
+    assert table.rows == [
+        ["missing axis", "ValueError", "spec names an axis the mesh does not have"],
+        ["a key", "KeyError", "unknown KeyError"],
+    ]

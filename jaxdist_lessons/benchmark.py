@@ -1,0 +1,238 @@
+"""Measuring speed: wall-clock time per call, flops utilisation, and the strategy benchmark (chapter 6).
+
+- ``time_per_call``: median wall-clock seconds per call, for benchmarks only (never in tests);
+- ``mfu``: flops utilisation against a chip's peak (``hardware.peak_flops``);
+- ``strategy_table``: one table per strategy of ``zero`` for a ``Workload``: collective bytes
+  measured against expected, memory per device, step time and throughput. ``benchmarks/``
+  prints them on real hardware; chapter 6 shows them on simulated devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import comms, compiled, sharding, zero
+from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.gradients import MLP, loss_fn
+from jaxdist_lessons.models import transformer
+from jaxdist_lessons.tables import Table
+
+
+def time_per_call(call: Callable[[], Any], calls: int = 10, warmup: int = 2) -> float:
+    """Median wall-clock seconds of ``call()`` (its result blocked on), after ``warmup`` untimed calls."""
+    positive_int("calls", calls)
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def mfu(flops_per_device: float, seconds: float, peak_flops_per_device: float) -> float:
+    """Flops utilisation: ``flops_per_device`` done in ``seconds``, over what the device could do in that time.
+
+    It is *model* flops utilisation only if ``flops_per_device`` counts the model's flops. XLA's
+    ``cost_analysis()`` counts the program's, recomputation under remat included: with it, this is
+    hardware flops utilisation, which remat inflates.
+    """
+    if seconds <= 0 or peak_flops_per_device <= 0:
+        raise ValueError(
+            f"seconds and peak flops must be positive, got {seconds!r} and {peak_flops_per_device!r}"
+        )
+    return flops_per_device / (seconds * peak_flops_per_device)
+
+
+# --- Workloads and the strategy benchmark ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model to benchmark: its loss, parameters, one global batch, and what one batch counts (items of ``unit``).
+
+    ``model`` is the Flax module, so that shapes can be read from it rather than repeated.
+    """
+
+    name: str
+    loss_fn: Callable[[Any, Any], jax.Array]
+    params: Any
+    batch: Any
+    items: int
+    unit: str
+    model: Any = None
+
+
+def mlp_workload(
+    num_devices: int,
+    width: int = 256,
+    depth: int = 3,
+    per_device_batch: int = 32,
+    in_features: int = 64,
+    classes: int = 10,
+) -> Workload:
+    """An MLP classifier on random inputs; its last bias (``classes`` values) rarely divides over the devices."""
+    model = MLP(features=(*[width] * depth, classes))
+    batch_size = per_device_batch * num_devices
+    images = jax.random.normal(jax.random.key(1), (batch_size, 1, 1, in_features))
+    labels = jax.random.randint(jax.random.key(2), (batch_size,), 0, classes)
+    params = jax.jit(model.init)(jax.random.key(0), images[:1])["params"]
+    return Workload(
+        "MLP",
+        lambda p, b: loss_fn(model, p, {}, b)[0],
+        params,
+        (images, labels),
+        batch_size,
+        "images",
+        model,
+    )
+
+
+def transformer_workload(
+    num_devices: int,
+    num_layers: int = 2,
+    hidden: int = 64,
+    num_heads: int = 4,
+    vocab_size: int = 256,
+    seq_len: int = 64,
+    per_device_batch: int = 4,
+) -> Workload:
+    """A small decoder on random tokens; ``items`` counts the tokens predicted per step."""
+    model = transformer.Decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        max_len=seq_len,
+    )
+    tokens = transformer.random_tokens(
+        jax.random.key(1), per_device_batch * num_devices, seq_len + 1, vocab_size
+    )
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:1, :-1])["params"]
+    return Workload(
+        "Transformer",
+        lambda p, b: transformer.next_token_loss(model, p, b),
+        params,
+        tokens,
+        tokens.shape[0] * seq_len,
+        "tokens",
+        model,
+    )
+
+
+def strategy_table(
+    strategy: str,
+    work: Workload,
+    mesh: Mesh,
+    tx: optax.GradientTransformation | None = None,
+    calls: int = 5,
+    axis: str = "data",
+) -> Table:
+    """One table for one strategy: collective bytes measured and expected, memory per device, step time, throughput."""
+    tx = optax.adam(1e-3) if tx is None else tx
+    step = zero.make_step(
+        strategy,
+        work.loss_fn,
+        tx,
+        mesh,
+        work.params,
+        jax.eval_shape(tx.init, work.params),
+        axis=axis,
+    )
+    params, opt_state = zero.place(strategy, work.params, tx.init(work.params), mesh, axis)
+    batch = jax.device_put(work.batch, NamedSharding(mesh, P(axis)))
+    program = step.lower(params, opt_state, batch).compile()
+    return compiled_strategy_table(
+        strategy, work, program, (params, opt_state), batch, mesh.shape[axis], calls
+    )
+
+
+def compiled_strategy_table(
+    strategy: str,
+    work: Workload,
+    program: jax.stages.Compiled,
+    state: tuple[Any, Any],
+    batch: Any,
+    num_devices: int,
+    calls: int = 5,
+) -> Table:
+    """``strategy_table`` for a step already compiled by ``zero.make_step``; it donates (so consumes) ``state``."""
+    n = num_devices
+    measured = comms.bytes_by_kind(program.as_text())
+    expected = zero.expected_collectives(strategy, work.params, n)
+    rows = [
+        [
+            f"{kind} bytes",
+            measured.get(kind, 0),
+            expected.get(kind, 0),
+            "yes" if measured.get(kind, 0) == expected.get(kind, 0) else "NO",
+        ]
+        for kind in sorted(set(measured) | set(expected))
+    ]
+    held = max(sharding.bytes_per_device(state).values())
+    expected_held = zero.expected_state_bytes(strategy, work.params, state[1], n)
+    rows.append(
+        [
+            "params + optimizer state per device",
+            held,
+            expected_held,
+            "yes" if held == expected_held else "NO",
+        ]
+    )
+    stats = compiled.stats(program)
+    rows += [
+        ["temporaries per device", stats.temp_bytes, "", ""],
+        [
+            "live bytes per device (args + outputs + temps - aliased)",
+            stats.live_bytes,
+            "",
+            "",
+        ],
+        [
+            "ring bytes sent per device",
+            "",
+            zero.ring_bytes_sent(strategy, work.params, n),
+            "",
+        ],
+    ]
+    current = list(state)
+
+    def call():
+        current[0], current[1], loss = program(current[0], current[1], batch)
+        return loss
+
+    seconds = time_per_call(call, calls=calls)
+    rows += [
+        ["step time (ms)", seconds * 1e3, "", ""],
+        [f"{work.unit} per second", work.items / seconds, "", ""],
+    ]
+    return Table(
+        ["", "measured", "expected", "equal"],
+        rows,
+        title=f"{work.name}, {strategy}, {n} {jax.devices()[0].platform.upper()} devices",
+    )
+
+
+def environment() -> str:
+    """One line naming the machine, the versions and the date, to print beside a benchmark table."""
+    device = jax.devices()[0]
+    return (
+        f"{len(jax.devices())} x {device.device_kind} ({device.platform}); host {platform.machine()} "
+        f"{platform.processor() or platform.system()}; python {platform.python_version()}, jax {jax.__version__}, "
+        f"flax {flax.__version__}, optax {optax.__version__}, numpy {np.__version__}; "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    )

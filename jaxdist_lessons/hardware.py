@@ -1,0 +1,279 @@
+"""The accelerators the book reasons about: one record per chip, every fact with its source.
+
+Chapter 1 divides a model's memory by a chip's; chapter 6 turns flops into utilisation with its
+peak; chapter 9's cost model prices communication with its interconnect. They all read this one
+table. Each fact names the page it comes from, and quotes the page's own words and unit:
+NVIDIA writes memory in GB (10^9 bytes), Google writes TPU v4 and v5p memory in GiB (2^30 bytes)
+and v5e memory in GB, so ``memory_bytes`` follows the unit each vendor uses.
+
+A chip is found by its name here (``'H100 80GB'``) or by the ``device_kind`` string JAX reports
+(``jax.devices()[0].device_kind``), matched exactly: a near miss (an H100 NVL, a ``'TPU v4 lite'``)
+is not given a neighbour's figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 10**9
+GiB = 2**30
+_UNITS = {"GB": GB, "GiB": GiB}
+
+_A100 = "https://www.nvidia.com/en-us/data-center/a100/"
+_H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
+_TPU_V4 = "https://cloud.google.com/tpu/docs/v4"
+_TPU_V5E = "https://cloud.google.com/tpu/docs/v5e"
+_TPU_V5P = "https://cloud.google.com/tpu/docs/v5p"
+_CUDA_NAME = (
+    "https://docs.nvidia.com/cuda/cuda-runtime-api/structcudaDeviceProp.html: the CUDA "
+    "device name (cudaDeviceProp.name), which JAX reports as device_kind"
+)
+_TPU_KINDS = (
+    "https://github.com/jax-ml/jax/blob/main/jax/_src/pallas/mosaic/tpu_info.py: "
+    "chip_version_from_device_kind, JAX's map from device_kind to TPU generation"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator: memory, dense peaks, bandwidths and the ``device_kind`` strings JAX reports.
+
+    ``memory`` is in ``memory_unit`` as the vendor states it; bandwidths are bytes per second;
+    ``link_bytes_per_s`` is what one chip can send to its peers at once, one way (``None`` where
+    the vendor gives no chip-to-chip figure). ``sources`` maps each field to its page.
+    """
+
+    name: str
+    device_kinds: tuple[str, ...]
+    memory: float
+    memory_unit: str
+    peak_bf16_flops: float
+    peak_fp32_flops: float | None
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float | None
+    link: str
+    sources: dict[str, str]
+
+    @property
+    def memory_bytes(self) -> float:
+        """The memory in bytes, from the vendor's figure and unit."""
+        return self.memory * _UNITS[self.memory_unit]
+
+    @property
+    def memory_label(self) -> str:
+        """The memory as the vendor writes it, such as ``'95 GiB'``."""
+        return f"{self.memory:g} {self.memory_unit}"
+
+
+def _chip(
+    name: str,
+    kinds: tuple[str, ...],
+    page: str,
+    memory: tuple[float, str],
+    tflops: tuple[float, float | None],
+    hbm_gb_s: float,
+    link: tuple[str, float | None],
+    words: dict[str, str],
+) -> Chip:
+    """A chip from its vendor's page: ``memory`` as (figure, unit), ``tflops`` as (bf16, fp32),
+    ``link`` as (name, GB/s over both directions, of which half goes each way)."""
+    link_name, both_ways = link
+    kinds_source = _TPU_KINDS if name.startswith("TPU") else _CUDA_NAME
+    return Chip(
+        name,
+        kinds,
+        *memory,
+        tflops[0] * 1e12,
+        None if tflops[1] is None else tflops[1] * 1e12,
+        hbm_gb_s * 1e9,
+        None if both_ways is None else both_ways / 2 * 1e9,
+        f"{link_name} ({both_ways:g} GB/s bidirectional)" if both_ways else link_name,
+        {
+            **{f: f"{page}: {text}" for f, text in words.items()},
+            "device_kinds": kinds_source,
+        },
+    )
+
+
+_A100_WORDS = {
+    "peak_bf16_flops": "BF16 Tensor Core 312 TFLOPS (624 with sparsity)",
+    "peak_fp32_flops": "FP32 19.5 TFLOPS",
+}
+_H100_WORDS = {"peak_fp32_flops": "FP32 67 teraFLOPS (H100 SXM), 51 (H100 PCIe)"}
+
+CHIPS: dict[str, Chip] = {
+    chip.name: chip
+    for chip in [
+        _chip(
+            "A100 40GB",
+            ("NVIDIA A100-SXM4-40GB",),
+            _A100,
+            (40, "GB"),
+            (312, 19.5),
+            1555,
+            ("NVLink", 600),
+            {
+                **_A100_WORDS,
+                "memory": "A100 40GB, GPU memory 40GB HBM2",
+                "hbm_bytes_per_s": "GPU memory bandwidth 1,555GB/s",
+                "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
+            },
+        ),
+        _chip(
+            "A100 40GB PCIe",
+            ("NVIDIA A100-PCIE-40GB",),
+            _A100,
+            (40, "GB"),
+            (312, 19.5),
+            1555,
+            ("PCIe", None),
+            {
+                **_A100_WORDS,
+                "memory": "A100 40GB PCIe, GPU memory 40GB HBM2",
+                "hbm_bytes_per_s": "GPU memory bandwidth 1,555GB/s",
+            },
+        ),
+        _chip(
+            "A100 80GB",
+            ("NVIDIA A100-SXM4-80GB",),
+            _A100,
+            (80, "GB"),
+            (312, 19.5),
+            2039,
+            ("NVLink", 600),
+            {
+                **_A100_WORDS,
+                "memory": "A100 80GB SXM, GPU memory 80GB HBM2e",
+                "hbm_bytes_per_s": "GPU memory bandwidth 2,039GB/s",
+                "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
+            },
+        ),
+        _chip(
+            "A100 80GB PCIe",
+            ("NVIDIA A100 80GB PCIe",),
+            _A100,
+            (80, "GB"),
+            (312, 19.5),
+            1935,
+            ("PCIe", None),
+            {
+                **_A100_WORDS,
+                "memory": "A100 80GB PCIe, GPU memory 80GB HBM2e",
+                "hbm_bytes_per_s": "GPU memory bandwidth 1,935GB/s",
+            },
+        ),
+        _chip(
+            "H100 80GB",
+            ("NVIDIA H100 80GB HBM3",),
+            _H100,
+            (80, "GB"),
+            (989, 67),
+            3350,
+            ("NVLink", 900),
+            {
+                **_H100_WORDS,
+                "memory": "H100 SXM, GPU memory 80GB",
+                "peak_bf16_flops": "H100 SXM, BF16 Tensor Core 1,979 teraFLOPS with sparsity, so 989 dense",
+                "hbm_bytes_per_s": "H100 SXM, GPU memory bandwidth 3.35TB/s",
+                "link_bytes_per_s": "H100 SXM, NVIDIA NVLink 900GB/s",
+            },
+        ),
+        _chip(
+            "H100 PCIe",
+            ("NVIDIA H100 PCIe",),
+            _H100,
+            (80, "GB"),
+            (756, 51),
+            2000,
+            ("PCIe", None),
+            {
+                **_H100_WORDS,
+                "memory": "H100 PCIe, GPU memory 80GB",
+                "peak_bf16_flops": "H100 PCIe, BF16 Tensor Core 1,513 teraFLOPS with sparsity, so 756 dense",
+                "hbm_bytes_per_s": "H100 PCIe, GPU memory bandwidth 2TB/s",
+            },
+        ),
+        _chip(
+            # An H200 NVL, with a lower peak, may report the same name: pass its own figures.
+            "H200 141GB",
+            ("NVIDIA H200",),
+            _H200,
+            (141, "GB"),
+            (989, 67),
+            4800,
+            ("NVLink", 900),
+            {
+                "memory": "H200 SXM, GPU memory 141GB",
+                "peak_bf16_flops": "H200 SXM, BF16 Tensor Core 1,979 TFLOPS with sparsity, so 989 dense",
+                "peak_fp32_flops": "H200 SXM, FP32 67 TFLOPS",
+                "hbm_bytes_per_s": "H200 SXM, GPU memory bandwidth 4.8TB/s",
+                "link_bytes_per_s": "H200 SXM, NVIDIA NVLink 900GB/s",
+            },
+        ),
+        _chip(
+            "TPU v4",
+            ("TPU v4",),
+            _TPU_V4,
+            (32, "GiB"),
+            (275, None),
+            1200,
+            ("ICI", None),
+            {
+                "memory": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
+                "peak_bf16_flops": "Peak compute per chip: 275 teraflops (bf16 or int8)",
+                "hbm_bytes_per_s": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
+            },
+        ),
+        _chip(
+            "TPU v5e",
+            ("TPU v5 lite", "TPU v5e"),
+            _TPU_V5E,
+            (16, "GB"),
+            (197, None),
+            819,
+            ("ICI", 400),
+            {
+                "memory": "HBM2 capacity and bandwidth: 16 GB, 819 GBps",
+                "peak_bf16_flops": "Peak compute per chip (bf16): 197 TFLOPs",
+                "hbm_bytes_per_s": "HBM2 capacity and bandwidth: 16 GB, 819 GBps",
+                "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 400 GBps",
+            },
+        ),
+        _chip(
+            "TPU v5p",
+            ("TPU v5", "TPU v5p"),
+            _TPU_V5P,
+            (95, "GiB"),
+            (459, None),
+            2765,
+            ("ICI", 1200),
+            {
+                "memory": "HBM capacity per chip (GiB): 95",
+                "peak_bf16_flops": "Peak compute per chip (BF16) (TFLOPs): 459",
+                "hbm_bytes_per_s": "HBM bandwidth per chip (GBps): 2765",
+                "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth per chip (GBps): 1200",
+            },
+        ),
+    ]
+}
+
+
+def chip(name: str) -> Chip:
+    """The chip called ``name``; ``ValueError`` listing the known names otherwise."""
+    if name not in CHIPS:
+        raise ValueError(
+            f"unknown accelerator {name!r}; allowed: {', '.join(sorted(CHIPS))}"
+        )
+    return CHIPS[name]
+
+
+def chip_for_kind(device_kind: str) -> Chip | None:
+    """The chip whose ``device_kind`` (``jax.devices()[0].device_kind``) is exactly this; ``None`` if none."""
+    return next((c for c in CHIPS.values() if device_kind in c.device_kinds), None)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The dense bf16 peak of a device kind, matched exactly; ``None`` for an unknown kind (a CPU)."""
+    found = chip_for_kind(device_kind)
+    return None if found is None else found.peak_bf16_flops

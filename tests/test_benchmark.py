@@ -1,0 +1,43 @@
+"""benchmark: timing, flops utilisation, and the strategy table (whose bytes agree with theory)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdist_lessons import benchmark, zero
+from jaxdist_lessons.mesh import make_mesh
+
+N = jax.device_count()
+
+
+def test_mfu():
+    assert benchmark.mfu(5e12, 0.01, 1e15) == pytest.approx(0.5)
+    assert benchmark.mfu(1e12, 2.0, 1e12) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="must be positive"):
+        benchmark.mfu(1.0, 0.0, 1e12)
+
+
+def test_time_per_call_runs_the_call():
+    calls = []
+    seconds = benchmark.time_per_call(
+        lambda: calls.append(1) or jnp.ones(1), calls=3, warmup=1
+    )
+    assert len(calls) == 4 and seconds >= 0
+    with pytest.raises(ValueError, match="calls must be a positive integer"):
+        benchmark.time_per_call(lambda: None, calls=0)
+
+
+def test_benchmark_table_agrees_with_theory():
+    work = benchmark.mlp_workload(N, width=64, depth=1, per_device_batch=4)
+    table = benchmark.strategy_table("fsdp", work, make_mesh((N,), ("data",)), calls=1)
+    equal = {row[0]: row[3] for row in table.rows if row[3]}
+    assert equal and set(equal.values()) == {"yes"}
+    assert zero.expected_collectives("fsdp", work.params, N).keys() <= {
+        k.removesuffix(" bytes") for k in equal
+    }
+    assert "images per second" in str(table)
+
+
+def test_environment_names_versions():
+    line = benchmark.environment()
+    assert f"jax {jax.__version__}" in line and "UTC" in line
