@@ -53,9 +53,13 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     subprocess.run([*pip, source, *keep], check=True)
 """
 
-TAGS = ("hide-cell",)  # in the HTML book the cell is folded away; on Colab it runs like any other
+TAGS = (
+    "hide-cell",
+)  # in the HTML book the cell is folded away; on Colab it runs like any other
 
-_FIRST_CELL = re.compile(r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S)
+_FIRST_CELL = re.compile(
+    r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S
+)
 
 
 def cell_markdown() -> str:
@@ -83,7 +87,9 @@ def with_install_cell(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write the install cell into each chapter given (default: ``book/*.md``)."""
-    parser = argparse.ArgumentParser(prog="python -m jaxdist_lessons.colab", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdist_lessons.colab", description=__doc__
+    )
     parser.add_argument("chapters", nargs="*", type=pathlib.Path)
     args = parser.parse_args(argv)
     chapters = args.chapters or sorted(pathlib.Path("book").glob("*.md"))

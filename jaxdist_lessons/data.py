@@ -154,7 +154,9 @@ def eval_split(name: str, data_dir: str | None = None) -> str:
     """
     if name == DIGITS:
         digits_source("train", data_dir)  # built on first use
-        builder = JaxdistDigits(data_dir=data_dir or DEFAULT_DATA_DIR, file_format="array_record")
+        builder = JaxdistDigits(
+            data_dir=data_dir or DEFAULT_DATA_DIR, file_format="array_record"
+        )
     else:
         try:
             builder = tfds.builder(name, data_dir=data_dir)
@@ -379,7 +381,12 @@ def _check_batch(global_batch: int, mesh: Mesh, data_axis: str, process_count: i
 
 
 def split_rows(
-    batch: Any, pieces: int, *, strided: bool = False, devices: int = 1, what: str = "pieces"
+    batch: Any,
+    pieces: int,
+    *,
+    strided: bool = False,
+    devices: int = 1,
+    what: str = "pieces",
 ) -> Any:
     """Every leaf ``(B, ...)`` as ``(pieces, B // pieces, ...)``: piece ``i`` holds a block of rows, or rows ``i, i + pieces, ...``.
 
