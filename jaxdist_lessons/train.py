@@ -328,9 +328,21 @@ def save_checkpoint(path: str, state: TrainState) -> None:
 
 
 def with_shardings(like: Any, shardings: Any) -> Any:
-    """``jax.ShapeDtypeStruct``s shaped like ``like``'s leaves and placed by ``shardings``: a state that is never built."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), like, shardings
+    """``jax.ShapeDtypeStruct``s shaped like ``like``'s leaves and placed by ``shardings``: a state that is never built.
+
+    Leaf by leaf, in order: ``shardings`` may come from a state built with another model or
+    optimizer object of the same structure.
+    """
+    placements = jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    leaves, structure = jax.tree.flatten(like)
+    return jax.tree.unflatten(
+        structure,
+        [
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+            for x, s in zip(leaves, placements, strict=True)
+        ],
     )
 
 
