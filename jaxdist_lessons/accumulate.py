@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist_lessons import data
 from jaxdist_lessons._checks import positive_int
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -38,25 +39,8 @@ def split_micro(batch: Any, num_micro: int, devices: int = 1) -> Any:
     device's rows: ``devices`` (the devices sharing the global batch) makes the error say so.
     """
     positive_int("num_micro", num_micro)
-    rows = {x.shape[0] for x in jax.tree.leaves(batch)}
-    if len(rows) != 1:
-        raise ValueError(
-            f"every leaf of the batch needs the same leading size, got {sorted(rows)}"
-        )
-    (size,) = rows
-    if size % num_micro:
-        if devices == 1:
-            raise ValueError(
-                f"a batch of {size} rows does not split into {num_micro} equal micro-batches: "
-                f"make the batch a multiple of {num_micro}"
-            )
-        raise ValueError(
-            f"each device's {size} rows do not split into {num_micro} equal micro-batches: "
-            f"make the global batch a multiple of {num_micro} x {devices} devices = {num_micro * devices}"
-        )
-    return jax.tree.map(
-        lambda x: jnp.swapaxes(x.reshape(size // num_micro, num_micro, *x.shape[1:]), 0, 1),
-        batch,
+    return data.split_rows(
+        batch, num_micro, strided=True, devices=devices, what="micro-batches"
     )
 
 

@@ -11,17 +11,18 @@ strategy:
 - ``hybrid``: ``data`` and ``tensor`` together on a 2-D mesh;
 - ``fsdp+tensor``: ``fsdp`` and ``tensor`` together.
 
-The Linen recipe: ``jax.eval_shape(init)`` gives boxed (``nn.LogicallyPartitioned``) shapes,
-``nn.get_partition_spec`` their logical specs, ``nn.logical_to_mesh_sharding`` the
-``NamedSharding`` of every leaf under a rule set, and ``jax.jit(init, out_shardings=...)`` creates
-the state already sharded. The NNX equivalents are at the end.
+The Linen recipe is chapter 5's, ``train.create_train_state``: ``jax.eval_shape(init)`` gives boxed
+(``nn.LogicallyPartitioned``) shapes, ``nn.get_partition_spec`` their logical specs,
+``nn.logical_to_mesh_sharding`` the ``NamedSharding`` of every leaf under a rule set, and
+``jax.jit(init, out_shardings=...)`` creates the state already sharded; ``train.fit`` trains it.
+The NNX equivalents are at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -29,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax.training import train_state
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons import train as train_lib
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.models.small import NNXMLP
 from jaxdist_lessons.sharding import path_name
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -155,11 +157,6 @@ def mesh_specs(tree: Any, rules: LogicalRules) -> Any:
     )
 
 
-def mesh_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
-    """The ``NamedSharding`` of every leaf under ``rules``: what ``jit(..., out_shardings=)`` takes."""
-    return nn.logical_to_mesh_sharding(logical_specs(tree), mesh, rules)
-
-
 def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
     """Where the leading (``'batch'``) dimension of the inputs goes under ``rules``."""
     return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",), rules))
@@ -180,34 +177,6 @@ def describe(tree: Any, mesh: Mesh, rules: LogicalRules) -> list[list[Any]]:
 # --- Training under a rule set ----------------------------------------------------------------
 
 
-def _init_fn(model: nn.Module, tx: optax.GradientTransformation, sample: Any) -> Callable:
-    def init(rng: jax.Array) -> train_state.TrainState:
-        params = model.init(rng, sample)["params"]
-        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-        return state.replace(step=jnp.zeros((), jnp.int32))
-
-    return init
-
-
-def create_state(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    sample: Any,
-    mesh: Mesh,
-    rules: LogicalRules,
-    rng: jax.Array,
-) -> tuple[train_state.TrainState, Any]:
-    """Parameters and optimizer state born sharded by ``rules`` on ``mesh``, and their shardings.
-
-    The optimizer's moments inherit the parameters' boxes, so they are sharded the same way.
-    """
-    init = _init_fn(model, tx, sample)
-    shardings = mesh_shardings(jax.eval_shape(init, rng), mesh, rules)
-    # Deliberately outside ``activate``: ``out_shardings`` places the state, and Flax's DenseGeneral
-    # builds a named kernel flat then reshapes it, which an active rule set would reject.
-    return jax.jit(init, out_shardings=shardings)(rng), shardings
-
-
 def make_train_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     mesh: Mesh,
@@ -215,7 +184,7 @@ def make_train_step(
     shardings: Any,
     constrain_activations: bool = True,
 ) -> Callable:
-    """``step(state, batch) -> (state, loss)``, jitted for these shardings; it donates ``state``.
+    """``step(state, batch) -> (state, {'loss'})``, jitted for these shardings; it donates ``state``.
 
     ``constrain_activations`` puts the rules in context, so the model's ``with_logical_constraint``
     calls take effect. Turn it off for a model that names only its parameters and uses Flax's
@@ -223,31 +192,18 @@ def make_train_step(
     the kernel's initializer, which builds the kernel flat, and a rule set in context rejects a
     3-name constraint on the flat kernel.
     """
-
-    def step(
-        state: train_state.TrainState, batch: Any
-    ) -> tuple[train_state.TrainState, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads=grads), loss
-
-    jitted = jax.jit(
-        step,
-        in_shardings=(shardings, batch_sharding(mesh, rules)),
-        out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
+    jitted = train_lib.jit_step(
+        train_lib.loss_step(loss_fn), shardings, batch_sharding(mesh, rules)
     )
-
     context = (
         (lambda: activate(mesh, rules)) if constrain_activations else contextlib.nullcontext
     )
 
-    def run(
-        state: train_state.TrainState, batch: Any
-    ) -> tuple[train_state.TrainState, jax.Array]:
+    def run(state: train_lib.TrainState, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
         with context():
             return jitted(state, batch)
 
-    def lower(state: train_state.TrainState, batch: Any) -> jax.stages.Lowered:
+    def lower(state: train_lib.TrainState, batch: Any) -> jax.stages.Lowered:
         with context():
             return jitted.lower(state, batch)
 
@@ -260,7 +216,7 @@ class Run:
     """What ``train`` did: the loss of every step, the final state, the compiled step and its mesh."""
 
     losses: list[float]
-    state: train_state.TrainState
+    state: train_lib.TrainState
     program: jax.stages.Compiled
     mesh: Mesh
 
@@ -280,7 +236,8 @@ def train(
     """Train ``model`` on ``batches`` (one step each) under a strategy's rules (or ``rules``).
 
     ``loss_fn(params, batch)``; ``sample`` is what ``model.init`` is called on (by default the
-    first example of the first batch's first array). The step is compiled once, ahead of time.
+    first example of the first batch's first array). The state is ``train.create_train_state``'s,
+    the step is compiled once, ahead of time, and ``train.fit`` runs it.
     ``constrain_activations``: see ``make_train_step``.
     """
     if not batches:
@@ -289,53 +246,37 @@ def train(
     mesh = strategy_mesh(strategy) if mesh is None else mesh
     tx = optax.adam(1e-3) if tx is None else tx
     sample = jax.tree.leaves(batches[0])[0][:1] if sample is None else sample
-    state, shardings = create_state(model, tx, sample, mesh, rules, jax.random.key(seed))
+    rng = jax.random.key(seed)
+    state = train_lib.create_train_state(
+        model, tx, mesh, rules, rng, sample.shape[1:], sample.dtype
+    )
     placed = [jax.device_put(batch, batch_sharding(mesh, rules)) for batch in batches]
-    step = make_train_step(loss_fn, mesh, rules, shardings, constrain_activations)
+    step = make_train_step(
+        loss_fn, mesh, rules, train_lib.shardings_of(state), constrain_activations
+    )
     program = step.lower(state, placed[0]).compile()
-    losses = []
-    for batch in placed:
-        state, loss = program(state, batch)
-        losses.append(float(loss))
-    return Run(losses, state, program, mesh)
+    state, history = train_lib.fit(
+        state, program, None, lambda epoch: placed, None, epochs=1, progress=False
+    )
+    return Run([row["loss"] for row in history.train], state, program, mesh)
 
 
-def compare_strategies(
+def create_state(
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], jax.Array],
-    batches: Sequence[Any],
-    strategies: Iterable[str] = STRATEGIES,
-    **kwargs: Any,
-) -> dict[str, Run]:
-    """The same training run under each strategy."""
-    return {s: train(model, loss_fn, batches, s, **kwargs) for s in strategies}
+    tx: optax.GradientTransformation,
+    sample: Any,
+    mesh: Mesh,
+    rules: LogicalRules,
+    rng: jax.Array,
+) -> tuple[train_lib.TrainState, Any]:
+    """Transitional, for tests/test_costmodel.py: ``train.create_train_state`` and its shardings."""
+    state = train_lib.create_train_state(
+        model, tx, mesh, rules, rng, sample.shape[1:], sample.dtype
+    )
+    return state, train_lib.shardings_of(state)
 
 
-# --- NNX: the same idea on stateful modules ---------------------------------------------------
-
-
-class NNXMLP(nnx.Module):
-    """A two-layer MLP in NNX, split Megatron-style: the first kernel by columns, the second by rows."""
-
-    def __init__(
-        self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, axis: str = "model"
-    ):
-        init = nnx.initializers.lecun_normal()
-        self.up = nnx.Linear(
-            din,
-            hidden,
-            rngs=rngs,
-            kernel_init=nnx.with_partitioning(init, (None, axis)),
-            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axis,)),
-        )
-        self.down = nnx.Linear(
-            hidden, dout, rngs=rngs, kernel_init=nnx.with_partitioning(init, (axis, None))
-        )
-
-    def __call__(self, x: jax.Array, out_sharding: P | None = None) -> jax.Array:
-        # On Explicit axes the row-split matmul must be told where its sum goes (``out_sharding``);
-        # on Auto axes XLA chooses.
-        return self.down(nnx.gelu(self.up(x)), out_sharding=out_sharding)
+# --- NNX: the same idea on stateful modules (``models.small.NNXMLP``) -------------------------
 
 
 def nnx_sharded_mlp(

@@ -1,6 +1,7 @@
 """The input pipeline: the offline TFDS dataset, sharded global batches, determinism, per-process slices."""
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from jaxdist_lessons import data
 from jaxdist_lessons.mesh import make_mesh, mesh_shape
 
 N = jax.device_count()
+MAX_SHIFT = data.Preprocess().max_shift
 
 
 @functools.cache
@@ -113,18 +115,76 @@ def test_remainder_is_dropped_or_padded_and_masked(drop_remainder):
         assert np.all(np.asarray(last["images"])[padded] == 0)
 
 
-def test_each_process_reads_its_own_contiguous_slice():
-    order = np.random.default_rng(0).permutation(100)
-    for process_count in (1, 2, 4):
-        for b in range(3):
-            parts = [
-                data.process_rows(order, b, 16, p, process_count)
-                for p in range(process_count)
-            ]
-            np.testing.assert_array_equal(
-                np.concatenate(parts), order[16 * b : 16 * (b + 1)]
-            )
-            assert all(len(part) == 16 // process_count for part in parts)
+# Example i has label i and an image that shows where a shift moved it.
+INDEXED = [
+    {
+        "image": np.pad(
+            np.full((4, 4, 1), 1 + i % 250, np.uint8), ((2, 2), (2, 2), (0, 0))
+        ),
+        "label": i,
+    }
+    for i in range(100)
+]
+
+
+def layout_batches(process_count, **kwargs):
+    """Every global batch as the processes' local batches put side by side, process by process."""
+    per_process = [
+        list(
+            data.loader(INDEXED, 24, process_index=p, process_count=process_count, **kwargs)
+        )
+        for p in range(process_count)
+    ]
+    return [
+        {k: np.concatenate([local[k] for local in locals_]) for k in locals_[0]}
+        for locals_ in zip(*per_process, strict=True)
+    ]
+
+
+def by_example(batch):
+    """A batch's rows keyed by example (its label), padding left out."""
+    real = batch["mask"] == 1
+    return {
+        int(label): image
+        for label, image in zip(batch["labels"][real], batch["images"][real])
+    }
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(seed=3, epoch=1, augment=True),
+        dict(shuffle=False, drop_remainder=False),
+    ],
+)
+def test_every_process_layout_reads_the_same_global_batches(options):
+    # 1, 2, 4 and 3 processes (24 is a multiple of each), simulated by process index and count.
+    reference = layout_batches(1, **options)
+    assert len(reference) == data.num_batches(100, 24, options.get("drop_remainder", True))
+    seen = [label for batch in reference for label in by_example(batch)]
+    assert (
+        len(seen) == len(set(seen)) == (96 if options.get("drop_remainder", True) else 100)
+    )
+    for process_count in (2, 4, 3):
+        batches = layout_batches(process_count, **options)
+        assert len(batches) == len(reference)
+        for got, expected in zip(batches, reference):
+            got, expected = by_example(got), by_example(expected)
+            assert got.keys() == expected.keys(), process_count  # the same examples
+            for label in got:  # identically augmented
+                np.testing.assert_array_equal(got[label], expected[label])
+
+
+def test_each_process_reads_only_its_share():
+    # Grain's sharding: process p of P reads examples p, p + P, ... of the shuffled order.
+    order = [
+        int(b["labels"][i]) for b in layout_batches(1, shuffle=True) for i in range(24)
+    ]
+    for process_count in (2, 4, 3):
+        for p in range(process_count):
+            local = data.loader(INDEXED, 24, process_index=p, process_count=process_count)
+            mine = [int(label) for batch in local for label in batch["labels"]]
+            assert mine == order[p::process_count]
 
 
 def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
@@ -145,10 +205,18 @@ def test_augmentation_is_seeded_and_only_shifts():
     np.testing.assert_array_equal(shifted, again)
     assert not np.array_equal(plain, shifted)
     background = (0 - data.Preprocess().mean) / data.Preprocess().std
+
+    def translations(image, s=MAX_SHIFT):
+        padded = np.pad(image, ((s, s), (s, s), (0, 0)), constant_values=background)
+        h, w = image.shape[:2]
+        return [
+            padded[y : y + h, x : x + w] for y in range(2 * s + 1) for x in range(2 * s + 1)
+        ]
+
     for p, s in zip(
         plain, shifted
-    ):  # a shift keeps the ink, as long as it stays inside the frame
-        assert np.isclose((p != background).sum(), (s != background).sum(), rtol=0.1)
+    ):  # each image is the plain one, translated and zero-filled
+        assert any(np.allclose(s, t) for t in translations(p))
 
 
 def test_real_tfds_datasets_through_mock_data():
@@ -162,6 +230,39 @@ def test_real_tfds_datasets_through_mock_data():
             data.batches(imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24))
         )
         assert batch["images"].shape == (2 * N, 24, 24, 3)
+
+
+def write_split_metadata(data_dir, name, splits):
+    """The ``dataset_info.json`` a prepared dataset has, with these splits: what TFDS's mock reads them from."""
+    builder = tfds.builder(name, data_dir=str(data_dir), file_format="array_record")
+    builder.info.set_splits(
+        tfds.core.SplitDict(
+            [tfds.core.SplitInfo(name=s, shard_lengths=[4], num_bytes=0) for s in splits]
+        )
+    )
+    os.makedirs(builder.data_dir, exist_ok=True)
+    builder.info.write_to_directory(builder.data_dir)
+
+
+def test_the_held_out_split_is_validation_where_there_is_one_else_test(tmp_path):
+    # The splits of the TFDS catalog: cifar10 has train and test, imagenette train and validation.
+    write_split_metadata(tmp_path, "cifar10", ["train", "test"])
+    write_split_metadata(tmp_path, "imagenette/320px-v2", ["train", "validation"])
+    write_split_metadata(tmp_path, "mnist", ["train"])
+    mock = tfds.testing.mock_data(
+        num_examples=4, policy=tfds.testing.MockPolicy.USE_FILES, data_dir=str(tmp_path)
+    )
+    with mock:
+        assert data.eval_split("cifar10") == "test"
+        assert data.eval_split("imagenette/320px-v2") == "validation"
+        assert len(data.source("imagenette/320px-v2", "validation")) == 4
+        with pytest.raises(
+            ValueError, match=r"'mnist' has no 'validation' or 'test' split"
+        ):
+            data.eval_split("mnist")
+    assert data.eval_split(data.DIGITS, data_dir=str(pytest.digits_dir)) == "test"
+    with pytest.raises(ValueError, match="TFDS dataset 'cifar10' is not prepared"):
+        data.eval_split("cifar10", data_dir=str(tmp_path / "empty"))
 
 
 def test_fit_image():

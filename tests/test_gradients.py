@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
-from jaxdist_lessons import comms
-from jaxdist_lessons import gradients as G
+from jaxdist_lessons import comms, gradients, train
 from jaxdist_lessons.mesh import make_mesh
+from jaxdist_lessons.models.small import MLP, SmallCNN
 
 N = jax.device_count()
 STEPS = 3
@@ -26,20 +27,35 @@ def make_batches(k=STEPS, per_device=4):
     for i in range(k):
         images = jax.random.normal(jax.random.key(i), (per_device * N, 8, 8, 3))
         labels = jax.random.randint(jax.random.key(100 + i), (per_device * N,), 0, 10)
-        batches.append((images, labels))
+        batches.append({"images": images, "labels": labels})
     return batches
 
 
-MODELS = {"mlp": G.MLP(), "cnn": G.SmallCNN()}
+MODELS = {"mlp": MLP(), "cnn": SmallCNN()}
 TX = optax.sgd(0.1, momentum=0.9)
+
+
+def init_state(model):
+    """The state on device 0, from where each form moves it."""
+    one = make_mesh((1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1])
+    return train.create_train_state(model, TX, one, [], jax.random.key(7), (8, 8, 3))
+
+
+def run(form, model, state, batches):
+    """``len(batches)`` steps of one form: the final state and each step's metrics."""
+    step, history = gradients.form_step(form, model, TX, mesh()), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(metrics)
+    return state, history
 
 
 @functools.cache
 def runs(model_name):
     model = MODELS[model_name]
     batches = make_batches()
-    state = G.init_state(model, TX, jax.random.key(7), batches[0][0][:1])
-    return {form: G.run(form, model, TX, state, batches, mesh()) for form in G.FORMS}, state
+    state = init_state(model)
+    return {form: run(form, model, state, batches) for form in gradients.FORMS}, state
 
 
 def assert_trees_close(a, b, what):
@@ -84,12 +100,12 @@ def test_the_cnn_really_has_batch_statistics_that_move():
 
 
 def test_batchnorm_without_axis_name_under_pmap_gives_local_statistics():
-    model, batch = G.SmallCNN(), make_batches(1)[0]
-    state = G.init_state(model, TX, jax.random.key(7), batch[0][:1])
+    model, batch = SmallCNN(), make_batches(1)[0]
+    state = init_state(model)
     local = jax.pmap(
-        lambda s, b: G.loss_fn(model, s.params, s.batch_stats, b)[1]
+        lambda s, b: gradients.loss_fn(model, s.params, s.batch_stats, b)[1]
     )  # no axis_name
-    stats = local(G.replicate(state), G.split_batch(batch))
+    stats = local(gradients.replicate(state), gradients.split_batch(batch))
     means = np.asarray(stats["BatchNorm_0"]["mean"])
     assert not np.allclose(means[0], means[1])  # each device used only its slice
 
@@ -98,8 +114,10 @@ def test_batchnorm_without_axis_name_under_pmap_gives_local_statistics():
 def test_shard_map_trap_gives_n_times_the_gradient(model_name):
     (results, state) = runs(model_name)
     true_grads = results["one device"][1][0]["grads"]
-    placed_state, batch = G.place(state, make_batches(1)[0], mesh())
-    trapped = G.shard_map_trap_grads(MODELS[model_name], mesh())(placed_state, batch)
+    placed_state, batch = gradients.place(state, make_batches(1)[0], mesh())
+    trapped = gradients.shard_map_trap_grads(MODELS[model_name], mesh())(
+        placed_state, batch
+    )
     for t, g in zip(jax.tree.leaves(jax.device_get(trapped)), jax.tree.leaves(true_grads)):
         np.testing.assert_allclose(
             np.asarray(t), N * np.asarray(g), rtol=1e-5, atol=1e-6 * N
@@ -108,17 +126,19 @@ def test_shard_map_trap_gives_n_times_the_gradient(model_name):
 
 def compiled_steps(model):
     batch = make_batches(1)[0]
-    state = G.init_state(model, TX, jax.random.key(7), batch[0][:1])
-    placed_state, placed_batch = G.place(state, batch, mesh())
+    state = init_state(model)
+    placed_state, placed_batch = gradients.place(state, batch, mesh())
     texts = {
         "jit": comms.compiled_text(
-            G.jit_step(model, TX, mesh()), placed_state, placed_batch
+            gradients.jit_step(model, TX, mesh()), placed_state, placed_batch
         ),
         "shard_map": comms.compiled_text(
-            G.shard_map_step(model, TX, mesh()), placed_state, placed_batch
+            gradients.shard_map_step(model, TX, mesh()), placed_state, placed_batch
         ),
         "pmap": comms.compiled_text(
-            G.pmap_step(model, TX), G.replicate(state), G.split_batch(batch)
+            gradients.pmap_step(model, TX),
+            gradients.replicate(state),
+            gradients.split_batch(batch),
         ),
     }
     return state, texts
@@ -129,7 +149,7 @@ LOSS_BYTES = 4  # the step also returns the mean loss, one f32 all-reduced
 
 @pytest.mark.parametrize("features", [(32, 10), (256, 256, 256, 10)])
 def test_mlp_all_reduce_bytes_are_the_parameter_bytes(features):
-    state, texts = compiled_steps(G.MLP(features=features))
+    state, texts = compiled_steps(MLP(features=features))
     params_bytes = comms.data_parallel_bytes(state.params)
     for form, text in texts.items():
         found = comms.collectives(text)
@@ -139,10 +159,10 @@ def test_mlp_all_reduce_bytes_are_the_parameter_bytes(features):
 
 
 def test_gradient_only_program_all_reduces_exactly_the_parameter_bytes():
-    model, batch = G.MLP(), make_batches(1)[0]
-    state = G.init_state(model, TX, jax.random.key(7), batch[0][:1])
-    placed_state, placed_batch = G.place(state, batch, mesh())
-    grad_fn = jax.jit(jax.grad(lambda p, b: G.loss_fn(model, p, {}, b)[0]))
+    model, batch = MLP(), make_batches(1)[0]
+    state = init_state(model)
+    placed_state, placed_batch = gradients.place(state, batch, mesh())
+    grad_fn = jax.jit(jax.grad(lambda p, b: gradients.loss_fn(model, p, {}, b)[0]))
     text = comms.compiled_text(grad_fn, placed_state.params, placed_batch)
     assert (
         comms.total_bytes(text)
@@ -154,7 +174,7 @@ def test_gradient_only_program_all_reduces_exactly_the_parameter_bytes():
 def test_cnn_extra_all_reduces_are_batchnorm_statistics_and_the_loss():
     # Golden values for jax 0.10.2 on CPU. If XLA changes how it reduces BatchNorm, re-derive them:
     # print comms.collectives(text) for each form and account for every op.
-    state, texts = compiled_steps(G.SmallCNN(channels=8))
+    state, texts = compiled_steps(SmallCNN(channels=8))
     params_bytes, c = comms.data_parallel_bytes(state.params), 8
     forward_stats = 2 * c * 4  # mean and mean of squares, per channel
     backward_extra = {"jit": c * 4, "shard_map": c * 4, "pmap": 2 * c * 4}
@@ -176,12 +196,13 @@ def test_pmap_is_the_legacy_api():
 def test_bad_input():
     with pytest.raises(
         ValueError,
-        match="a batch of 10 does not split over 4 devices: make it a multiple of 4",
+        match="a batch of 10 rows does not split into 4 equal device slices: "
+        "make the batch a multiple of 4",
     ):
-        G.split_batch((jnp.zeros((10, 2)), jnp.zeros(10)), 4)
+        gradients.split_batch({"images": jnp.zeros((10, 2)), "labels": jnp.zeros(10)}, 4)
     with pytest.raises(
         ValueError, match="unknown form 'pjit'; allowed: one device, pmap, jit, shard_map"
     ):
-        G.run("pjit", G.MLP(), TX, None, [])
+        gradients.form_step("pjit", MLP(), TX)
     with pytest.raises(ValueError, match="form 'jit' needs a mesh"):
-        G.run("jit", G.MLP(), TX, None, [])
+        gradients.form_step("jit", MLP(), TX)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist_lessons import partitioning as PT
 from jaxdist_lessons import sharding
 from jaxdist_lessons.mesh import make_mesh
-from jaxdist_lessons.models import transformer, vit
+from jaxdist_lessons.models import small, transformer, vit
 
 N = jax.device_count()
 MODEL = vit.ViT(
@@ -158,7 +158,7 @@ def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
 
 def test_nnx_without_a_mesh_in_context_fails_with_flax_message():
     with pytest.raises(ValueError, match="An auto mesh context or metadata is required"):
-        PT.NNXMLP(8, 16, 4, rngs=nnx.Rngs(0))
+        small.NNXMLP(8, 16, 4, rngs=nnx.Rngs(0))
 
 
 LM_CONFIG = {"vocab_size": 32, "num_layers": 1, "hidden": 16, "num_heads": 8, "max_len": 8}

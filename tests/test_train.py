@@ -1,6 +1,8 @@
 """Sharded training: born-sharded state, N devices == 1 device, exact checkpoints across meshes."""
 
+import dataclasses
 import functools
+import os
 
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist_lessons import data, sharding, train
 from jaxdist_lessons.mesh import make_mesh, mesh_shape
 from jaxdist_lessons.models import resnet
+from jaxdist_lessons.models.small import SmallCNN
 
 N = jax.device_count()
 # A two-stage ResNet: the same code paths as ResNet50 (BatchNorm, projections, rules), compiled in seconds.
@@ -201,3 +204,57 @@ def test_fit_rejects_bad_lengths():
         ValueError, match="steps_per_epoch must be a positive integer or None, got 0"
     ):
         train.fit(None, None, None, lambda e: [], None, epochs=1, steps_per_epoch=0)
+
+
+# --- The orchestrator -------------------------------------------------------------------------
+
+SMALL = dict(
+    model=SmallCNN(channels=4),
+    preprocess=data.Preprocess(channels=1),
+    global_batch=4 * N,
+    steps_per_epoch=3,
+    progress=False,
+)
+
+
+def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(tmp_path, capsys):
+    config = train.Config(**SMALL, epochs=2)
+    whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
+    assert whole.first_epoch == 0 and len(whole.history.train) == 6
+    assert [row["epoch"] for row in whole.history.eval] == [0, 1]
+    assert sorted(os.listdir(tmp_path / "whole")) == ["1", "2"]
+    assert "epoch 2: mean training loss" in capsys.readouterr().out
+
+    # Stopped after one epoch, then started again with the same workdir: it resumes from epoch 1.
+    train.train_and_evaluate(dataclasses.replace(config, epochs=1), str(tmp_path / "split"))
+    resumed = train.train_and_evaluate(config, str(tmp_path / "split"))
+    assert resumed.first_epoch == 1 and len(resumed.history.train) == 3
+    assert "resumed from" in capsys.readouterr().out
+    for a, b in zip(host(resumed.state), host(whole.state)):
+        np.testing.assert_array_equal(a, b)
+    # Done already: a third call trains nothing.
+    again = train.train_and_evaluate(config, str(tmp_path / "split"))
+    assert again.first_epoch == 2 and again.history.train == []
+
+
+def test_train_and_evaluate_under_rules_shards_the_state():
+    config = train.Config(
+        **{**SMALL, "model": MODEL, "preprocess": data.Preprocess()},
+        mesh={"data": -1, "model": min(2, N)},
+        rules=resnet.partition_rules(),
+        epochs=1,
+        evaluate=False,
+    )
+    result = train.train_and_evaluate(config)
+    assert dict(result.mesh.shape) == {"data": N // min(2, N), "model": min(2, N)}
+    kernel = result.state.params["conv_init"]["kernel"]
+    assert kernel.sharding.spec == P(None, None, None, "model")
+    losses = [row["loss"] for row in result.history.train]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_rules_are_one_kind():
+    assert train.is_logical((("mlp", "model"), ("batch", None)))
+    assert not train.is_logical([("kernel$", P("model"))]) and not train.is_logical([])
+    with pytest.raises(ValueError, match="rules mix regex rules"):
+        train.is_logical([("kernel$", P("model")), ("mlp", "model")])
