@@ -1,26 +1,28 @@
-"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,train}``.
+"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
 
-Run it through the launcher, for example on 2 processes of 4 simulated CPU devices each::
+Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU devices each::
 
-    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo hello
-    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo train --epochs 3
+    mpirun -np 2 python -m jaxdist_lessons.multihost_demo --devices 4 hello
+    srun -n 2 python -m jaxdist_lessons.multihost_demo --devices 4 train --epochs 3
 
 ``hello`` shows what each process sees and runs an all-reduce across processes. ``hybrid``
 builds a hybrid mesh and shows which all-reduces stay inside a process. ``train`` trains
 a small CNN data-parallel over every process's devices with chapter 5's digits pipeline and
 train module, can checkpoint after every epoch and resume from the latest checkpoint, and can
-make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every process writes what it found to
-``DIR/rank<i>.json``. Run alone (``python -m jaxdist_lessons.multihost_demo hello``) it is a
-single process.
+make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every
+process writes what it found to ``DIR/rank<i>.json``. Run alone it is a single process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import dataclasses
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +40,9 @@ from jaxdist_lessons import comms, data, gradients, multihost, train
 MODEL = gradients.SmallCNN(channels=8)
 IMAGE_SHAPE = (32, 32, 1)
 PREPROCESS = data.Preprocess(channels=1)
+FAILURES = ("kill", "raise", "hang")
+# What the cluster tool told each process, as hello reports it.
+ENVIRONMENT = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
@@ -77,6 +82,7 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
         "jax_version": jax.__version__,
         # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
         "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
+        "environment": {k: os.environ.get(k) for k in ENVIRONMENT},
     }
     print(
         f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}"
@@ -129,27 +135,6 @@ def hybrid() -> dict[str, Any]:
     return report
 
 
-def simulated_slurm_env(
-    rank: int, ntasks: int, port: int, job_id: int = 4242
-) -> dict[str, str]:
-    """The variables ``srun`` sets for task ``rank`` of a one-node job (node ``127.0.0.1``), to try JAX's SLURM detection.
-
-    ``JAX_COORDINATOR_PORT`` replaces the port JAX derives from the job id, and
-    ``JAX_COORDINATOR_BIND_ADDRESS`` keeps the coordinator on loopback (JAX binds every interface
-    by default). Both are environment variables ``jax.distributed.initialize`` reads.
-    """
-    return {
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SLURM_NTASKS": str(ntasks),
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank),
-        "JAX_COORDINATOR_PORT": str(port),
-        "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
-    }
-
-
-FAILURES = ("kill", "raise", "hang")
 
 
 def _fail(how: str, epoch: int) -> None:
@@ -236,8 +221,56 @@ def train_digits(
     }
 
 
+# mpirun's --tag-output prefix, [job,rank]<stream>:, and gloo's connection messages.
+TAG = re.compile(r"^\[\d+,(\d+)\]<(stdout|stderr)>: ?")
+GLOO = re.compile(r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$")
+
+
+@dataclasses.dataclass
+class Job:
+    """A finished command: its exit status, what it printed, and how long it took."""
+
+    command: str
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
+    """Run ``command`` as a terminal would (this Python's environment first on ``PATH``), print its stdout, return it.
+
+    Lines tagged by ``mpirun --tag-output`` (``[1,0]<stdout>: ...``) show as ``[rank 0] ...``.
+    With ``show_stderr``, stderr follows (without gloo's connection messages).
+    """
+    print(f"$ {command}")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    start = time.monotonic()
+    result = subprocess.run(
+        command, shell=True, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    job = Job(command, result.returncode, result.stdout, result.stderr, 0.0)
+    job.seconds = time.monotonic() - start
+    for line in job.stdout.splitlines():
+        print(TAG.sub(lambda m: f"[rank {m[1]}] ", line))
+    if show_stderr:
+        for line in job.stderr.splitlines():
+            if not GLOO.search(line):
+                print(TAG.sub(lambda m: f"[rank {m[1]} stderr] ", line))
+    print(f"(exit status {job.returncode}, {job.seconds:.1f} s)")
+    return job
+
+
+def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
+    """``run(command)`` where ``tool`` (``srun``, ``sbatch``) is installed; elsewhere print what would run."""
+    if shutil.which(tool) is None:
+        print(f"{tool} is not installed here; on a cluster with it, this runs:\n$ {command}")
+        return None
+    return run(command, timeout)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and ``jax.distributed``'s timeouts."""
+    """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and the timeouts."""
     p = argparse.ArgumentParser(
         prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0]
     )
@@ -246,6 +279,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=["hello", "hybrid", "train"],
         help="what to run, in order",
+    )
+    p.add_argument(
+        "--devices", type=int, help="simulated CPU devices per process (default: 8)"
     )
     p.add_argument("--out", help="directory where every process writes rank<i>.json")
     p.add_argument("--epochs", type=int, default=3)
@@ -265,29 +301,16 @@ def parser() -> argparse.ArgumentParser:
         default="kill",
         help="how it fails (default: %(default)s)",
     )
-    p.add_argument("--initialization-timeout", type=int, default=300)
-    p.add_argument("--heartbeat-timeout", type=int, default=100)
-    p.add_argument("--shutdown-timeout", type=int, default=300)
+    defaults = multihost.Timeouts()
+    p.add_argument("--initialization-timeout", type=int, default=defaults.initialization)
+    p.add_argument("--heartbeat-timeout", type=int, default=defaults.heartbeat)
+    p.add_argument("--shutdown-timeout", type=int, default=defaults.shutdown)
     p.add_argument(
-        "--local-device-ids",
-        type=_ids,
-        help="comma-separated GPU ids for jax.distributed.initialize",
-    )
-    p.add_argument(
-        "--no-fail-fast",
+        "--no-exit-on-error",
         action="store_true",
-        help="let an exception exit through jax.distributed.shutdown() (to see the job hang)",
+        help="let an exception exit through jax.distributed.shutdown() (to see the job wait)",
     )
     return p
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(i) for i in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -295,32 +318,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
     info = multihost.initialize(
-        local_device_ids=args.local_device_ids,
-        initialization_timeout=args.initialization_timeout,
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
-        shutdown_timeout_seconds=args.shutdown_timeout,
+        args.devices,
+        timeouts=multihost.Timeouts(
+            args.initialization_timeout, args.heartbeat_timeout, args.shutdown_timeout
+        ),
+        exit_on_error=not args.no_exit_on_error,
     )
-    with contextlib.nullcontext() if args.no_fail_fast else multihost.fail_fast():
-        report = {}
-        for command in args.commands:
-            if command == "hello":
-                report["hello"] = hello(info)
-            elif command == "hybrid":
-                report["hybrid"] = hybrid()
-            else:
-                report["train"] = train_digits(
-                    args.epochs,
-                    args.steps_per_epoch,
-                    args.global_batch,
-                    checkpoint_dir=args.checkpoint_dir,
-                    fail_rank=args.fail_rank,
-                    fail_at_epoch=args.fail_at_epoch,
-                    fail_how=args.fail_how,
-                )
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:
-                json.dump(report, f)
+    report = {}
+    for command in args.commands:
+        if command == "hello":
+            report["hello"] = hello(info)
+        elif command == "hybrid":
+            report["hybrid"] = hybrid()
+        else:
+            report["train"] = train_digits(
+                args.epochs,
+                args.steps_per_epoch,
+                args.global_batch,
+                checkpoint_dir=args.checkpoint_dir,
+                fail_rank=args.fail_rank,
+                fail_at_epoch=args.fail_at_epoch,
+                fail_how=args.fail_how,
+            )
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:
+            json.dump(report, f)
 
 
 if __name__ == "__main__":
