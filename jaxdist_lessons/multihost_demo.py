@@ -16,8 +16,8 @@ process writes what it found to ``DIR/rank<i>.json``. Run alone it is a single p
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -42,7 +42,12 @@ IMAGE_SHAPE = (32, 32, 1)
 PREPROCESS = data.Preprocess(channels=1)
 FAILURES = ("kill", "raise", "hang")
 # What the cluster tool told each process, as hello reports it.
-ENVIRONMENT = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
+ENVIRONMENT = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
@@ -133,8 +138,6 @@ def hybrid() -> dict[str, Any]:
             f"span processes {report[f'{axis}_group_processes']}"
         )
     return report
-
-
 
 
 def _fail(how: str, epoch: int) -> None:
@@ -264,7 +267,9 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
 def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
     """``run(command)`` where ``tool`` (``srun``, ``sbatch``) is installed; elsewhere print what would run."""
     if shutil.which(tool) is None:
-        print(f"{tool} is not installed here; on a cluster with it, this runs:\n$ {command}")
+        print(
+            f"{tool} is not installed here; on a cluster with it, this runs:\n$ {command}"
+        )
         return None
     return run(command, timeout)
 

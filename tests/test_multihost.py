@@ -146,7 +146,9 @@ def test_training_losses_do_not_depend_on_the_layout(layouts):
 
 
 def test_the_launched_runs_match_this_process(layouts):
-    here = multihost_demo.train_digits(epochs=2, steps_per_epoch=2)  # one process, 8 devices
+    here = multihost_demo.train_digits(
+        epochs=2, steps_per_epoch=2
+    )  # one process, 8 devices
     assert here["process_count"] == 1
     np.testing.assert_allclose(
         here["losses"], layouts[(1, 8)][1][0]["train"]["losses"], rtol=1e-5
@@ -162,7 +164,9 @@ def test_a_killed_process_ends_the_job_and_the_checkpoint_resumes_it(layouts, tm
     )
     assert result.returncode == 128 + 9, result.stderr[-3000:]
     assert "[1,1]<stdout>: epoch 2: process 1 fails (kill)" in result.stdout
-    assert "process rank 1 with PID" in result.stderr and "signal 9 (Killed)" in result.stderr
+    assert (
+        "process rank 1 with PID" in result.stderr and "signal 9 (Killed)" in result.stderr
+    )
     assert set(demo_pids()) <= before
     assert multihost.latest_step(str(checkpoints)) == 2  # epoch 1's two steps
 
@@ -316,7 +320,10 @@ def test_single_process_helpers():
     n = jax.device_count()
     info = multihost.process_info()
     assert (info.process_index, info.process_count, info.global_devices) == (0, 1, n)
-    assert str(info) == f"process 0 of 1: {n} local and {n} global CPU devices (joined by single process)"
+    assert (
+        str(info)
+        == f"process 0 of 1: {n} local and {n} global CPU devices (joined by single process)"
+    )
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     x = multihost.global_array(np.arange(2 * n, dtype=np.float32), mesh)
     assert x.shape == (2 * n,) and x.sharding.spec == P("data")

@@ -1,7 +1,5 @@
 """The chapter's command runner: what it prints of a command's output, and where a tool is missing."""
 
-import os
-
 from jaxdist_lessons import multihost_demo
 
 
