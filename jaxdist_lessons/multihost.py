@@ -200,9 +200,10 @@ def global_mesh(
     shape: Sequence[int],
     axis_names: Sequence[str],
     axis_types: AxisType = AxisType.Explicit,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A mesh over every process's devices (``jax.devices()`` lists them all, process 0's first)."""
-    return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types)
+    return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types, devices=devices)
 
 
 def hybrid_mesh(

@@ -154,22 +154,26 @@ def _fail(how: str, epoch: int) -> None:
 def train_digits(
     epochs: int = 3,
     steps_per_epoch: int = 4,
-    global_batch: int = 32,
+    per_device_batch: int = 4,
     learning_rate: float = 3e-3,
     checkpoint_dir: str | None = None,
     fail_rank: int | None = None,
     fail_at_epoch: int | None = None,
     fail_how: str = "kill",
+    devices: int | None = None,
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
 
-    Checkpoints after every epoch into ``checkpoint_dir`` and starts from its latest checkpoint.
-    Process ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
+    ``devices`` (default: all) takes the first devices of ``jax.devices()``. Checkpoints after
+    every epoch into ``checkpoint_dir`` and starts from its latest checkpoint. Process
+    ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
     (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever).
     """
     if fail_how not in FAILURES:
         raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")
-    mesh = multihost.global_mesh((jax.device_count(),), ("data",), axis_types=AxisType.Auto)
+    used = jax.devices()[: devices or jax.device_count()]
+    mesh = multihost.global_mesh((len(used),), ("data",), AxisType.Auto, devices=used)
+    global_batch = per_device_batch * len(used)
     tx = optax.adam(learning_rate)
     shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
     train_step, eval_step = train.make_steps(shardings, mesh)
@@ -291,7 +295,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory where every process writes rank<i>.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps-per-epoch", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--per-device-batch", type=int, default=4)
     p.add_argument(
         "--checkpoint-dir",
         help="save after every epoch here, and resume from the latest checkpoint",
@@ -339,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             report["train"] = train_digits(
                 args.epochs,
                 args.steps_per_epoch,
-                args.global_batch,
+                args.per_device_batch,
                 checkpoint_dir=args.checkpoint_dir,
                 fail_rank=args.fail_rank,
                 fail_at_epoch=args.fail_at_epoch,
