@@ -67,18 +67,24 @@ class ProcessInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
-    """``jax.distributed.initialize``'s three timeouts, in seconds, as ``initialize`` sets them.
+    """``jax.distributed.initialize``'s three timeouts, in seconds, as ``initialize`` sets them."""
 
-    ``initialization``: how long every process waits for all the others to join (the slowest
-    host's start, a container pull). ``heartbeat``: how long the coordinator waits for a silent
-    process before it aborts every process (a host that died where no launcher noticed).
-    ``shutdown``: how long the barrier at the end waits for the last process to finish; it must
-    cover the difference between the processes' end times.
-    """
-
-    initialization: int = 300
-    heartbeat: int = 30
-    shutdown: int = 60
+    initialization: int = dataclasses.field(
+        default=300,
+        metadata={
+            "bounds": "every process's wait for all the others to join: the slowest host's start"
+        },
+    )
+    heartbeat: int = dataclasses.field(
+        default=30,
+        metadata={
+            "bounds": "the coordinator's wait for a silent process before it aborts them all"
+        },
+    )
+    shutdown: int = dataclasses.field(
+        default=60,
+        metadata={"bounds": "the final barrier's wait for the last process to finish"},
+    )
 
 
 def launched_by_mpi(environ: Mapping[str, str] | None = None) -> bool:

@@ -228,8 +228,9 @@ def train_digits(
     }
 
 
-# mpirun's --tag-output prefix, [job,rank]<stream>:, and gloo's connection messages.
-TAG = re.compile(r"^\[\d+,(\d+)\]<(stdout|stderr)>: ?")
+# The rank prefixes of mpirun --tag-output ([job,rank]<stream>:) and srun --label (rank:), and
+# gloo's connection messages.
+TAG = re.compile(r"^(?:\[\d+,(\d+)\]<(?:stdout|stderr)>: ?|\s*(\d+): )")
 GLOO = re.compile(r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$")
 
 
@@ -247,8 +248,9 @@ class Job:
 def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     """Run ``command`` as a terminal would (this Python's environment first on ``PATH``), print its stdout, return it.
 
-    Lines tagged by ``mpirun --tag-output`` (``[1,0]<stdout>: ...``) show as ``[rank 0] ...``.
-    With ``show_stderr``, stderr follows (without gloo's connection messages).
+    Lines tagged by ``mpirun --tag-output`` (``[1,0]<stdout>: ...``) or ``srun --label``
+    (``0: ...``) show as ``[rank 0] ...``. Gloo's connection messages are counted, not shown.
+    With ``show_stderr``, stderr follows.
     """
     print(f"$ {command}")
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
@@ -258,13 +260,14 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     )
     job = Job(command, result.returncode, result.stdout, result.stderr, 0.0)
     job.seconds = time.monotonic() - start
-    for line in job.stdout.splitlines():
-        print(TAG.sub(lambda m: f"[rank {m[1]}] ", line))
-    if show_stderr:
-        for line in job.stderr.splitlines():
-            if not GLOO.search(line):
-                print(TAG.sub(lambda m: f"[rank {m[1]} stderr] ", line))
-    print(f"(exit status {job.returncode}, {job.seconds:.1f} s)")
+    hidden = 0
+    for line in job.stdout.splitlines() + (job.stderr.splitlines() if show_stderr else []):
+        if GLOO.search(line):
+            hidden += 1
+        else:
+            print(TAG.sub(lambda m: f"[rank {m[1] or m[2]}] ", line))
+    gloo = f"; {hidden} lines of gloo's connection messages hidden" if hidden else ""
+    print(f"(exit status {job.returncode}, {job.seconds:.1f} s{gloo})")
     return job
 
 

@@ -3,13 +3,15 @@
 from jaxdist_lessons import multihost_demo
 
 
-def test_run_prints_stdout_with_mpiruns_tags_as_ranks(capsys):
-    job = multihost_demo.run("printf '[1,0]<stdout>: zero\\n[1,1]<stdout>: one\\n'; exit 3")
-    assert (job.returncode, job.stdout.count("\n")) == (3, 2)
+def test_run_prints_stdout_with_mpiruns_and_sruns_tags_as_ranks(capsys):
+    job = multihost_demo.run(
+        "printf '[1,0]<stdout>: zero\\n[1,1]<stdout>: one\\n2: two\\n'; exit 3"
+    )
+    assert (job.returncode, job.stdout.count("\n")) == (3, 3)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("$ printf")
-    assert lines[1:3] == ["[rank 0] zero", "[rank 1] one"]
-    assert lines[3].startswith("(exit status 3, ")
+    assert lines[1:4] == ["[rank 0] zero", "[rank 1] one", "[rank 2] two"]
+    assert lines[4].startswith("(exit status 3, ")
 
 
 def test_run_shows_stderr_without_gloos_messages_when_asked(capsys):
@@ -19,6 +21,7 @@ def test_run_shows_stderr_without_gloos_messages_when_asked(capsys):
     )
     printed = capsys.readouterr().out.splitlines()[1:]  # after the command line
     assert printed[0] == "real error" and not any("Gloo" in line for line in printed)
+    assert printed[1].endswith("; 1 lines of gloo's connection messages hidden)")
 
 
 def test_run_where_runs_the_command_when_the_tool_is_there(capsys):

@@ -40,7 +40,10 @@ def slurm_missing() -> str | None:
             return None
         time.sleep(1)
         states = subprocess.run(
-            ["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True, timeout=20
+            ["sinfo", "--noheader", "--format=%t"],
+            capture_output=True,
+            text=True,
+            timeout=20,
         ).stdout.split()
     if not any(state.startswith(("idle", "mix")) for state in states):
         return f"no SLURM node is idle (sinfo: {states}); start one with .ci/slurm-up"
