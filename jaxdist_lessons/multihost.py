@@ -1,53 +1,50 @@
 """Several JAX processes as one program (chapter 8): join them, mesh their devices, share data and results.
 
-JAX's multi-controller model: every process runs the same script. ``initialize()`` joins the
-processes through ``jax.distributed.initialize`` *before* JAX starts its backends; from then on
-``jax.devices()`` lists every process's devices, a mesh can span them all, and a jitted
-function on arrays sharded over that mesh runs on all processes at once, with collectives
-crossing processes (through gloo on the CPU, NCCL on GPUs, ICI/DCN on TPUs).
+JAX's multi-controller model: a cluster tool (``mpirun``, ``srun``, a Kubernetes JobSet, Cloud
+TPU's ``--worker=all``) starts the same script once per host, and every copy calls
+``jax.distributed.initialize`` *before* JAX starts its backends. JAX detects the cluster itself;
+``initialize`` here only adds what a book on simulated devices needs: the number of CPU devices
+per process, the mpi4py detection when ``mpirun`` started us (Open MPI 5 does not set the variable
+JAX's own Open MPI detection reads), timeouts that suit a small job, and an exit at once on an
+uncaught exception (otherwise the process waits in JAX's shutdown barrier).
 
-Each process only ever touches its own devices' shards: it loads its rows of a batch and
-``jax.make_array_from_process_local_data`` assembles the global array (``data.batches`` does
-this), and it reads back only what it holds unless ``allgather`` collects the rest.
+From then on ``jax.devices()`` lists every process's devices, a mesh can span them all, and a
+jitted function on arrays sharded over that mesh runs on all processes at once, with collectives
+crossing processes (through gloo on the CPU, NCCL on GPUs, ICI/DCN on TPUs). Each process only
+touches its own devices' shards: it loads its rows of a batch and
+``jax.make_array_from_process_local_data`` assembles the global array.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import re
 import sys
-import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-# PRIVATE JAX modules (jax._src can change in any release; tests/test_multihost.py fails if these move):
-# the only way to ask "has JAX started?" and "which cluster would JAX detect?" without side effects.
-from jax._src import clusters, xla_bridge
+# PRIVATE (as in devices.py): the only way to ask "has JAX started?" without starting it.
+from jax._src import xla_bridge
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import devices, launch, train
+from jaxdist_lessons import devices, train
 from jaxdist_lessons import mesh as mesh_lib
+
+# Set by MPI launchers in every rank's environment: Open MPI's mpirun (4 and 5), MPICH's and
+# Intel MPI's Hydra. With one of them present, initialize() asks JAX for its mpi4py detection.
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+# What jax.distributed.initialize raises when it was given no coordinator and detected no cluster.
+_NO_CLUSTER = "coordinator_address should be defined."
 
 
 class MultihostError(RuntimeError):
     """Processes that cannot be joined as asked; the message names the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LauncherSettings:
-    """What ``jaxdist_lessons.launch`` put in a process's environment."""
-
-    coordinator: str
-    num_processes: int
-    process_id: int
-    bind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +56,7 @@ class ProcessInfo:
     local_devices: int
     global_devices: int
     platform: str
-    joined_by: (
-        str  # "launcher", a cluster JAX detected (e.g. "SlurmCluster"), or "single process"
-    )
+    joined_by: str  # "mpi4py", "cluster detection", "arguments" or "single process"
 
     def __str__(self) -> str:
         return (
@@ -70,116 +65,87 @@ class ProcessInfo:
         )
 
 
-def launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSettings | None:
-    """The launcher's variables from ``environ`` (default ``os.environ``), or ``None`` if it did not start us."""
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """``jax.distributed.initialize``'s three timeouts, in seconds, as ``initialize`` sets them."""
+
+    initialization: int = dataclasses.field(
+        default=300,
+        metadata={
+            "bounds": "every process's wait for all the others to join: the slowest host's start"
+        },
+    )
+    heartbeat: int = dataclasses.field(
+        default=30,
+        metadata={
+            "bounds": "the coordinator's wait for a silent process before it aborts them all"
+        },
+    )
+    shutdown: int = dataclasses.field(
+        default=60,
+        metadata={"bounds": "the final barrier's wait for the last process to finish"},
+    )
+
+
+def launched_by_mpi(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher (``mpirun``, ``mpiexec``) started this process."""
     environ = os.environ if environ is None else environ
-    names = (launch.ENV_COORDINATOR, launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID)
-    present = [name for name in names if environ.get(name)]
-    if not present:
-        return None
-    if len(present) < len(names):
-        missing = sorted(set(names) - set(present))
-        raise MultihostError(
-            f"{present} are set but {missing} are not: set all three (the launcher does), "
-            "or none to let JAX detect the cluster"
-        )
-    counts = {}
-    for name in (launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
-        if not re.fullmatch(r"\d+", environ[name]):
-            raise MultihostError(
-                f"{name} must be a non-negative integer, got {environ[name]!r}"
-            )
-        counts[name] = int(environ[name])
-    num_processes, process_id = (
-        counts[launch.ENV_NUM_PROCESSES],
-        counts[launch.ENV_PROCESS_ID],
-    )
-    if not 0 <= process_id < num_processes:
-        raise MultihostError(
-            f"{launch.ENV_PROCESS_ID}={process_id} must be in 0..{num_processes - 1} "
-            f"for {launch.ENV_NUM_PROCESSES}={num_processes}"
-        )
-    coordinator = environ[launch.ENV_COORDINATOR]
-    return LauncherSettings(
-        coordinator,
-        num_processes,
-        process_id,
-        bind=environ.get(launch.ENV_COORDINATOR_BIND) or coordinator,
-    )
-
-
-def detected_cluster() -> str | None:
-    """The cluster environment ``jax.distributed.initialize()`` would detect on its own (SLURM, Cloud TPU, Open MPI...).
-
-    Reads JAX's private list of cluster types (``jax._src.clusters``), as ``initialize`` does;
-    it may change in a later JAX release.
-    """
-    registry = getattr(clusters.ClusterEnv, "_cluster_types", None)
-    if registry is None:
-        raise MultihostError(
-            f"jax {jax.__version__} moved its private list of cluster types "
-            "(jax._src.clusters.ClusterEnv._cluster_types): update multihost.detected_cluster"
-        )
-    found = (env for env in registry if not env.opt_in_only_method and env.is_env_present())
-    env = next(found, None)
-    return None if env is None else env.__name__
+    return any(name in environ for name in MPI_VARIABLES)
 
 
 def initialize(
     num_devices: int | None = None,
     *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
-    initialization_timeout: int = 300,
-    heartbeat_timeout_seconds: int = 100,
-    shutdown_timeout_seconds: int = 300,
+    timeouts: Timeouts = Timeouts(),
+    exit_on_error: bool = True,
 ) -> ProcessInfo:
-    """Join this process to the others, then start JAX; the multi-process ``devices.setup()``.
+    """Join this process to the others through JAX's cluster detection, then start JAX.
 
-    Reads the launcher's variables; without them, lets JAX detect SLURM, Cloud TPU or Open MPI;
-    without those, runs as a single process. ``num_devices`` (else ``$JAXDIST_NUM_DEVICES``, else 8)
-    is the number of simulated CPU devices *per process*. ``local_device_ids`` (the GPUs this
-    process drives) and the timeouts go to ``jax.distributed.initialize`` (JAX's defaults). On
-    SLURM and Open MPI without ``local_device_ids``, JAX gives each process only the GPU numbered
-    by its local rank (``SLURM_LOCALID``): start one process per GPU, or pass
-    ``local_device_ids=range(8)`` to drive a host's 8 GPUs from one process. A single process
-    ignores it.
+    ``num_devices`` (else ``$JAXDIST_NUM_DEVICES``, else 8) is the number of simulated CPU
+    devices *per process*. Under an MPI launcher JAX uses mpi4py; otherwise it detects SLURM,
+    Kubernetes or Cloud TPU, or takes the explicit arguments; with none of them this is a
+    single process. ``local_device_ids`` (the GPUs this process drives) goes to
+    ``jax.distributed.initialize``. ``exit_on_error`` ends the process at once on an uncaught
+    exception (``exit_at_once_on_error``).
     """
     if xla_bridge.backends_are_initialized() or jax.distributed.is_initialized():
         raise MultihostError(
-            "JAX has already started in this process, and processes can only be joined before JAX's first "
-            "operation: call multihost.initialize() first thing in the script (instead of devices.setup()), "
-            "and start one process per host (python -m jaxdist_lessons.launch does)"
+            "JAX has already started in this process, and processes can only be joined before "
+            "JAX's first operation: call multihost.initialize() first thing in the script "
+            "(instead of devices.setup()), and start one copy per process (mpirun -np N, srun -n N)"
         )
     # The CPU client is created once, after initialize(): the device count must be set before it.
     jax.config.update(
         "jax_num_cpu_devices",
         devices.requested_num_devices(num_devices) or devices.DEFAULT_NUM_DEVICES,
     )
-    options = {
-        "local_device_ids": local_device_ids,
-        "initialization_timeout": initialization_timeout,
-        "heartbeat_timeout_seconds": heartbeat_timeout_seconds,
-        "shutdown_timeout_seconds": shutdown_timeout_seconds,
-    }
-    settings = launcher_settings()
-    if settings is not None:
+    explicit = coordinator_address is not None or num_processes is not None
+    method = "mpi4py" if launched_by_mpi() and not explicit else None
+    try:
         jax.distributed.initialize(
-            settings.coordinator,
-            settings.num_processes,
-            settings.process_id,
-            coordinator_bind_address=settings.bind,
-            **options,
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids,
+            cluster_detection_method=method,
+            initialization_timeout=timeouts.initialization,
+            heartbeat_timeout_seconds=timeouts.heartbeat,
+            shutdown_timeout_seconds=timeouts.shutdown,
         )
-        joined_by = "launcher"
-    elif (cluster := detected_cluster()) is not None:
-        jax.distributed.initialize(**options)
-        joined_by = cluster
-    else:
-        joined_by = "single process"
-    return process_info(joined_by)
+    except ValueError as error:
+        if str(error) != _NO_CLUSTER or explicit:
+            raise
+        return process_info("single process")
+    if exit_on_error:
+        exit_at_once_on_error()
+    return process_info(method or ("arguments" if explicit else "cluster detection"))
 
 
-def process_info(joined_by: str = "") -> ProcessInfo:
+def process_info(joined_by: str = "single process") -> ProcessInfo:
     """This process's index, the process count and the devices it sees (starts JAX if needed)."""
     return ProcessInfo(
         jax.process_index(),
@@ -187,8 +153,27 @@ def process_info(joined_by: str = "") -> ProcessInfo:
         jax.local_device_count(),
         jax.device_count(),
         jax.devices()[0].platform,
-        joined_by or ("launcher" if launcher_settings() else "unknown"),
+        joined_by,
     )
+
+
+def exit_at_once_on_error() -> None:
+    """Make an uncaught exception print its traceback and end the process at once, with status 1.
+
+    Otherwise Python exits through ``jax.distributed.shutdown()`` (registered with ``atexit``),
+    whose barrier waits up to the shutdown timeout for the other processes, while they wait for
+    this one in their next collective. Exiting at once lets ``mpirun`` or ``srun
+    --kill-on-bad-exit=1`` stop the job, and the others' broken collectives end them too.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skips atexit, and the shutdown barrier with it
+
+    sys.excepthook = hook
 
 
 def native_stdout_to_stderr() -> None:
@@ -207,30 +192,11 @@ def native_stdout_to_stderr() -> None:
     sys.stdout = open(original, "w", buffering=1, encoding=encoding, errors=errors)  # noqa: SIM115
 
 
-@contextlib.contextmanager
-def fail_fast() -> Iterator[None]:
-    """On an uncaught exception, print it and exit at once with status 1.
-
-    Without this, a process that raises waits in JAX's shutdown barrier for the others
-    (``shutdown_timeout_seconds``, 300 s by default) while they wait for it in their next
-    collective: the whole job hangs. Exiting at once lets the launcher (or srun) stop the job.
-    """
-    try:
-        yield
-    except BaseException as error:
-        if not jax.distributed.is_initialized() or (
-            isinstance(error, SystemExit) and error.code in (0, None)
-        ):
-            raise
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        code = (
-            error.code
-            if isinstance(error, SystemExit) and isinstance(error.code, int)
-            else 1
-        )
-        os._exit(code)  # skips atexit's jax.distributed.shutdown(), and its barrier
+def split_devices(total: int, processes: int = 2) -> tuple[int, int]:
+    """``(processes, devices per process)`` for ``total`` devices, or the nearest smaller total that splits evenly."""
+    if total < processes:
+        raise MultihostError(f"{total} devices cannot be shared by {processes} processes")
+    return processes, total // processes
 
 
 # --- Meshes and arrays across processes ---------------------------------------------------------
@@ -240,9 +206,10 @@ def global_mesh(
     shape: Sequence[int],
     axis_names: Sequence[str],
     axis_types: AxisType = AxisType.Explicit,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A mesh over every process's devices (``jax.devices()`` lists them all, process 0's first)."""
-    return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types)
+    return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types, devices=devices)
 
 
 def hybrid_mesh(

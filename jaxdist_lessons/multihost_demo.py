@@ -1,26 +1,28 @@
-"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,train}``.
+"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
 
-Run it through the launcher, for example on 2 processes of 4 simulated CPU devices each::
+Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU devices each::
 
-    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo hello
-    python -m jaxdist_lessons.launch -n 2 -d 4 -m jaxdist_lessons.multihost_demo train --epochs 3
+    mpirun -np 2 python -m jaxdist_lessons.multihost_demo --devices 4 hello
+    srun -n 2 python -m jaxdist_lessons.multihost_demo --devices 4 train --epochs 3
 
 ``hello`` shows what each process sees and runs an all-reduce across processes. ``hybrid``
 builds a hybrid mesh and shows which all-reduces stay inside a process. ``train`` trains
 a small CNN data-parallel over every process's devices with chapter 5's digits pipeline and
 train module, can checkpoint after every epoch and resume from the latest checkpoint, and can
-make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every process writes what it found to
-``DIR/rank<i>.json``. Run alone (``python -m jaxdist_lessons.multihost_demo hello``) it is a
-single process.
+make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every
+process writes what it found to ``DIR/rank<i>.json``. Run alone it is a single process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +40,14 @@ from jaxdist_lessons import comms, data, gradients, multihost, train
 MODEL = gradients.SmallCNN(channels=8)
 IMAGE_SHAPE = (32, 32, 1)
 PREPROCESS = data.Preprocess(channels=1)
+FAILURES = ("kill", "raise", "hang")
+# What the cluster tool told each process, as hello reports it.
+ENVIRONMENT = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
@@ -77,6 +87,7 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
         "jax_version": jax.__version__,
         # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
         "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
+        "environment": {k: os.environ.get(k) for k in ENVIRONMENT},
     }
     print(
         f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}"
@@ -129,29 +140,6 @@ def hybrid() -> dict[str, Any]:
     return report
 
 
-def simulated_slurm_env(
-    rank: int, ntasks: int, port: int, job_id: int = 4242
-) -> dict[str, str]:
-    """The variables ``srun`` sets for task ``rank`` of a one-node job (node ``127.0.0.1``), to try JAX's SLURM detection.
-
-    ``JAX_COORDINATOR_PORT`` replaces the port JAX derives from the job id, and
-    ``JAX_COORDINATOR_BIND_ADDRESS`` keeps the coordinator on loopback (JAX binds every interface
-    by default). Both are environment variables ``jax.distributed.initialize`` reads.
-    """
-    return {
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SLURM_NTASKS": str(ntasks),
-        "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank),
-        "JAX_COORDINATOR_PORT": str(port),
-        "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
-    }
-
-
-FAILURES = ("kill", "raise", "hang")
-
-
 def _fail(how: str, epoch: int) -> None:
     print(f"epoch {epoch + 1}: process {jax.process_index()} fails ({how})", flush=True)
     if how == "kill":
@@ -166,22 +154,26 @@ def _fail(how: str, epoch: int) -> None:
 def train_digits(
     epochs: int = 3,
     steps_per_epoch: int = 4,
-    global_batch: int = 32,
+    per_device_batch: int = 4,
     learning_rate: float = 3e-3,
     checkpoint_dir: str | None = None,
     fail_rank: int | None = None,
     fail_at_epoch: int | None = None,
     fail_how: str = "kill",
+    devices: int | None = None,
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
 
-    Checkpoints after every epoch into ``checkpoint_dir`` and starts from its latest checkpoint.
-    Process ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
+    ``devices`` (default: all) takes the first devices of ``jax.devices()``. Checkpoints after
+    every epoch into ``checkpoint_dir`` and starts from its latest checkpoint. Process
+    ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
     (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever).
     """
     if fail_how not in FAILURES:
         raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")
-    mesh = multihost.global_mesh((jax.device_count(),), ("data",), axis_types=AxisType.Auto)
+    used = jax.devices()[: devices or jax.device_count()]
+    mesh = multihost.global_mesh((len(used),), ("data",), AxisType.Auto, devices=used)
+    global_batch = per_device_batch * len(used)
     tx = optax.adam(learning_rate)
     shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
     train_step, eval_step = train.make_steps(shardings, mesh)
@@ -236,8 +228,61 @@ def train_digits(
     }
 
 
+# The rank prefixes of mpirun --tag-output ([job,rank]<stream>:) and srun --label (rank:), and
+# gloo's connection messages.
+TAG = re.compile(r"^(?:\[\d+,(\d+)\]<(?:stdout|stderr)>: ?|\s*(\d+): )")
+GLOO = re.compile(r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$")
+
+
+@dataclasses.dataclass
+class Job:
+    """A finished command: its exit status, what it printed, and how long it took."""
+
+    command: str
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
+    """Run ``command`` as a terminal would (this Python's environment first on ``PATH``), print its stdout, return it.
+
+    Lines tagged by ``mpirun --tag-output`` (``[1,0]<stdout>: ...``) or ``srun --label``
+    (``0: ...``) show as ``[rank 0] ...``. Gloo's connection messages are counted, not shown.
+    With ``show_stderr``, stderr follows.
+    """
+    print(f"$ {command}")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    start = time.monotonic()
+    result = subprocess.run(
+        command, shell=True, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    job = Job(command, result.returncode, result.stdout, result.stderr, 0.0)
+    job.seconds = time.monotonic() - start
+    hidden = 0
+    for line in job.stdout.splitlines() + (job.stderr.splitlines() if show_stderr else []):
+        if GLOO.search(line):
+            hidden += 1
+        else:
+            print(TAG.sub(lambda m: f"[rank {m[1] or m[2]}] ", line))
+    gloo = f"; {hidden} lines of gloo's connection messages hidden" if hidden else ""
+    print(f"(exit status {job.returncode}, {job.seconds:.1f} s{gloo})")
+    return job
+
+
+def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
+    """``run(command)`` where ``tool`` (``srun``, ``sbatch``) is installed; elsewhere print what would run."""
+    if shutil.which(tool) is None:
+        print(
+            f"{tool} is not installed here; on a cluster with it, this runs:\n$ {command}"
+        )
+        return None
+    return run(command, timeout)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and ``jax.distributed``'s timeouts."""
+    """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and the timeouts."""
     p = argparse.ArgumentParser(
         prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0]
     )
@@ -247,10 +292,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["hello", "hybrid", "train"],
         help="what to run, in order",
     )
+    p.add_argument(
+        "--devices", type=int, help="simulated CPU devices per process (default: 8)"
+    )
     p.add_argument("--out", help="directory where every process writes rank<i>.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps-per-epoch", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--per-device-batch", type=int, default=4)
     p.add_argument(
         "--checkpoint-dir",
         help="save after every epoch here, and resume from the latest checkpoint",
@@ -265,29 +313,16 @@ def parser() -> argparse.ArgumentParser:
         default="kill",
         help="how it fails (default: %(default)s)",
     )
-    p.add_argument("--initialization-timeout", type=int, default=300)
-    p.add_argument("--heartbeat-timeout", type=int, default=100)
-    p.add_argument("--shutdown-timeout", type=int, default=300)
+    defaults = multihost.Timeouts()
+    p.add_argument("--initialization-timeout", type=int, default=defaults.initialization)
+    p.add_argument("--heartbeat-timeout", type=int, default=defaults.heartbeat)
+    p.add_argument("--shutdown-timeout", type=int, default=defaults.shutdown)
     p.add_argument(
-        "--local-device-ids",
-        type=_ids,
-        help="comma-separated GPU ids for jax.distributed.initialize",
-    )
-    p.add_argument(
-        "--no-fail-fast",
+        "--no-exit-on-error",
         action="store_true",
-        help="let an exception exit through jax.distributed.shutdown() (to see the job hang)",
+        help="let an exception exit through jax.distributed.shutdown() (to see the job wait)",
     )
     return p
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(i) for i in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -295,32 +330,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
     info = multihost.initialize(
-        local_device_ids=args.local_device_ids,
-        initialization_timeout=args.initialization_timeout,
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
-        shutdown_timeout_seconds=args.shutdown_timeout,
+        args.devices,
+        timeouts=multihost.Timeouts(
+            args.initialization_timeout, args.heartbeat_timeout, args.shutdown_timeout
+        ),
+        exit_on_error=not args.no_exit_on_error,
     )
-    with contextlib.nullcontext() if args.no_fail_fast else multihost.fail_fast():
-        report = {}
-        for command in args.commands:
-            if command == "hello":
-                report["hello"] = hello(info)
-            elif command == "hybrid":
-                report["hybrid"] = hybrid()
-            else:
-                report["train"] = train_digits(
-                    args.epochs,
-                    args.steps_per_epoch,
-                    args.global_batch,
-                    checkpoint_dir=args.checkpoint_dir,
-                    fail_rank=args.fail_rank,
-                    fail_at_epoch=args.fail_at_epoch,
-                    fail_how=args.fail_how,
-                )
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:
-                json.dump(report, f)
+    report = {}
+    for command in args.commands:
+        if command == "hello":
+            report["hello"] = hello(info)
+        elif command == "hybrid":
+            report["hybrid"] = hybrid()
+        else:
+            report["train"] = train_digits(
+                args.epochs,
+                args.steps_per_epoch,
+                args.per_device_batch,
+                checkpoint_dir=args.checkpoint_dir,
+                fail_rank=args.fail_rank,
+                fail_at_epoch=args.fail_at_epoch,
+                fail_how=args.fail_how,
+            )
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"rank{jax.process_index()}.json"), "w") as f:
+            json.dump(report, f)
 
 
 if __name__ == "__main__":

@@ -570,5 +570,78 @@ def pipeline_schedule(num_stages: int, num_microbatches: int) -> Figure:
         f"bubble {pipeline.bubble_fraction(num_stages, num_microbatches):.0%}",
         fontsize=10,
     )
+
+
+def process_collectives(
+    process_grid: np.ndarray,
+    axis_names: Sequence[str],
+    groups: Mapping[str, Sequence[Sequence[int]]],
+) -> Figure:
+    """A 2-D mesh's devices coloured by the process that owns them, one panel per collective.
+
+    ``process_grid`` holds the owning process at each mesh position (``multihost.process_grid``);
+    ``groups[name]`` are a collective's replica groups as mesh positions (``comms.replica_group_lists``).
+    A group drawn solid red crosses processes (gloo, DCN, the network); dashed green stays inside one.
+    """
+    grid = np.asarray(process_grid)
+    if grid.ndim != 2 or len(axis_names) != 2:
+        raise ValueError(f"process_collectives draws 2-D meshes; got shape {grid.shape}")
+    rows, cols = grid.shape
+    owner = grid.reshape(-1)
+    fig, axes = plt.subplots(
+        1,
+        len(groups),
+        figsize=(2.2 + 1.3 * cols * len(groups), 1.2 + 1.1 * rows),
+        squeeze=False,
+    )
+    for ax, (name, name_groups) in zip(axes[0], groups.items()):
+        for position, process in enumerate(owner):
+            r, c = divmod(position, cols)
+            ax.add_patch(
+                Rectangle(
+                    (c - 0.4, rows - 1 - r - 0.35), 0.8, 0.7,
+                    facecolor=plt.cm.Pastel2(process % 8), edgecolor="black",
+                )
+            )  # fmt: skip
+            ax.text(
+                c,
+                rows - 1 - r + 0.15,
+                f"process {process}, device {position}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
+        crossing = 0
+        for k, group in enumerate(name_groups):
+            crosses = len({int(owner[i]) for i in group}) > 1
+            crossing += crosses
+            ys, xs = zip(*(divmod(i, cols) for i in group))
+            offset = 0.12 * (k - (len(name_groups) - 1) / 2) / max(1, len(name_groups))
+            ax.plot(
+                np.array(xs) + offset,
+                rows - 1 - np.array(ys) - 0.12 + offset,
+                color="tab:red" if crosses else "tab:green",
+                linestyle="-" if crosses else "--",
+                linewidth=2.5,
+                marker="o",
+                label="crosses processes" if crosses else "inside one process",
+            )
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(
+            unique.values(),
+            unique.keys(),
+            fontsize=7,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.02),
+            ncol=2,
+        )
+        ax.set(xlim=(-0.6, cols - 0.4), ylim=(-0.6, rows - 0.4), xticks=[], yticks=[])
+        ax.set_xlabel(f"{axis_names[1]} \u2192", fontsize=8, labelpad=22)
+        ax.set_ylabel(f"\u2190 {axis_names[0]}", fontsize=8)
+        ax.set_title(
+            f"all-reduce over {name!r}: {crossing} of {len(name_groups)} groups cross processes",
+            fontsize=9,
+        )
     fig.tight_layout()
     return fig

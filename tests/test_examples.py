@@ -1,0 +1,168 @@
+"""The recipes in examples/, run as far as this machine allows.
+
+``examples/train.py`` (JAX alone: ``jax.distributed.initialize`` and
+``jax.make_array_from_process_local_data``) runs for real under ``mpirun``, with and without a
+hostfile, and trains identically on any layout. The Kubernetes JobSet cannot run here: it is
+parsed, and what it provides is checked against what the installed JAX's Kubernetes detection
+reads. (The SLURM batch script runs for real in tests/test_slurm.py.)
+"""
+
+import inspect
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BIN = os.path.dirname(sys.executable)
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def run(command, devices, timeout=180):
+    """``command`` from the repository root, with ``devices`` simulated CPU devices per process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env.update(ROOT_OK, JAX_NUM_CPU_DEVICES=str(devices), PATH=f"{BIN}:{env['PATH']}")
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def losses(stdout):
+    return [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", stdout, re.M)]
+
+
+@pytest.fixture(scope="module")
+def three_by_two():
+    return run(["mpirun", "--oversubscribe", "-np", "3", "python", "examples/train.py"], 2)
+
+
+def test_train_py_learns_under_mpirun(three_by_two):
+    values = losses(three_by_two)
+    assert len(values) == 6 and values[-1] < 1e-3 * values[0]
+    assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in three_by_two
+
+
+def test_train_py_gives_the_same_losses_on_another_layout(three_by_two):
+    one_by_six = run(["mpirun", "-np", "1", "python", "examples/train.py"], 6)
+    assert "1 processes x 6 devices" in one_by_six
+    assert losses(one_by_six) == pytest.approx(losses(three_by_two), rel=1e-5)
+
+
+def test_the_hostfile_recipe_runs_on_this_host(three_by_two):
+    hostfile = "examples/mpi/hosts.local"
+    assert "localhost slots=2" in (ROOT / hostfile).read_text()
+    out = run(
+        ["mpirun", "--hostfile", hostfile, "-np", "2", "python", "examples/train.py"], 3
+    )
+    assert "2 processes x 3 devices" in out
+    assert losses(out) == pytest.approx(losses(three_by_two), rel=1e-5)
+
+
+def test_the_cluster_hostfile_lists_slots_per_host():
+    lines = [
+        line.split()
+        for line in (EXAMPLES / "mpi/hosts").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert lines == [["node0", "slots=8"], ["node1", "slots=8"]]
+
+
+def test_train_py_uses_only_jax_for_the_multi_process_parts():
+    source = (EXAMPLES / "train.py").read_text()
+    imports = set(re.findall(r"^(?:from|import) ([\w.]+)", source, re.M))
+    assert imports == {"os", "jax", "jax.numpy", "numpy", "jax.sharding"}
+    assert "jax.distributed.initialize(" in source
+    assert "jax.make_array_from_process_local_data(" in source
+
+
+# --- Kubernetes: the JobSet against JAX's own detection --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    docs = list(yaml.safe_load_all((EXAMPLES / "k8s/jobset.yaml").read_text()))
+    return {doc["kind"]: doc for doc in docs}
+
+
+@pytest.fixture(scope="module")
+def jax_k8s_source():
+    from jax._src.clusters import k8s_cluster  # JAX's Kubernetes detection, as installed
+
+    return inspect.getsource(k8s_cluster)
+
+
+def test_the_jobset_is_one_indexed_job_with_a_process_per_pod(manifest, jax_k8s_source):
+    jobset = manifest["JobSet"]
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    [replicated] = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    # JAX: process count = the Job's parallelism, process id = JOB_COMPLETION_INDEX.
+    assert "return cls._job().spec.parallelism" in jax_k8s_source
+    assert "os.environ['JOB_COMPLETION_INDEX']" in jax_k8s_source
+    assert replicated["replicas"] == 1 and job["parallelism"] == job["completions"] == 2
+    assert job["completionMode"] == "Indexed"
+    [container] = job["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "examples/train.py"]
+
+
+def test_the_jobset_names_the_coordinator_jax_computes(manifest, jax_k8s_source):
+    # JAX's coordinator: pod 0 of the Job, under the JobSet's name as DNS subdomain, port 55527.
+    assert "'jobset.sigs.k8s.io/jobset-name' in job.metadata.labels" in jax_k8s_source
+    assert "'{job_name}-0.{subdomain}'" in jax_k8s_source
+    assert "_coordinator_port = '55527'" in jax_k8s_source
+    jobset = manifest["JobSet"]
+    assert jobset["spec"]["network"]["enableDNSHostnames"] is True
+    [container] = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert container["ports"] == [{"containerPort": 55527}]
+
+
+def test_the_service_account_may_read_what_jax_asks_for(manifest, jax_k8s_source):
+    # The API calls JAX makes for a JobSet's pod, and the permission each one needs.
+    needs = {
+        "list_namespaced_pod": ("", "pods", "list"),
+        "read_namespaced_job": ("batch", "jobs", "get"),
+    }
+    for call in needs:
+        assert f"{call}(" in jax_k8s_source
+    pod = manifest["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    account = pod["spec"]["serviceAccountName"]
+    assert manifest["ServiceAccount"]["metadata"]["name"] == account
+    binding = manifest["RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = manifest["Role"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert set(needs.values()) <= granted
+
+
+def test_jax_needs_the_kubernetes_package_and_the_in_cluster_variables(jax_k8s_source):
+    # What a pod provides on its own: the API server's address, its hostname, the namespace file.
+    for needed in (
+        "'KUBERNETES_SERVICE_HOST' in os.environ",
+        "os.getenv('HOSTNAME')",
+        "/var/run/secrets/kubernetes.io/serviceaccount/namespace",
+        "import kubernetes as k8s",
+        "pip install jax[k8s]",
+    ):
+        assert needed in jax_k8s_source, needed
+    assert "jax[cuda12,k8s]" in (EXAMPLES / "k8s/jobset.yaml").read_text()
+
+
+def test_mpirun_is_on_the_environments_path():
+    assert shutil.which("mpirun", path=BIN)

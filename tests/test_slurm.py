@@ -1,0 +1,134 @@
+"""Multi-process JAX on a real one-node SLURM cluster (started by ``.ci/slurm-up``).
+
+``srun`` starts the processes and JAX's own SLURM detection joins them, with no arguments to
+``initialize``; ``--kill-on-bad-exit=1`` ends a job whose task failed, leaving nothing behind;
+chapter 8's batch script (``examples/slurm/train.sbatch``) runs through ``sbatch``.
+
+Without SLURM these tests skip, saying why; with ``JAXDIST_REQUIRE_SLURM=1`` (as CI sets) they
+fail instead, so a CI run cannot pass by skipping them.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BIN = os.path.dirname(sys.executable)
+
+
+def slurm_missing() -> str | None:
+    """Why SLURM cannot run jobs here, or ``None`` when a node is idle."""
+    if shutil.which("srun") is None:
+        return "srun is not installed (run .ci/slurm-up as root)"
+    try:
+        states = subprocess.run(
+            ["sinfo", "--noheader", "--format=%t"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split()
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 20 s: is slurmctld running? (.ci/slurm-up)"
+    for _ in range(30):  # a node still cleaning up after the last job says "comp"
+        if any(state.startswith(("idle", "mix")) for state in states):
+            return None
+        time.sleep(1)
+        states = subprocess.run(
+            ["sinfo", "--noheader", "--format=%t"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split()
+    if not any(state.startswith(("idle", "mix")) for state in states):
+        return f"no SLURM node is idle (sinfo: {states}); start one with .ci/slurm-up"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def slurm():
+    reason = slurm_missing()
+    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
+        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
+def srun(*args, timeout=180):
+    """``args`` from the repository root, with this environment's Python first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env["PATH"] = f"{BIN}:{env['PATH']}"
+    return subprocess.run(
+        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def demo_pids():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"jaxdist_lessons.multihost_demo" in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_srun_joins_three_processes_through_jaxs_slurm_detection(tmp_path):
+    result = srun(
+        "srun", "--overcommit", "-n", "3",
+        "python", "-m", "jaxdist_lessons.multihost_demo", "--devices", "2", "--out", str(tmp_path), "hello",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(3):
+        hello = json.loads((tmp_path / f"rank{rank}.json").read_text())["hello"]
+        # No arguments and no MPI: JAX read SLURM_PROCID, SLURM_NTASKS and the node list.
+        assert hello["joined_by"] == "cluster detection"
+        assert hello["environment"]["SLURM_PROCID"] == str(rank)
+        assert (hello["process_index"], hello["process_count"]) == (rank, 3)
+        assert len(hello["global_device_ids"]) == 6
+        assert hello["psum_on_my_devices"] == [21.0, 21.0]  # 1 + 2 + ... + 6
+        # JAX's SLURM detection: task i of a node drives the GPU numbered SLURM_LOCALID.
+        assert hello["cuda_visible_devices"] == hello["environment"]["SLURM_LOCALID"]
+
+
+def test_kill_on_bad_exit_ends_a_job_whose_task_failed(tmp_path):
+    before = set(demo_pids())
+    result = srun(
+        "srun", "--overcommit", "--kill-on-bad-exit=1", "-n", "2",
+        "python", "-m", "jaxdist_lessons.multihost_demo", "--devices", "1",
+        "train", "--epochs", "1", "--steps-per-epoch", "2",
+        "--fail-rank", "1", "--fail-at-epoch", "0", "--fail-how", "raise",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "RuntimeError: process 1 raised at epoch 1" in result.stderr
+    assert "task 1: Exited with exit code 1" in result.stderr
+    assert set(demo_pids()) <= before
+
+
+def test_train_py_under_srun_matches_mpirun():
+    env = {"JAX_NUM_CPU_DEVICES": "2"}
+    result = srun("env", *(f"{k}={v}" for k, v in env.items()),
+                  "srun", "--overcommit", "-n", "3", "python", "examples/train.py")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in result.stdout
+
+
+def test_the_chapters_batch_script_runs_through_sbatch(tmp_path):
+    script = ROOT / "examples/slurm/train.sbatch"
+    assert "srun --kill-on-bad-exit=1 python examples/train.py" in script.read_text()
+    result = srun(
+        "sbatch", "--wait", f"--output={tmp_path}/%x-%j.out", str(script), timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("Submitted batch job ")
+    [log] = tmp_path.glob("jaxdist-train-*.out")
+    text = log.read_text()
+    assert "step 30: loss 0.000040" in text
+    assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in text
