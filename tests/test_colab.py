@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -57,12 +58,27 @@ def test_the_cell_does_nothing_off_colab(tmp_path):
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
 
 
+NOT_IN_A_WHEEL = (
+    ".git",
+    ".venv",
+    ".ci-venv",
+    "_build",
+    "build",
+    "dist",
+    "*.egg-info",
+    "book",
+)
+
+
 @pytest.fixture(scope="module")
 def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     """A fresh venv that sees this environment's packages (JAX included, as on Colab) but not
     jaxdist_lessons, and a wheel of the package uploaded to its working directory."""
     tmp = tmp_path_factory.mktemp("colab")
     wheel_dir = tmp / "content"
+    # Built from a copy, so that setuptools' build/ folder is left there, not in the repository.
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_IN_A_WHEEL))
     subprocess.run(
         [
             sys.executable,
@@ -71,7 +87,7 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
             "wheel",
             "-q",
             "--no-deps",
-            str(ROOT),
+            str(source),
             "-w",
             str(wheel_dir),
         ],

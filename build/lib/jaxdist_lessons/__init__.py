@@ -1,1 +1,0 @@
-"""jaxdist_lessons."""

@@ -1,1 +1,0 @@
-"""Models used across the book."""
