@@ -177,12 +177,7 @@ def train_digits(
     tx = optax.adam(learning_rate)
     shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
     train_step, eval_step = train.make_steps(shardings, mesh)
-    if (
-        multihost.is_primary()
-    ):  # one process writes the dataset's files; the others wait, then read them
-        data.digits_source("train")
-    multihost.sync("digits prepared")
-    source = data.digits_source("train")
+    source = data.digits_source("train")  # process 0 writes the files, the others wait
 
     restored = None
     if checkpoint_dir is not None:

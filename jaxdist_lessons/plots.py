@@ -570,6 +570,8 @@ def pipeline_schedule(num_stages: int, num_microbatches: int) -> Figure:
         f"bubble {pipeline.bubble_fraction(num_stages, num_microbatches):.0%}",
         fontsize=10,
     )
+    fig.tight_layout()
+    return fig
 
 
 def process_collectives(

@@ -24,10 +24,12 @@ BIN = os.path.dirname(sys.executable)
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def run(command, devices, timeout=180):
-    """``command`` from the repository root, with ``devices`` simulated CPU devices per process."""
+def run(command, devices, timeout=180, **variables):
+    """``command`` from the repository root, with ``devices`` simulated CPU devices per process
+    and environment ``variables``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
     env.update(ROOT_OK, JAX_NUM_CPU_DEVICES=str(devices), PATH=f"{BIN}:{env['PATH']}")
+    env.update(variables)
     result = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -166,3 +168,51 @@ def test_jax_needs_the_kubernetes_package_and_the_in_cluster_variables(jax_k8s_s
 
 def test_mpirun_is_on_the_environments_path():
     assert shutil.which("mpirun", path=BIN)
+
+
+# examples/recipe.py: the script to copy (issue: the reader's path). It must stand alone.
+
+
+def recipe_losses(stdout):
+    return [float(v) for v in re.findall(r"^step +\d+  loss ([\d.]+)$", stdout, re.M)]
+
+
+@pytest.fixture(scope="module")
+def recipe_one_process(tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("recipe")
+    out = run(
+        ["python", "examples/recipe.py"], 8, STEPS="40", CHECKPOINT_DIR=str(checkpoints)
+    )
+    return out, checkpoints
+
+
+def test_recipe_imports_nothing_from_the_package():
+    source = (EXAMPLES / "recipe.py").read_text()
+    assert "jaxdist_lessons" not in source
+    imported = set(re.findall(r"^(?:from|import) (\w+)", source, re.M))
+    assert imported <= {"os", "re", "flax", "jax", "numpy", "optax", "orbax", "sklearn"}
+
+
+def test_recipe_learns_and_saves_a_checkpoint(recipe_one_process):
+    out, checkpoints = recipe_one_process
+    values = recipe_losses(out)
+    assert len(values) == 40 and values[-1] < 0.5 * values[0]
+    assert "saved step 40 to" in out and "{'data': 4, 'model': 2} mesh" in out
+    assert (checkpoints / "40").is_dir()
+
+
+def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
+    recipe_one_process, tmp_path
+):
+    out = run(
+        ["mpirun", "--oversubscribe", "-np", "4", "python", "examples/recipe.py"],
+        2,
+        timeout=300,
+        STEPS="40",
+        CHECKPOINT_DIR=str(tmp_path),
+    )
+    assert "{'data': 4, 'model': 2} mesh" in out and (tmp_path / "40").is_dir()
+    # The same global batches on 4 processes x 2 devices as on 1 process x 8 devices.
+    assert recipe_losses(out) == pytest.approx(
+        recipe_losses(recipe_one_process[0]), rel=1e-4
+    )

@@ -1,0 +1,128 @@
+"""A complete sharded training script to copy: JAX, Flax, Optax and Orbax, nothing else.
+
+One process:      JAX_NUM_CPU_DEVICES=8 python examples/recipe.py
+Several (MPI):    JAX_NUM_CPU_DEVICES=2 mpirun -np 4 python examples/recipe.py
+On GPUs or TPUs the same file uses the accelerators (leave JAX_NUM_CPU_DEVICES unset).
+STEPS (default 100) and CHECKPOINT_DIR (default /tmp/recipe) may be set in the environment.
+"""
+
+import os
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from sklearn.datasets import load_digits
+
+# Sharding rules: the first parameter path (a regex) that matches gives the spec; the rest are
+# replicated. Megatron's MLP split: the hidden units over 'model', the batch over 'data'.
+RULES = [(r"Dense_0/kernel", P(None, "model")), (r"Dense_0/bias", P("model")),
+         (r"Dense_1/kernel", P("model", None))]  # fmt: skip
+
+
+class MLP(nn.Module):
+    hidden: int = 256
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.relu(nn.Dense(self.hidden)(x)))
+
+
+def join_processes() -> None:
+    """Join the other processes, if a launcher started several (mpirun, srun): JAX detects them."""
+    mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # Open MPI's mpirun
+    if mpi or int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # or SLURM's srun
+        jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+
+
+def spec_for(path, rules=RULES) -> P:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    return next((spec for pattern, spec in rules if re.search(pattern, name)), P())
+
+
+def create_state(mesh, learning_rate: float) -> train_state.TrainState:
+    """Parameters and Adam's moments, born sharded: no device ever holds more than its shards."""
+    model, tx = MLP(), optax.adam(learning_rate)
+
+    def init(rng):  # run under jit with out_shardings, each device makes only its shards
+        params = model.init(rng, jnp.zeros((1, 64)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    specs = jax.tree_util.tree_map_with_path(lambda path, _: spec_for(path), shapes)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+
+
+def make_train_step(state, mesh):
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def train_step(state, images, labels):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, images)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    return jax.jit(
+        train_step,
+        in_shardings=(shardings, batch, batch),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,  # the old state's buffers are reused for the new one
+    )
+
+
+def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
+    """Each process loads only its rows of each global batch; JAX assembles the global array."""
+    digits = load_digits()
+    images, labels = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int32)
+    per_process = global_batch // jax.process_count()
+    rng = np.random.default_rng(seed)
+    sharding = NamedSharding(mesh, P("data"))
+    for _ in range(steps):
+        rows = rng.choice(
+            len(images), global_batch, replace=False
+        )  # the same on every process
+        mine = rows.reshape(jax.process_count(), per_process)[jax.process_index()]
+        yield tuple(
+            jax.make_array_from_process_local_data(
+                sharding, a[mine], (global_batch, *a.shape[1:])
+            )
+            for a in (images, labels)
+        )
+
+
+def main(steps: int, checkpoint_dir: str) -> None:
+    join_processes()
+    n = jax.device_count()
+    model_axis = 2 if n % 2 == 0 else 1  # tensor parallel in pairs where the count allows
+    shape, axes = (n // model_axis, model_axis), ("data", "model")
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto, AxisType.Auto))
+    state = create_state(mesh, learning_rate=1e-3)
+    train_step = make_train_step(state, mesh)
+    batch = 16 * shape[0]  # a multiple of the 'data' axis, hence of the processes
+    for step, (images, labels) in enumerate(global_batches(mesh, batch, steps)):
+        state, loss = train_step(state, images, labels)
+        if jax.process_index() == 0:
+            print(f"step {step:3d}  loss {float(loss):.4f}", flush=True)
+
+    # Every process writes its own shards; Orbax writes each replicated array once.
+    path = os.path.join(os.path.abspath(checkpoint_dir), str(int(state.step)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state, force=True)
+    if jax.process_index() == 0:
+        print(f"saved step {int(state.step)} to {path} on a {dict(mesh.shape)} mesh")
+
+
+if __name__ == "__main__":
+    main(
+        int(os.environ.get("STEPS", "100")), os.environ.get("CHECKPOINT_DIR", "/tmp/recipe")
+    )
