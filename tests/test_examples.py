@@ -207,7 +207,7 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
     out = run(
         ["mpirun", "--oversubscribe", "-np", "4", "python", "examples/recipe.py"],
         2,
-        timeout=300,
+        timeout=900,  # 4 processes on a machine of 2 cores
         STEPS="40",
         CHECKPOINT_DIR=str(tmp_path),
     )
