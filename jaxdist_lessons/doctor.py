@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import sys
 from collections.abc import Mapping, Sequence
@@ -150,9 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argparse.ArgumentParser(
         prog="python -m jaxdist_lessons.doctor", description=__doc__
     ).parse_args(argv)
-    for item in report():
-        print(item)
-        print()
+    try:
+        for item in report():
+            print(item, end="\n\n", flush=True)
+    except BrokenPipeError:  # piped into `head`, which has read enough: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

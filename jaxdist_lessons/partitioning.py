@@ -105,11 +105,15 @@ def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2)
     """A ``('data', 'fsdp', 'model')`` mesh with Auto axes, shaped for ``strategy``.
 
     Auto, because Linen's ``with_logical_constraint`` is a sharding *constraint* that XLA
-    propagates from; Explicit axes make sharding part of every type instead.
+    propagates from; Explicit axes make sharding part of every type instead. With
+    ``num_devices``, the mesh holds the first ``num_devices`` devices.
     """
     n = jax.device_count() if num_devices is None else num_devices
     return mesh_lib.make_mesh(
-        mesh_shape_for(strategy, n, model), MESH_AXES, axis_types=AxisType.Auto
+        mesh_shape_for(strategy, n, model),
+        MESH_AXES,
+        axis_types=AxisType.Auto,
+        devices=jax.devices()[:n],
     )
 
 
@@ -129,7 +133,10 @@ def four_axis_mesh(num_devices: int | None = None) -> Mesh:
     """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right, shaped by ``four_axis_shape``."""
     n = jax.device_count() if num_devices is None else num_devices
     return mesh_lib.make_mesh(
-        four_axis_shape(n), (*MESH_AXES, "pipeline"), axis_types=AxisType.Auto
+        four_axis_shape(n),
+        (*MESH_AXES, "pipeline"),
+        axis_types=AxisType.Auto,
+        devices=jax.devices()[:n],
     )
 
 

@@ -69,3 +69,19 @@ def test_command_line_prints_every_section():
     ]:
         assert heading in out, out
     assert re.search(r"jax\s+0\.10\.2\s+0\.10\.2\s+yes", out)
+
+
+def test_doctor_piped_into_head_ends_quietly():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        f"set -o pipefail; {sys.executable} -m jaxdist_lessons.doctor | head -1",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "Versions\n", "")
