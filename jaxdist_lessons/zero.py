@@ -385,11 +385,14 @@ def expected_collectives(
     if strategy == "data":
         return {"all-reduce": comms.tree_bytes(params) + loss_bytes}
     parts = split(params, num_devices)
-    return {
+    found = {
         "all-gather": parts.sharded,
         "reduce-scatter": parts.sharded // num_devices,
         "all-reduce": parts.replicated + loss_bytes,
     }
+    return {
+        kind: nbytes for kind, nbytes in found.items() if nbytes
+    }  # none where none split
 
 
 def ring_bytes_sent(strategy: str, params: Any, num_devices: int) -> float:
