@@ -647,3 +647,48 @@ def process_collectives(
         )
     fig.tight_layout()
     return fig
+
+
+def memory_measured_vs_predicted(
+    measured: Mapping[str, Mapping[str, float]],
+    predicted: Mapping[str, Mapping[str, float]],
+    unit: str = "MB",
+) -> Figure:
+    """Bytes per device per strategy: a measured bar (solid) beside a predicted one (hatched), each stacked by part.
+
+    ``measured[strategy]`` and ``predicted[strategy]`` map a part ("parameters", "temporaries"...) to
+    bytes; a part keeps its colour in both bars.
+    """
+    if not measured or set(measured) != set(predicted):
+        raise ValueError(
+            f"need the same strategies measured and predicted, got {list(measured)} and {list(predicted)}"
+        )
+    scale = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": hardware.GB}.get(unit)
+    if scale is None:
+        raise ValueError(f"unknown unit {unit!r}; allowed: B, kB, MB, GB")
+    names = list(measured)
+    parts = list(
+        dict.fromkeys(p for bars in (measured, predicted) for s in names for p in bars[s])
+    )
+    colour = {part: plt.cm.tab10(i % 10) for i, part in enumerate(parts)}
+    fig, ax = plt.subplots(figsize=(1.0 + 2.2 * len(names), 4.5))
+    x = np.arange(len(names))
+    for offset, kind, bars, hatch in [
+        (-0.2, "measured", measured, None),
+        (0.2, "predicted", predicted, "//"),
+    ]:
+        bottom = np.zeros(len(names))
+        for part in parts:
+            heights = np.array([bars[s].get(part, 0) for s in names]) / scale
+            if not heights.any():
+                continue
+            ax.bar(
+                x + offset, heights, width=0.38, bottom=bottom, color=colour[part],
+                hatch=hatch, edgecolor="white" if hatch else None, label=f"{kind}: {part}",
+            )  # fmt: skip
+            bottom += heights
+    ax.set_xticks(x, [f"{s}\n(measured | predicted)" for s in names], fontsize=8)
+    ax.set(ylabel=f"{unit} per device", title="What each device holds during a step")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig

@@ -9,8 +9,12 @@ collective is one we asked for:
 - ``fsdp``: parameters, gradients and optimizer state all sharded. The forward pass all-gathers
   the parameters; autodiff turns that all-gather into a reduce-scatter of the gradients. Each
   parameter is gathered once, and autodiff keeps the full copies for the backward pass: the state
-  is sharded between steps, not within one. ZeRO-3 as usually run gathers again in the backward
-  pass instead (``regathering_fsdp_ring_bytes`` gives its bytes).
+  is sharded between steps, not within one.
+
+FSDP as ZeRO-3 runs it, for a model that is a stack of identical layers (``make_layered_fsdp_step``):
+a ``lax.scan`` over the layers whose body, under ``jax.checkpoint``, all-gathers its own layer's
+parameters. One layer's gathered parameters are alive at a time; the backward pass gathers each
+layer again (``regathering_fsdp_ring_bytes`` gives the bytes, ``expected_layered_bytes`` the memory).
 
 The sharding rule (``fsdp_spec``): split each array along its largest dimension that the devices
 divide evenly. An array with no such dimension (a bias of 10 classes on 8 devices, Adam's step
@@ -25,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -162,6 +167,23 @@ def _own_shard(tree: Any, specs: Any, axis: str) -> Any:
     return _by_spec(tree, specs, _unchanged, take)
 
 
+def _fsdp_update(
+    loss_of_shards: Callable[[Any], jax.Array],
+    tx: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    specs: Any,
+    axis: str,
+) -> tuple[Any, Any, jax.Array]:
+    """One FSDP update inside ``shard_map``: the loss of this device's shards differentiated, each gradient reduced once."""
+    local = _vary_replicated(params, specs, axis)
+    loss, grads = jax.value_and_grad(loss_of_shards)(local)
+    n = lax.axis_size(axis)  # the sharded gradients are already reduce-scattered sums
+    grads = _by_spec(grads, specs, lambda g: lax.pmean(g, axis), lambda g, _: g / n)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
+
+
 # --- The steps --------------------------------------------------------------------------------
 
 
@@ -210,20 +232,112 @@ def make_step(
 
     def fsdp_step(params, opt_state, batch):
         # The all-gather's transpose is a reduce-scatter (a sum): autodiff writes FSDP's backward pass.
-        local = _vary_replicated(params, pspecs, axis)
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(_gather(p, pspecs, axis), batch)
-        )(local)
-        n = lax.axis_size(axis)  # the sharded gradients are already reduce-scattered sums
-        grads = _by_spec(grads, pspecs, lambda g: lax.pmean(g, axis), lambda g, _: g / n)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
+        loss_of_shards = lambda p: loss_fn(_gather(p, pspecs, axis), batch)
+        return _fsdp_update(loss_of_shards, tx, params, opt_state, pspecs, axis)
 
     body = {"data": data_step, "zero1": zero1_step, "fsdp": fsdp_step}[strategy]
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(pspecs, ospecs, P(axis)), out_specs=(pspecs, ospecs, P())
     )
     return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
+
+
+# --- FSDP one layer at a time ----------------------------------------------------------------
+
+LayerFn = Callable[[Any, jax.Array], jax.Array]
+"""``layer_fn(one_layer_params, x) -> x``: one layer of a stack of identical layers."""
+
+LAYERED_STRATEGIES = ("data", "fsdp_all_gathered", "fsdp_per_layer")
+
+
+def stacked_specs(tree: Any, mesh: Mesh, axis: str = "fsdp") -> Any:
+    """Specs of stacked layers: each leaf's leading (layer) axis whole, ``fsdp_spec`` on the rest; scalars replicated."""
+    return jax.tree.map(
+        lambda x: P() if x.ndim == 0 else P(None, *fsdp_spec(x.shape[1:], mesh, axis)), tree
+    )
+
+
+def scan_layers(
+    layer_fn: LayerFn,
+    layers: Any,
+    x: jax.Array,
+    gather: Callable[[Any], Any] = _unchanged,
+    remat: bool = False,
+) -> jax.Array:
+    """``x`` through each layer of the stack in turn: a ``lax.scan`` over the leaves' leading axis.
+
+    ``gather(layer)`` makes one layer's stored parameters whole before ``layer_fn`` uses them. With
+    ``remat`` the body is under ``jax.checkpoint``: autodiff saves only each layer's input (and its
+    stored parameters, which are an argument anyway), and the backward pass runs the body again,
+    gather included.
+    """
+
+    def body(x, layer):
+        return layer_fn(gather(layer), x), None
+
+    return lax.scan(jax.checkpoint(body) if remat else body, x, layers)[0]
+
+
+def stack_loss(layer_fn: LayerFn) -> LossFn:
+    """``loss_fn(layers, (inputs, targets))``: mean squared error of the stack's output, unsharded."""
+
+    def loss_fn(layers, batch):
+        inputs, targets = batch
+        return jnp.mean((scan_layers(layer_fn, layers, inputs) - targets) ** 2)
+
+    return loss_fn
+
+
+def make_layered_fsdp_step(
+    layer_fn: LayerFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    layers: Any,
+    opt_state: Any,
+    axis: str = "fsdp",
+    remat: bool = True,
+    donate: bool = True,
+) -> Callable:
+    """FSDP that gathers one layer at a time: ``step(layers, opt_state, (inputs, targets))``, jitted.
+
+    ``layers`` (and the optimizer state) are stacked on a leading layer axis and sharded by
+    ``stacked_specs``; ``place_layers`` puts them there. Inside the scan each layer all-gathers its own
+    parameters. With ``remat`` (ZeRO-3) only that layer's gathered copy is alive, and the backward
+    pass gathers it again; without, autodiff keeps every layer's gathered copy for the backward pass.
+    """
+    specs = stacked_specs(layers, mesh, axis)
+    one_layer = jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P))
+    ospecs = stacked_specs(opt_state, mesh, axis)
+
+    def step(layers, opt_state, batch):
+        inputs, targets = batch
+        gather = lambda layer: _gather(layer, one_layer, axis)
+
+        def loss_of_shards(shards):
+            outputs = scan_layers(layer_fn, shards, inputs, gather, remat)
+            return jnp.mean((outputs - targets) ** 2)
+
+        return _fsdp_update(loss_of_shards, tx, layers, opt_state, specs, axis)
+
+    mapped = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, ospecs, P(axis)), out_specs=(specs, ospecs, P())
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
+
+
+def place_layers(
+    layers: Any, opt_state: Any, mesh: Mesh, axis: str = "fsdp"
+) -> tuple[Any, Any]:
+    """Copies of stacked layers and their optimizer state, sharded by ``stacked_specs`` (new buffers, as ``place``)."""
+    named = lambda tree: jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        stacked_specs(tree, mesh, axis),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return jax.jit(
+        lambda tree: jax.tree.map(lambda x: x.copy(), tree),
+        out_shardings=(named(layers), named(opt_state)),
+    )((layers, opt_state))
 
 
 # --- What theory says ------------------------------------------------------------------------
@@ -271,11 +385,14 @@ def expected_collectives(
     if strategy == "data":
         return {"all-reduce": comms.tree_bytes(params) + loss_bytes}
     parts = split(params, num_devices)
-    return {
+    found = {
         "all-gather": parts.sharded,
         "reduce-scatter": parts.sharded // num_devices,
         "all-reduce": parts.replicated + loss_bytes,
     }
+    return {
+        kind: nbytes for kind, nbytes in found.items() if nbytes
+    }  # none where none split
 
 
 def ring_bytes_sent(strategy: str, params: Any, num_devices: int) -> float:
@@ -295,7 +412,7 @@ def regathering_fsdp_ring_bytes(params: Any, num_devices: int) -> float:
     """Bytes each device sends per step in FSDP as ZeRO-3 runs it: ``3 (N-1)/N`` of the sharded bytes.
 
     Unlike ``make_step("fsdp", ...)``, which gathers each parameter once and keeps the full copy
-    for the backward pass, ZeRO-3 (and PyTorch's FSDP) frees each layer's gathered parameters after
+    for the backward pass, ZeRO-3 (``make_layered_fsdp_step``, and PyTorch's FSDP) frees each layer's gathered parameters after
     its forward computation and all-gathers them again in the backward pass: two all-gathers and a
     reduce-scatter of the sharded bytes, plus the remainder's all-reduce.
     """
@@ -319,3 +436,39 @@ def expected_state_bytes(
     if strategy == "zero1":
         return p.total + optimizer
     return p.sharded // num_devices + p.replicated + optimizer
+
+
+def expected_layered_bytes(
+    strategy: str,
+    layer_params: Any,
+    num_layers: int,
+    num_devices: int,
+    optimizer_slots: int = 2,
+) -> dict[str, int]:
+    """Bytes per device theory predicts for a step on ``num_layers`` layers like ``layer_params``.
+
+    What each device updates: every byte under ``data``, the sharded part over N plus the remainder
+    under FSDP. The step holds it as parameters, ``optimizer_slots`` times as optimizer state (Adam:
+    2), and twice as gradients and updates. FSDP adds the gathered weights: every layer's sharded part
+    (``fsdp_all_gathered``) or one layer's (``fsdp_per_layer``). Activations are left out.
+    """
+    if strategy not in LAYERED_STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; allowed: {', '.join(LAYERED_STRATEGIES)}"
+        )
+    one = split(layer_params, num_devices)
+    if strategy == "data":
+        held = num_layers * one.total
+    else:
+        held = num_layers * (one.sharded // num_devices + one.replicated)
+    gathered = {
+        "data": 0,
+        "fsdp_all_gathered": num_layers * one.sharded,
+        "fsdp_per_layer": one.sharded,
+    }[strategy]
+    return {
+        "parameters": held,
+        "optimizer state": optimizer_slots * held,
+        "gathered weights": gathered,
+        "gradients and updates": 2 * held,
+    }

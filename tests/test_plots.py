@@ -214,3 +214,45 @@ def test_schedule_figure_draws_one_box_per_busy_slot():
     (ax,) = fig.get_axes()
     assert len(ax.patches) == 4 * 6 and "bubble 33%" in ax.get_title()
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"stage {s}" for s in range(4)]
+
+
+def test_memory_measured_vs_predicted_stacks_a_solid_and_a_hatched_bar_per_strategy():
+    measured = {
+        "data": {"parameters": 4e6, "optimizer state": 8e6, "temporaries": 9e6},
+        "fsdp": {"parameters": 1e6, "optimizer state": 2e6, "temporaries": 3e6},
+    }
+    predicted = {
+        "data": {"parameters": 4e6, "optimizer state": 8e6, "gathered weights": 0},
+        "fsdp": {"parameters": 1e6, "optimizer state": 2e6, "gathered weights": 2e6},
+    }
+    fig = plots.memory_measured_vs_predicted(measured, predicted)
+    ax = fig.axes[0]
+    labels = [c.get_label() for c in ax.containers]
+    assert labels == [
+        "measured: parameters",
+        "measured: optimizer state",
+        "measured: temporaries",
+        "predicted: parameters",
+        "predicted: optimizer state",
+        "predicted: gathered weights",
+    ]
+    tops = {}
+    for container in ax.containers:
+        kind = container.get_label().split(":")[0]
+        for name, bar in zip(measured, container):
+            key = (kind, name)
+            tops[key] = max(tops.get(key, 0), bar.get_y() + bar.get_height())
+            assert (bar.get_hatch() is not None) == (kind == "predicted")
+    assert tops == pytest.approx(
+        {("measured", "data"): 21, ("measured", "fsdp"): 6}
+        | {("predicted", "data"): 12, ("predicted", "fsdp"): 5}
+    )
+    # A part keeps its colour in both bars.
+    colours = {c.get_label(): c.patches[0].get_facecolor() for c in ax.containers}
+    assert colours["measured: parameters"] == colours["predicted: parameters"]
+    plt.close(fig)
+
+
+def test_memory_measured_vs_predicted_needs_the_same_strategies():
+    with pytest.raises(ValueError, match="need the same strategies"):
+        plots.memory_measured_vs_predicted({"data": {"parameters": 1}}, {})
