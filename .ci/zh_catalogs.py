@@ -23,6 +23,9 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LANGUAGE = "zh_CN"
+# The jupyter-book of this Python's environment, even when that environment is not activated.
+_BESIDE = pathlib.Path(sys.executable).parent / "jupyter-book"
+JUPYTER_BOOK = str(_BESIDE) if _BESIDE.exists() else "jupyter-book"
 
 
 def gettext_config(root: pathlib.Path = ROOT) -> dict:
@@ -48,7 +51,7 @@ def build_templates(pot_dir: pathlib.Path, root: pathlib.Path = ROOT) -> pathlib
         config.write_text(yaml.safe_dump(gettext_config(root), sort_keys=False))
         out = pathlib.Path(tmp) / "out"
         subprocess.run(
-            ["jupyter-book", "build", str(root), "--builder", "custom"]
+            [JUPYTER_BOOK, "build", str(root), "--builder", "custom"]
             + ["--custom-builder", "gettext", "--config", str(config)]
             + ["--path-output", str(out), "--quiet"],
             cwd=root,

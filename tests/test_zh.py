@@ -202,17 +202,15 @@ def test_a_page_with_no_catalog_counts_as_untranslated(tmp_path):
     assert coverage(pot, po) == (0.25, {"book/01_a": 0, "book/02_b": 3})
 
 
-def test_the_catalogs_cover_every_page_of_the_book(tmp_path):
-    """The templates, regenerated from the current chapters (no execution: a few seconds), have
-    one catalog each under locale/zh_CN, with every current message in it."""
+def test_every_page_of_the_book_has_its_catalog(tmp_path):
+    """The templates, regenerated from the current chapters (no execution: a few seconds), name
+    the same pages as the table of contents, and each has its catalog under locale/zh_CN. (An
+    English edit does not fail this test: its message is new and untranslated, which only lowers
+    the coverage; python .ci/zh_catalogs.py brings it into the catalogs.)"""
     pot = zh_catalogs.build_templates(tmp_path / "gettext")
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     pages = {toc["root"]} | {chapter["file"] for chapter in toc["chapters"]}
-    current = messages(pot)
-    assert set(current) == pages
-    for page, ids in current.items():
-        with (LOCALE / f"{page}.po").open("rb") as handle:
-            in_catalog = {m.id for m in read_po(handle) if m.id}
-        assert ids <= in_catalog, f"{page}: run python .ci/zh_catalogs.py"
+    assert set(messages(pot)) == pages
+    assert {page for page in pages if not (LOCALE / f"{page}.po").exists()} == set()
     share, missing = coverage(pot)
     assert 0.0 <= share <= 1.0 and set(missing) == pages
