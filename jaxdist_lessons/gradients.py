@@ -29,10 +29,11 @@ import jax
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import data, train
+from jaxdist_lessons import mesh as mesh_lib
 from jaxdist_lessons.train import TrainState
 
 Batch = data.Batch
@@ -65,7 +66,7 @@ def loss_fn(
 def apply_gradients(
     tx: optax.GradientTransformation, state: TrainState, grads: Any, batch_stats: Any
 ) -> TrainState:
-    """One optimizer update."""
+    """One optimizer update, as ``jit_step`` writes it out, for the per-device forms."""
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     return state.replace(
         step=state.step + 1,
@@ -95,25 +96,19 @@ def loss_and_grads(
     return jax.value_and_grad(objective, has_aux=True)(state.params)
 
 
-def _global_view_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
-    """A step written for the whole batch: the body of forms 1 and 3."""
-
-    def step(state: TrainState, batch: Batch):
-        (loss, batch_stats), grads = loss_and_grads(model, state, batch)
-        return apply_gradients(tx, state, grads, batch_stats), {
-            "loss": loss,
-            "grads": grads,
-        }
-
-    return step
-
-
 # --- The four forms ---------------------------------------------------------------------------
 
 
+def one_device_mesh() -> Mesh:
+    """A mesh of one device, the first: form 1 is form 3 on it."""
+    return mesh_lib.make_mesh(
+        (1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1]
+    )
+
+
 def single_device_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
-    """Form 1: the whole batch on one device. The reference for the others."""
-    return jax.jit(_global_view_step(with_axis_name(model, None), tx))
+    """Form 1: the whole batch on one device, the reference for the others: ``jit_step`` on one device."""
+    return jit_step(model, tx, one_device_mesh())
 
 
 def pmap_step(
@@ -140,14 +135,34 @@ def pmap_step(
 def jit_step(
     model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
 ) -> Step:
-    """Form 3: ``jax.jit`` over the global batch, sharded over ``data_axis``; the state is replicated.
+    """Form 3, the data-parallel step: ``jax.jit`` over the global batch, sharded over ``data_axis``.
 
-    The compiler sees a mean over a sharded dimension and inserts the all-reduce itself.
+    The step is written as for one device. The compiler sees a mean over a sharded dimension
+    and inserts the all-reduce of the gradients itself.
     """
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axis))
+    model = with_axis_name(model, None)  # BatchNorm sees the global batch: no axis to name
+
+    def step(state: TrainState, batch: Batch):
+        def objective(params):
+            return loss_fn(model, params, state.batch_stats, batch)
+
+        (loss, batch_stats), grads = jax.value_and_grad(objective, has_aux=True)(
+            state.params
+        )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            batch_stats=batch_stats,
+            opt_state=opt_state,
+        )
+        return state, {"loss": loss, "grads": grads}
+
+    replicated = NamedSharding(mesh, P())  # the state: a full copy on every device
+    rows_split = NamedSharding(mesh, P(data_axis))  # the batch: each device a slice of rows
     return jax.jit(
-        _global_view_step(with_axis_name(model, None), tx),
-        in_shardings=(replicated, sharded),
+        step,
+        in_shardings=(replicated, rows_split),
         out_shardings=(replicated, replicated),
     )
 
@@ -246,8 +261,8 @@ def form_step(
     if form in ("jit", "shard_map") and mesh is None:
         raise ValueError(f"form {form!r} needs a mesh with a 'data' axis")
     if form == "one device":
-        step = single_device_step(model, tx)
-        return lambda state, batch: step(*jax.device_put((state, batch), jax.devices()[0]))
+        step, one = single_device_step(model, tx), one_device_mesh()
+        return lambda state, batch: step(*place(state, batch, one))
     if form == "pmap":
         step = pmap_step(model, tx)
         return lambda state, batch: unreplicate(step(replicate(state), split_batch(batch)))
