@@ -61,6 +61,22 @@ def mesh_shapes(num_devices: int, axis_names: Sequence[str]) -> list[tuple[int, 
     ]
 
 
+def devices_for_axis(
+    size: int, devices: Sequence[jax.Device] | None = None
+) -> list[jax.Device]:
+    """The most of ``devices`` (default: all) that an axis of ``size`` splits evenly: all of them,
+    or all but the remainder (6 of 7 for a ``model`` axis of 2). A 2-D mesh on a prime count has
+    one axis of 1; chapters use this to show the nearest mesh with both axes above 1 instead.
+    """
+    positive_int("size", size)
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < size:
+        raise MeshError(
+            f"an axis of {size} needs at least {size} devices, got {len(devices)}"
+        )
+    return devices[: len(devices) - len(devices) % size]
+
+
 def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
     """Sizes for the named axes, in order, where one size may be ``-1``: "whatever is left".
 

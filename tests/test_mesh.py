@@ -112,3 +112,12 @@ def test_bad_input_gets_an_error_naming_the_fix(call, message):
         "{shapes}", str(mesh.mesh_shapes(n, ("data", "model")))
     )
     assert str(info.value) == expected
+
+
+def test_devices_for_axis_drops_the_remainder_so_the_axis_splits_evenly():
+    devices = jax.devices()
+    assert mesh.devices_for_axis(2, devices[:7]) == devices[:6]
+    assert mesh.devices_for_axis(2, devices[:8]) == devices[:8]
+    assert mesh.devices_for_axis(3, devices[:8]) == devices[:6]
+    with pytest.raises(MeshError, match="an axis of 2 needs at least 2 devices, got 1"):
+        mesh.devices_for_axis(2, devices[:1])
