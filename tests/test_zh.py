@@ -214,3 +214,44 @@ def test_every_page_of_the_book_has_its_catalog(tmp_path):
     assert {page for page in pages if not (LOCALE / f"{page}.po").exists()} == set()
     share, missing = coverage(pot)
     assert 0.0 <= share <= 1.0 and set(missing) == pages
+
+
+def _punct(ch: str) -> bool:
+    import unicodedata
+
+    return unicodedata.category(ch)[0] in "PS"
+
+
+def unclosed_bold(text: str) -> list[str]:
+    """The ``**`` that CommonMark will not read as bold in ``text``: a closing ``**`` after
+    punctuation and before a letter (``**归约（X）**阶段``), or an opening one after a letter and
+    before punctuation (``的**（X）**``). Chinese has no spaces to end such a run, so the asterisks
+    show literally, and Sphinx does not warn."""
+    found = []
+    marks = [m.start() for m in re.finditer(r"\*\*", text)]
+    for k, at in enumerate(marks):
+        before = text[at - 1] if at > 0 else " "
+        after = text[at + 2] if at + 2 < len(text) else " "
+        letter = lambda ch: not ch.isspace() and not _punct(ch)  # noqa: E731
+        if k % 2 and _punct(before) and letter(after):
+            found.append(text[max(0, at - 12) : at + 6])
+        if not k % 2 and letter(before) and _punct(after):
+            found.append(text[max(0, at - 6) : at + 12])
+    return found
+
+
+def test_unclosed_bold_finds_what_commonmark_leaves_literal():
+    assert unclosed_bold("**归约分散（reduce-scatter）**阶段")
+    assert unclosed_bold("我们的**（注意）**说明")
+    assert not unclosed_bold("**归约分散**（reduce-scatter）阶段")
+    assert not unclosed_bold("**Auto** 轴，**答案**（点击显示）")
+
+
+def test_no_translation_has_bold_that_would_show_its_asterisks():
+    bad = {}
+    for po in sorted(LOCALE.glob("book/*.po")):
+        with po.open("rb") as f:
+            for message in read_po(f):
+                if message.id and message.string and unclosed_bold(message.string):
+                    bad.setdefault(po.stem, []).extend(unclosed_bold(message.string))
+    assert not bad, bad
