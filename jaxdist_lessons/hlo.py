@@ -183,6 +183,34 @@ def split_async(opcode: str) -> tuple[str, str]:
     return opcode, ""
 
 
+# Entry instructions that do a step's arithmetic (the rest is bookkeeping: parameters, tuples).
+COMPUTE_OPCODES = ("fusion", "dot", "convolution", "custom-call")
+
+
+def schedule_outline(hlo_text: str) -> list[tuple[str, int]]:
+    """The entry computation's order of work, as runs: ``[('compute', 3), ('all-reduce-start', 1), ...]``.
+
+    Collectives keep their opcode (with ``-start``/``-done`` when asynchronous), the arithmetic is
+    ``'compute'``, bookkeeping is left out. A compiled program's text is scheduled, so this is the order
+    in which each device runs its work: what lies between a ``-start`` and its ``-done`` can overlap
+    the collective."""
+    runs: list[tuple[str, int]] = []
+    for inst in instructions(hlo_text):
+        if not inst.in_entry:
+            continue
+        if split_async(inst.opcode)[0] in COLLECTIVE_OPCODES:
+            label = inst.opcode
+        elif inst.opcode in COMPUTE_OPCODES:
+            label = "compute"
+        else:
+            continue
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1] + 1)
+        else:
+            runs.append((label, 1))
+    return runs
+
+
 def opcode_of(name: str) -> str:
     """The opcode an instruction's name spells (``all-reduce.3``, ``all-gather-start.1``): XLA
     names instructions after their opcode, with a numeric suffix, and async pairs after both halves."""

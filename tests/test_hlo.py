@@ -50,6 +50,28 @@ def test_op_counts_read_every_computation_and_the_entry_alone():
     assert hlo.entry_op_counts(HLO) == {"parameter": 2, "fusion": 1, "dot": 1, "tuple": 1}
 
 
+def test_schedule_outline_keeps_the_order_and_the_async_pairs():
+    entry = """ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %fusion = f32[8]{0} fusion(f32[8]{0} %a), kind=kLoop, calls=%f
+  %all-reduce-start = f32[8]{0} all-reduce-start(f32[8]{0} %fusion), replica_groups={}, to_apply=%add
+  %fusion.1 = f32[8]{0} fusion(f32[8]{0} %a), kind=kLoop, calls=%g
+  %dot.2 = f32[8]{0} dot(f32[8]{0} %fusion.1, f32[8]{0} %a), lhs_contracting_dims={}, rhs_contracting_dims={}
+  %all-reduce-done = f32[8]{0} all-reduce-done(f32[8]{0} %all-reduce-start)
+  ROOT %all-gather = f32[8]{0} all-gather(f32[8]{0} %all-reduce-done), dimensions={0}
+}"""
+    assert hlo.schedule_outline(entry) == [
+        ("compute", 1),
+        ("all-reduce-start", 1),
+        ("compute", 2),
+        ("all-reduce-done", 1),
+        ("all-gather", 1),
+    ]
+    assert hlo.schedule_outline(HLO) == [
+        ("compute", 2)
+    ]  # the fused computation is not the entry
+
+
 def test_a_nested_jit_compiles_to_the_same_program():
     def norm(x):
         return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)

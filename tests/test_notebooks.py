@@ -18,7 +18,9 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
-SOURCES = sorted((ROOT / "book").glob("*.md"))
+# Reference pages with no code (the glossary) are plain MyST pages, not notebooks.
+PAGES = ("glossary",)
+SOURCES = sorted(p for p in (ROOT / "book").glob("*.md") if p.stem not in PAGES)
 
 
 def code_cells(path: pathlib.Path) -> list[dict]:
@@ -106,7 +108,16 @@ def test_house_style_outside_intentional_errors(path):
 
 def test_toc_lists_every_notebook_and_nothing_else():
     listed = toc_files()
-    assert sorted(listed) == sorted(f"book/{p.stem}" for p in NOTEBOOKS)
+    assert sorted(listed) == sorted(
+        [f"book/{p.stem}" for p in NOTEBOOKS] + [f"book/{p}" for p in PAGES]
+    )
+
+
+def test_pages_are_plain_markdown_without_code():
+    for name in PAGES:
+        text = (ROOT / "book" / f"{name}.md").read_text()
+        assert not text.startswith("---") and "{code-cell}" not in text, name
+        assert not (ROOT / "book" / f"{name}.ipynb").exists(), name
 
 
 def test_chapters_end_with_what_we_learned_and_hidden_answers():
