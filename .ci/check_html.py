@@ -44,7 +44,7 @@ def problems(html_dir: pathlib.Path, book_dir: pathlib.Path = ROOT / "book") -> 
             continue
         html = page.read_text()
         expected, images = figures_made(chapter), len(IMAGE.findall(html))
-        if re.match(r"0[1-9]_", chapter.name) and expected == 0:
+        if re.match(r"(0[1-9]|[1-9][0-9])_", chapter.name) and expected == 0:
             found.append(f"{chapter.name}: a numbered chapter with no figure")
         if images < expected:
             found.append(

@@ -1,4 +1,4 @@
-"""A roofline-style cost model of one training step: time and memory per device (chapter 9).
+"""A roofline-style cost model of one training step: time and memory per device (chapter 10).
 
 For a Transformer (a ViT or a GPT-style LM), a layout of the devices, and an accelerator, it
 estimates:

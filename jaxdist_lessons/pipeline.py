@@ -1,4 +1,4 @@
-"""A GPipe-style pipeline over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 9).
+"""A GPipe-style pipeline over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 10).
 
 Naming a mesh axis ``'pipeline'`` pipelines nothing: JAX has no pipeline scheduler. Here is one.
 The model is cut into ``S`` stages of the same shape (for example, transformer blocks); device

@@ -37,7 +37,8 @@ CHAPTERS = {
     "06_performance": "6. Performance",
     "07_troubleshooting": "7. Troubleshooting",
     "08_multi_host": "8. Multi-host",
-    "09_flax_partitioning": "9. Flax partitioning and large meshes",
+    "09_flax_partitioning": "9. Logical rules: one model, any strategy",
+    "10_pipelines_mesh_shape": "10. Pipelines and the mesh-shape question",
 }
 
 # The code cells an entry can have, in the order the appendix shows them.
@@ -183,7 +184,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("mesh-shape-speedup", "end",
           "on 8×A100, a (4,2) mesh is 1.8× faster than pure data parallel for ViT; "
           "LMs prefer (2,4)",
-          "unverified", "09_flax_partitioning", ()),
+          "unverified", "10_pipelines_mesh_shape", ()),
 )
 # fmt: on
 
