@@ -8,7 +8,10 @@ with Sphinx's gettext builder and a config derived from ``_config.yml``: nothing
 (the templates hold the prose, not the outputs) and ``gettext_compact`` is off. Step 2 runs
 ``sphinx-intl update``, which adds new messages to ``locale/zh_CN/LC_MESSAGES/book/*.po``, marks
 the ones whose English changed as fuzzy (they fall back to English until a translator checks
-them) and keeps every existing translation. Run it from anywhere; it works in the repository root.
+them) and keeps every existing translation. Step 3 carries translations across pages: a message
+left empty or fuzzy whose exact English is translated elsewhere (another page, or an entry made
+obsolete when a passage moved to another page) takes that translation. Run it from anywhere; it
+works in the repository root.
 """
 
 from __future__ import annotations
@@ -77,6 +80,40 @@ def update_catalogs(pot_dir: pathlib.Path, root: pathlib.Path = ROOT) -> None:
     )
 
 
+def carry_translations(root: pathlib.Path = ROOT) -> int:
+    """Fill each empty or fuzzy message whose exact English is translated in any catalog (obsolete
+    entries included, so a passage moved to another page keeps its translation); how many."""
+    from babel.messages.pofile import read_po, write_po
+
+    paths = sorted((root / "locale" / LANGUAGE / "LC_MESSAGES").rglob("*.po"))
+    catalogs = {}
+    for path in paths:
+        with path.open("rb") as f:
+            catalogs[path] = read_po(f)
+    memory = {}
+    for catalog in catalogs.values():
+        for message in [*catalog, *catalog.obsolete.values()]:
+            if message.id and message.string and not message.fuzzy:
+                memory.setdefault(message.id, message.string)
+    filled = 0
+    for path, catalog in catalogs.items():
+        changed = 0
+        for message in catalog:
+            if (
+                message.id
+                and message.id in memory
+                and (message.fuzzy or not message.string)
+            ):
+                message.string = memory[message.id]
+                message.flags.discard("fuzzy")
+                changed += 1
+        if changed:
+            with path.open("wb") as f:
+                write_po(f, catalog, width=-1)
+            filled += changed
+    return filled
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pot-dir", default=str(ROOT / "_build" / "gettext"))
@@ -85,3 +122,4 @@ if __name__ == "__main__":
     pot_dir = build_templates(pathlib.Path(args.pot_dir))
     if not args.pot_only:
         update_catalogs(pot_dir)
+        print(f"{carry_translations()} messages took a translation from another page")

@@ -255,3 +255,27 @@ def test_no_translation_has_bold_that_would_show_its_asterisks():
                 if message.id and message.string and unclosed_bold(message.string):
                     bad.setdefault(po.stem, []).extend(unclosed_bold(message.string))
     assert not bad, bad
+
+
+def test_translations_are_carried_to_a_page_that_took_the_same_english(tmp_path):
+    folder = tmp_path / "locale" / "zh_CN" / "LC_MESSAGES" / "book"
+    folder.mkdir(parents=True)
+    old, new = Catalog(locale="zh_CN"), Catalog(locale="zh_CN")
+    old.add("A pipeline.", "流水线。")
+    old.obsolete["Moved away."] = old.get("A pipeline.").__class__(
+        "Moved away.", "移走了。"
+    )
+    new.add("A pipeline.", "")
+    new.add("Moved away.", "旧译", flags=["fuzzy"])
+    new.add("Untranslated anywhere.", "")
+    for name, catalog in (("old", old), ("new", new)):
+        with (folder / f"{name}.po").open("wb") as f:
+            write_po(f, catalog)
+    assert zh_catalogs.carry_translations(tmp_path) == 2
+    with (folder / "new.po").open("rb") as f:
+        carried = {m.id: (m.string, m.fuzzy) for m in read_po(f) if m.id}
+    assert carried == {
+        "A pipeline.": ("流水线。", False),
+        "Moved away.": ("移走了。", False),
+        "Untranslated anywhere.": ("", False),
+    }
