@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import demo_pids
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -63,19 +64,6 @@ def mpirun(processes, devices, out, *args, mpirun_args=(), timeout=180):
 
 def reports(out, num_processes):
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(num_processes)]
-
-
-def demo_pids():
-    """Process ids of running multihost_demo processes (to check that none is left behind)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"jaxdist_lessons.multihost_demo" in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_mpirun_is_installed_with_the_requirements():

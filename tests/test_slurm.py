@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from conftest import demo_pids
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = os.path.dirname(sys.executable)
@@ -66,18 +67,6 @@ def srun(*args, timeout=180):
     return subprocess.run(
         args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
-
-
-def demo_pids():
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"jaxdist_lessons.multihost_demo" in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_srun_joins_three_processes_through_jaxs_slurm_detection(tmp_path):
