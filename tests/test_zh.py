@@ -279,3 +279,14 @@ def test_translations_are_carried_to_a_page_that_took_the_same_english(tmp_path)
         "Moved away.": ("移走了。", False),
         "Untranslated anywhere.": ("", False),
     }
+
+
+def test_the_chinese_edition_covers_95_percent(tmp_path):
+    """At least 95% of the current English messages have a non-empty, non-fuzzy translation. An
+    English edit leaves its old translation behind (a different msgid): it counts as missing
+    until python .ci/zh_catalogs.py and a translator bring it up to date."""
+    share, missing = coverage(zh_catalogs.build_templates(tmp_path / "gettext"))
+    behind = {page: count for page, count in missing.items() if count}
+    assert share >= 0.95, (
+        f"{share:.1%} translated; untranslated messages per page: {behind}"
+    )
