@@ -43,8 +43,12 @@ def test_with_install_cell_inserts_once_and_replaces_after():
         colab.with_install_cell("# no code here\n")
 
 
+# A fresh runtime: no PYTHONPATH pointing at a checkout of the package.
+FRESH = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def run_cell(python: str, cwd: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COLAB", "KAGGLE"))}
+    clean = {k: v for k, v in FRESH.items() if not k.startswith(("COLAB", "KAGGLE"))}
     return subprocess.run(
         [python, "-c", colab.INSTALL_CELL],
         cwd=cwd,
@@ -115,7 +119,7 @@ def python_in(
     python: pathlib.Path, code: str, cwd: pathlib.Path
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(python), "-c", code], cwd=cwd, capture_output=True, text=True
+        [str(python), "-c", code], cwd=cwd, env=FRESH, capture_output=True, text=True
     )
 
 
@@ -158,7 +162,7 @@ def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "COLAB_RELEASE_TAG": "simulated", "JAXDIST_NUM_DEVICES": "2"},
+        env={**FRESH, "COLAB_RELEASE_TAG": "simulated", "JAXDIST_NUM_DEVICES": "2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAN" in proc.stdout
