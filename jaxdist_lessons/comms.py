@@ -30,7 +30,6 @@ import numpy as np
 from jaxdist_lessons import hlo
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.compiled import compile_fn
-from jaxdist_lessons.hlo import replica_group_lists  # noqa: F401 - multihost_demo reads it here
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

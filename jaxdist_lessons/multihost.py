@@ -252,7 +252,7 @@ def process_grid(mesh: Mesh) -> np.ndarray:
 def processes_per_group(mesh: Mesh, groups: Sequence[Sequence[int]]) -> list[list[int]]:
     """For each group of a collective compiled on ``mesh``, the processes its devices belong to.
 
-    ``groups`` as ``comms.replica_group_lists`` reads them: positions in the mesh's device order.
+    ``groups`` as ``hlo.replica_group_lists`` reads them: positions in the mesh's device order.
     """
     flat = mesh.devices.flat
     return [sorted({flat[i].process_index for i in group}) for group in groups]

@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, data, gradients, multihost, train
+from jaxdist_lessons import comms, data, gradients, hlo, multihost, train
 
 MODEL = gradients.SmallCNN(channels=8)
 IMAGE_SHAPE = (32, 32, 1)
@@ -126,7 +126,7 @@ def hybrid() -> dict[str, Any]:
             for c in comms.collectives(fn.lower(x).compile().as_text())
             if c.kind == "all-reduce"
         ]
-        groups = comms.replica_group_lists(op.replica_groups, num_devices=mesh.size)
+        groups = hlo.replica_group_lists(op.replica_groups, num_devices=mesh.size)
         report[f"{axis}_groups"] = groups
         report[f"{axis}_group_processes"] = multihost.processes_per_group(mesh, groups)
     multihost.print0(

@@ -582,7 +582,7 @@ def process_collectives(
     """A 2-D mesh's devices coloured by the process that owns them, one panel per collective.
 
     ``process_grid`` holds the owning process at each mesh position (``multihost.process_grid``);
-    ``groups[name]`` are a collective's replica groups as mesh positions (``comms.replica_group_lists``).
+    ``groups[name]`` are a collective's replica groups as mesh positions (``hlo.replica_group_lists``).
     A group drawn solid red crosses processes (gloo, DCN, the network); dashed green stays inside one.
     """
     grid = np.asarray(process_grid)

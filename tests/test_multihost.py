@@ -22,7 +22,7 @@ from conftest import demo_pids
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, multihost, multihost_demo
+from jaxdist_lessons import comms, hlo, multihost, multihost_demo
 
 LAYOUTS = [(2, 4), (4, 2), (1, 8)]  # processes x devices per process: 8 devices each time
 TRAIN = ["--epochs", "2", "--steps-per-epoch", "2"]
@@ -362,9 +362,11 @@ def test_replica_groups_of_a_compiled_psum_and_their_processes():
             lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
         )
     )
-    hlo = fn.lower(multihost.global_array(np.ones(n, np.float32), mesh)).compile().as_text()
-    [op] = [c for c in comms.collectives(hlo) if c.kind == "all-reduce"]
-    groups = comms.replica_group_lists(op.replica_groups, num_devices=n)
+    text = (
+        fn.lower(multihost.global_array(np.ones(n, np.float32), mesh)).compile().as_text()
+    )
+    [op] = [c for c in comms.collectives(text) if c.kind == "all-reduce"]
+    groups = hlo.replica_group_lists(op.replica_groups, num_devices=n)
     assert sorted(i for group in groups for i in group) == list(range(n))
     assert multihost.processes_per_group(mesh, groups) == [[0]] * len(groups)
 

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, mesh, plots
+from jaxdist_lessons import comms, hlo, mesh, plots
 
 
 def psum_groups(m, axis):
@@ -28,7 +28,7 @@ def psum_groups(m, axis):
         for c in comms.collectives(fn.lower(x).compile().as_text())
         if c.kind == "all-reduce"
     ]
-    return comms.replica_group_lists(op.replica_groups, num_devices=m.size)
+    return hlo.replica_group_lists(op.replica_groups, num_devices=m.size)
 
 
 def lines_by_colour(ax):

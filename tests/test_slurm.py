@@ -27,25 +27,22 @@ def slurm_missing() -> str | None:
     """Why SLURM cannot run jobs here, or ``None`` when a node is idle."""
     if shutil.which("srun") is None:
         return "srun is not installed (run .ci/slurm-up as root)"
-    try:
-        states = subprocess.run(
-            ["sinfo", "--noheader", "--format=%t"],
-            capture_output=True,
-            text=True,
-            timeout=20,
+
+    def node_states() -> list[str]:
+        sinfo = ["sinfo", "--noheader", "--format=%t"]
+        return subprocess.run(
+            sinfo, capture_output=True, text=True, timeout=20
         ).stdout.split()
+
+    try:
+        states = node_states()
     except subprocess.TimeoutExpired:
         return "sinfo did not answer in 20 s: is slurmctld running? (.ci/slurm-up)"
     for _ in range(30):  # a node still cleaning up after the last job says "comp"
         if any(state.startswith(("idle", "mix")) for state in states):
             return None
         time.sleep(1)
-        states = subprocess.run(
-            ["sinfo", "--noheader", "--format=%t"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.split()
+        states = node_states()
     if not any(state.startswith(("idle", "mix")) for state in states):
         return f"no SLURM node is idle (sinfo: {states}); start one with .ci/slurm-up"
     return None
