@@ -111,8 +111,9 @@ def main(steps: int, checkpoint_dir: str) -> None:
     batch = 16 * shape[0]  # a multiple of the 'data' axis, hence of the processes
     for step, (images, labels) in enumerate(global_batches(mesh, batch, steps)):
         state, loss = train_step(state, images, labels)
+        loss = float(loss)  # on every process: it waits for the step, so none runs ahead
         if jax.process_index() == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}", flush=True)
+            print(f"step {step:3d}  loss {loss:.4f}", flush=True)
 
     # Every process writes its own shards; Orbax writes each replicated array once.
     path = os.path.join(os.path.abspath(checkpoint_dir), str(int(state.step)))

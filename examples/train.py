@@ -53,8 +53,9 @@ w = global_array(np.zeros(4, np.float32), P())  # replicated: every process pass
 for step in range(30):
     x, y = local_batch(step)
     w, loss = train_step(w, global_array(x, P("data")), global_array(y, P("data")))
+    loss = float(loss)  # on every process: it waits for the step, so none runs ahead
     if jax.process_index() == 0 and step % 5 == 4:
-        print(f"step {step + 1}: loss {float(loss):.6f}", flush=True)
+        print(f"step {step + 1}: loss {loss:.6f}", flush=True)
 if jax.process_index() == 0:
     print(
         f"{jax.process_count()} processes x {jax.local_device_count()} devices; w = {np.round(np.asarray(w), 3)}"
