@@ -266,12 +266,53 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     return job
 
 
+SLURM_TOOLS = ("srun", "sbatch", "salloc")
+
+
+def slurm_unavailable(settle_s: int = 30) -> str | None:
+    """Why SLURM cannot run a job here now, or ``None`` when ``sinfo`` shows a node idle (or partly busy).
+
+    Installed is not enough: on a machine whose controller is down, ``sbatch`` is on ``PATH`` and
+    fails. A node still cleaning up after a job says ``comp``; it gets ``settle_s`` seconds.
+    """
+    if shutil.which("sinfo") is None:
+        return "SLURM is not installed here"
+    states: list[str] = []
+    for _ in range(max(settle_s, 1)):
+        try:
+            done = subprocess.run(
+                ["sinfo", "--noheader", "--format=%t"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except subprocess.TimeoutExpired:
+            return "SLURM is installed, but sinfo did not answer in 20 s (is slurmctld running?)"
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[
+                -1
+            ]
+            return f"SLURM is installed, but sinfo failed ({last})"
+        states = done.stdout.split()
+        if any(state.startswith(("idle", "mix")) for state in states):
+            return None
+        time.sleep(1)
+    return (
+        f"SLURM is installed, but no node is idle (sinfo: {' '.join(states) or 'no nodes'})"
+    )
+
+
 def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
-    """``run(command)`` where ``tool`` (``srun``, ``sbatch``) is installed; elsewhere print what would run."""
+    """``run(command)`` where ``tool`` (``srun``, ``sbatch``) can run it; elsewhere print what would run, and why not here.
+
+    A SLURM tool also needs a running cluster (:func:`slurm_unavailable`).
+    """
     if shutil.which(tool) is None:
-        print(
-            f"{tool} is not installed here; on a cluster with it, this runs:\n$ {command}"
-        )
+        reason = f"{tool} is not installed here"
+    else:
+        reason = slurm_unavailable() if tool in SLURM_TOOLS else None
+    if reason is not None:
+        print(f"{reason}; on a cluster with it, this runs:\n$ {command}")
         return None
     return run(command, timeout)
 

@@ -36,3 +36,45 @@ def test_run_where_prints_the_command_when_the_tool_is_missing(capsys, monkeypat
         "srun is not installed here; on a cluster with it, this runs:\n"
         "$ srun -n 2 python job.py\n"
     )
+
+
+def fake_tools(tmp_path, monkeypatch, sinfo: str) -> None:
+    """``sbatch`` and an ``sinfo`` running the shell line ``sinfo``, alone on ``PATH``."""
+    for name, body in {"sinfo": sinfo, "sbatch": "echo submitted"}.items():
+        tool = tmp_path / name
+        tool.write_text(f"#!/bin/sh\n{body}\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def test_slurm_unavailable_says_so_without_slurm(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert multihost_demo.slurm_unavailable() == "SLURM is not installed here"
+
+
+def test_run_where_skips_sbatch_when_the_controller_does_not_answer(
+    tmp_path, monkeypatch, capsys
+):
+    fake_tools(
+        tmp_path,
+        monkeypatch,
+        "echo 'sinfo: error: Unable to contact slurm controller' >&2; exit 1",
+    )
+    assert multihost_demo.run_where("sbatch", "sbatch job.sbatch") is None
+    assert capsys.readouterr().out == (
+        "SLURM is installed, but sinfo failed (sinfo: error: Unable to contact slurm controller);"
+        " on a cluster with it, this runs:\n$ sbatch job.sbatch\n"
+    )
+
+
+def test_run_where_runs_sbatch_when_a_node_is_idle(tmp_path, monkeypatch):
+    fake_tools(tmp_path, monkeypatch, "echo idle")
+    job = multihost_demo.run_where("sbatch", "sbatch job.sbatch")
+    assert job is not None and job.stdout == "submitted\n"
+
+
+def test_slurm_unavailable_names_the_busy_states(tmp_path, monkeypatch):
+    fake_tools(tmp_path, monkeypatch, "echo alloc; echo drain")
+    assert multihost_demo.slurm_unavailable(settle_s=1) == (
+        "SLURM is installed, but no node is idle (sinfo: alloc drain)"
+    )

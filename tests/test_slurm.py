@@ -11,48 +11,23 @@ fail instead, so a CI run cannot pass by skipping them.
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import demo_pids
+
+from jaxdist_lessons import multihost_demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = os.path.dirname(sys.executable)
 
 
-def slurm_missing() -> str | None:
-    """Why SLURM cannot run jobs here, or ``None`` when a node is idle."""
-    if shutil.which("srun") is None:
-        return "srun is not installed (run .ci/slurm-up as root)"
-
-    def node_states() -> list[str]:
-        sinfo = ["sinfo", "--noheader", "--format=%t"]
-        return subprocess.run(
-            sinfo, capture_output=True, text=True, timeout=20
-        ).stdout.split()
-
-    try:
-        states = node_states()
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer in 20 s: is slurmctld running? (.ci/slurm-up)"
-    for _ in range(30):  # a node still cleaning up after the last job says "comp"
-        if any(state.startswith(("idle", "mix")) for state in states):
-            return None
-        time.sleep(1)
-        states = node_states()
-    if not any(state.startswith(("idle", "mix")) for state in states):
-        return f"no SLURM node is idle (sinfo: {states}); start one with .ci/slurm-up"
-    return None
-
-
 @pytest.fixture(autouse=True)
 def slurm():
-    reason = slurm_missing()
+    reason = multihost_demo.slurm_unavailable()
     if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}")
+        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
     if reason:
         pytest.skip(reason)
 
