@@ -32,7 +32,7 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import devices, train
+from jaxdist_lessons import devices
 from jaxdist_lessons import mesh as mesh_lib
 
 # Set by MPI launchers in every rank's environment: Open MPI's mpirun (4 and 5), MPICH's and
@@ -289,36 +289,6 @@ def is_primary() -> bool:
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
-    """``print`` on process 0 only."""
+    """``print`` on process 0 only, flushed at once (so a job's output is in order)."""
     if is_primary():
-        print(*args, **kwargs)
-
-
-# --- Checkpoints --------------------------------------------------------------------------------
-
-
-def save_checkpoint(root: str, step: int, state: Any) -> str:
-    """Save ``state`` as ``root/<step>``: every process must call it; each writes its own shards.
-
-    Orbax lets process 0 alone write the metadata and waits for all processes, so a checkpoint
-    directory only appears once it is complete.
-    """
-    path = os.path.join(root, str(step))
-    train.save_checkpoint(path, state)
-    return path
-
-
-def latest_step(root: str) -> int | None:
-    """The highest step saved completely under ``root`` (Orbax writes to a temporary name, then renames)."""
-    if not os.path.isdir(root):
-        return None
-    steps = [int(name) for name in os.listdir(root) if name.isdigit()]
-    return max(steps, default=None)
-
-
-def restore_latest(root: str, like: Any, shardings: Any) -> tuple[Any, int] | None:
-    """``(state, step)`` from the latest checkpoint under ``root`` with the given shardings, or ``None``."""
-    step = latest_step(root)
-    if step is None:
-        return None
-    return train.restore_checkpoint(os.path.join(root, str(step)), like, shardings), step
+        print(*args, **{"flush": True, **kwargs})

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -181,7 +182,7 @@ def train_digits(
 
     restored = None
     if checkpoint_dir is not None:
-        restored = multihost.restore_latest(
+        restored = train.restore_latest(
             checkpoint_dir, train.abstract_state(MODEL, tx, IMAGE_SHAPE), shardings
         )
     if restored is None:
@@ -193,6 +194,11 @@ def train_digits(
         state, first_step = restored
         multihost.print0(f"resumed from {os.path.join(checkpoint_dir, str(first_step))}")
     history = train.History()
+    manager = (
+        None
+        if checkpoint_dir is None
+        else ocp.CheckpointManager(os.path.abspath(checkpoint_dir))
+    )
     for epoch in range(first_step // steps_per_epoch, epochs):
         if epoch == fail_at_epoch and jax.process_index() == fail_rank:
             _fail(fail_how, epoch)
@@ -212,8 +218,11 @@ def train_digits(
         )
         losses = [r["loss"] for r in history.train if r["epoch"] == epoch]
         multihost.print0(f"epoch {epoch + 1}: losses {np.round(losses, 4).tolist()}")
-        if checkpoint_dir is not None:
-            multihost.save_checkpoint(checkpoint_dir, int(state.step), state)
+        if manager is not None:  # every process saves its shards, named by the step
+            manager.save(int(state.step), args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()  # complete before an epoch that may fail on purpose
+    if manager is not None:
+        manager.close()
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from jaxdist_lessons import data, sharding
 from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons.multihost import print0
 
 Batch = data.Batch
 # Regex rules on leaf paths, ``[('kernel$', P(None, 'model')), ...]``, or Flax logical rules,
@@ -399,12 +400,6 @@ class Result:
     train_step: Callable
     eval_step: Callable
     first_epoch: int  # 0, or the epochs done by the checkpoint it resumed from
-
-
-def print0(*args: Any) -> None:
-    """``print`` on process 0 only."""
-    if jax.process_index() == 0:
-        print(*args, flush=True)
 
 
 def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
