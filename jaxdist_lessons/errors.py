@@ -3,7 +3,8 @@
 ``explain(exc)`` matches an exception against ``KNOWN_ERRORS`` (exception types and a pattern
 on the real message of jax 0.10.2) and fills in the cause and the fix from the message; for
 an error it does not know, it says so plainly. ``caught(fn, ...)`` returns the exception a call
-raises, so that a chapter can pass it on. The tests raise every entry and compare the
+raises, so that a chapter can pass it on. ``catalogue()`` reproduces every error chapter 7 meets,
+one call each, for ``explain_calls`` to tabulate. The tests raise every entry and compare the
 messages, so a JAX upgrade that rewords one fails a test before a reader meets the new text.
 """
 
@@ -14,8 +15,15 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxdist_lessons import devices, recompiles
+from jaxdist_lessons.mesh import devices_for_axis, mesh_shape
 from jaxdist_lessons.recompiles import RecompileError
 from jaxdist_lessons.tables import Table
 
@@ -256,3 +264,110 @@ def explain_calls(calls: Mapping[str, Callable[[], Any]], title: str = "") -> Ta
         exc = caught(call)
         rows.append([what, type(exc).__name__, explain(exc).title])
     return Table(["what we did", "exception", "explain() says"], rows, title=title)
+
+
+def catalogue() -> dict[str, Callable[[], Any]]:
+    """Chapter 7's errors, one call each that raises it: what was done -> a call with no arguments.
+
+    Built on all devices (at least 2: one device divides every batch); the batch has ``4n + 1``
+    rows, one more than a multiple of the ``n`` devices. Pass it to ``explain_calls``.
+    """
+    n = jax.device_count()
+    if n < 2:
+        raise ValueError(f"the catalogue needs at least 2 devices, got {n}")
+    auto = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+    data = NamedSharding(auto, P("data"))
+    explicit_data = NamedSharding(
+        jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,)), P("data")
+    )
+    pairs = devices_for_axis(2)  # a 'model' axis of 2: on an odd count, all devices but one
+    hybrid = jax.make_mesh(
+        mesh_shape(len(pairs), data=-1, model=2),
+        ("data", "model"),
+        axis_types=(AxisType.Explicit,) * 2,
+        devices=pairs,
+    )
+    x = jax.device_put(
+        np.ones((4 * len(pairs), 16), np.float32), NamedSharding(hybrid, P("data", "model"))
+    )
+    w = jax.device_put(
+        np.ones((16, 32), np.float32), NamedSharding(hybrid, P("model", None))
+    )
+    batch = np.ones((4 * n + 1, 3), np.float32)
+    placed = jax.device_put(np.ones((4 * n, 3), np.float32), data)
+    norm = nn.BatchNorm(use_running_average=False, axis_name="data")
+    norm_variables = norm.init(jax.random.key(0), batch[:n])
+    per_device_sum = jax.shard_map(
+        lambda v: v.sum(keepdims=True), mesh=auto, in_specs=P("data"), out_specs=P("data")
+    )
+
+    def constrained_under_set_mesh():
+        with jax.set_mesh(hybrid):
+            return jax.jit(lambda v: jax.lax.with_sharding_constraint(v, P("data", None)))(
+                x
+            )
+
+    def donated_again():
+        state = jax.device_put(jnp.ones((n, 4)), data)
+        jax.jit(lambda s: s * 0.9, donate_argnums=0)(state)
+        return state + 1
+
+    def leaked():
+        leaks = []
+        jax.jit(lambda v: leaks.append(v) or v)(jnp.ones(3))
+        return leaks[0] + 1
+
+    def recompiled():
+        @jax.jit
+        def mean_of_tokens(tokens):
+            return tokens.mean()
+
+        with recompiles.count_compiles(mean_of_tokens, limit=1):
+            for length in (3, 5):
+                mean_of_tokens(jnp.zeros((n, length), jnp.int32))
+
+    return {
+        "device_put a batch of 4n+1": lambda: jax.device_put(batch, data),
+        "jit in_shardings, same batch": lambda: jax.jit(lambda v: v, in_shardings=data)(
+            batch
+        ),
+        "make_array_from_process_local_data": lambda: (
+            jax.make_array_from_process_local_data(data, batch)
+        ),
+        "device_put on an Explicit mesh": lambda: jax.device_put(batch, explicit_data),
+        "shard_map, same batch": lambda: per_device_sum(batch),
+        "pmap, 4n+1 rows (more than n)": lambda: jax.pmap(lambda v: v.sum())(batch),
+        "pmap, 2n rows not reshaped": lambda: jax.pmap(lambda v: v.sum())(batch[: 2 * n]),
+        "spec names a missing axis": lambda: NamedSharding(auto, P("model")),
+        "spec longer than the rank": lambda: jax.device_put(
+            np.zeros(n, np.float32), NamedSharding(auto, P("data", None))
+        ),
+        "pmap without axis_name": lambda: jax.pmap(lambda v: jax.lax.pmean(v, "data"))(
+            np.ones((n, 3))
+        ),
+        "BatchNorm axis_name under jit": lambda: jax.jit(
+            lambda v, b: norm.apply(v, b, mutable=["batch_stats"])
+        )(norm_variables, placed),
+        "Explicit matmul, no out_sharding": lambda: jax.jit(lambda a, b: a @ b)(x, w),
+        "with_sharding_constraint, Explicit": lambda: jax.jit(
+            lambda v: jax.lax.with_sharding_constraint(
+                v, NamedSharding(hybrid, P("data", None))
+            )
+        )(x),
+        "the same under jax.set_mesh": constrained_under_set_mesh,
+        "donated buffer used again": donated_again,
+        "Python if on a tracer": lambda: jax.shard_map(
+            lambda v: v if jax.lax.axis_index("data") == 0 else -v,
+            mesh=auto,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )(placed),
+        "int() of a tracer": lambda: jax.jit(lambda v: v[: int(v.sum())])(jnp.ones(4)),
+        "leaked tracer": leaked,
+        "recompile on every step": recompiled,
+        "device count set too late": lambda: jax.config.update(
+            "jax_num_cpu_devices", 2 * n
+        ),
+        "setup() after JAX started": lambda: devices.setup(2 * n),
+        "out of memory": lambda: jnp.zeros((2**15, 2**15, 2**15), jnp.float32),
+    }

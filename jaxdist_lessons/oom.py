@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist_lessons import compiled, gradients, hardware, memory, zero
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.models import mlp
-from jaxdist_lessons.tables import human_bytes
+from jaxdist_lessons.tables import Table, human_bytes
 
 
 class OutOfMemoryError(RuntimeError):
@@ -122,6 +122,27 @@ def fits(
         parts,
         what=f"{strategy} over {count} device{'s' if count > 1 else ''}, {optimizer}, {precision}",
     )
+
+
+def strategy_table(
+    num_params: float, devices: Mesh | int, budget: Any, title: str = "", **kwargs: Any
+) -> Table:
+    """``fits`` for every strategy of ``memory.STRATEGIES``: the need per device, the budget, and whether it fits.
+
+    ``kwargs`` go to ``fits`` (optimizer, precision, activation_bytes...).
+    """
+    rows = []
+    for strategy in memory.STRATEGIES:
+        fit = fits(num_params, devices, budget, strategy=strategy, **kwargs)
+        rows.append(
+            [
+                strategy,
+                human_bytes(fit.needed),
+                human_bytes(fit.budget),
+                "yes" if fit.ok else "no",
+            ]
+        )
+    return Table(["strategy", "needed per device", "budget", "fits"], rows, title=title)
 
 
 def compiled_fits(

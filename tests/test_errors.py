@@ -352,3 +352,69 @@ def test_explain_calls_tabulates_what_each_call_raises():
         ["missing axis", "ValueError", "spec names an axis the mesh does not have"],
         ["a key", "KeyError", "unknown KeyError"],
     ]
+
+
+@pytest.mark.skipif(N == 1, reason="one device divides every batch")
+def test_catalogue_raises_each_known_error():
+    table = errors.explain_calls(errors.catalogue())
+    said = {row[0]: (row[1], row[2]) for row in table.rows}
+    assert said == {
+        "device_put a batch of 4n+1": (
+            "IndivisibleError",
+            "batch does not divide by the devices (jit, device_put)",
+        ),
+        "jit in_shardings, same batch": (
+            "IndivisibleError",
+            "batch does not divide by the devices (jit, device_put)",
+        ),
+        "make_array_from_process_local_data": (
+            "IndivisibleError",
+            "batch does not divide by the devices (jit, device_put)",
+        ),
+        "device_put on an Explicit mesh": (
+            "ValueError",
+            "batch does not divide by the devices (jit, device_put)",
+        ),
+        "shard_map, same batch": (
+            "ValueError",
+            "batch does not divide by the devices (shard_map)",
+        ),
+        "pmap, 4n+1 rows (more than n)": (
+            "IndivisibleError",
+            "pmap: more rows than devices",
+        ),
+        "pmap, 2n rows not reshaped": ("ValueError", "pmap: more rows than devices"),
+        "spec names a missing axis": (
+            "ValueError",
+            "spec names an axis the mesh does not have",
+        ),
+        "spec longer than the rank": ("ValueError", "spec longer than the array's rank"),
+        "pmap without axis_name": ("NameError", "unbound axis name"),
+        "BatchNorm axis_name under jit": ("NameError", "unbound axis name"),
+        "Explicit matmul, no out_sharding": (
+            "ShardingTypeError",
+            "Explicit axes: output sharding is ambiguous",
+        ),
+        "with_sharding_constraint, Explicit": (
+            "ValueError",
+            "with_sharding_constraint on Explicit axes, without set_mesh",
+        ),
+        "the same under jax.set_mesh": (
+            "AssertionError",
+            "with_sharding_constraint on Explicit axes, under set_mesh",
+        ),
+        "donated buffer used again": ("RuntimeError", "donated buffer used again"),
+        "Python if on a tracer": (
+            "TracerBoolConversionError",
+            "traced value used as a Python value",
+        ),
+        "int() of a tracer": (
+            "ConcretizationTypeError",
+            "traced value used as a Python value",
+        ),
+        "leaked tracer": ("UnexpectedTracerError", "leaked tracer"),
+        "recompile on every step": ("RecompileError", "recompiled on every step"),
+        "device count set too late": ("RuntimeError", "device count chosen too late"),
+        "setup() after JAX started": ("SetupError", "device count chosen too late"),
+        "out of memory": ("JaxRuntimeError", "out of memory"),
+    }

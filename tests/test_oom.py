@@ -7,6 +7,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, memory, oom, zero
+from jaxdist_lessons.tables import human_bytes
 
 N = jax.device_count()
 
@@ -37,6 +38,26 @@ def test_fits_uses_chapter_1_arithmetic():
         oom.fits(1e6, 1, jax.devices()[0])
     with pytest.raises(ValueError, match="positive integer"):
         oom.fits(1e6, 0, 1e9)
+
+
+def test_strategy_table_lists_fits_for_every_strategy():
+    gpt3 = memory.transformer_params(
+        num_layers=96, hidden=12288, vocab_size=50257, seq_len=2048
+    )
+    table = oom.strategy_table(gpt3, 64, "H100 80GB", title="GPT-3")
+    assert [row[0] for row in table.rows] == list(memory.STRATEGIES)
+    by_strategy = {row[0]: row for row in table.rows}
+    fsdp = oom.fits(gpt3, 64, "H100 80GB", strategy="fsdp")
+    assert by_strategy["fsdp"][1:] == [
+        human_bytes(fsdp.needed),
+        human_bytes(fsdp.budget),
+        "yes",
+    ]
+    assert by_strategy["data"][3] == "no"  # 16 bytes per parameter on every device
+    mixed = oom.strategy_table(gpt3, 64, "H100 80GB", precision="mixed")
+    assert mixed.rows[0][1] == human_bytes(
+        oom.fits(gpt3, 64, "H100 80GB", "replicated", precision="mixed").needed
+    )
 
 
 def test_compiled_fits_reads_the_compilers_figures(auto):
