@@ -24,8 +24,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import data
+from jaxdist_lessons import comms, data
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.tables import Table
 
 LossFn = Callable[[Any, Any], jax.Array]
 GradsFn = Callable[[Any, Any], tuple[jax.Array, Any]]
@@ -100,3 +101,53 @@ VARIANTS: dict[str, Callable[..., GradsFn]] = {
     "jit + scan": naive_grads,
     "shard_map, local": local_grads,
 }
+
+
+COMPARISON_HEADERS = [
+    "variant",
+    "all-reduces",
+    "of them in the loop",
+    "gradients sent per step",
+    "bytes per step",
+    "max |grad - full-batch grad|",
+]
+
+
+def bytes_per_step(grads_fn: GradsFn, params: Any, batch: Any, num_micro: int) -> int:
+    """Collective bytes per device one call sends: a collective in the loop body counts ``num_micro`` times."""
+    found = comms.collectives(comms.compiled_text(grads_fn, params, batch))
+    return sum(c.bytes * (num_micro if c.in_loop else 1) for c in found)
+
+
+def comparison_table(
+    loss_fn: LossFn, params: Any, batch: Any, mesh: Mesh, num_micro: int
+) -> Table:
+    """Each of ``VARIANTS`` on ``mesh``: its all-reduces (in the loop or not), bytes per step, and error.
+
+    The error is the largest difference from the gradient one device computes on the whole batch.
+    ``table.values`` holds the numbers, one row per variant under ``COMPARISON_HEADERS``.
+    """
+    whole = jax.device_get((params, batch))  # one device, the whole batch: the reference
+    reference = jax.jit(jax.grad(loss_fn))(*whole)
+    rows = []
+    for name, variant in VARIANTS.items():
+        grads_fn = variant(loss_fn, mesh, num_micro)
+        found = comms.collectives(comms.compiled_text(grads_fn, params, batch))
+        grads = grads_fn(params, batch)[1]
+        error = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))
+        )
+        per_step = sum(c.bytes * (num_micro if c.in_loop else 1) for c in found)
+        rows.append(
+            [
+                name,
+                len(found),
+                sum(c.in_loop for c in found),
+                per_step // comms.tree_bytes(params),
+                per_step,
+                error,
+            ]
+        )
+    title = f"{num_micro} micro-batches, {mesh.size} devices"
+    return Table(COMPARISON_HEADERS, rows, title=title)

@@ -14,7 +14,7 @@ import datetime
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax
@@ -225,6 +225,95 @@ def compiled_strategy_table(
         rows,
         title=f"{work.name}, {strategy}, {n} {jax.devices()[0].platform.upper()} devices",
     )
+
+
+def compile_strategies(
+    works: Sequence[Workload], tx: optax.GradientTransformation, mesh: Mesh
+) -> dict[tuple[str, str], tuple[jax.stages.Compiled, tuple[Any, Any]]]:
+    """Each workload's step under each of ``zero.STRATEGIES``, compiled, with its placed state.
+
+    Keys are ``(work.name, strategy)``; the state is what the donating program consumes when it runs.
+    """
+    programs = {}
+    for work in works:
+        batch = jax.device_put(work.batch, NamedSharding(mesh, P("data")))
+        opt_shape = jax.eval_shape(tx.init, work.params)
+        for strategy in zero.STRATEGIES:
+            step = zero.make_step(strategy, work.loss_fn, tx, mesh, work.params, opt_shape)
+            state = zero.place(strategy, work.params, tx.init(work.params), mesh)
+            programs[work.name, strategy] = (step.lower(*state, batch).compile(), state)
+    return programs
+
+
+def collectives_table(
+    programs: Mapping[tuple[str, str], tuple[jax.stages.Compiled, Any]],
+    works: Sequence[Workload],
+    num_devices: int,
+) -> Table:
+    """Collective bytes per device of each program of ``compile_strategies``, against ``zero``'s theory."""
+    rows = []
+    for (name, strategy), (program, _) in programs.items():
+        params = next(w.params for w in works if w.name == name)
+        measured = comms.bytes_by_kind(program.as_text())
+        expected = zero.expected_collectives(strategy, params, num_devices)
+        rows.append(
+            [
+                name,
+                strategy,
+                *(measured.get(kind, 0) for kind in comms.KINDS[:3]),
+                "yes" if measured == expected else f"no: {expected}",
+                zero.ring_bytes_sent(strategy, params, num_devices),
+            ]
+        )
+    headers = [
+        "model",
+        "strategy",
+        *comms.KINDS[:3],
+        "= theory",
+        "ring bytes sent per device",
+    ]
+    title = f"Collective bytes per device, read from the compiled programs ({num_devices} devices)"
+    return Table(headers, rows, title=title)
+
+
+def ring_table(works: Sequence[Workload], num_devices: int) -> Table:
+    """Ring bytes each device sends per step: data parallel, ``make_step``'s FSDP, and FSDP gathering again."""
+    rows = []
+    for work in works:
+        data_bytes = zero.ring_bytes_sent("data", work.params, num_devices)
+        ours = zero.ring_bytes_sent("fsdp", work.params, num_devices)
+        again = zero.regathering_fsdp_ring_bytes(work.params, num_devices)
+        rows.append([work.name, data_bytes, ours, again, again / data_bytes])
+    headers = [
+        "model",
+        "data parallel",
+        "this FSDP step",
+        "FSDP gathering again in backward",
+    ]
+    title = f"Ring bytes sent per device per step, {num_devices} devices"
+    return Table([*headers, "that / data parallel"], rows, title=title)
+
+
+def memory_table(
+    programs: Mapping[tuple[str, str], tuple[jax.stages.Compiled, Any]],
+    works: Sequence[Workload],
+    tx: optax.GradientTransformation,
+    num_devices: int,
+) -> Table:
+    """State per device (held and theory's), compiled arguments, temporaries and live bytes of each program."""
+    rows = []
+    for (name, strategy), (program, state) in programs.items():
+        params = next(w.params for w in works if w.name == name)
+        stats = compiled.stats(program)
+        expected = zero.expected_state_bytes(
+            strategy, params, jax.eval_shape(tx.init, params), num_devices
+        )
+        held = max(sharding.bytes_per_device(state).values())
+        row = [name, strategy, held, expected, stats.argument_bytes]
+        rows.append([*row, stats.temp_bytes, stats.live_bytes])
+    headers = ["model", "strategy", "state per device", "theory", "compiled arguments"]
+    title = f"Adam state, {num_devices} devices (bytes per device)"
+    return Table([*headers, "temporaries", "live"], rows, title=title)
 
 
 def environment() -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from jaxdist_lessons import hlo
 from jaxdist_lessons.tables import Table
 
 
@@ -97,3 +98,28 @@ def memory_report(programs: Mapping[str, jax.stages.Compiled], title: str = "") 
         [[name, *memory_row(stats(program))] for name, program in programs.items()],
         title=title,
     )
+
+
+def instruction_table(
+    functions: Mapping[str, Callable], *args: Any, title: str = ""
+) -> Table:
+    """Instructions of each jitted function's lowered program (and its calls) and compiled program (and its fusions).
+
+    What JAX writes against what XLA runs: a nested ``jit`` shows in the lowered program as calls,
+    which XLA inlines. ``table.values`` holds the rows.
+    """
+    rows = []
+    for label, fn in functions.items():
+        lowered = fn.lower(*args)
+        asked, run = lowered.as_text(dialect="hlo"), lowered.compile().as_text()
+        rows.append(
+            [
+                label,
+                hlo.instruction_count(asked),
+                hlo.op_counts(asked)["call"],
+                hlo.instruction_count(run),
+                hlo.op_counts(run)["fusion"],
+            ]
+        )
+    headers = ["function", "lowered instructions", "of them calls", "compiled instructions"]
+    return Table([*headers, "fusions"], rows, title=title)

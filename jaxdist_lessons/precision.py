@@ -20,8 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import comms
+from jaxdist_lessons.tables import Table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +102,37 @@ def data_parallel_grads(
             grads_fn, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=(P(), P())
         )
     )
+
+
+def wire_table(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    mesh: Mesh,
+    data_axis: str = "data",
+) -> Table:
+    """The gradient all-reduce of ``data_parallel_grads`` under each of ``POLICIES``: its dtype and bytes.
+
+    Read twice: in the lowered program (what JAX asks for) and in the compiled one (what this
+    backend runs). The lowered columns leave out the scalar loss. ``table.values`` holds the rows.
+    """
+    rows = []
+    for name, policy in POLICIES.items():
+        placed = jax.device_put(policy.to_param(params), NamedSharding(mesh, P()))
+        lowered = data_parallel_grads(loss_fn, policy, mesh, data_axis).lower(placed, batch)
+        asked = [
+            c for c in comms.collectives(lowered.as_text(dialect="hlo")) if c.elements > 1
+        ]
+        run = comms.collectives(lowered.compile().as_text())
+        rows.append(
+            [
+                name,
+                ",".join(sorted({c.dtype for c in asked})),
+                sum(c.bytes for c in asked),
+                ",".join(sorted({c.dtype for c in run})),
+                sum(c.bytes for c in run),
+            ]
+        )
+    headers = ["policy", "lowered dtype", "lowered bytes"]
+    headers += [f"compiled ({jax.default_backend()}) dtype", "compiled bytes"]
+    return Table(headers, rows, title="The gradient all-reduce, asked for and compiled")

@@ -14,6 +14,8 @@ class Table:
         self, headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
     ):
         self.headers = [str(h) for h in headers]
+        self.values = [list(row) for row in rows]
+        """The rows as given, before formatting: what a chapter's hidden checks read."""
         self.rows = [[_cell(v) for v in row] for row in rows]
         bad = [row for row in self.rows if len(row) != len(self.headers)]
         if bad:

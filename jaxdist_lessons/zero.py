@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,7 +36,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms
+from jaxdist_lessons import comms, compiled, sharding
+from jaxdist_lessons.tables import Table
 
 STRATEGIES = ("data", "zero1", "fsdp")
 
@@ -472,3 +473,98 @@ def expected_layered_bytes(
         "gathered weights": gathered,
         "gradients and updates": 2 * held,
     }
+
+
+# --- Measured against theory -----------------------------------------------------------------
+
+LAYERED_LABELS = {
+    "data": "data parallel",
+    "fsdp_all_gathered": "FSDP, every layer gathered",
+    "fsdp_per_layer": "FSDP, one layer at a time",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredMeasurement:
+    """What ``measure_layered`` read: bytes per device by part, measured and predicted, the all-gathers, a table."""
+
+    measured: dict[str, dict[str, int]]
+    predicted: dict[str, dict[str, int]]
+    gathers: dict[str, list[comms.Collective]]
+    table: Table
+
+    def labelled(self, parts: Mapping[str, Any]) -> dict[str, Any]:
+        """``parts`` keyed by ``LAYERED_LABELS`` (for a figure's legend) instead of by strategy."""
+        return {LAYERED_LABELS[s]: v for s, v in parts.items()}
+
+
+def layered_steps(
+    layer_fn: LayerFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    layers: Any,
+    axis: str = "fsdp",
+) -> dict[str, tuple[Callable, tuple[Any, Any]]]:
+    """The step of each of ``LAYERED_STRATEGIES`` on stacked ``layers``, with its state placed for it.
+
+    ``data``: ``make_step("data", stack_loss(layer_fn), ...)``; ``fsdp_all_gathered`` and
+    ``fsdp_per_layer``: ``make_layered_fsdp_step`` without and with ``remat``.
+    """
+    opt_state = tx.init(layers)
+    loss_fn = stack_loss(layer_fn)
+    steps = {
+        "data": (
+            make_step("data", loss_fn, tx, mesh, layers, opt_state, axis=axis),
+            place("data", layers, opt_state, mesh, axis=axis),
+        )
+    }
+    for strategy, remat in [("fsdp_all_gathered", False), ("fsdp_per_layer", True)]:
+        steps[strategy] = (
+            make_layered_fsdp_step(layer_fn, tx, mesh, layers, opt_state, axis, remat),
+            place_layers(layers, opt_state, mesh, axis),
+        )
+    return steps
+
+
+def measure_layered(
+    steps: Mapping[str, tuple[Callable, tuple[Any, Any]]],
+    batch: Any,
+    one_layer: Any,
+    num_layers: int,
+    num_devices: int,
+) -> LayeredMeasurement:
+    """Compile each ``strategy -> (step, (layers, opt_state))`` of ``LAYERED_STRATEGIES`` and read its memory.
+
+    Measured: the parameters and optimizer state each device holds, and the program's temporaries.
+    Predicted: ``expected_layered_bytes``. The table adds the live bytes, their ratio to theory,
+    and how many all-gathers run inside the layer loop and outside it.
+    """
+    measured, predicted, gathers, rows = {}, {}, {}, []
+    for strategy, (step, state) in steps.items():
+        program = step.lower(*state, batch).compile()
+        stats = compiled.stats(program)
+        held = [max(sharding.bytes_per_device(tree).values()) for tree in state]
+        measured[strategy] = {
+            "parameters": held[0],
+            "optimizer state": held[1],
+            "temporaries": stats.temp_bytes,
+        }
+        predicted[strategy] = expected_layered_bytes(
+            strategy, one_layer, num_layers, num_devices
+        )
+        found = comms.collectives(program.as_text())
+        gathers[strategy] = [c for c in found if c.kind == "all-gather"]
+        in_loop = sum(c.in_loop for c in gathers[strategy])
+        theory = sum(predicted[strategy].values())
+        rows.append(
+            [strategy, *held, stats.temp_bytes, stats.live_bytes, theory]
+            + [stats.live_bytes / theory, in_loop, len(gathers[strategy]) - in_loop]
+        )
+    headers = ["strategy", "parameters", "optimizer state", "temporaries", "live", "theory"]
+    headers += ["live / theory", "all-gathers in the loop", "outside it"]
+    title = (
+        f"One Adam step on {num_layers} blocks, {num_devices} devices (bytes per device)"
+    )
+    return LayeredMeasurement(
+        measured, predicted, gathers, Table(headers, rows, title=title)
+    )

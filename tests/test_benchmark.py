@@ -41,3 +41,26 @@ def test_benchmark_table_agrees_with_theory():
 def test_environment_names_versions():
     line = benchmark.environment()
     assert f"jax {jax.__version__}" in line and "UTC" in line
+
+
+def test_strategy_comparison_tables_agree_with_theory():
+    import optax
+
+    mesh = make_mesh((N,), ("data",))
+    work = benchmark.mlp_workload(N, width=8 * N, depth=1, per_device_batch=2)
+    tx = optax.adam(1e-3)
+    programs = benchmark.compile_strategies([work], tx, mesh)
+    assert list(programs) == [("MLP", s) for s in zero.STRATEGIES]
+    collectives = benchmark.collectives_table(programs, [work], N).values
+    assert [row[5] for row in collectives] == ["yes"] * 3
+    data_row = collectives[0]
+    assert data_row[2:5] == [
+        zero.expected_collectives("data", work.params, N)["all-reduce"],
+        0,
+        0,
+    ]
+    memory = {row[1]: row for row in benchmark.memory_table(programs, [work], tx, N).values}
+    assert all(row[2] == row[3] for row in memory.values())  # held = theory
+    assert memory["fsdp"][2] < memory["zero1"][2] < memory["data"][2]
+    (ring,) = benchmark.ring_table([work], N).values
+    assert ring[1] == pytest.approx(ring[2]) and 1.4 < ring[4] <= 1.5

@@ -81,3 +81,15 @@ def test_live_bytes_count_the_temporaries_that_xla_cpu_peak_leaves_out():
     if jax.default_backend() == "cpu":
         # What compiled.CompiledStats.peak_bytes warns of: XLA:CPU's peak is the arguments and outputs.
         assert row["XLA peak"] == row["arguments"] + row["outputs"] < row["live"]
+
+
+def test_instruction_table_shows_a_nested_jit_as_calls_that_xla_inlines():
+    inner = jax.jit(lambda x: jnp.tanh(x) * 2)
+    plain = lambda x: jnp.tanh(x) * 2
+    grads = lambda f: jax.jit(jax.grad(lambda w, x: jnp.sum(f(x @ w) ** 2)))
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    nested, flat = compiled.instruction_table(
+        {"nested": grads(inner), "plain": grads(plain)}, w, x
+    ).values
+    assert nested[2] > flat[2] and nested[1] > flat[1]  # the calls, lowered
+    assert nested[3:] == flat[3:]  # inlined: the same compiled program

@@ -78,3 +78,16 @@ def test_bf16_all_reduce_halves_the_bytes_in_the_lowered_program(problem):
     if N > 1 and jax.default_backend() == "cpu":
         # XLA:CPU runs its all-reduces in f32: the saving appears only on backends that keep bf16.
         assert {c.dtype for c in compiled} == {"f32"}
+
+
+def test_wire_table_halves_the_lowered_all_reduce_only_with_bf16_gradients(problem):
+    params, x, _ = problem
+    rows = {row[0]: row for row in precision.wire_table(loss_fn, params, x, MESH).values}
+    assert list(rows) == list(precision.POLICIES)
+    fp32_bytes = comms.tree_bytes(params)
+    assert rows["fp32"][1:3] == ["f32", fp32_bytes] == rows["bf16 compute"][1:3]
+    assert rows["bf16 compute and all-reduce"][1:3] == ["bf16", fp32_bytes // 2]
+    if jax.default_backend() == "cpu":
+        assert {row[3] for row in rows.values()} == {
+            "f32"
+        }  # XLA:CPU widens bf16 all-reduces

@@ -74,3 +74,31 @@ def test_a_residual_line_that_cannot_be_read_is_an_error(monkeypatch):
         match="cannot read this line of print_saved_residuals: 'f32<4> output of sin'",
     ):
         residuals.saved_residuals(jnp.sin, jnp.ones(4))
+
+
+@pytest.fixture(scope="module")
+def small_decoder():
+    from jaxdist_lessons.models import transformer
+
+    decoder = transformer.Decoder(
+        vocab_size=32, num_layers=2, hidden=32, num_heads=2, max_len=16
+    )
+    tokens = transformer.random_tokens(jax.random.key(1), 2, 17, 32)
+    params = decoder.init(jax.random.key(0), tokens[:1, :-1])["params"]
+    return decoder, params, tokens
+
+
+def test_remat_table_trades_residuals_for_flops(small_decoder):
+    rows = {r[0]: r for r in residuals.remat_table(*small_decoder).values}
+    assert list(rows) == list(residuals.REMAT_POLICIES)
+    none, full = rows["none"], rows["full (save only block inputs)"]
+    assert none[1] > 2 * full[1] and full[2] > none[2] and full[4] > none[4]
+
+
+def test_precision_table_halves_stored_parameters_not_residuals(small_decoder):
+    fp32, compute, stored = residuals.precision_table(*small_decoder).values
+    assert [fp32[0], compute[0], stored[0]] == list(residuals.PRECISIONS)
+    assert compute[1] == fp32[1] == 2 * stored[1]
+    assert (
+        fp32[2] / 2 < compute[2] < fp32[2]
+    )  # softmax, LayerNorm statistics and logits stay f32

@@ -36,3 +36,9 @@ def test_rows_must_match_headers():
 )
 def test_human_bytes(n, binary, text):
     assert human_bytes(n, binary) == text
+
+
+def test_values_keep_the_rows_unformatted():
+    table = Table(["name", "bytes", "ratio"], [["a", 1234567, 0.123456]])
+    assert table.values == [["a", 1234567, 0.123456]]
+    assert table.rows == [["a", "1,234,567", "0.1235"]]

@@ -307,3 +307,27 @@ def test_expected_layered_bytes():
     )
     with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
         zero.expected_layered_bytes("zero3", layer, 2, 4)
+
+
+def test_measure_layered_reads_what_the_compiled_steps_hold():
+    num_layers = 4
+    layer_fn, layers, batch = layered_case(N, num_layers)
+    mesh = fsdp_mesh(N)
+    one_layer = jax.tree.map(lambda x: x[0], layers)
+    steps = zero.layered_steps(layer_fn, optax.adam(1e-3), mesh, layers)
+    assert list(steps) == list(zero.LAYERED_STRATEGIES)
+    placed = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
+    found = zero.measure_layered(steps, placed, one_layer, num_layers, N)
+    rows = {row[0]: row for row in found.table.values}
+    for s in zero.LAYERED_STRATEGIES:
+        stats = compiled.stats(compiled_layered(layer_fn, layers, batch, mesh, s))
+        assert (
+            rows[s][4] == stats.live_bytes
+            and found.measured[s]["temporaries"] == stats.temp_bytes
+        )
+        assert found.measured[s]["parameters"] == found.predicted[s]["parameters"]
+        assert 0.7 < rows[s][6] < 1.3
+    assert rows["fsdp_per_layer"][4] < rows["fsdp_all_gathered"][4] < rows["data"][4]
+    assert rows["data"][7:] == [0, 0] and rows["fsdp_per_layer"][8] == 0
+    assert rows["fsdp_per_layer"][7] == len(found.gathers["fsdp_per_layer"]) > 0
+    assert list(found.labelled(found.measured)) == list(zero.LAYERED_LABELS.values())
