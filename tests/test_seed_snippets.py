@@ -4,7 +4,7 @@ The article's code and our fixes live once, in the appendix's cells
 (``book/appendix_seed_errata.md``); ``jaxdist_lessons.seed`` says what each entry's cells must do.
 Here the cells run in one IPython namespace, top to bottom from the imports, as in the notebook:
 each article snippet must still fail the way the appendix says, and each fix must still run (the
-fixes assert their own results). If an upgrade changes a message or breaks a fix, update the cell
+hidden ``remove-cell`` cell after a fix asserts its results, and counts as part of the fix). If an upgrade changes a message or breaks a fix, update the cell
 and the prose around it in the appendix, and the entry in ``jaxdist_lessons/seed.py``.
 """
 
@@ -62,6 +62,11 @@ def _tagged(part: str) -> dict[str, str]:
     }
 
 
+def _is_check(cell) -> bool:
+    """A hidden cell (``remove-cell``) that pins the results of the entry above it."""
+    return "remove-cell" in _tags(cell) and _part(cell) is None
+
+
 @dataclasses.dataclass
 class Outcome:
     article_error: BaseException | None = None
@@ -80,10 +85,14 @@ def run() -> Run:
     shell = InteractiveShell.instance()
     shell.reset(new_session=True)
     outcomes: dict[str, Outcome] = {e.key: Outcome() for e in seed.ENTRIES}
+    current = None  # the entry of the last tagged cell: a hidden check belongs to it
     for cell in _code_from_prelude():
         found = _part(cell)
+        if found is None and _is_check(cell) and current is not None:
+            found = (current, "check")
         if found and outcomes[found[0]].fix_error:
             continue  # an entry whose given code or fix failed stops there
+        current = found[0] if found else current
         result = shell.run_cell(cell.source, store_history=True)
         error = result.error_before_exec or result.error_in_exec
         if found is None:
@@ -220,9 +229,9 @@ def test_every_entry_has_its_cells_under_its_heading_in_order():
             parts.append(found)
     assert entries == [e.key for e in seed.ENTRIES]
     assert parts == [(e.key, p) for e in seed.ENTRIES for p in e.cells]
-    assert [
-        _part(c) for c in _code_from_prelude()[1:] if "hide-cell" not in _tags(c)
-    ] == parts
+    shown = [c for c in _code_from_prelude()[1:] if "hide-cell" not in _tags(c)]
+    assert [_part(c) for c in shown if not _is_check(c)] == parts
+    assert not _is_check(shown[0]), "a hidden check follows the entry it pins"
     tagged = {_part(c) for c in _cells() if "raises-exception" in _tags(c)}
     assert tagged == {(e.key, "article") for e in seed.ENTRIES if e.error}
 
