@@ -1,0 +1,360 @@
+"""Train a Llama-style language model on any mesh of data, FSDP and tensor parallelism.
+
+    python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
+        --global-batch 16 --seq-len 128 --num-devices 8
+    JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python examples/lm/train.py --model tiny ...
+    srun --ntasks-per-node=8 --gpus-per-task=1 python examples/lm/train.py --model 1b ...
+    python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
+        --global-batch 16 --num-devices 16 --compile-only   # memory and bytes, no hardware
+
+JAX, Flax, Optax, Orbax, Grain and NumPy only. Each step prints its loss, tokens per second,
+step time and model-flops utilisation; checkpoints hold the model, the optimizer and the data
+iterator, so a rerun on the same --checkpoint-dir continues with the exact next batch. SIGTERM
+or SIGUSR1 (preemption notices) save at the next step boundary and exit 0.
+"""
+
+import argparse
+import collections
+import os
+import re
+import signal
+import sys
+import time
+
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import data  # noqa: E402
+import model as model_lib  # noqa: E402
+
+AXES = ("data", "fsdp", "tensor")  # 'tensor' last: its devices are neighbours, in one node
+
+# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism splits
+# heads, MLP width and vocabulary (Megatron's column/row split). Activations: the batch over
+# data and fsdp; between blocks, the sequence over 'tensor' (sequence parallelism).
+RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+    ("act_seq_residual", "tensor"),
+    ("act_heads", "tensor"), ("act_kv_heads", "tensor"), ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)  # fmt: skip
+
+# Peak dense bf16 flop/s per chip, from the vendors' datasheets (H100/H200 SXM: 989 TFLOP/s).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12,
+              "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12}  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--model", default="tiny", choices=sorted(model_lib.PRESETS))
+    add("--mesh", default="fsdp=-1", help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest")
+    add("--steps", type=int, default=200)
+    add("--global-batch", type=int, default=16, help="sequences per step, all devices")
+    add("--seq-len", type=int, default=128)
+    add("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute type")
+    add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
+    add("--learning-rate", type=float, default=3e-3)
+    add("--warmup-steps", type=int, default=20)
+    add("--weight-decay", type=float, default=0.1)
+    add("--clip-norm", type=float, default=1.0)
+    add("--seed", type=int, default=0)
+    add("--data", help="your own token ids (.npy, or .bin of uint16) instead of the corpus")
+    add(
+        "--data-dir", default="/tmp/jaxdist_lm/data", help="where packed sequences are kept"
+    )
+    add("--checkpoint-dir", help="save here, and resume from the latest step found here")
+    add("--checkpoint-every", type=int, default=100)
+    add("--keep", type=int, default=3, help="checkpoints to keep")
+    add("--num-devices", type=int, help="simulated CPU devices (ignored on accelerators)")
+    add("--compile-only", action="store_true", help="compile one step, print memory, stop")
+    add("--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR")
+    add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
+    return parser.parse_args(argv)
+
+
+def join_processes() -> None:
+    """Join the other processes, if a launcher started several (mpirun, srun): JAX detects them."""
+    mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # Open MPI's mpirun
+    if mpi or int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # or SLURM's srun
+        jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """'data=2,tensor=2' -> a (data, fsdp, tensor) mesh; one axis may be -1, the rest 1."""
+    sizes = {axis: 1 for axis in AXES}
+    for item in spec.split(","):
+        axis, _, size = item.partition("=")
+        if axis not in sizes or not re.fullmatch(r"-?\d+", size):
+            raise SystemExit(f"--mesh {spec}: expected axis=size with axes {AXES}")
+        sizes[axis] = int(size)
+    known = int(np.prod([s for s in sizes.values() if s != -1]))
+    rest = [axis for axis, size in sizes.items() if size == -1]
+    if len(rest) > 1 or jax.device_count() % known:
+        raise SystemExit(f"--mesh {spec} does not fit {jax.device_count()} devices")
+    for axis in rest:
+        sizes[axis] = jax.device_count() // known
+    if np.prod(list(sizes.values())) != jax.device_count():
+        raise SystemExit(f"--mesh {spec} has {np.prod(list(sizes.values()))} devices, "
+                         f"not the {jax.device_count()} there are")  # fmt: skip
+    shape = tuple(sizes[a] for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
+    """Say what does not divide, before JAX says it less clearly."""
+    tensor, batch_ways = mesh.shape["tensor"], mesh.shape["data"] * mesh.shape["fsdp"]
+    for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size"):
+        if getattr(config, name) % tensor:
+            raise SystemExit(
+                f"{name}={getattr(config, name)} does not split over tensor={tensor}"
+            )
+    if args.global_batch % batch_ways:
+        raise SystemExit(f"--global-batch {args.global_batch} does not split over data x fsdp "
+                         f"= {batch_ways} devices")  # fmt: skip
+    if tensor > 1 and args.seq_len % tensor:
+        raise SystemExit(f"--seq-len {args.seq_len} does not split over tensor={tensor}")
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW with warmup and cosine decay, global-norm clipping, no decay on norms or embeddings."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.learning_rate, args.warmup_steps, max(args.steps, args.warmup_steps + 1),
+        end_value=args.learning_rate / 10)  # fmt: skip
+
+    def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
+        return jax.tree_util.tree_map_with_path(lambda p, _: "kernel" in jax.tree_util.keystr(p),
+                                                params)  # fmt: skip
+
+    # Under jit the gradients are sharded arrays, and global_norm's sum is over all of them:
+    # the clipping sees the whole model's norm, whatever the mesh.
+    return optax.chain(optax.clip_by_global_norm(args.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                                   mask=decay))  # fmt: skip
+
+
+def abstract_state(model, tx, mesh, seq_len: int):
+    """The train state's shapes and shardings, from one trace of init under the rules."""
+
+    def init(rng):
+        params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    strip = lambda tree: jax.tree.map(lambda x: x.unbox(False) if is_box(x) else x, tree,
+                                      is_leaf=is_box)  # fmt: skip
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          strip(boxed), shardings)  # fmt: skip
+    return shapes, lambda rng: nn.meta.unbox(init(rng))
+
+
+def make_train_step(shardings, mesh):
+    def train_step(state, tokens_BT):
+        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+
+        def loss_fn(params):
+            logits_BTV = state.apply_fn({"params": params}, inputs_BT)
+            return model_lib.cross_entropy(logits_BTV, targets_BT)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return state.apply_gradients(grads=grads), metrics
+
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
+    return jax.jit(train_step, in_shardings=(shardings, batch),
+                   out_shardings=(shardings, NamedSharding(mesh, P())),
+                   donate_argnums=0)  # fmt: skip
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per collective kind in a compiled program, loops counted by their trip counts.
+
+    All-gather: its output; the others: their operand (here, its output too). On a ring of n
+    devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
+    """
+    kinds = (
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+        "all-to-all",
+        "collective-permute",
+    )
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
+    own, calls, name = collections.defaultdict(collections.Counter), {}, None
+    for line in hlo_text.splitlines():
+        if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
+            name = header.group(1)
+            calls[name], entry = [], name if line.startswith("ENTRY") else None
+            if entry:
+                root = name
+        elif match := re.match(r"\s*\S+ = (.+?) ([a-z-]+?)(?:-start)?\(", line):
+            shape, opcode = match.groups()
+            if opcode in kinds:
+                own[name][opcode] += sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",")
+                                                                 if d] or [1]))
+                                         for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                                         if t in sizes)  # fmt: skip
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
+                calls[name].append((callee, int(trips.group(1)) if trips and opcode == "while"
+                                    else 1))  # fmt: skip
+
+    def total(computation: str) -> collections.Counter:
+        counts = collections.Counter(own[computation])
+        for callee, times in calls.get(computation, []):
+            for kind, size in total(callee).items():
+                counts[kind] += times * size
+        return counts
+
+    return dict(total(root))
+
+
+def compile_only(step, shapes, args, mesh) -> None:
+    """Compile one step for the requested sizes, allocating nothing, and print its costs."""
+    tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, P(("data", "fsdp"))))  # fmt: skip
+    start = time.perf_counter()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        compiled = step.lower(shapes, tokens).compile()
+    memory = compiled.memory_analysis()
+    arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes  # donated: reused
+    sent = collective_bytes(compiled.as_text())
+    print(f"compiled {args.model} on {dict(mesh.shape)} in {time.perf_counter() - start:.1f} s "
+          f"({jax.devices()[0].platform}; XLA:CPU's buffer assignment differs from a GPU's)")  # fmt: skip
+    print(f"per device: arguments {arguments / 1e9:.3f} GB, temporaries {temporaries / 1e9:.3f} "
+          f"GB, total {(arguments + temporaries + outputs) / 1e9:.3f} GB; collectives "
+          + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())), flush=True)  # fmt: skip
+
+
+class Preemption:
+    """Notes SIGTERM and SIGUSR1; all processes agree to stop at the same step."""
+
+    def __init__(self):
+        self.signal = None
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(
+                signum, lambda s, _: setattr(self, "signal", signal.Signals(s).name)
+            )
+
+    def agreed(self) -> bool:
+        stop = np.int32(self.signal is not None)
+        if jax.process_count() > 1:  # one process may see the signal a step before another
+            stop = multihost_utils.process_allgather(stop).max()
+        return bool(stop)
+
+
+def checkpoint_manager(args) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=args.keep,
+                                           save_interval_steps=args.checkpoint_every)  # fmt: skip
+    return ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir), options=options,
+                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                "data": grain.checkpoint.CheckpointHandler()})  # fmt: skip
+
+
+def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
+    """The rows of each global batch that this process's devices hold."""
+    sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    index = sharding.addressable_devices_indices_map((global_batch, seq_len + 1)).values()
+    starts = [i[0].start or 0 for i in index]
+    stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
+    return slice(min(starts), max(stops))
+
+
+def train(args, mesh, model, tx, step, shapes, init) -> None:
+    print0 = print if jax.process_index() == 0 else lambda *a, **k: None
+    if jax.process_index() == 0:
+        path = data.prepare(args.data_dir, args.seq_len, model.config.vocab_size, args.data)
+    multihost_utils.sync_global_devices("data prepared")  # the others wait for process 0
+    path = data.prepare(args.data_dir, args.seq_len, model.config.vocab_size, args.data)
+    rows = process_rows(mesh, args.global_batch, args.seq_len)
+    batches = data.batches(path, args.global_batch, rows, args.seed)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
+            jax.random.key(args.seed))  # born sharded  # fmt: skip
+    manager = checkpoint_manager(args) if args.checkpoint_dir else None
+    if manager and manager.latest_step() is not None:
+        restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(shapes), data=grain.checkpoint.CheckpointRestore(batches)))  # fmt: skip
+        state, batches = restored.state, restored.data
+        print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
+    flops = (
+        model_lib.flops_per_token(model.config, args.seq_len)
+        * args.global_batch
+        * args.seq_len
+    )
+    peak = next(
+        (v for k, v in PEAK_FLOPS.items() if jax.devices()[0].device_kind.startswith(k)),
+        None,
+    )
+    preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(("data", "fsdp")))
+    for _ in range(int(state.step), args.steps):
+        tokens = jax.make_array_from_process_local_data(
+            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
+        )
+        if args.profile and int(state.step) in (5, 8):
+            (
+                jax.profiler.start_trace(args.profile)
+                if int(state.step) == 5
+                else jax.profiler.stop_trace()
+            )
+        start = time.perf_counter()
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+            state, metrics = step(state, tokens)
+        loss = float(
+            metrics["loss"]
+        )  # on every process: it waits for the step, so none runs ahead
+        seconds, now = time.perf_counter() - start, int(state.step)
+        rate = args.global_batch * args.seq_len / seconds
+        mfu = f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
+        print0(f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
+               f"tokens/s {rate:,.0f} step_time {seconds * 1e3:.0f} ms{mfu}", flush=True)  # fmt: skip
+        stop = preemption.agreed()
+        if manager:
+            manager.save(now, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                         data=grain.checkpoint.CheckpointSave(batches)), force=stop or now == args.steps)  # fmt: skip
+        if stop:
+            print0(
+                f"{preemption.signal or 'a signal'}: saved step {now}, exiting", flush=True
+            )
+            break
+    if manager:
+        manager.wait_until_finished()  # the last save is asynchronous
+        manager.close()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.num_devices:
+        jax.config.update("jax_num_cpu_devices", args.num_devices)
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    join_processes()
+    mesh = make_mesh(args.mesh)
+    config = model_lib.PRESETS[args.model]
+    check_fits(config, mesh, args)
+    model = model_lib.Transformer(config, jnp.dtype(args.dtype), args.remat)
+    tx = make_optimizer(args)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        shapes, init = abstract_state(model, tx, mesh, args.seq_len)
+    step = make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh)
+    if args.compile_only:
+        return compile_only(step, shapes, args, mesh)
+    train(args, mesh, model, tx, step, shapes, init)
+
+
+if __name__ == "__main__":
+    main()
