@@ -7,6 +7,9 @@ Runs, from the repository root, with the devices JAX finds (no JAXDIST_NUM_DEVIC
 2. every chapter under pytest's nbmake, one at a time: pass or fail and the seconds it took;
 3. ``benchmarks/resnet50.py`` (images per second and flops utilisation) and
    ``benchmarks/strategies.py``;
+4. the LM recipe, ``examples/lm/train.py``: the ``1b`` preset in bfloat16 on every device of
+   the node (FSDP), its tokens per second, step time and MFU (the median of the steps after
+   the first five), and its ``--compile-only`` memory per device as the GPU compiler assigns it;
 
 and writes ``report.md`` (and each step's full output) into ``--out``. It stops nothing on a
 failure: a failed chapter is a row in the report.
@@ -21,6 +24,8 @@ import argparse
 import datetime
 import os
 import pathlib
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -64,6 +69,43 @@ def table_lines(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if line.strip())
 
 
+def lm_commands(python: str, devices: int, small: bool) -> dict[str, list[str]]:
+    """The LM recipe's training run and compile-only run for this machine's ``devices``."""
+    model = ["--model", "tiny", "--seq-len", "128"] if small else ["--model", "1b"]
+    sizes = [*model, "--mesh", f"fsdp={devices}", "--global-batch", str(4 * devices)]
+    train = [python, "examples/lm/train.py", *sizes, "--dtype", "bfloat16"]
+    steps = ["--steps", "8" if small else "40"]
+    return {"train": [*train, *steps], "compile-only": [*train, "--compile-only"]}
+
+
+def lm_summary(text: str, skip: int = 5) -> str:
+    """The median tokens/s, step time and MFU of the steps after the first ``skip``."""
+    rows = re.findall(
+        r"^step (\d+) loss \S+ .*?tokens/s ([\d,]+) step_time (\d+) ms(?: mfu ([\d.]+)%)?",
+        text,
+        re.M,
+    )
+    rows = [row for row in rows if int(row[0]) > skip]
+    if not rows:
+        return f"no step after the first {skip} finished"
+    tokens = statistics.median(float(r[1].replace(",", "")) for r in rows)
+    step_ms = statistics.median(float(r[2]) for r in rows)
+    mfus = [float(r[3]) for r in rows if r[3]]
+    mfu = f", MFU {statistics.median(mfus):.1f}%" if mfus else ", MFU n/a (no known peak)"
+    return f"median of steps {rows[0][0]}-{rows[-1][0]}: {tokens:,.0f} tokens/s, {step_ms:.0f} ms/step{mfu}"
+
+
+def device_count(python: str) -> int:
+    """How many devices JAX finds here (in a child process: this one never starts JAX)."""
+    done = subprocess.run(
+        [python, "-c", "import jax; print(jax.device_count())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.split()[-1])
+
+
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -89,12 +131,23 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
             args.timeout,
         )
         rows.append(f"| {notebook.stem} | {'pass' if passed else 'FAIL'} | {seconds:.0f} |")
-    small = ["--small"] if args.small else []
+    # strategies.py is CPU-sized already; only resnet50.py has a --small size
+    small = {"resnet50.py": ["--small"] if args.small else [], "strategies.py": []}
     benchmarks = {}
     for script in ("resnet50.py", "strategies.py"):
         log = out / script.replace(".py", ".txt")
-        passed, _ = run([python, f"benchmarks/{script}", *small], log, args.timeout)
+        passed, _ = run([python, f"benchmarks/{script}", *small[script]], log, args.timeout)
         benchmarks[script] = (passed, log.read_text())
+    devices = 8 if args.small else device_count(python)
+    lm = {}
+    for name, command in lm_commands(python, devices, args.small).items():
+        if args.small:
+            command = [*command, "--num-devices", "8"]
+        log = out / f"lm-{name}.txt"
+        passed, _ = run(command, log, args.timeout)
+        text = log.read_text()
+        summary = lm_summary(text) if name == "train" else text.strip().splitlines()[-1:]
+        lm[name] = (passed, " ".join(command[1:]), summary)
 
     report = [
         f"# jaxdist on {os.uname().nodename}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
@@ -122,6 +175,11 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
             table_lines(text),
             "```",
         ]
+    report += ["", "## The LM recipe (examples/lm/train.py)", ""]
+    for passed, command, summary in lm.values():
+        status = "" if passed else " (FAILED: see its log)"
+        text = summary if isinstance(summary, str) else "\n".join(summary)
+        report += [f"`{command}`{status}", "", "```", text, "```", ""]
     path = out / "report.md"
     path.write_text("\n".join(report) + "\n")
     print(path.read_text())
