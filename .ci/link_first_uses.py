@@ -47,7 +47,7 @@ TERMS = [
 
 JAX = "https://docs.jax.dev/en/latest/_autosummary/"
 SHARDING = "https://docs.jax.dev/en/latest/jax.sharding.html"
-LINEN = "https://flax.readthedocs.io/en/latest/api_reference/flax.linen/"
+LINEN = "https://flax-linen.readthedocs.io/en/latest/api_reference/flax.linen/"
 NNX_SPMD = "https://flax.readthedocs.io/en/latest/api_reference/flax.nnx/spmd.html"
 OPTAX = "https://optax.readthedocs.io/en/latest/api/"
 # (spellings in backticks, reference page); each page checked to exist before it was listed.
@@ -64,7 +64,7 @@ APIS = [
     ),
     (
         ["jax.sharding.reshard", "reshard"],
-        "https://docs.jax.dev/en/latest/notebooks/explicit-sharding.html",
+        "https://docs.jax.dev/en/latest/201/sharding.html",
     ),
     (
         ["jax.sharding.NamedSharding", "NamedSharding"],

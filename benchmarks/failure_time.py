@@ -28,7 +28,7 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 def launchers(processes: int) -> dict[str, list[str]]:
     """The launch commands to time: mpirun always, srun where SLURM answers."""
-    found = {"mpirun": ["mpirun", "--oversubscribe", "-np", str(processes)]}
+    found = {"mpirun": ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", str(processes)]}
     if shutil.which("srun"):
         found["srun --kill-on-bad-exit=1"] = [
             "srun", "--overcommit", "--kill-on-bad-exit=1", "-u", "-n", str(processes)

@@ -232,7 +232,7 @@ def train_digits(
     }
 
 
-# The rank prefixes of mpirun --tag-output ([job,rank]<stream>:) and srun --label (rank:), and
+# The rank prefixes of mpirun --output tag ([job,rank]<stream>:) and srun --label (rank:), and
 # gloo's connection messages.
 TAG = re.compile(r"^(?:\[\d+,(\d+)\]<(?:stdout|stderr)>: ?|\s*(\d+): )")
 GLOO = re.compile(r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$")
@@ -252,7 +252,7 @@ class Job:
 def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     """Run ``command`` as a terminal would (this Python's environment first on ``PATH``), print its stdout, return it.
 
-    Lines tagged by ``mpirun --tag-output`` (``[1,0]<stdout>: ...``) or ``srun --label``
+    Lines tagged by ``mpirun --output tag`` (``[1,0]<stdout>: ...``) or ``srun --label``
     (``0: ...``) show as ``[rank 0] ...``. Gloo's connection messages are counted, not shown.
     With ``show_stderr``, stderr follows.
     """

@@ -43,7 +43,10 @@ def losses(stdout):
 
 @pytest.fixture(scope="module")
 def three_by_two():
-    return run(["mpirun", "--oversubscribe", "-np", "3", "python", "examples/train.py"], 2)
+    return run(
+        ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", "3", "python", "examples/train.py"],
+        2,
+    )
 
 
 def test_train_py_learns_under_mpirun(three_by_two):
@@ -205,7 +208,15 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
     recipe_one_process, tmp_path
 ):
     out = run(
-        ["mpirun", "--oversubscribe", "-np", "4", "python", "examples/recipe.py"],
+        [
+            "mpirun",
+            "--map-by",
+            ":OVERSUBSCRIBE",
+            "-np",
+            "4",
+            "python",
+            "examples/recipe.py",
+        ],
         2,
         timeout=300,  # about 11 s with 4 processes on 2 cores; a hang fails here, not in CI's limit
         STEPS="40",

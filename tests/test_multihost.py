@@ -37,8 +37,10 @@ def mpirun(processes, devices, out, *args, mpirun_args=(), timeout=180):
     """``mpirun -np P python -m jaxdist_lessons.multihost_demo --devices D --out OUT args``."""
     command = [
         MPIRUN,
-        "--oversubscribe",
-        "--tag-output",
+        "--map-by",
+        ":OVERSUBSCRIBE",
+        "--output",
+        "tag",
         *mpirun_args,
         "-np",
         str(processes),
