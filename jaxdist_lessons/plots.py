@@ -692,3 +692,52 @@ def memory_measured_vs_predicted(
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig
+
+
+def lm_scale(
+    rows: Sequence[Mapping], memory_lines: Mapping[str, float] | None = None
+) -> Figure:
+    """Memory per device (top) and collective bytes per step (bottom) of compiled LM steps.
+
+    ``rows`` are ``benchmarks/lm_scale.py``'s: each has ``model``, ``devices``, ``strategy``,
+    ``total`` (GB per device) and ``collectives`` (bytes per kind). One column per model, one group
+    of bars per device count, one bar per strategy; ``memory_lines`` maps a label ("H100 80 GB") to
+    GB, drawn as dashed lines on the memory panels. Both axes are logarithmic.
+    """
+    if not rows:
+        raise ValueError("need at least one row")
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    counts = sorted({r["devices"] for r in rows})
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    found = {(r["model"], r["devices"], r["strategy"]): r for r in rows}
+    fig, axes = plt.subplots(
+        2, len(models), figsize=(3.6 * len(models), 6.2), squeeze=False
+    )
+    width = 0.8 / len(strategies)
+    for column, model in enumerate(models):
+        for i, strategy in enumerate(strategies):
+            picked = [found.get((model, n, strategy)) for n in counts]
+            x = np.arange(len(counts)) + (i - (len(strategies) - 1) / 2) * width
+            memory_gb = [r["total"] if r else np.nan for r in picked]
+            sent_gb = [
+                sum(r["collectives"].values()) / 1e9 if r else np.nan for r in picked
+            ]
+            colour = plt.cm.tab10(i % 10)
+            axes[0, column].bar(x, memory_gb, width, color=colour, label=strategy)
+            axes[1, column].bar(x, sent_gb, width, color=colour, label=strategy)
+        for row, ylabel in enumerate(["GB per device", "collective GB per step"]):
+            ax = axes[row, column]
+            ax.set_yscale("log")
+            ax.set_xticks(
+                np.arange(len(counts)), [f"{n} devices" for n in counts], fontsize=8
+            )
+            if column == 0:
+                ax.set_ylabel(ylabel)
+        axes[0, column].set_title(f"{model}: memory per device")
+        axes[1, column].set_title(f"{model}: bytes per step")
+        for k, (label, gb) in enumerate((memory_lines or {}).items()):
+            axes[0, column].axhline(gb, color="0.3", linestyle=("--", ":")[k % 2], lw=1,
+                                    label=label)  # fmt: skip
+    axes[0, 0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig

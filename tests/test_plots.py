@@ -256,3 +256,37 @@ def test_memory_measured_vs_predicted_stacks_a_solid_and_a_hatched_bar_per_strat
 def test_memory_measured_vs_predicted_needs_the_same_strategies():
     with pytest.raises(ValueError, match="need the same strategies"):
         plots.memory_measured_vs_predicted({"data": {"parameters": 1}}, {})
+
+
+def test_lm_scale_draws_one_bar_per_strategy_and_device_count():
+    rows = [
+        {
+            "model": m,
+            "devices": n,
+            "strategy": s,
+            "total": t * n,
+            "collectives": {"all-gather": 1e9 * t},
+        }
+        for m in ("1b", "8b")
+        for n in (8, 64)
+        for t, s in ((1.0, "DP"), (2.0, "FSDP"))
+    ]
+    fig = plots.lm_scale(rows, memory_lines={"H100 80 GB": 80})
+    assert [ax.get_title() for ax in fig.axes] == [
+        "1b: memory per device",
+        "8b: memory per device",
+        "1b: bytes per step",
+        "8b: bytes per step",
+    ]
+    memory_8b = fig.axes[1]
+    heights = {c.get_label(): [b.get_height() for b in c] for c in memory_8b.containers}
+    assert heights == {"DP": [8.0, 64.0], "FSDP": [16.0, 128.0]}
+    sent_1b = fig.axes[2]
+    assert [b.get_height() for b in sent_1b.containers[1]] == [2.0, 2.0]
+    assert [line.get_label() for line in memory_8b.get_lines()] == ["H100 80 GB"]
+    assert memory_8b.get_yscale() == "log"
+
+
+def test_lm_scale_needs_rows():
+    with pytest.raises(ValueError, match="at least one row"):
+        plots.lm_scale([])
