@@ -1,4 +1,4 @@
-"""A complete sharded training script to copy: JAX, Flax, Optax and Orbax, nothing else.
+"""A complete sharded training script to copy: JAX, Flax, Optax and Orbax (scikit-learn for its digits).
 
 One process:      JAX_NUM_CPU_DEVICES=8 python examples/recipe.py
 Several (MPI):    JAX_NUM_CPU_DEVICES=2 mpirun -np 4 python examples/recipe.py
