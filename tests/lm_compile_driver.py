@@ -34,7 +34,9 @@ def axes_of(groups: list[list[int]], mesh) -> str:
     spanned = set()
     for group in groups:
         coords = np.array([where[d] for d in group])
-        spanned |= {train.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1}
+        spanned |= {
+            train.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1
+        }
     return "+".join(a for a in train.AXES if a in spanned) or "none"
 
 
@@ -46,7 +48,9 @@ def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
     for number, line in enumerate(lines):
         if re.search(r" all-gather(-start)?\(", line):
             groups = hlo.attribute(line, "replica_groups")
-            kinds[number] = axes_of(hlo.replica_group_lists(groups, len(mesh.devices.flat)), mesh)
+            kinds[number] = axes_of(
+                hlo.replica_group_lists(groups, len(mesh.devices.flat)), mesh
+            )
     result = {}
     for kind in set(kinds.values()):
         kept = [line.replace(" all-gather", " other-gather") if kinds.get(n, kind) != kind
