@@ -13,13 +13,17 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 
 import flax.linen as nn
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from jaxdist_lessons import multihost_demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
