@@ -154,8 +154,8 @@ def test_a_resumed_run_continues_exactly(dirs, spec_run):
 
 def test_tiny_learns_the_corpus(dirs):
     """50 steps (warmup 20, cosine decay to step 50) take the loss from ln(2048) = 7.6 (and
-    8.16 at initialisation) below the entropy of the corpus's token frequencies: the model uses
-    context, not just how common each token is. Measured: 8.1594 -> LEARNED at step 50."""
+    8.16 at initialisation) below the entropy of the corpus's token frequencies (6.3044 nats):
+    the model uses context, not just how common each token is. Measured: 8.1594 -> 5.6819."""
     out = run_in_process(dirs, SPEC, 50, schedule_steps=50)
     values = losses(out)
     path = dirs["data"] / "pydoc-2048-128.array_record"
@@ -167,7 +167,8 @@ def test_tiny_learns_the_corpus(dirs):
     unigram = -np.sum(p[p > 0] * np.log(p[p > 0]))
     print(f"unigram entropy {unigram:.4f}; loss {values[1]} -> {values[50]}")
     assert values[1] == pytest.approx(8.1594, abs=1e-4)
-    assert values[50] < 6.0 and values[50] < unigram - 0.5
+    assert unigram == pytest.approx(6.3044, abs=1e-4)
+    assert values[50] < 5.8 < unigram - 0.5
 
 
 def test_bad_meshes_and_batches_say_why():
@@ -276,22 +277,28 @@ def test_compile_only_at_8b_matches_the_formulas():
 
 def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     """2 processes x 4 devices under mpirun: the losses of 1 process x 8 devices; SIGUSR1 to
-    mpirun reaches both processes, which agree on a step, save it and exit 0; a rerun (here one
-    process with 8 devices, from the same checkpoint) resumes there with the same losses."""
+    mpirun reaches both processes, which agree on a step, save it and exit 0; a rerun resumes
+    there, with the same losses.
+
+    The rerun has the same layout: a checkpoint's data iterator is saved per process
+    (grain's process_0-of-2.json ...), so one process cannot resume a 2-process run."""
     reference = losses(spec_run[0])
     checkpoints = tmp_path / "checkpoints"
-    command = ["mpirun", "-np", "2", "python", "examples/lm/train.py", *COMMON,
-               "--mesh", SPEC, "--steps", "20", "--data-dir", str(dirs["data"]),
-               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10",
-               "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+
+    def command(steps):
+        return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *COMMON,
+                "--mesh", SPEC, "--steps", str(steps), "--data-dir", str(dirs["data"]),
+                "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10",
+                "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+
     with open(tmp_path / "stderr", "w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env=environment(4), text=True,
+        process = subprocess.Popen(command(20), cwd=ROOT, env=environment(4), text=True,
                                    stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
         lines = []
         try:
             for line in process.stdout:
                 lines.append(line)
-                if line.startswith("step 2 loss"):
+                if line.startswith("step 1 loss"):  # the handlers are set by then
                     process.send_signal(signal.SIGUSR1)
             process.wait(timeout=120)
         finally:
@@ -300,13 +307,17 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
     [saved] = re.findall(r"^SIGUSR1: saved step (\d+), exiting$", stdout, re.M)
     saved = int(saved)
-    assert 2 <= saved < 10
+    assert 1 <= saved <= 8
     assert losses(stdout) == pytest.approx({s: reference[s] for s in range(1, saved + 1)},
                                            rel=1e-5)  # fmt: skip
-    resumed = run_in_process(dirs, SPEC, 10, checkpoint_dir=checkpoints)
-    assert f"resumed from step {saved} in {checkpoints}" in resumed
-    expected = {s: reference[s] for s in range(saved + 1, 11)}
-    assert losses(resumed) == pytest.approx(expected, rel=1e-5)
+    # Two more steps: a run of up to 21 steps has the 20-step run's learning rate schedule
+    # (warmup 20, then decay over max(steps, 21)).
+    rerun = subprocess.run(command(saved + 2), cwd=ROOT, env=environment(4), capture_output=True,
+                           text=True, timeout=180)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"resumed from step {saved} in {checkpoints}" in rerun.stdout
+    expected = {s: reference[s] for s in range(saved + 1, saved + 3)}
+    assert losses(rerun.stdout) == pytest.approx(expected, rel=1e-5)
 
 
 def slurm_or_skip():
@@ -334,7 +345,7 @@ def test_srun_two_processes_and_scancel_sigterm(dirs, spec_run, tmp_path):
         try:
             for line in process.stdout:
                 lines.append(line)
-                if line.startswith("step 2 loss"):
+                if line.startswith("step 1 loss"):
                     subprocess.run(["scancel", "--signal=TERM", "--name", name], check=True)
             process.wait(timeout=120)
         finally:
@@ -342,7 +353,7 @@ def test_srun_two_processes_and_scancel_sigterm(dirs, spec_run, tmp_path):
     stdout = "".join(lines)
     assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
     [saved] = re.findall(r"^SIGTERM: saved step (\d+), exiting$", stdout, re.M)
-    assert 2 <= int(saved) < 20
+    assert 1 <= int(saved) < 20
     expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}
     got = {s: v for s, v in losses(stdout).items() if s <= 10}
     assert got == pytest.approx(expected, rel=1e-5)
