@@ -1,12 +1,15 @@
 """Compile examples/lm/train.py's step for several meshes in one process; print JSON.
 
-    python tests/lm_compile_driver.py DEVICES MODEL SEQ_LEN GLOBAL_BATCH MESH [MESH ...]
+    python tests/lm_compile_driver.py DEVICES MODEL SEQ_LEN GLOBAL_BATCH CACHE_DIR MESH [MESH ...]
 
-Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh: the
-per-device argument bytes, the collective bytes by kind (train.collective_bytes, loops counted by
-their trip counts), and the all-gather bytes split by the mesh axes each one's groups span.
+Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh,
+train.main(["--compile-only", ...]) as the command line runs it: the line it prints ("per
+device: arguments ... GB, ...; collectives all-gather N B, ..."), and the all-gather bytes of
+the same compiled program split by the mesh axes each one's groups span.
 """
 
+import contextlib
+import io
 import json
 import pathlib
 import re
@@ -17,12 +20,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import train  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdist_lessons import hlo  # noqa: E402
 
@@ -60,29 +59,28 @@ def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
 
 
 def main():
-    _, _, model_name, seq_len, global_batch, *meshes = sys.argv
+    _, _, model_name, seq_len, global_batch, cache, *meshes = sys.argv
+    texts, collective_bytes = [], train.collective_bytes
+
+    def recording(text):  # compile_only's compiled program, kept for the split by axes
+        texts.append(text)
+        return collective_bytes(text)
+
+    train.collective_bytes = recording
     out = {}
     for spec in meshes:
-        args = train.parse_args(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
-                                 "--global-batch", global_batch])  # fmt: skip
-        mesh = train.make_mesh(args.mesh)
-        config = train.model_lib.PRESETS[args.model]
-        train.check_fits(config, mesh, args)
-        model = train.model_lib.Transformer(config, jnp.float32, args.remat)
-        tx = train.make_optimizer(args)
-        with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-            shapes, _ = train.abstract_state(model, tx, mesh, args.seq_len)
-        step = train.make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh)
-        tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
-                                      sharding=NamedSharding(mesh, P(("data", "fsdp"))))  # fmt: skip
-        with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-            compiled = step.lower(shapes, tokens).compile()
-        text = compiled.as_text()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train.main(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
+                        "--global-batch", global_batch, "--compilation-cache", cache,
+                        "--compile-only"])  # fmt: skip
+        [line] = [x for x in printed.getvalue().splitlines() if x.startswith("per device:")]
+        train.collective_bytes = collective_bytes
         out[spec] = {
-            "arguments": compiled.memory_analysis().argument_size_in_bytes,
-            "collectives": train.collective_bytes(text),
-            "all_gathers_by_axes": all_gathers_by_axes(text, mesh),
+            "line": line,
+            "all_gathers_by_axes": all_gathers_by_axes(texts[-1], train.make_mesh(spec)),
         }
+        train.collective_bytes = recording
         print(spec, json.dumps(out[spec]), file=sys.stderr, flush=True)
     print(json.dumps(out))
 

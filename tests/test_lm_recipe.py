@@ -230,7 +230,7 @@ def test_model_flops_match_the_compiled_programs(dirs):
     assert counted == pytest.approx(estimate, rel=0.02)  # measured: 0.4% apart
 
 
-def test_compile_only_at_8b_matches_the_formulas():
+def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     """Llama 3 8B at sequence 2048, global batch 16, on 16 simulated devices (one process
     compiles the three meshes: tests/lm_compile_driver.py). Bytes are per device, float32."""
     config = model_lib.PRESETS["8b"]
@@ -240,12 +240,23 @@ def test_compile_only_at_8b_matches_the_formulas():
     layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
     out_projection = L * config.num_heads * config.head_width * D
     result = subprocess.run(
-        [sys.executable, "tests/lm_compile_driver.py", "16", "8b", "2048", "16",
+        [sys.executable, "tests/lm_compile_driver.py", "16", "8b", "2048", "16", str(tmp_path),
          "data=16", "fsdp=16", "fsdp=8,tensor=2"],
         cwd=ROOT, env=environment(16), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.splitlines()[-1])
+    measured = {}
+    for spec, printed in json.loads(result.stdout.splitlines()[-1]).items():
+        line = printed["line"]
+        assert re.fullmatch(r"per device: arguments [\d.]+ GB, temporaries [\d.]+ GB, total "
+                            r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+", line), line  # fmt: skip
+        measured[spec] = {
+            "arguments": float(re.search(r"arguments ([\d.]+) GB", line)[1]) * 1e9,
+            "collectives": {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)},
+            "all_gathers_by_axes": printed["all_gathers_by_axes"],
+        }
+    # Data parallelism: every device holds the weights and Adam's two moments, all fp32.
+    assert measured["data=16"]["arguments"] == pytest.approx(params * 4 * 3, rel=0.05)
     # FSDP over 16: each device holds 1/16 of the weights and of Adam's two moments (fp32).
     fsdp = measured["fsdp=16"]
     assert fsdp["arguments"] == pytest.approx(params * 4 * 3 / 16, rel=0.05)
