@@ -261,7 +261,9 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     fsdp = measured["fsdp=16"]
     assert fsdp["arguments"] == pytest.approx(params * 4 * 3 / 16, rel=0.05)
     # Data parallelism: one all-reduce of the fp32 gradients (and of the 4-byte loss).
-    assert measured["data=16"]["collectives"] == {"all-reduce": 4 * params + 4}
+    # Measured 32,121,044,996 B = 4 x params + 4.
+    [(kind, sent)] = measured["data=16"]["collectives"].items()
+    assert kind == "all-reduce" and sent == pytest.approx(4 * params, rel=1e-3)
     # FSDP: the layers' weights are gathered once in the forward pass and once in the backward
     # (remat recomputes the forward there), the output projection once, and the embedding table
     # never (its lookup moves tokens and activations instead: an all-to-all). Measured
@@ -270,7 +272,8 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
         2 * 4 * layers + 4 * V * D, rel=1e-3
     )
     # XLA:CPU reduces the gradients with an all-reduce of every gradient but the embedding
-    # table's (which comes back through the all-to-all); a GPU compile forms a reduce-scatter.
+    # table's (measured 30,019,698,788 B = 4 x (params - V x D) + 100); a GPU compile forms a
+    # reduce-scatter instead.
     assert fsdp["collectives"]["all-reduce"] == pytest.approx(
         4 * (params - V * D), rel=1e-3
     )
