@@ -170,6 +170,9 @@ class Transformer(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32  # the compute type; weights stay float32
     remat: str = "full"
+    # Layers per loop iteration; num_layers leaves no loop (XLA's cost_analysis counts a
+    # loop's body once, whatever its trip count).
+    scan_unroll: int = 1
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
@@ -183,7 +186,7 @@ class Transformer(nn.Module):
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=nn.broadcast, length=c.num_layers,
+                         in_axes=nn.broadcast, length=c.num_layers, unroll=self.scan_unroll,
                          metadata_params={nn.PARTITION_NAME: "layers"})  # fmt: skip
         x_BTD, _ = layers(c, self.dtype, name="layers")(x_BTD, positions_BT)
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)

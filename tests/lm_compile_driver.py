@@ -1,0 +1,89 @@
+"""Compile examples/lm/train.py's step for several meshes in one process; print JSON.
+
+    python tests/lm_compile_driver.py DEVICES MODEL SEQ_LEN GLOBAL_BATCH CACHE_DIR MESH [MESH ...]
+
+Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh,
+train.main(["--compile-only", ...]) as the command line runs it: the line it prints ("per
+device: arguments ... GB, ...; collectives all-gather N B, ..."), and the all-gather bytes of
+the same compiled program split by the mesh axes each one's groups span.
+"""
+
+import contextlib
+import io
+import json
+import pathlib
+import re
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
+
+import numpy as np  # noqa: E402
+import train  # noqa: E402
+
+from jaxdist_lessons import hlo  # noqa: E402
+
+
+def axes_of(groups: list[list[int]], mesh) -> str:
+    """Which mesh axes a collective's groups span: 'fsdp', 'tensor', 'fsdp+tensor', ..."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    where = {int(d): np.argwhere(ids == d)[0] for d in ids.flat}
+    spanned = set()
+    for group in groups:
+        coords = np.array([where[d] for d in group])
+        spanned |= {
+            train.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1
+        }
+    return "+".join(a for a in train.AXES if a in spanned) or "none"
+
+
+def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
+    """All-gather bytes by the axes they gather over, with collective_bytes's loop counting:
+    the program's text with only one kind of group's all-gathers left in it."""
+    lines = text.splitlines()
+    kinds = {}
+    for number, line in enumerate(lines):
+        if re.search(r" all-gather(-start)?\(", line):
+            groups = hlo.attribute(line, "replica_groups")
+            kinds[number] = axes_of(
+                hlo.replica_group_lists(groups, len(mesh.devices.flat)), mesh
+            )
+    result = {}
+    for kind in set(kinds.values()):
+        kept = [line.replace(" all-gather", " other-gather") if kinds.get(n, kind) != kind
+                else line for n, line in enumerate(lines)]  # fmt: skip
+        result[kind] = train.collective_bytes("\n".join(kept)).get("all-gather", 0)
+    return result
+
+
+def main():
+    _, _, model_name, seq_len, global_batch, cache, *meshes = sys.argv
+    texts, collective_bytes = [], train.collective_bytes
+
+    def recording(text):  # compile_only's compiled program, kept for the split by axes
+        texts.append(text)
+        return collective_bytes(text)
+
+    train.collective_bytes = recording
+    out = {}
+    for spec in meshes:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train.main(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
+                        "--global-batch", global_batch, "--compilation-cache", cache,
+                        "--compile-only"])  # fmt: skip
+        [line] = [x for x in printed.getvalue().splitlines() if x.startswith("per device:")]
+        train.collective_bytes = collective_bytes
+        out[spec] = {
+            "line": line,
+            "all_gathers_by_axes": all_gathers_by_axes(texts[-1], train.make_mesh(spec)),
+        }
+        train.collective_bytes = recording
+        print(spec, json.dumps(out[spec]), file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""examples/lm/: the Llama-style trainer a reader copies (model.py, data.py, train.py).
+
+Most runs are in-process, on the 8 simulated CPU devices of conftest.py, calling train.py's own
+functions (a subprocess pays 5-9 s of start and compile); the runs that need several processes
+(mpirun, srun) or 16 devices (tests/lm_compile_driver.py) are subprocesses. The corpus is
+tokenized and packed once per session, into one shared data directory.
+"""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist_lessons import multihost_demo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import data  # noqa: E402
+import model as model_lib  # noqa: E402
+import train  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+COMMON = [
+    "--model",
+    "tiny",
+    "--global-batch",
+    "16",
+    "--seq-len",
+    "128",
+    "--dtype",
+    "float32",
+]
+MESHES = [
+    "data=8",
+    "fsdp=8",
+    "data=4,tensor=2",
+    "fsdp=4,tensor=2",
+    "data=2,fsdp=2,tensor=2",
+]
+SPEC = "data=2,fsdp=2,tensor=2"  # the mesh of the resume, mpirun and srun runs
+
+
+@pytest.fixture(scope="session")
+def dirs(tmp_path_factory):
+    """One data directory (tokenizer and packed sequences, written by the first run) and one
+    compilation cache for the whole session."""
+    top = tmp_path_factory.mktemp("lm")
+    return {"data": top / "data", "cache": top / "jax_cache"}
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    """train() installs SIGTERM and SIGUSR1 handlers (Preemption); give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+_PREPARED = {}
+
+
+def prepared(spec: str, schedule_steps: int):
+    """main()'s objects for a mesh (one compile each): the learning rate schedule is that of a
+    run of ``schedule_steps``; every run of at most 21 steps has the same one (warmup 20)."""
+    key = (spec, max(schedule_steps, 21))
+    if key not in _PREPARED:
+        argv = [*COMMON, "--mesh", spec, "--steps", str(schedule_steps)]
+        args = train.parse_args(argv)
+        mesh = train.make_mesh(spec)
+        config = model_lib.PRESETS[args.model]
+        train.check_fits(config, mesh, args)
+        model = model_lib.Transformer(config, jnp.float32, args.remat)
+        tx = train.make_optimizer(args)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+            shapes, init = train.abstract_state(model, tx, mesh, args.seq_len)
+        step = train.make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh)
+        _PREPARED[key] = (mesh, model, tx, step, shapes, init)
+    return _PREPARED[key]
+
+
+def run_in_process(dirs, spec, steps, schedule_steps=10, checkpoint_dir=None) -> str:
+    """train.train() as main() calls it; what it printed."""
+    argv = [*COMMON, "--mesh", spec, "--steps", str(steps), "--data-dir", str(dirs["data"])]
+    if checkpoint_dir:
+        argv += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", "10"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.train(train.parse_args(argv), *prepared(spec, schedule_steps))
+    return out.getvalue()
+
+
+def losses(stdout: str) -> dict[int, float]:
+    return {
+        int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([\d.]+) ", stdout, re.M)
+    }
+
+
+def environment(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env.update(ROOT_OK, JAX_NUM_CPU_DEVICES=str(devices), PATH=f"{BIN}:{env['PATH']}")
+    return env
+
+
+@pytest.fixture(scope="module")
+def spec_run(dirs, tmp_path_factory):
+    """10 steps on SPEC, checkpointed at step 10: what it printed, and the checkpoints."""
+    checkpoints = tmp_path_factory.mktemp("lm_checkpoints")
+    return run_in_process(dirs, SPEC, 10, checkpoint_dir=checkpoints), checkpoints
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(dirs, spec_run):
+    """10 steps on each mesh."""
+    runs = {spec: run_in_process(dirs, spec, 10) for spec in MESHES if spec != SPEC}
+    return {**runs, SPEC: spec_run[0]}
+
+
+def test_every_mesh_gives_the_same_losses(mesh_runs):
+    runs = mesh_runs
+    reference = losses(runs["data=8"])
+    assert list(reference) == list(range(1, 11))
+    assert reference[10] < reference[1] - 0.5  # it trains: 8.1594 -> 7.3823, measured
+    for spec in MESHES[1:]:
+        assert losses(runs[spec]) == pytest.approx(reference, rel=1e-4), spec
+
+
+def test_a_resumed_run_continues_exactly(dirs, spec_run):
+    """Stopped after its checkpoint at step 10 and rerun on the same directory, a run prints the
+    losses of an uninterrupted run for steps 11-20: the model, the optimizer and the data
+    iterator's position all came back."""
+    first, checkpoints = spec_run
+    whole = run_in_process(dirs, SPEC, 20)
+    resumed = run_in_process(dirs, SPEC, 20, checkpoint_dir=checkpoints)
+    assert f"resumed from step 10 in {checkpoints}" in resumed
+    assert list(losses(resumed)) == list(range(11, 21))
+    expected = {s: v for s, v in losses(whole).items() if s > 10}
+    assert losses(resumed) == expected  # to the printed 4 decimals
+    assert {s: v for s, v in losses(whole).items() if s <= 10} == losses(first)
+
+
+def test_tiny_learns_the_corpus(dirs):
+    """50 steps (warmup 20, cosine decay to step 50) take the loss from ln(2048) = 7.6 (and
+    8.16 at initialisation) below the entropy of the corpus's token frequencies (6.3044 nats):
+    the model uses context, not just how common each token is. Measured: 8.1594 -> 5.6819."""
+    out = run_in_process(dirs, SPEC, 50, schedule_steps=50)
+    values = losses(out)
+    path = dirs["data"] / "pydoc-2048-128.array_record"
+    source = grain.sources.ArrayRecordDataSource(str(path))
+    tokens = np.concatenate(
+        [np.frombuffer(source[i], np.int32)[1:] for i in range(len(source))]
+    )
+    p = np.bincount(tokens, minlength=2048) / len(tokens)
+    unigram = -np.sum(p[p > 0] * np.log(p[p > 0]))
+    print(f"unigram entropy {unigram:.4f}; loss {values[1]} -> {values[50]}")
+    assert values[1] == pytest.approx(8.1594, abs=1e-4)
+    assert unigram == pytest.approx(6.3044, abs=1e-4)
+    assert values[50] < 5.8 < unigram - 0.5
+
+
+def test_bad_meshes_and_batches_say_why():
+    with pytest.raises(SystemExit, match=r"^--mesh data=3 does not fit 8 devices$"):
+        train.make_mesh("data=3")
+    with pytest.raises(
+        SystemExit, match=r"^--mesh data=2,tensor=2 has 4 devices, not the 8"
+    ):
+        train.make_mesh("data=2,tensor=2")
+    with pytest.raises(SystemExit, match=r"^--mesh dp=8: expected axis=size with axes"):
+        train.make_mesh("dp=8")
+    args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
+    with pytest.raises(SystemExit) as raised:
+        train.check_fits(model_lib.PRESETS["tiny"], train.make_mesh("data=8"), args)
+    assert (
+        str(raised.value) == "--global-batch 6 does not split over data x fsdp = 8 devices"
+    )
+
+
+def test_each_process_reads_only_its_rows(dirs, spec_run):
+    path = dirs["data"] / "pydoc-2048-128.array_record"  # written by spec_run
+    whole = data.batches(path, 16, slice(0, 16), seed=0)
+    halves = [
+        data.batches(path, 16, slice(0, 8), 0),
+        data.batches(path, 16, slice(8, 16), 0),
+    ]
+    for _ in range(5):
+        expected = next(whole)
+        assert expected.shape == (16, 129)
+        np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected)
+    with pytest.raises(ValueError, match="do not tile a global batch of 16"):
+        data.batches(path, 16, slice(0, 6), 0)
+
+
+def test_model_flops_match_the_compiled_programs(dirs):
+    """6 flops per matmul weight per token, plus attention's, against XLA's count for one
+    training step's gradient (forward and backward) of the 125m preset. The layers are unrolled
+    (cost_analysis counts a loop's body once) and not rematerialised (6N assumes no recompute)."""
+    config = model_lib.PRESETS["125m"]
+    batch, seq_len = 1, 512
+    model = model_lib.Transformer(
+        config, jnp.float32, "none", scan_unroll=config.num_layers
+    )
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))
+    )
+    params = nn.meta.unbox(params)["params"]
+
+    def loss(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return model_lib.cross_entropy(logits, tokens[:, 1:])
+
+    device = jax.devices()[0]
+    compiled = jax.jit(jax.grad(loss), device=device).lower(params, tokens).compile()
+    counted = compiled.cost_analysis()["flops"]
+    estimate = model_lib.flops_per_token(config, seq_len) * batch * seq_len
+    print(f"flops: estimate {estimate:.4e}, XLA {counted:.4e}")
+    assert counted == pytest.approx(estimate, rel=0.02)  # measured: 0.4% apart
+
+
+def test_compile_only_at_8b_matches_the_formulas(tmp_path):
+    """Llama 3 8B at sequence 2048, global batch 16, on 16 simulated devices (one process
+    compiles the three meshes: tests/lm_compile_driver.py). Bytes are per device, float32."""
+    config = model_lib.PRESETS["8b"]
+    params = model_lib.count_params(config)
+    assert params == 8_030_261_248
+    V, D, L = config.vocab_size, config.width, config.num_layers  # noqa: N806
+    layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
+    out_projection = L * config.num_heads * config.head_width * D
+    result = subprocess.run(
+        [sys.executable, "tests/lm_compile_driver.py", "16", "8b", "2048", "16", str(tmp_path),
+         "data=16", "fsdp=16", "fsdp=8,tensor=2"],
+        cwd=ROOT, env=environment(16), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = {}
+    for spec, printed in json.loads(result.stdout.splitlines()[-1]).items():
+        line = printed["line"]
+        assert re.fullmatch(r"per device: arguments [\d.]+ GB, temporaries [\d.]+ GB, total "
+                            r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+", line), line  # fmt: skip
+        measured[spec] = {
+            "arguments": float(re.search(r"arguments ([\d.]+) GB", line)[1]) * 1e9,
+            "collectives": {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)},
+            "all_gathers_by_axes": printed["all_gathers_by_axes"],
+        }
+    # Data parallelism: every device holds the weights and Adam's two moments, all fp32.
+    assert measured["data=16"]["arguments"] == pytest.approx(params * 4 * 3, rel=0.05)
+    # FSDP over 16: each device holds 1/16 of the weights and of Adam's two moments (fp32).
+    fsdp = measured["fsdp=16"]
+    assert fsdp["arguments"] == pytest.approx(params * 4 * 3 / 16, rel=0.05)
+    # Data parallelism: one all-reduce of the fp32 gradients (and of the 4-byte loss).
+    # Measured 32,121,044,996 B = 4 x params + 4.
+    [(kind, sent)] = measured["data=16"]["collectives"].items()
+    assert kind == "all-reduce" and sent == pytest.approx(4 * params, rel=1e-3)
+    # FSDP: the layers' weights are gathered once in the forward pass and once in the backward
+    # (remat recomputes the forward there), the output projection once, and the embedding table
+    # never (its lookup moves tokens and activations instead: an all-to-all). Measured
+    # 57,939,230,720 B (the formula's remainder: tokens and the final norm).
+    assert fsdp["collectives"]["all-gather"] == pytest.approx(
+        2 * 4 * layers + 4 * V * D, rel=1e-3
+    )
+    # XLA:CPU reduces the gradients with an all-reduce of every gradient but the embedding
+    # table's (measured 30,019,698,788 B = 4 x (params - V x D) + 100); a GPU compile forms a
+    # reduce-scatter instead.
+    assert fsdp["collectives"]["all-reduce"] == pytest.approx(
+        4 * (params - V * D), rel=1e-3
+    )
+    # FSDP x tensor: over the fsdp axis each device gathers its tensor half of every weight,
+    # each layer weight once in the forward and once in the backward, not more, except the
+    # attention's output projection, which XLA:CPU gathers a second time in the backward;
+    # the output projection (unembed) is gathered in the forward and in the backward. Measured
+    # 31,095,619,584 B; the all-gathers over 'tensor' are the sequence-parallel activations.
+    gathers = measured["fsdp=8,tensor=2"]["all_gathers_by_axes"]
+    assert set(gathers) == {"fsdp", "tensor"}
+    assert gathers["fsdp"] == pytest.approx(
+        4 * (2 * layers + out_projection + 2 * V * D) / 2, rel=1e-3
+    )
+
+
+def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
+    """2 processes x 4 devices under mpirun: the losses of 1 process x 8 devices; SIGUSR1 to
+    mpirun reaches both processes, which agree on a step, save it and exit 0; a rerun resumes
+    there, with the same losses.
+
+    The rerun has the same layout: a checkpoint's data iterator is saved per process
+    (grain's process_0-of-2.json ...), so one process cannot resume a 2-process run."""
+    reference = losses(spec_run[0])
+    checkpoints = tmp_path / "checkpoints"
+
+    def command(steps):
+        return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *COMMON,
+                "--mesh", SPEC, "--steps", str(steps), "--data-dir", str(dirs["data"]),
+                "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10",
+                "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(command(20), cwd=ROOT, env=environment(4), text=True,
+                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+        lines = []
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if line.startswith("step 1 loss"):  # the handlers are set by then
+                    process.send_signal(signal.SIGUSR1)
+            process.wait(timeout=120)
+        finally:
+            process.kill()
+    stdout = "".join(lines)
+    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    [saved] = re.findall(r"^SIGUSR1: saved step (\d+), exiting$", stdout, re.M)
+    saved = int(saved)
+    assert 1 <= saved <= 8
+    assert losses(stdout) == pytest.approx({s: reference[s] for s in range(1, saved + 1)},
+                                           rel=1e-5)  # fmt: skip
+    # Two more steps: a run of up to 21 steps has the 20-step run's learning rate schedule
+    # (warmup 20, then decay over max(steps, 21)).
+    rerun = subprocess.run(command(saved + 2), cwd=ROOT, env=environment(4), capture_output=True,
+                           text=True, timeout=180)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert f"resumed from step {saved} in {checkpoints}" in rerun.stdout
+    expected = {s: reference[s] for s in range(saved + 1, saved + 3)}
+    assert losses(rerun.stdout) == pytest.approx(expected, rel=1e-5)
+
+
+def slurm_or_skip():
+    reason = multihost_demo.slurm_unavailable()
+    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
+        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
+    if reason:
+        pytest.skip(reason)
+
+
+def test_srun_two_processes_and_scancel_sigterm(dirs, spec_run, tmp_path):
+    """srun -n 2 (JAX's SLURM detection joins them): the losses of 1 process x 8 devices; the
+    tasks get SIGTERM from scancel --signal=TERM, save at the next step and exit 0."""
+    slurm_or_skip()
+    reference = losses(spec_run[0])
+    name = f"jaxdist-lm-{os.getpid()}"
+    command = ["srun", "--overcommit", "-n", "2", "-J", name, "python", "examples/lm/train.py",
+               *COMMON, "--mesh", SPEC, "--steps", "20", "--data-dir", str(dirs["data"]),
+               "--checkpoint-dir", str(tmp_path / "checkpoints"),
+               "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, env=environment(4), text=True,
+                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+        lines = []
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if line.startswith("step 1 loss"):
+                    subprocess.run(["scancel", "--signal=TERM", "--name", name], check=True)
+            process.wait(timeout=120)
+        finally:
+            process.kill()
+    stdout = "".join(lines)
+    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    [saved] = re.findall(r"^SIGTERM: saved step (\d+), exiting$", stdout, re.M)
+    assert 1 <= int(saved) < 20
+    expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}
+    got = {s: v for s, v in losses(stdout).items() if s <= 10}
+    assert got == pytest.approx(expected, rel=1e-5)
