@@ -63,7 +63,7 @@ def write_sequences(tokens: np.ndarray, seq_len: int, path: pathlib.Path) -> int
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise SystemExit(f"{len(tokens)} tokens cannot fill one sequence of {seq_len + 1}")
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # processes may write at once
     writer = array_record_module.ArrayRecordWriter(str(partial), "group_size:1")
     for row in tokens[: rows * (seq_len + 1)].reshape(rows, seq_len + 1):
         writer.write(row.astype(np.int32).tobytes())

@@ -3,11 +3,11 @@
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
     JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python examples/lm/train.py --model tiny ...
-    srun --ntasks-per-node=8 --gpus-per-task=1 python examples/lm/train.py --model 1b ...
+    srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b ...
     python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
         --global-batch 16 --num-devices 16 --compile-only   # memory and bytes, no hardware
 
-JAX, Flax, Optax, Orbax, Grain and NumPy only. Each step prints its loss, tokens per second,
+JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its loss, tokens per second,
 step time and model-flops utilisation; checkpoints hold the model, the optimizer and the data
 iterator, so a rerun on the same --checkpoint-dir continues with the exact next batch. SIGTERM
 or SIGUSR1 (preemption notices) save at the next step boundary and exit 0.
@@ -162,11 +162,15 @@ def abstract_state(model, tx, mesh, seq_len: int):
     return shapes, lambda rng: nn.meta.unbox(init(rng))
 
 
-def make_train_step(shardings, mesh):
+def make_train_step(shardings, mesh, dtype=jnp.float32):
     def train_step(state, tokens_BT):
         inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
 
         def loss_fn(params):
+            # Float32 master weights, cast to the compute type here, on each device's shard:
+            # FSDP then gathers bfloat16 weights, half the bytes (FSDP2's param_dtype).
+            params = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+                p.astype(dtype), s), params, shardings.params)  # fmt: skip
             logits_BTV = state.apply_fn({"params": params}, inputs_BT)
             return model_lib.cross_entropy(logits_BTV, targets_BT)
 
@@ -275,12 +279,33 @@ def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
     return slice(min(starts), max(stops))
 
 
+def restore(manager: ocp.CheckpointManager, shapes, batches):
+    """The latest state, and the data iterator where that state left it."""
+    step = manager.latest_step()
+    data_item = grain.checkpoint.CheckpointRestore(batches)
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(shapes), data=data_item))  # fmt: skip
+        return restored.state, restored.data
+    except ValueError:  # Grain keeps one file per process: saved with another process count
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(shapes)))  # fmt: skip
+        batches.set_state({"next_index": step})  # global batch s is the same on any layout
+        return restored.state, batches
+
+
+def prepare_data(args, vocab_size: int):
+    """Process 0 packs the sequences first; the others then find them, or (on a node with
+    its own disk) pack their own copy."""
+    if jax.process_index() == 0:
+        data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
+    multihost_utils.sync_global_devices("data prepared")
+    return data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
+
+
 def train(args, mesh, model, tx, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
-    if jax.process_index() == 0:
-        path = data.prepare(args.data_dir, args.seq_len, model.config.vocab_size, args.data)
-    multihost_utils.sync_global_devices("data prepared")  # the others wait for process 0
-    path = data.prepare(args.data_dir, args.seq_len, model.config.vocab_size, args.data)
+    path = prepare_data(args, model.config.vocab_size)
     rows = process_rows(mesh, args.global_batch, args.seq_len)
     batches = data.batches(path, args.global_batch, rows, args.seed)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
@@ -288,49 +313,35 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             jax.random.key(args.seed))  # born sharded  # fmt: skip
     manager = checkpoint_manager(args) if args.checkpoint_dir else None
     if manager and manager.latest_step() is not None:
-        restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(shapes), data=grain.checkpoint.CheckpointRestore(batches)))  # fmt: skip
-        state, batches = restored.state, restored.data
+        state, batches = restore(manager, shapes, batches)
         print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
-    flops = (
-        model_lib.flops_per_token(model.config, args.seq_len)
-        * args.global_batch
-        * args.seq_len
-    )
-    peak = next(
-        (v for k, v in PEAK_FLOPS.items() if jax.devices()[0].device_kind.startswith(k)),
-        None,
-    )
+    tokens_per_step = args.global_batch * args.seq_len
+    flops = model_lib.flops_per_token(model.config, args.seq_len) * tokens_per_step
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
     preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(("data", "fsdp")))
     for _ in range(int(state.step), args.steps):
         tokens = jax.make_array_from_process_local_data(
-            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
-        )
-        if args.profile and int(state.step) in (5, 8):
-            (
-                jax.profiler.start_trace(args.profile)
-                if int(state.step) == 5
-                else jax.profiler.stop_trace()
-            )
+            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1))  # fmt: skip
+        if args.profile and int(state.step) in (5, 8):  # trace steps 6 to 8
+            profiler = jax.profiler
+            profiler.start_trace(args.profile) if state.step == 5 else profiler.stop_trace()
         start = time.perf_counter()
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             state, metrics = step(state, tokens)
-        loss = float(
-            metrics["loss"]
-        )  # on every process: it waits for the step, so none runs ahead
+        loss = float(metrics["loss"])  # on every process: it waits, so none runs ahead
         seconds, now = time.perf_counter() - start, int(state.step)
-        rate = args.global_batch * args.seq_len / seconds
         mfu = f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
         print0(f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
-               f"tokens/s {rate:,.0f} step_time {seconds * 1e3:.0f} ms{mfu}", flush=True)  # fmt: skip
+               f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"
+               f"{mfu}", flush=True)  # fmt: skip
         stop = preemption.agreed()
-        if manager:
-            manager.save(now, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                         data=grain.checkpoint.CheckpointSave(batches)), force=stop or now == args.steps)  # fmt: skip
+        if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
+            manager.save(now, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(batches)))  # fmt: skip
         if stop:
-            print0(
-                f"{preemption.signal or 'a signal'}: saved step {now}, exiting", flush=True
-            )
+            print0(f"{preemption.signal}: saved step {now}, exiting", flush=True)
             break
     if manager:
         manager.wait_until_finished()  # the last save is asynchronous
@@ -350,7 +361,9 @@ def main(argv=None) -> None:
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         shapes, init = abstract_state(model, tx, mesh, args.seq_len)
-    step = make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh)
+    step = make_train_step(
+        jax.tree.map(lambda s: s.sharding, shapes), mesh, jnp.dtype(args.dtype)
+    )
     if args.compile_only:
         return compile_only(step, shapes, args, mesh)
     train(args, mesh, model, tx, step, shapes, init)
