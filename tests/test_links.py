@@ -5,9 +5,6 @@ Dead: JAX's ``notebooks/explicit-sharding.html`` (deleted; the explicit-sharding
 ``flax-linen.readthedocs.io``). Flax links must point at ``latest`` or ``stable``, not at a release
 such as ``/en/v0.6.10/``. Checked per page: every chapter, the link map of ``.ci/link_first_uses.py``
 and every Chinese catalog.
-
-``NOT_FIXED_YET`` lists, per page, the dead links that page still holds; a page not in it may hold
-none. Remove a page's entry once its links are fixed (the test then holds that page to none).
 """
 
 from __future__ import annotations
@@ -28,17 +25,6 @@ URL = re.compile(r"https?://[^\s)\]>\"'`]+")
 
 _LINEN = "https://flax.readthedocs.io/en/latest/api_reference/flax.linen/spmd.html"
 _EXPLICIT = "https://docs.jax.dev/en/latest/notebooks/explicit-sharding.html"
-# Pages being edited elsewhere when this test was written: the dead links they still hold.
-NOT_FIXED_YET = {
-    "book/09_flax_partitioning.md": {_LINEN, _LINEN + "#flax.linen.with_partitioning"},
-    "book/appendix_seed_errata.md": {_LINEN, _EXPLICIT},
-    "locale/zh_CN/LC_MESSAGES/book/09_flax_partitioning.po": {
-        _LINEN,
-        _LINEN + "#flax.linen.with_partitioning",
-    },
-    "locale/zh_CN/LC_MESSAGES/book/appendix_seed_errata.po": {_LINEN, _EXPLICIT},
-}
-
 PAGES = sorted(
     [
         *(p.relative_to(ROOT).as_posix() for p in (ROOT / "book").glob("*.md")),
@@ -70,12 +56,7 @@ def test_the_patterns_catch_what_they_should():
     assert dead_links(" ".join(live)) == set()
 
 
-def test_every_exception_is_a_page_that_exists():
-    assert set(NOT_FIXED_YET) <= set(PAGES)
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_no_dead_link(page):
     found = dead_links((ROOT / page).read_text(encoding="utf-8"))
-    allowed = NOT_FIXED_YET.get(page, set())
-    assert found <= allowed, f"{page}: dead links {sorted(found - allowed)}"
+    assert not found, f"{page}: dead links {sorted(found)}"
