@@ -11,7 +11,14 @@ the chapter's minimum:
 - a count asked for below ``k`` is an error that says the chapter needs at least ``k`` devices.
 
 The number of CPU devices can only be chosen before JAX starts its backends (the first
-``jax.devices()``, the first array). That is why ``setup()`` must come first.
+``jax.devices()``, the first array). That is why ``setup()`` must come first. Whether JAX has
+started is read from JAX's public configuration: ``jax.config.update("jax_num_cpu_devices", n)``
+raises ``RuntimeError`` once the backends are up, unless ``n`` is the count already set.
+
+Simulated devices are capped at ``MAX_SIMULATED_DEVICES``: XLA:CPU makes every device on start,
+and the time grows faster than the count (on a 2-core machine, with jax 0.10.2: 1024 devices
+start in 2 s, 8192 in 40 s, 16384 in over two minutes; a sharded sum over 1024 takes 20 s, over
+4096 more than two minutes).
 """
 
 from __future__ import annotations
@@ -22,15 +29,15 @@ import os
 import jax
 import jax.extend.backend
 
-# The only way to ask "has JAX started?" without starting it (a private module: the tests
-# fail if it moves).
-from jax._src import xla_bridge
-
+# A cycle, kept on purpose: setup() prints doctor's warning about untested versions, and the
+# doctor imports this module inside its functions, to report what setup() would choose. Only a
+# module of its own for the tested versions, imported by both, would end it.
 from jaxdist_lessons import doctor
 from jaxdist_lessons._checks import positive_int
 
 ENV_VAR = "JAXDIST_NUM_DEVICES"
 DEFAULT_NUM_DEVICES = 8
+MAX_SIMULATED_DEVICES = 1024  # more would take minutes to start (see the module docstring)
 
 
 class SetupError(RuntimeError):
@@ -72,7 +79,7 @@ class Choice:
 def requested_num_devices(num_devices: int | None = None) -> int | None:
     """The device count asked for: the argument, else ``$JAXDIST_NUM_DEVICES``, else ``None``."""
     if num_devices is not None:
-        return positive_int("num_devices", num_devices)
+        return _within_bound("num_devices", positive_int("num_devices", num_devices))
     raw = os.environ.get(ENV_VAR, "").strip()
     if not raw:
         return None
@@ -80,7 +87,19 @@ def requested_num_devices(num_devices: int | None = None) -> int | None:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}") from None
-    return positive_int(ENV_VAR, value)
+    return _within_bound(ENV_VAR, positive_int(ENV_VAR, value))
+
+
+def _within_bound(name: str, count: int) -> int:
+    """``count`` if it is at most ``MAX_SIMULATED_DEVICES``; otherwise ``SetupError``."""
+    if count > MAX_SIMULATED_DEVICES:
+        raise SetupError(
+            f"{name}={count} asks for more than {MAX_SIMULATED_DEVICES} simulated devices, the "
+            "most this book allows: XLA:CPU creates every device when JAX starts and runs "
+            "each sharded operation on all of them, which takes minutes with a few thousand. "
+            f"Ask for {MAX_SIMULATED_DEVICES} or fewer."
+        )
+    return count
 
 
 def _plural(count: int, word: str) -> str:
@@ -154,22 +173,24 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
     Raises:
         ValueError: ``num_devices``, ``min_devices`` or ``$JAXDIST_NUM_DEVICES`` is not a
             positive integer.
-        SetupError: the count asked for is below ``min_devices``, or JAX had already started
-            with devices that do not satisfy the request.
+        SetupError: the count asked for is below ``min_devices`` or above
+            ``MAX_SIMULATED_DEVICES``, or JAX had already started with devices that do not
+            satisfy the request.
     """
     requested = requested_num_devices(num_devices)
     requested_by = "num_devices" if num_devices is not None else ENV_VAR
-    positive_int("min_devices", min_devices)
+    _within_bound("min_devices", positive_int("min_devices", min_devices))
     if requested is not None and requested < min_devices:
         choose(DeviceInfo("cpu", "cpu", 0, True), requested, min_devices, requested_by)
 
-    if xla_bridge.backends_are_initialized():
+    started = _start(requested, min_devices, requested_by)
+    if started is None:  # JAX had started already: keep its devices if they will do
         info = current_devices()
         if not _satisfies(info, requested, min_devices):
             raise SetupError(_too_late_message(info, requested, min_devices))
         print(info)
         return info
-    info, choice, available = _start(requested, min_devices, requested_by)
+    info, choice, available = started
     # On a machine without accelerators the line says enough; with them, it also says why.
     print(info if available.platform == "cpu" else f"{info}. Why: {choice.reason}")
     warning = doctor.version_warning()
@@ -189,13 +210,20 @@ def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> boo
 
 def _start(
     requested: int | None, min_devices: int, requested_by: str
-) -> tuple[DeviceInfo, Choice, DeviceInfo]:
-    """Start JAX's backends as ``choose`` decides; restart on the CPU if accelerators are too few."""
+) -> tuple[DeviceInfo, Choice, DeviceInfo] | None:
+    """Start JAX's backends as ``choose`` decides; restart on the CPU if accelerators are too few.
+
+    Returns ``None``, starting nothing, if JAX had started already with another CPU count.
+    """
     cpu_count = (
         requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
     )
-    # The CPU device count must be set before the first backend starts, whatever is chosen.
-    jax.config.update("jax_num_cpu_devices", cpu_count)
+    # The CPU device count must be set before the first backend starts, whatever is chosen;
+    # once JAX has started, JAX refuses a new count with a RuntimeError.
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_count)
+    except RuntimeError:
+        return None
     available = current_devices()
     choice = choose(available, requested, min_devices, requested_by)
     if choice.simulated and available.platform != "cpu":

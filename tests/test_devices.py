@@ -138,6 +138,43 @@ def test_bad_arguments(bad):
         devices.setup(num_devices=8, min_devices=bad)
 
 
+@pytest.mark.parametrize("name", ["num_devices", "JAXDIST_NUM_DEVICES"])
+def test_a_count_above_the_bound_is_refused_before_jax_starts(name, monkeypatch):
+    too_many = devices.MAX_SIMULATED_DEVICES + 1
+    monkeypatch.setenv("JAXDIST_NUM_DEVICES", str(too_many))
+    with pytest.raises(
+        devices.SetupError,
+        match=rf"^{name}={too_many} asks for more than 1024 simulated devices, the most this "
+        r"book allows: XLA:CPU creates every device when JAX starts .* Ask for 1024 or fewer\.$",
+    ):
+        devices.requested_num_devices(too_many if name == "num_devices" else None)
+    monkeypatch.setenv("JAXDIST_NUM_DEVICES", "1024")
+    assert devices.requested_num_devices() == 1024
+
+
+def test_a_huge_count_fails_at_once_in_a_fresh_process():
+    # Before the bound, JAXDIST_NUM_DEVICES=100000 hung for minutes creating CPU devices.
+    proc = run_python(
+        "from jaxdist_lessons import devices; devices.setup()",
+        JAXDIST_NUM_DEVICES="100000",
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "jaxdist_lessons.devices.SetupError: JAXDIST_NUM_DEVICES=100000 asks for more than "
+        "1024 simulated devices, the most this book allows: XLA:CPU creates every device when "
+        "JAX starts and runs each sharded operation on all of them, which takes minutes with "
+        "a few thousand. Ask for 1024 or fewer."
+    )
+    assert proc.stdout == ""
+
+
+def test_a_minimum_above_the_bound_is_refused():
+    with pytest.raises(
+        devices.SetupError, match=r"^min_devices=2000 asks for more than 1024"
+    ):
+        devices.setup(min_devices=2000)
+
+
 def test_requested_num_devices(monkeypatch):
     monkeypatch.delenv("JAXDIST_NUM_DEVICES", raising=False)
     assert devices.requested_num_devices() is None
