@@ -9,6 +9,11 @@ What the cell does, only on a hosted runtime (Colab sets ``COLAB_RELEASE_TAG``, 
 
 - it finds the install source: ``$JAXDIST_SOURCE`` if set, else the newest
   ``jaxdist_lessons-*.whl`` uploaded to the working directory, ``/content`` or a Kaggle input;
+- if the runtime's JAX is older than 0.10 (the package needs ``jax>=0.10``), it stops at once
+  with the JAX the book needs, the one the runtime has, and the ``pip install -U`` command for
+  the runtime's accelerator, told apart as JAX itself does without starting it (JAX's
+  ``hardware_utils``: ``/dev/nvidiactl`` for an NVIDIA GPU; a TPU VM's chips appear as
+  ``/dev/accel*``, or under ``/dev/vfio`` from v5e on); then the reader restarts the runtime;
 - it installs it with pip, holding ``jax`` and ``jaxlib`` at the runtime's versions, so the
   runtime's accelerator build of JAX is never replaced (``devices.setup()`` then warns if that
   version differs from the tested one);
@@ -37,9 +42,20 @@ import os
 import subprocess
 import sys
 
+JAX = "0.10.2"  # the JAX this book is tested with; its package needs jax 0.10 or later
 WHEELS = ["*.whl", "/content/*.whl", "/kaggle/input/*/*.whl"]
 hosted = "COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ
 if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
+    have = importlib.metadata.version("jax")
+    if tuple(int(n) for n in have.split(".")[:2]) < (0, 10):
+        tpu = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+        extra = "[cuda12]" if os.path.exists("/dev/nvidiactl") else "[tpu]" if tpu else ""
+        raise RuntimeError(
+            f"This book needs jax {JAX}; this runtime has jax {have}. Upgrade it with\\n"
+            f'    !pip install -U "jax{extra}=={JAX}"\\n'
+            "then restart the session (Colab: Runtime > Restart session) and run this "
+            "cell again."
+        )
     found = sorted(w for p in WHEELS for w in glob.glob(p) if "jaxdist_lessons-" in w)
     source = os.environ.get("JAXDIST_SOURCE") or (found[-1] if found else None)
     if source is None:

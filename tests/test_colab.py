@@ -1,5 +1,6 @@
 """The first cell of every chapter installs the package on Colab or Kaggle, and only there."""
 
+import fnmatch
 import json
 import os
 import pathlib
@@ -47,10 +48,12 @@ def test_with_install_cell_inserts_once_and_replaces_after():
 FRESH = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def run_cell(python: str, cwd: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
+def run_cell(
+    python: str, cwd: pathlib.Path, prelude: str = "", **env: str
+) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in FRESH.items() if not k.startswith(("COLAB", "KAGGLE"))}
     return subprocess.run(
-        [python, "-c", colab.INSTALL_CELL],
+        [python, "-c", prelude + colab.INSTALL_CELL],
         cwd=cwd,
         env={**clean, **env},
         capture_output=True,
@@ -100,7 +103,11 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
         check=True,
         timeout=600,
     )
-    venv = tmp / "venv"
+    return runtime_venv(tmp / "venv"), wheel_dir
+
+
+def runtime_venv(venv: pathlib.Path) -> pathlib.Path:
+    """A venv that sees this environment's packages (JAX included) but not jaxdist_lessons."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     site = subprocess.run(
@@ -112,7 +119,7 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     # A path line in a .pth file adds this environment's site-packages but does not run the
     # .pth files inside it, so the editable install of jaxdist_lessons stays invisible.
     pathlib.Path(site, "runtime.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python, wheel_dir
+    return python
 
 
 def python_in(
@@ -166,3 +173,65 @@ def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAN" in proc.stdout
+
+
+def old_jax(tmp_path: pathlib.Path, version: str) -> pathlib.Path:
+    """A folder that, first on sys.path, makes importlib.metadata report jax ``version``."""
+    dist = tmp_path / "old_jax" / f"jax-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: jax\nVersion: {version}\n"
+    )
+    return dist.parent
+
+
+def with_device_files(*paths: str) -> str:
+    """Code that makes the cell see exactly ``paths`` under /dev (a GPU's, a TPU's, none)."""
+    return (
+        "import fnmatch, glob, os\n"
+        "_exists, _glob = os.path.exists, glob.glob\n"
+        f"os.path.exists = lambda p: p in {paths!r} if p.startswith('/dev/') else _exists(p)\n"
+        f"glob.glob = lambda p: fnmatch.filter({paths!r}, p) if p.startswith('/dev/') "
+        "else _glob(p)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "version, device_files, command",
+    [
+        ("0.8.0", (), 'pip install -U "jax==0.10.2"'),
+        (
+            "0.8.0",
+            ("/dev/nvidia0", "/dev/nvidiactl"),
+            'pip install -U "jax[cuda12]==0.10.2"',
+        ),
+        ("0.4.38", ("/dev/accel0", "/dev/accel1"), 'pip install -U "jax[tpu]==0.10.2"'),
+        ("0.9.2", ("/dev/vfio/0", "/dev/vfio/vfio"), 'pip install -U "jax[tpu]==0.10.2"'),
+    ],
+    ids=["cpu", "gpu", "tpu-v4", "tpu-v5e"],
+)
+def test_on_simulated_colab_with_an_old_jax_the_cell_says_how_to_upgrade_it(
+    colab_like, tmp_path, version, device_files, command
+):
+    # A reader's runtime with jax 0.8.0 and the wheel uploaded: before, pip failed with
+    # ResolutionImpossible (the cell held jax at 0.8.0; the package needs jax>=0.10).
+    _, content = colab_like
+    assert fnmatch.filter(os.listdir(content), "jaxdist_lessons-*.whl")
+    python = runtime_venv(
+        tmp_path / "venv"
+    )  # another test installs the wheel in colab_like's
+    proc = run_cell(
+        str(python),
+        content,
+        prelude=with_device_files(*device_files),
+        COLAB_RELEASE_TAG="simulated",
+        PYTHONPATH=str(old_jax(tmp_path, version)),
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.endswith(
+        f"RuntimeError: This book needs jax 0.10.2; this runtime has jax {version}. Upgrade "
+        f"it with\n    !{command}\nthen restart the session (Colab: Runtime > Restart "
+        "session) and run this cell again.\n"
+    )
+    assert "pip" not in proc.stderr.replace(f"!{command}", "")  # pip never ran
