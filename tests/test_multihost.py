@@ -461,7 +461,9 @@ def test_one_process_per_node_2_nodes_x_4_tensor_stays_in_a_node():
     _, report = node_mesh_job(2, 4, "0,1", "1,1,4", "1,2,1")
     assert report["node_grid"] == [[[0] * 4, [1] * 4]]
     axes = report["axes"]
-    assert axes["data"]["groups"] == [[i] for i in range(8)]  # an axis of size 1: groups of one
+    assert axes["data"]["groups"] == [
+        [i] for i in range(8)
+    ]  # an axis of size 1: groups of one
     assert axes["tensor"]["nodes"] == [[0], [1]] and axes["tensor"]["result"] == 4.0
     assert axes["fsdp"]["nodes"] == [[0, 1]] * 4 and axes["fsdp"]["result"] == 2.0
 
