@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 
 # PRIVATE (as in devices.py): the only way to ask "has JAX started?" without starting it.
 from jax._src import xla_bridge
-from jax.experimental import mesh_utils, multihost_utils
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -212,36 +213,136 @@ def global_mesh(
     return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types, devices=devices)
 
 
+# What the launcher says about this process's node. SLURM numbers the nodes of a job
+# (SLURM_NODEID); Open MPI does not (OMPI_COMM_WORLD_NODE_RANK is a rank *within* a node, like
+# OMPI_COMM_WORLD_LOCAL_RANK), so under mpirun a node is known by its hostname.
+NODE_VARIABLE = "SLURM_NODEID"
+# "0,0,0,0,1,1,1,1": the node of each process, for tests and demos on one machine.
+NODE_OVERRIDE = "JAXDIST_NODE_OF_PROCESS"
+_KEY_BYTES = 256  # hostnames are at most 253 characters
+
+
+def node_key(environ: Mapping[str, str] | None = None) -> str:
+    """What names this process's node: SLURM's node index when ``srun`` started it, else the hostname."""
+    environ = os.environ if environ is None else environ
+    if NODE_VARIABLE in environ:
+        return f"slurm node {environ[NODE_VARIABLE]}"
+    return socket.gethostname()
+
+
+def number_nodes(keys: Sequence[str]) -> list[int]:
+    """Node numbers 0, 1, ... for each process's node key, in the order the nodes first appear."""
+    first: dict[str, int] = {}
+    return [first.setdefault(key, len(first)) for key in keys]
+
+
+def node_of_processes(environ: Mapping[str, str] | None = None) -> list[int]:
+    """The node of every process (index: process index), the same list on every process.
+
+    ``$JAXDIST_NODE_OF_PROCESS`` (``"0,0,1,1"``) overrides; otherwise every process's
+    ``node_key`` is gathered from all of them (a collective: every process must call this).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(NODE_OVERRIDE):
+        nodes = [int(v) for v in environ[NODE_OVERRIDE].split(",")]
+        if len(nodes) != jax.process_count():
+            raise MultihostError(
+                f"{NODE_OVERRIDE}={environ[NODE_OVERRIDE]} names {len(nodes)} processes' nodes; "
+                f"the job has {jax.process_count()} processes"
+            )
+        return nodes
+    if jax.process_count() == 1:
+        return [0]
+    key = np.zeros(_KEY_BYTES, np.uint8)
+    encoded = node_key(environ).encode()[:_KEY_BYTES]
+    key[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    gathered = allgather(key)  # (processes, _KEY_BYTES), in process order
+    return number_nodes([bytes(row).rstrip(b"\0").decode() for row in gathered])
+
+
+def node_device_grid(
+    ici_shape: Sequence[int],
+    dcn_shape: Sequence[int],
+    devices: Sequence[Any],
+    nodes: Mapping[int, int],
+) -> np.ndarray:
+    """Devices arranged as ``ici_shape * dcn_shape``: axis ``i`` takes ``ici_shape[i]`` devices of a node
+    times ``dcn_shape[i]`` nodes. ``nodes`` maps each device's id to its node.
+
+    A node's devices keep their order (process, then device id), so on GPUs a node's block is
+    its GPUs in order. Any objects with ``id`` and ``process_index`` will do, real devices or not.
+    """
+    if not len(ici_shape) == len(dcn_shape):
+        raise MultihostError(
+            f"ici_shape {tuple(ici_shape)} and dcn_shape {tuple(dcn_shape)} need one entry per axis each"
+        )
+    by_node: dict[int, list[Any]] = {}
+    for device in devices:
+        by_node.setdefault(nodes[device.id], []).append(device)
+    per_node = {len(group) for group in by_node.values()}
+    if len(by_node) != int(np.prod(dcn_shape)) or per_node != {int(np.prod(ici_shape))}:
+        counts = sorted(len(group) for group in by_node.values())
+        raise MultihostError(
+            f"dcn_shape {tuple(dcn_shape)} must multiply to the {len(by_node)} nodes and ici_shape "
+            f"{tuple(ici_shape)} to the devices of each node ({counts})"
+        )
+    ordered = [d for node in sorted(by_node) for d in sorted(by_node[node], key=_order)]
+    size = len(ordered) // len(by_node)
+    # As JAX's create_hybrid_device_mesh, on positions in `ordered`: a grid of nodes, each
+    # node's block of ici_shape in its place.
+    blocks = [
+        np.arange(k * size, (k + 1) * size).reshape(ici_shape) for k in range(len(by_node))
+    ]
+    node_grid = np.arange(len(blocks)).reshape(dcn_shape)
+    positions = np.block(
+        np.vectorize(lambda k: blocks[k], otypes=[object])(node_grid).tolist()
+    )
+    grid = np.empty(positions.shape, dtype=object)
+    for index, position in np.ndenumerate(positions):
+        grid[index] = ordered[position]
+    return grid
+
+
+def _order(device: Any) -> tuple[int, int]:
+    return device.process_index, device.id
+
+
 def hybrid_mesh(
     ici_shape: Sequence[int],
     dcn_shape: Sequence[int],
     axis_names: Sequence[str],
     axis_types: AxisType = AxisType.Explicit,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    nodes: Mapping[int, int] | None = None,
 ) -> Mesh:
-    """A mesh whose axis ``i`` has ``ici_shape[i]`` devices inside a process times ``dcn_shape[i]`` processes.
+    """A mesh whose axis ``i`` has ``ici_shape[i]`` devices inside a node times ``dcn_shape[i]`` nodes.
 
-    Collectives along an axis with ``dcn_shape[i] == 1`` never leave a host: put the chattiest
-    parallelism (``model``) there and the least chatty (``data``) across hosts.
+    Collectives along an axis with ``dcn_shape[i] == 1`` never leave a node (NVLink on GPUs): put
+    ``tensor`` there, and ``data`` across nodes. ``nodes`` (device id to node) defaults to
+    ``node_of_devices()``. It works for one process per GPU as for one process per node:
+    JAX's ``mesh_utils.create_hybrid_device_mesh`` groups by TPU slice or by process, and with
+    one process per GPU a process is one GPU, not a node.
     """
-    if len(ici_shape) != len(dcn_shape) or len(ici_shape) != len(axis_names):
+    if len(axis_names) != len(ici_shape):
         raise MultihostError(
-            f"ici_shape {tuple(ici_shape)}, dcn_shape {tuple(dcn_shape)} and axis_names "
-            f"{tuple(axis_names)} need one entry per axis each"
+            f"ici_shape {tuple(ici_shape)} and axis_names {tuple(axis_names)} need one entry per axis each"
         )
-    if (
-        int(np.prod(dcn_shape)) != jax.process_count()
-        or int(np.prod(ici_shape)) != jax.local_device_count()
-    ):
-        raise MultihostError(
-            f"dcn_shape {tuple(dcn_shape)} must multiply to the {jax.process_count()} processes and ici_shape "
-            f"{tuple(ici_shape)} to the {jax.local_device_count()} devices of each process"
-        )
-    # process_is_granule: a "slice" is a process (simulated CPU devices have no TPU slice ids).
-    grid = mesh_utils.create_hybrid_device_mesh(
-        ici_shape, dcn_shape, process_is_granule=True
-    )
-    types = (axis_types,) * len(axis_names)
-    return Mesh(grid, tuple(axis_names), axis_types=types)
+    devices = jax.devices() if devices is None else devices
+    nodes = node_of_devices(devices) if nodes is None else nodes
+    grid = node_device_grid(ici_shape, dcn_shape, devices, nodes)
+    return Mesh(grid, tuple(axis_names), axis_types=(axis_types,) * len(axis_names))
+
+
+def node_of_devices(devices: Sequence[jax.Device] | None = None) -> dict[int, int]:
+    """Each device's id mapped to its node, from ``node_of_processes()`` (a collective)."""
+    of_process = node_of_processes()
+    return {d.id: of_process[d.process_index] for d in (devices or jax.devices())}
+
+
+def node_grid(mesh: Mesh, nodes: Mapping[int, int]) -> np.ndarray:
+    """The mesh with each device replaced by its node (``nodes``: device id to node)."""
+    return np.vectorize(lambda d: nodes[d.id], otypes=[int])(mesh.devices)
 
 
 def process_grid(mesh: Mesh) -> np.ndarray:

@@ -227,3 +227,39 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
     assert recipe_losses(out) == pytest.approx(
         recipe_losses(recipe_one_process[0]), rel=1e-4
     )
+
+
+# --- examples/smoke.py: the first thing to run on a new cluster ---------------------------------
+
+
+def test_smoke_joins_two_processes_and_checks_the_psum():
+    stdout = run(
+        ["mpirun", "--map-by", ":OVERSUBSCRIBE", "--output", "tag", "-np", "2",
+         "python", "examples/smoke.py", "--expect-devices", "4"],
+        2,
+    )  # fmt: skip
+    assert "[1,0]<stdout>: process 0 of 2 on " in stdout
+    assert "2 local devices [cpu:2048, cpu:2049], 4 in all" in stdout
+    assert "[1,0]<stdout>: smoke test passed: psum over 4 devices = 10" in stdout
+
+
+def test_smoke_exits_1_saying_what_is_wrong():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAXDIST_", "JAX_", "OMPI_", "SLURM_", "PMI"))
+    }
+    result = subprocess.run(
+        [sys.executable, "examples/smoke.py", "--expect-devices", "3"],
+        cwd=ROOT, env={**env, "JAX_NUM_CPU_DEVICES": "2"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "no cluster detected (coordinator_address should be defined.)" in result.stdout
+    assert result.stderr.strip().endswith(
+        "smoke test FAILED on process 0: the job has 2 devices, not 3: check the tasks per node, "
+        "the GPUs each task sees (CUDA_VISIBLE_DEVICES) and local_device_ids"
+    )
+
+
+def test_smoke_imports_nothing_from_the_package():
+    assert "jaxdist_lessons" not in (EXAMPLES / "smoke.py").read_text()

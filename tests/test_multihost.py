@@ -11,9 +11,12 @@ tested in this process or in a single subprocess.
 
 import json
 import os
+import pathlib
 import shutil
+import socket
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -351,10 +354,118 @@ def test_hybrid_mesh_in_one_process():
     assert dict(mesh.shape) == {"data": 1, "model": n}
     assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
     assert multihost.process_grid(mesh).tolist() == [[0] * n]
-    with pytest.raises(multihost.MultihostError, match="must multiply to the 1 processes"):
+    with pytest.raises(multihost.MultihostError, match="must multiply to the 1 nodes"):
         multihost.hybrid_mesh((1, n), (2, 1), ("data", "model"))
     with pytest.raises(multihost.MultihostError, match="one entry per axis"):
         multihost.hybrid_mesh((n,), (1, 1), ("data", "model"))
+
+
+def test_hybrid_mesh_over_two_nodes_given_in_one_process():
+    # Nodes dealt round-robin (as mpirun --map-by node ranks them): device k is on node k % 2.
+    devices = jax.devices()[:8]
+    nodes = {d.id: i % 2 for i, d in enumerate(devices)}
+    mesh = multihost.hybrid_mesh(
+        (1, 4), (2, 1), ("data", "tensor"), devices=devices, nodes=nodes
+    )
+    assert multihost.node_grid(mesh, nodes).tolist() == [[0] * 4, [1] * 4]
+    assert [d.id for d in mesh.devices[1]] == [1, 3, 5, 7]
+    with pytest.raises(
+        multihost.MultihostError, match=r"to the devices of each node \(\[3, 5\]\)"
+    ):
+        multihost.hybrid_mesh(
+            (1, 4), (2, 1), ("data", "tensor"), devices=devices,
+            nodes={d.id: int(i >= 3) for i, d in enumerate(devices)},
+        )  # fmt: skip
+
+
+class GPU(NamedTuple):
+    id: int
+    process_index: int
+
+
+def test_node_device_grid_keeps_a_nodes_gpus_together_for_one_process_per_gpu():
+    # 2 nodes x 8 GPUs, one process per GPU: a process is one GPU, so the node is the granule.
+    gpus = [GPU(i, i) for i in range(16)]
+    grid = multihost.node_device_grid(
+        (1, 4, 2), (2, 1, 1), gpus, {g.id: g.id // 8 for g in gpus}
+    )
+    assert grid.shape == (2, 4, 2)
+    ids = np.vectorize(lambda g: g.id)(grid)
+    assert ids[0].ravel().tolist() == list(range(8)) and ids[1].ravel().tolist() == list(
+        range(8, 16)
+    )
+    assert ids[1, :, 1].tolist() == [9, 11, 13, 15]  # a column of fsdp: one node's GPUs
+    with pytest.raises(multihost.MultihostError, match="one entry per axis"):
+        multihost.node_device_grid((8,), (2, 1), gpus, {g.id: 0 for g in gpus})
+
+
+def test_nodes_are_named_by_slurm_or_the_hostname_and_numbered_in_order():
+    assert multihost.node_key({"SLURM_NODEID": "3"}) == "slurm node 3"
+    assert multihost.node_key({}) == socket.gethostname()
+    # Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank inside a node, not a node: not used.
+    assert multihost.node_key({"OMPI_COMM_WORLD_NODE_RANK": "1"}) == socket.gethostname()
+    assert multihost.number_nodes(["b", "a", "b", "c", "a"]) == [0, 1, 0, 2, 1]
+    assert multihost.node_of_processes({}) == [0]
+    assert multihost.node_of_processes({multihost.NODE_OVERRIDE: "5"}) == [5]
+    with pytest.raises(
+        multihost.MultihostError, match="names 2 processes' nodes; the job has 1"
+    ):
+        multihost.node_of_processes({multihost.NODE_OVERRIDE: "0,1"})
+
+
+NODE_DRIVER = pathlib.Path(__file__).with_name("node_mesh_driver.py")
+
+
+def node_mesh_job(processes, per_process, nodes, ici, dcn):
+    """``mpirun`` of ``tests/node_mesh_driver.py``: its printed lines and its report."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env |= {
+        **ROOT_OK,
+        multihost.NODE_OVERRIDE: nodes,
+        "PYTHONPATH": str(NODE_DRIVER.parents[1]),
+    }
+    command = [
+        MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", str(processes), sys.executable,
+        str(NODE_DRIVER), str(per_process), ici, dcn,
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    print(result.stdout)  # which device is on which node (pytest -s shows it)
+    [report] = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    return result.stdout.splitlines(), json.loads(report.removeprefix("REPORT "))
+
+
+def test_one_process_per_gpu_2_nodes_x_4_tensor_and_fsdp_stay_in_a_node():
+    # 8 processes of 1 device, nodes dealt round-robin (mpirun --map-by node): even ranks on node 0.
+    lines, report = node_mesh_job(8, 1, "0,1,0,1,0,1,0,1", "1,2,2", "2,1,1")
+    assert report["detected"] == [0] * 8  # without the override: one hostname, one node
+    assert report["node_grid"] == [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
+    assert (
+        "device  2048 of process 1: node 1, mesh position {'data': 1, 'fsdp': 0, 'tensor': 0}"
+        in lines
+    )
+    axes = report["axes"]
+    assert axes["tensor"]["groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axes["tensor"]["nodes"] == axes["fsdp"]["nodes"] == [[0], [0], [1], [1]]
+    assert (
+        axes["data"]["nodes"] == [[0, 1]] * 4
+    )  # HSDP: only the replicas' all-reduce crosses
+    assert {axis: a["result"] for axis, a in axes.items()} == {
+        "data": 2.0,
+        "fsdp": 2.0,
+        "tensor": 2.0,
+    }
+
+
+def test_one_process_per_node_2_nodes_x_4_tensor_stays_in_a_node():
+    _, report = node_mesh_job(2, 4, "0,1", "1,1,4", "1,2,1")
+    assert report["node_grid"] == [[[0] * 4, [1] * 4]]
+    axes = report["axes"]
+    assert axes["data"]["groups"] == [
+        [i] for i in range(8)
+    ]  # an axis of size 1: groups of one
+    assert axes["tensor"]["nodes"] == [[0], [1]] and axes["tensor"]["result"] == 4.0
+    assert axes["fsdp"]["nodes"] == [[0, 1]] * 4 and axes["fsdp"]["result"] == 2.0
 
 
 def test_replica_groups_of_a_compiled_psum_and_their_processes():

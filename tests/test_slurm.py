@@ -93,3 +93,45 @@ def test_the_chapters_batch_script_runs_through_sbatch(tmp_path):
     text = log.read_text()
     assert "step 30: loss 0.000040" in text
     assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in text
+
+
+def test_the_gpu_batch_script_runs_on_one_node_with_cpu_devices(tmp_path):
+    # As written: 2 nodes x 8 GPUs. Here, options on sbatch's command line override its #SBATCH
+    # lines: one node, 2 tasks, no GPUs; JAX_NUM_CPU_DEVICES=1 stands for one GPU per process.
+    script = ROOT / "examples/slurm/gpu.sbatch"
+    text = script.read_text()
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8"):
+        assert f"#SBATCH {line}\n" in text
+    assert (
+        "source examples/slurm/gpu_env.sh"
+        in (ROOT / "examples/slurm/lm.sbatch").read_text()
+    )
+    result = srun(
+        "env", "JAX_NUM_CPU_DEVICES=1", "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
+        "--gpus-per-node=0", "--overcommit", f"--output={tmp_path}/%x-%j.out", str(script),
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    [log] = tmp_path.glob("jaxdist-gpu-*.out")
+    lines = log.read_text().splitlines()
+    assert (
+        "process 1 of 2 on " in log.read_text()
+        and "smoke test passed: psum over 2 devices = 3" in lines
+    )
+    assert lines[-1].startswith("2 processes x 1 devices; w = [ 1.")
+
+
+def test_the_gpu_variables_are_set_and_a_value_given_before_wins():
+    program = "source examples/slurm/gpu_env.sh; echo $NCCL_SOCKET_IFNAME $NCCL_IB_HCA $NCCL_DEBUG $XLA_PYTHON_CLIENT_MEM_FRACTION $XLA_FLAGS"
+    env = {
+        "PATH": os.environ["PATH"],
+        "NCCL_IB_HCA": "=mlx5_0,mlx5_1",
+        "XLA_FLAGS": "--xla_dump_to=/tmp/x",
+    }
+    result = subprocess.run(
+        ["bash", "-c", program], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.stdout.split() == [
+        "^lo,docker", "=mlx5_0,mlx5_1", "WARN", "0.90",
+        "--xla_dump_to=/tmp/x", "--xla_gpu_enable_latency_hiding_scheduler=true",
+    ]  # fmt: skip
