@@ -1,6 +1,6 @@
 """The hang lab: each way a multi-process job hangs, run once under ``mpirun`` (and ``srun``), ended in seconds.
 
-Every case of ``tests/hang_cases/case.py`` starts at once (they are independent), with JAX's
+Every case of ``jaxdist_lessons.hang_lab`` starts at once (they are independent), with JAX's
 timeouts set short; each must end within 60 s, with a message that names the cause, leaving
 no process behind. The SLURM cases need a running cluster (``.ci/slurm-up``): they skip without
 one, and fail instead under ``JAXDIST_REQUIRE_SLURM=1``, as ``test_slurm.py`` does.
@@ -9,48 +9,17 @@ one, and fail instead under ``JAXDIST_REQUIRE_SLURM=1``, as ``test_slurm.py`` do
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from test_multihost import MPIRUN, ROOT_OK
 
-from jaxdist_lessons import multihost_demo
+from jaxdist_lessons import hang_lab, multihost_demo
+from jaxdist_lessons.hang_lab import ROOT_OK
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CASE = ROOT / "tests/hang_cases/case.py"
 LIMIT_S = 60
-# The case and its extra arguments; the stuck process is stopped by JAX's heartbeat, not the watchdog.
-CASES = {
-    "sleep": ["--watchdog", "3"],
-    "stop": [],
-    "order": [],
-    "shape": [],
-    "unreachable": ["--port", "{port}"],
-    "partial": ["--port", "{port}"],
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def case_pids() -> set[int]:
-    """Process ids of running hang cases."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"hang_cases/case.py" in f.read():
-                    found.add(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def clean_env() -> dict[str, str]:
@@ -60,56 +29,44 @@ def clean_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def lab():
-    """Every mpirun case at once: ``{case: (exit status, seconds, stdout + stderr)}``, and the total."""
-    before, start, jobs = case_pids(), time.monotonic(), {}
-    for case, extra in CASES.items():
-        args = [a.format(port=free_port()) for a in extra]
-        command = [MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", "2",
-                   sys.executable, str(CASE), case, *args]  # fmt: skip
-        jobs[case] = subprocess.Popen(
-            command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
-        )  # fmt: skip
-    results = {}
-    for case, job in jobs.items():
-        try:
-            output, _ = job.communicate(
-                timeout=max(1, LIMIT_S - (time.monotonic() - start))
-            )
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
-            output, _ = job.communicate()
-        results[case] = (job.returncode, time.monotonic() - start, output)
+    """Every case at once: the outcomes, the seconds for all, and the processes left behind."""
+    before, start = hang_lab.case_pids(), time.monotonic()
+    outcomes = hang_lab.run_cases(limit_s=LIMIT_S)
     time.sleep(1)  # mpirun's last kills
-    yield results, time.monotonic() - start, case_pids() - before
+    yield outcomes, time.monotonic() - start, hang_lab.case_pids() - before
 
 
 def test_every_case_ends_within_the_limit_and_leaves_nothing_behind(lab):
-    results, total, left = lab
-    for case, (status, seconds, output) in results.items():
-        assert status != 0 and seconds < LIMIT_S, (case, status, seconds, output[-2000:])
+    outcomes, total, left = lab
+    for case, o in outcomes.items():
+        assert o.returncode != 0 and o.seconds < LIMIT_S, (
+            case,
+            o.returncode,
+            o.output[-2000:],
+        )
+        assert o.message is not None, (case, o.output[-3000:])
     assert total < LIMIT_S + 2 and not left
 
 
 def test_a_live_stuck_process_is_named_by_the_watchdog_with_every_stack(lab):
-    status, _, output = lab[0]["sleep"]
+    status, output = lab[0]["sleep"].returncode, lab[0]["sleep"].output
     assert status == 124  # the watchdog's exit status, passed on by mpirun
     assert (
         "watchdog: process 1 did not reach step 2 within 3 s (process 1 at step 1); "
         "processes 0 wait at step 2"
     ) in output
     assert "process 1's Python stacks:" in output and "process 0's Python stacks:" in output
-    assert 'case.py", line' in output and "in main" in output
+    assert 'hang_lab.py", line' in output and "in main" in output
 
 
 def test_a_stopped_process_is_caught_by_jaxs_heartbeat(lab):
-    status, _, output = lab[0]["stop"]
+    output = lab[0]["stop"].output
     assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in output
 
 
 @pytest.mark.parametrize("case", ["order", "shape"])
 def test_collectives_that_differ_between_processes_fail_in_gloo(lab, case):
-    output = lab[0][case][2]
+    output = lab[0][case].output
     assert (
         "Received data size doesn't match expected size. Is there a distributed collective "
         "mismatch in your code?"
@@ -118,7 +75,7 @@ def test_collectives_that_differ_between_processes_fail_in_gloo(lab, case):
 
 @pytest.mark.parametrize("case", ["unreachable", "partial"])
 def test_a_process_that_cannot_join_times_out_in_register_task(lab, case):
-    output = lab[0][case][2]
+    output = lab[0][case].output
     assert "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded" in output
     assert "RPC: /xla.coordination.CoordinationService/RegisterTask" in output
     assert "step 0" not in output  # no process got past initialize()
