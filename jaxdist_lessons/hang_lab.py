@@ -54,6 +54,11 @@ MESSAGES = {
     "unreachable": r"(?s)absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded.*?RPC: \S+RegisterTask",
     "partial": r"(?s)absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded.*?RPC: \S+RegisterTask",
 }
+TIMEOUTS = (
+    10,
+    5,
+    5,
+)  # the lab's initialization, heartbeat and shutdown timeouts, in seconds
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -154,7 +159,7 @@ def main() -> None:
     parser.add_argument("case", choices=CASES)
     parser.add_argument("--watchdog", type=float, help="step deadline in seconds")
     parser.add_argument("--port", type=int, default=0, help="for unreachable and partial")
-    parser.add_argument("--timeouts", type=int, nargs=3, default=(10, 5, 5),
+    parser.add_argument("--timeouts", type=int, nargs=3, default=TIMEOUTS,
                         metavar=("INIT", "HEARTBEAT", "SHUTDOWN"))  # fmt: skip
     args = parser.parse_args()
     multihost.native_stdout_to_stderr()
