@@ -31,7 +31,9 @@ def launchers(processes: int) -> dict[str, list[str]]:
     """The launch commands to time: mpirun always, srun where SLURM runs a job now."""
     found = {"mpirun": ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", str(processes)]}
     reason = multihost_demo.slurm_unavailable()
-    if reason is not None:  # installed with its controller down, sinfo fails: say so, skip it
+    if (
+        reason is not None
+    ):  # installed with its controller down, sinfo fails: say so, skip it
         print(f"srun skipped: {reason}")
     else:
         found["srun --kill-on-bad-exit=1"] = [
