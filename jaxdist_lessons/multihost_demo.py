@@ -8,8 +8,9 @@ Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU
 ``hello`` shows what each process sees and runs an all-reduce across processes. ``hybrid``
 builds a hybrid mesh and shows which all-reduces stay inside a process. ``train`` trains
 a small CNN data-parallel over every process's devices with chapter 5's digits pipeline and
-train module, can checkpoint after every epoch and resume from the latest checkpoint, and can
-make one of its processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every
+train module, can checkpoint after every epoch and resume from the latest checkpoint, saves at
+the next step and exits 0 on a preemption notice (SIGTERM or SIGUSR1), and can make one of its
+processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every
 process writes what it found to ``DIR/rank<i>.json``. Run alone it is a single process.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -152,6 +154,37 @@ def _fail(how: str, epoch: int) -> None:
             time.sleep(60)
 
 
+class Preemption:
+    """Notes SIGTERM (``scancel``, Kubernetes) and SIGUSR1 (SLURM's ``--signal=USR1@60``); every process agrees on the step to stop at.
+
+    ``examples/lm/train.py`` has the same class: a signal may reach one process a step before
+    another, so each step all processes take the maximum of their flags (one small allgather).
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """Whether any process got a notice (the same answer on every process)."""
+        stop = np.int32(self.signal is not None)
+        if jax.process_count() > 1:
+            stop = multihost.allgather(stop).max()
+        return bool(stop)
+
+
+class Preempted(Exception):
+    """Raised before a step once every process agreed to stop; carries the state to save."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__("preempted")
+        self.state = state
+
+
 def train_digits(
     epochs: int = 3,
     steps_per_epoch: int = 4,
@@ -162,6 +195,7 @@ def train_digits(
     fail_at_epoch: int | None = None,
     fail_how: str = "kill",
     devices: int | None = None,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
 
@@ -169,6 +203,9 @@ def train_digits(
     every epoch into ``checkpoint_dir`` and starts from its latest checkpoint. Process
     ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
     (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever).
+    With ``checkpoint_dir``, SIGTERM or SIGUSR1 saves the state before the next step and returns
+    (``preempted`` names the signal); a rerun resumes at that step, mid-epoch, with the same
+    batches. ``pause_s`` sleeps after each step (time to send a signal in a test).
     """
     if fail_how not in FAILURES:
         raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")
@@ -199,23 +236,52 @@ def train_digits(
         if checkpoint_dir is None
         else ocp.CheckpointManager(os.path.abspath(checkpoint_dir))
     )
+    preemption = None if manager is None else Preemption()
+
+    def step_unless_preempted(state, batch):
+        if preemption is not None and preemption.agreed():
+            raise Preempted(state)
+        state, metrics = train_step(state, batch)
+        time.sleep(pause_s)
+        return state, metrics
+
+    preempted = None
     for epoch in range(first_step // steps_per_epoch, epochs):
         if epoch == fail_at_epoch and jax.process_index() == fail_rank:
             _fail(fail_how, epoch)
-        state, history = train.fit(
-            state,
-            train_step,
-            eval_step,
-            lambda e: data.batches(
-                source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS
-            ),
-            eval_batches=None,
-            epochs=1,
-            history=history,
-            first_epoch=epoch,
-            steps_per_epoch=steps_per_epoch,
-            progress=False,
+        done = (
+            first_step - epoch * steps_per_epoch
+            if epoch * steps_per_epoch < first_step
+            else 0
         )
+        try:
+            state, history = train.fit(
+                state,
+                step_unless_preempted,
+                eval_step,
+                lambda e, done=done: itertools.islice(
+                    data.batches(
+                        source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS
+                    ),
+                    done,
+                    None,
+                ),  # a resumed epoch skips the batches it had trained on
+                eval_batches=None,
+                epochs=1,
+                history=history,
+                first_epoch=epoch,
+                steps_per_epoch=steps_per_epoch - done,
+                progress=False,
+            )
+        except Preempted as stop:
+            state, preempted = stop.state, preemption.signal
+            if int(state.step) not in manager.all_steps():  # not at an epoch's end
+                manager.save(int(state.step), args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+            multihost.print0(
+                f"{preempted}: saved step {int(state.step)}, exiting", flush=True
+            )
+            break
         losses = [r["loss"] for r in history.train if r["epoch"] == epoch]
         multihost.print0(f"epoch {epoch + 1}: losses {np.round(losses, 4).tolist()}")
         if manager is not None:  # every process saves its shards, named by the step
@@ -228,6 +294,7 @@ def train_digits(
         "process_count": jax.process_count(),
         "devices": jax.device_count(),
         "first_step": first_step,
+        "preempted": preempted,
         "losses": [r["loss"] for r in history.train],
     }
 
@@ -358,6 +425,9 @@ def parser() -> argparse.ArgumentParser:
         default="kill",
         help="how it fails (default: %(default)s)",
     )
+    p.add_argument(
+        "--pause", type=float, default=0.0, help="seconds to sleep after each step"
+    )
     defaults = multihost.Timeouts()
     p.add_argument("--initialization-timeout", type=int, default=defaults.initialization)
     p.add_argument("--heartbeat-timeout", type=int, default=defaults.heartbeat)
@@ -396,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 fail_rank=args.fail_rank,
                 fail_at_epoch=args.fail_at_epoch,
                 fail_how=args.fail_how,
+                pause_s=args.pause,
             )
     if args.out:
         os.makedirs(args.out, exist_ok=True)

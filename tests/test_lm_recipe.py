@@ -304,7 +304,8 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
         return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *COMMON,
                 "--mesh", SPEC, "--steps", str(steps), "--data-dir", str(dirs["data"]),
                 "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10",
-                "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+                "--compilation-cache", str(dirs["cache"]),
+                "--step-timeout", "120"]  # fmt: skip  # the deadline's store, across processes
 
     with open(tmp_path / "stderr", "w") as stderr:
         process = subprocess.Popen(command(20), cwd=ROOT, env=environment(4), text=True,
@@ -378,3 +379,21 @@ def test_srun_two_processes_and_scancel_sigterm(dirs, spec_run, tmp_path):
     expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}
     got = {s: v for s, v in losses(stdout).items() if s <= 10}
     assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
+    """--step-timeout's thread: no step for 1 s after step 3 -> the message, the stack, status 124."""
+    program = (
+        "import sys, time; sys.path.insert(0, 'examples/lm'); import train\n"
+        "train.StepDeadline(1).reached(3)\n"
+        "time.sleep(30)  # stuck\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 124, result.stderr[-2000:]
+    assert (
+        "step timeout: step 4 did not finish within 1 s on any process; process 0's stacks:"
+        in (result.stderr)
+    )
+    assert 'File "<string>", line 3 in <module>' in result.stderr  # where it is stuck
+    assert train.parse_args(["--step-timeout", "600"]).step_timeout == 600

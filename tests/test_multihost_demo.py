@@ -78,3 +78,112 @@ def test_slurm_unavailable_names_the_busy_states(tmp_path, monkeypatch):
     assert multihost_demo.slurm_unavailable(settle_s=1) == (
         "SLURM is installed, but no node is idle (sinfo: alloc drain)"
     )
+
+
+# --- Preemption: a notice saves at the next step, exits 0, and a rerun resumes exactly ---------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from test_multihost import MPIRUN, ROOT_OK  # noqa: E402
+
+TRAIN = ["train", "--epochs", "3", "--steps-per-epoch", "4"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The 12 losses of an uninterrupted run on 2 devices (the same global batch of 8)."""
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    losses = multihost_demo.train_digits(3, 4, devices=2)["losses"]
+    for s, handler in signals.items():
+        signal.signal(s, handler)
+    return losses
+
+
+def preempted_then_resumed(launch, notify, out, checkpoints):
+    """Start ``launch`` + the demo, ``notify()`` once epoch 1 is done, then rerun it to the end; both reports."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))}
+    env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
+    args = ["-m", "jaxdist_lessons.multihost_demo", "--devices", "1", "--checkpoint-dir",
+            str(checkpoints), *TRAIN]  # fmt: skip
+    job = subprocess.Popen([*launch, sys.executable, *args, "--out", str(out / "first"),
+                            "--pause", "0.5"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("epoch 1: losses"):
+                notify(job)
+        job.wait(timeout=120)
+    finally:
+        job.kill()
+    rerun = subprocess.run([*launch, sys.executable, *args, "--out", str(out / "second")],
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    first, second = (
+        [json.loads((out / run / f"rank{r}.json").read_text())["train"] for r in range(2)]
+        for run in ("first", "second")
+    )
+    return job.returncode, "".join(lines), first, rerun, second
+
+
+def pids_of(path) -> list[int]:
+    """Running processes whose command line names ``path`` (ours: other tests may run demos too)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found += [int(pid)] if str(path).encode() in f.read() else []
+        except OSError:
+            pass
+    return found
+
+
+def check_resumed_exactly(reference, status, stdout, first, rerun, second, name):
+    assert status == 0, stdout
+    [saved] = [
+        int(line.split()[3].rstrip(","))
+        for line in stdout.splitlines()
+        if line.startswith(f"{name}: saved step")
+    ]
+    assert 4 <= saved < 12 and first[0]["preempted"] == first[1]["preempted"] == name
+    assert rerun.returncode == 0 and "resumed from" in rerun.stdout, rerun.stderr[-2000:]
+    assert second[0]["first_step"] == saved
+    losses = first[0]["losses"] + second[0]["losses"]
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_sigusr1_to_mpirun_saves_at_the_next_step_and_a_rerun_resumes_exactly(
+    tmp_path, reference
+):
+    launch = [MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", "2"]
+    result = preempted_then_resumed(
+        launch, lambda job: job.send_signal(signal.SIGUSR1), tmp_path, tmp_path / "ckpt"
+    )
+    check_resumed_exactly(reference, *result, "SIGUSR1")
+    assert not pids_of(tmp_path)
+
+
+def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(tmp_path, reference):
+    reason = multihost_demo.slurm_unavailable()
+    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
+        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
+    if reason:
+        pytest.skip(reason)
+    name = f"jaxdist-preempt-{os.getpid()}"
+    launch = ["srun", "--overcommit", "-n", "2", "-J", name]
+    result = preempted_then_resumed(
+        launch,
+        lambda job: subprocess.run(
+            ["scancel", "--signal=TERM", "--name", name], check=True
+        ),
+        tmp_path,
+        tmp_path / "ckpt",
+    )
+    check_resumed_exactly(reference, *result, "SIGTERM")
+    assert not pids_of(tmp_path)

@@ -10,15 +10,20 @@
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its loss, tokens per second,
 step time and model-flops utilisation; checkpoints hold the model, the optimizer and the data
 iterator, so a rerun on the same --checkpoint-dir continues with the exact next batch. SIGTERM
-or SIGUSR1 (preemption notices) save at the next step boundary and exit 0.
+or SIGUSR1 (preemption notices) save at the next step boundary and exit 0. --step-timeout S ends
+a job whose step has not advanced on some process for S seconds (a process alive but stuck, which
+JAX's heartbeat does not catch), naming the processes behind and printing every process's stack.
 """
 
 import argparse
 import collections
+import contextlib
+import faulthandler
 import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -82,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--compile-only", action="store_true", help="compile one step, print memory, stop")
     add("--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR")
     add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
+    add("--step-timeout", type=float, metavar="SECONDS",
+        help="end the job (status 124) when a step has not finished on some process for SECONDS")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -262,6 +269,63 @@ class Preemption:
         return bool(stop)
 
 
+class StepDeadline:
+    """--step-timeout: a thread ends the job when this process's step has not advanced for
+    ``seconds``. Each process writes its step into the key-value store of JAX's coordination
+    service; the first to pass its deadline names the processes behind, and every process prints
+    its Python stacks (faulthandler; ``kill -USR2 <pid>`` does it by hand) and exits 124."""
+
+    def __init__(self, seconds: float):
+        from jax._src import distributed  # private: JAX 0.10.2 exports no key-value store
+
+        self.client, self.seconds = distributed.global_state.client, seconds
+        self.step, self.since = None, time.monotonic()
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def reached(self, step: int) -> None:
+        if self.client is not None:
+            self.client.key_value_set(f"lm_deadline/step/{jax.process_index()}", str(step),
+                                      allow_overwrite=True)  # fmt: skip
+        self.step, self.since = step, time.monotonic()
+
+    def _fired(self):
+        try:
+            return (
+                self.client.key_value_try_get("lm_deadline/fired") if self.client else None
+            )
+        except Exception:  # NOT_FOUND
+            return None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            message = self._fired()
+            late = self.step is not None and time.monotonic() - self.since > self.seconds
+            if message is None and late:
+                entries = (
+                    self.client.key_value_dir_get("lm_deadline/step/")
+                    if self.client
+                    else []
+                )
+                steps = {int(k.rsplit("/", 1)[1]): int(v) for k, v in entries} or {
+                    0: self.step
+                }
+                ahead = max(steps.values())
+                behind = [p for p in range(jax.process_count()) if steps.get(p, -1) < ahead]
+                message = (f"step timeout: processes {behind} did not finish step {ahead} within "
+                           f"{self.seconds:g} s" if behind else f"step timeout: step {ahead + 1} "
+                           f"did not finish within {self.seconds:g} s on any process")  # fmt: skip
+                with contextlib.suppress(Exception):  # another process may have fired first
+                    self.client and self.client.key_value_set("lm_deadline/fired", message)
+            if message is not None:
+                print(f"{message}; process {jax.process_index()}'s stacks:", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                faulthandler.dump_traceback(all_threads=True)
+                time.sleep(1.5)  # the others poll the message and dump theirs
+                os._exit(124)
+
+
 def checkpoint_manager(args) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=args.keep,
                                            save_interval_steps=args.checkpoint_every)  # fmt: skip
@@ -320,6 +384,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     kind = jax.devices()[0].device_kind
     peak = next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
     preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(("data", "fsdp")))
+    deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     for _ in range(int(state.step), args.steps):
         tokens = jax.make_array_from_process_local_data(
             batch_sharding, next(batches), (args.global_batch, args.seq_len + 1))  # fmt: skip
@@ -335,6 +400,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         print0(f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
                f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"
                f"{mfu}", flush=True)  # fmt: skip
+        if deadline:  # after the step: the first step's compilation does not count
+            deadline.reached(now)
         stop = preemption.agreed()
         if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
             manager.save(now, force=True, args=ocp.args.Composite(
@@ -343,6 +410,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         if stop:
             print0(f"{preemption.signal}: saved step {now}, exiting", flush=True)
             break
+    if deadline:
+        deadline.step = None  # stop watching: no more steps
     if manager:
         manager.wait_until_finished()  # the last save is asynchronous
         manager.close()

@@ -1,0 +1,90 @@
+"""The step watchdog's report, and its thread against a key-value store in memory.
+
+Its run across real processes, where it ends a job, is in ``test_hangs.py`` (the ``sleep`` case).
+"""
+
+import time
+
+import pytest
+
+from jaxdist_lessons import watchdog
+
+
+class FakeStore:
+    """The three calls of the coordination service's client that the watchdog uses."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if key in self.values and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def test_report_names_the_processes_behind():
+    assert watchdog.report({0: 3, 1: 2, 2: 3}, 4, 5) == (
+        "watchdog: processes 1, 3 did not reach step 3 within 5 s (process 1 at step 2, "
+        "process 3 at no step); processes 0, 2 wait at step 3"
+    )
+
+
+def test_report_says_when_every_process_is_stuck_in_the_same_step():
+    assert watchdog.report({0: 7, 1: 7}, 2, 2.5).startswith(
+        "watchdog: every process reached step 7 but none finished it within 2.5 s"
+    )
+
+
+def watched(store, index, ended, log):
+    dog = watchdog.StepWatchdog(
+        0.3, poll_s=0.05, client=store, process_index=index, num_processes=2,
+        stream=log.open("a"),  # faulthandler writes to a file descriptor
+    )  # fmt: skip
+    dog._end = ended.append  # record the report instead of ending the test's process
+    return dog.start()
+
+
+def wait_for(ended, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_process_whose_step_stops_advancing_reports_and_the_others_follow(tmp_path):
+    store, ended0, ended1 = FakeStore(), [], []
+    log = tmp_path / "log"
+    dog0, dog1 = watched(store, 0, ended0, log), watched(store, 1, ended1, log)
+    for k in range(3):  # both advance: nothing fires
+        dog0.step(k), dog1.step(k)
+        time.sleep(0.1)
+    assert not ended0 and not ended1
+    dog0.step(3)  # process 1 never reaches step 3
+    wait_for(ended0), wait_for(ended1)
+    expected = (
+        "watchdog: process 1 did not reach step 3 within 0.3 s (process 1 at step 2); "
+        "processes 0 wait at step 3"
+    )
+    assert store.values["jaxdist_watchdog/fired"] == expected
+    assert expected in ended0 and expected in ended1  # process 1 read process 0's report
+    dog0.stop(), dog1.stop()
+
+
+def test_the_deadline_starts_at_the_first_step(tmp_path):
+    store, ended = FakeStore(), []
+    dog = watched(store, 0, ended, tmp_path / "log")
+    time.sleep(0.6)  # compiling, loading: no step yet
+    dog.stop()
+    assert not ended and "jaxdist_watchdog/fired" not in store.values
+
+
+def test_without_jax_distributed_the_watchdog_says_what_it_needs():
+    with pytest.raises(RuntimeError, match=r"needs jax.distributed.initialize\(\) first"):
+        watchdog.StepWatchdog(5)
