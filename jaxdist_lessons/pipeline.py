@@ -1,54 +1,163 @@
-"""A GPipe-style pipeline over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 10).
+"""Pipeline schedules over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 11).
 
-Naming a mesh axis ``'pipeline'`` pipelines nothing: JAX has no pipeline scheduler. Here is one.
-The model is cut into ``S`` stages of the same shape (for example, transformer blocks); device
-``s`` on the ``'pipeline'`` axis holds stage ``s``'s parameters. The batch is cut into ``M``
-microbatches. At every tick each device applies its stage to what it holds, then passes the
-result to the next device with ``jax.lax.ppermute``. Microbatch ``j`` enters stage 0 at tick
-``j`` and leaves the last stage at tick ``j + S - 1``, so the whole batch takes ``M + S - 1``
-ticks, of which each device works ``M``: the idle share, the *bubble*, is ``(S - 1) / (M + S - 1)``.
+Naming a mesh axis ``'pipeline'`` pipelines nothing: JAX has no pipeline scheduler. Here are three.
+The model is cut into stages of the same shape (for example, transformer blocks); device ``d`` on
+the ``'pipeline'`` axis holds stage ``d``'s parameters (with ``v`` virtual stages, stages
+``d, d + S, d + 2S, ...``). The batch is cut into ``M`` microbatches. A *schedule* says which
+operation each device runs at each tick: ``F`` (forward of one microbatch through one stage) or
+``B`` (its backward), both counted as one tick here.
 
-``jax.grad`` through ``pipeline_apply`` gives the backward pass, the same schedule in reverse
-(the transpose of a ``ppermute`` is the opposite ``ppermute``).
+- **GPipe** (Huang et al. 2019, arXiv:1811.06965): all forwards, then all backwards. Every
+  stage keeps all ``M`` microbatches' activations until the backward starts.
+- **1F1B** (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): after ``S - 1 - d`` warm-up
+  forwards, device ``d`` alternates one forward and one backward, so it keeps at most ``S - d``.
+- **Interleaved 1F1B** (Megatron-LM, Narayanan et al. 2021, arXiv:2104.04473): each device holds
+  ``v`` smaller stages; the bubble shrinks ``v``-fold in time.
+
+Schedules are built by one simulator: each device has a fixed order of operations and runs the
+next one as soon as its input is ready (a forward needs the previous stage's forward, a backward
+the next stage's backward). ``gpipe_loss`` runs GPipe as a ``shard_map`` program (``jax.grad``
+writes its backward); ``one_f_one_b_grads`` runs 1F1B with the backward written per stage with
+``jax.vjp``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons._checks import positive_int
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """The share of device time idle in a GPipe forward (or backward) pass: ``(S - 1) / (M + S - 1)``."""
+class Op(NamedTuple):
+    """One slot of a schedule: ``kind`` ``'F'`` or ``'B'``, of ``micro`` through virtual stage ``stage``."""
+
+    kind: str
+    micro: int
+    stage: int
+
+
+Table = list[list[Op | None]]  # [tick][device]
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a GPipe or 1F1B step, ``(S - 1) / (v M + S - 1)`` (``v = 1``: ``(S - 1) / (M + S - 1)``)."""
     positive_int("num_stages", num_stages)
     positive_int("num_microbatches", num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    positive_int("virtual", virtual)
+    return (num_stages - 1) / (virtual * num_microbatches + num_stages - 1)
 
 
-def schedule(num_stages: int, num_microbatches: int) -> list[list[int | None]]:
-    """Which microbatch each stage works on at each tick (``None``: idle), ``[tick][stage]``."""
+def _simulate(orders: list[list[Op]], num_virtual_stages: int) -> Table:
+    """Run each device's ``orders`` in turn, each op as soon as its input is ready (one tick per op)."""
+    done: dict[tuple[str, int, int], int] = {}  # op -> tick it ran
+    last = num_virtual_stages - 1
+    position = [0] * len(orders)
+    table: Table = []
+    while any(p < len(o) for p, o in zip(position, orders)):
+        tick, row = len(table), []
+        for d, order in enumerate(orders):
+            op = order[position[d]] if position[d] < len(order) else None
+            if op is not None:
+                k, m, s = op
+                need = [("F", m, s - 1)] if k == "F" and s > 0 else []
+                if k == "B":
+                    need = [("F", m, s)] + ([("B", m, s + 1)] if s < last else [])
+                if not all(done.get(n, tick) < tick for n in need):
+                    op = None
+            row.append(op)
+        for d, op in enumerate(row):
+            if op is not None:
+                done[tuple(op)] = tick
+                position[d] += 1
+        table.append(row)
+        if len(table) > 4 * sum(map(len, orders)) + 8:
+            raise RuntimeError("schedule deadlocked")
+    return table
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
+    """GPipe: every device runs all its forwards, then all its backwards."""
     positive_int("num_stages", num_stages)
     positive_int("num_microbatches", num_microbatches)
-    ticks = num_microbatches + num_stages - 1
-    return [
-        [t - s if 0 <= t - s < num_microbatches else None for s in range(num_stages)]
-        for t in range(ticks)
+    M = range(num_microbatches)
+    orders = [
+        [Op("F", m, d) for m in M] + [Op("B", m, d) for m in M] for d in range(num_stages)
     ]
+    return _simulate(orders, num_stages)
 
 
-def idle_fraction(table: list[list[int | None]]) -> float:
-    """The share of (tick, stage) slots in a schedule with nothing to do."""
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
+    """1F1B (PipeDream-Flush): ``S - 1 - d`` warm-up forwards on device ``d``, then one forward, one backward."""
+    positive_int("num_stages", num_stages)
+    positive_int("num_microbatches", num_microbatches)
+    orders = []
+    for d in range(num_stages):
+        warmup = min(num_stages - 1 - d, num_microbatches)
+        order = [Op("F", m, d) for m in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            order += [Op("F", warmup + i, d), Op("B", i, d)]
+        order += [Op("B", m, d) for m in range(num_microbatches - warmup, num_microbatches)]
+        orders.append(order)
+    return _simulate(orders, num_stages)
+
+
+def interleaved_schedule(num_stages: int, num_microbatches: int, virtual: int) -> Table:
+    """Megatron's interleaved 1F1B: device ``d`` holds virtual stages ``d, d + S, ...``; ``M`` a multiple of ``S``."""
+    S, M, v = num_stages, num_microbatches, virtual
+    for name, value in (("num_stages", S), ("num_microbatches", M), ("virtual", v)):
+        positive_int(name, value)
+    if M % S:
+        raise ValueError(
+            f"interleaved 1F1B needs microbatches ({M}) in groups of the stages ({S})"
+        )
+
+    def nth(d: int, i: int, kind: str) -> Op:
+        # The i-th forward runs microbatches in groups of S through chunk 0, then chunk 1, ...
+        group, rest = divmod(i, S * v)
+        chunk, m = divmod(rest, S)
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return Op(kind, group * S + m, chunk * S + d)
+
+    orders = []
+    for d in range(S):
+        total = M * v
+        warmup = min((S - d - 1) * 2 + (v - 1) * S, total)
+        order = [nth(d, i, "F") for i in range(warmup)]
+        for i in range(total - warmup):
+            order += [nth(d, warmup + i, "F"), nth(d, i, "B")]
+        order += [nth(d, i, "B") for i in range(total - warmup, total)]
+        orders.append(order)
+    return _simulate(orders, S * v)
+
+
+def idle_fraction(table: Table) -> float:
+    """The share of (tick, device) slots in a schedule with nothing to do."""
     slots = [slot for row in table for slot in row]
     return sum(slot is None for slot in slots) / len(slots)
+
+
+def in_flight(table: Table) -> list[int]:
+    """Per device, the most forwards it holds activations for at once (run, backward not yet run)."""
+    peaks = []
+    for d in range(len(table[0])):
+        live = peak = 0
+        for row in table:
+            if row[d] is not None:
+                live += 1 if row[d].kind == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
 
 
 def sequential_apply(stage_fn: StageFn, stage_params: Any, x: jax.Array) -> jax.Array:
@@ -59,20 +168,14 @@ def sequential_apply(stage_fn: StageFn, stage_params: Any, x: jax.Array) -> jax.
     return x
 
 
-def pipeline_apply(
-    stage_fn: StageFn,
-    stage_params: Any,
-    x: jax.Array,
-    mesh: Mesh,
-    num_microbatches: int,
-    axis: str = "pipeline",
+def sequential_loss(
+    stage_fn: StageFn, loss_fn: LossFn, stage_params: Any, x: jax.Array, y: jax.Array
 ) -> jax.Array:
-    """``sequential_apply`` run as a GPipe pipeline: stage ``s`` on device ``s`` of ``axis``.
+    """The reference: ``loss_fn`` of the sequential model, per microbatch, summed."""
+    return loss_fn(sequential_apply(stage_fn, stage_params, x), y)
 
-    ``stage_params`` has a leading dimension of size ``mesh.shape[axis]`` (one slice per stage);
-    ``stage_fn(params, x)`` must return an array shaped like ``x``. ``x``'s leading (batch)
-    dimension is cut into ``num_microbatches`` microbatches. Other mesh axes hold copies.
-    """
+
+def _check(stage_params: Any, x: jax.Array, mesh: Mesh, num_microbatches: int, axis: str):
     num_stages = mesh.shape[axis]
     leading = {p.shape[0] for p in jax.tree.leaves(stage_params)}
     if leading != {num_stages}:
@@ -85,48 +188,180 @@ def pipeline_apply(
         raise ValueError(
             f"batch of {x.shape[0]} cannot be cut into {num_microbatches} equal microbatches"
         )
-    micro_MBX = x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])
-    forward = [(s, s + 1) for s in range(num_stages - 1)]  # the last stage sends nothing on
+    return num_stages
 
-    def per_device(params: Any, micro_MBX: jax.Array) -> jax.Array:
-        params = jax.tree.map(lambda p: p[0], params)  # this device's stage
-        stage = jax.lax.axis_index(axis)
-        is_first, is_last = stage == 0, stage == num_stages - 1
 
-        def tick(
-            carry: tuple[jax.Array, jax.Array], t: jax.Array
-        ) -> tuple[tuple[jax.Array, jax.Array], None]:
-            held, outputs = carry
-            # Stage 0 takes the next microbatch; the others work on what the previous stage sent.
-            fresh = jax.lax.dynamic_index_in_dim(
-                micro_MBX, jnp.minimum(t, num_microbatches - 1), keepdims=False
-            )
-            out = stage_fn(params, jnp.where(is_first, fresh, held))
-            done = t - (num_stages - 1)  # the microbatch leaving the last stage now, if any
-            written = jax.lax.dynamic_update_index_in_dim(
-                outputs, out, jnp.maximum(done, 0), 0
-            )
-            outputs = jnp.where(is_last & (done >= 0), written, outputs)
-            return (jax.lax.ppermute(out, axis, forward), outputs), None
+def _micro(a: jax.Array, num_microbatches: int) -> jax.Array:
+    return a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:])
 
-        ticks = jnp.arange(num_microbatches + num_stages - 1)
-        # The carry differs from device to device ("varies" over the axis): say so from the start.
-        start = jax.lax.pcast(
-            (jnp.zeros_like(micro_MBX[0]), jnp.zeros_like(micro_MBX)), (axis,), to="varying"
-        )
-        (_, outputs), _ = jax.lax.scan(tick, start, ticks)
-        # Only the last stage holds the results; a sum over the axis hands them to every device.
-        return jax.lax.psum(jnp.where(is_last, outputs, 0.0), axis)
 
+def _run(mesh: Mesh, axis: str, per_device: Callable, stage_params: Any, *data: jax.Array):
+    """``per_device`` under ``shard_map``: parameters split over ``axis``, data whole, results per stage."""
     if (
         AxisType.Explicit in mesh.axis_types
-    ):  # arrays carry their sharding in their type: place them first
+    ):  # arrays carry their sharding: place them first
         stage_params = jax.reshard(stage_params, NamedSharding(mesh, P(axis)))
-        micro_MBX = jax.reshard(micro_MBX, NamedSharding(mesh, P()))
-    out_MBX = jax.shard_map(per_device, mesh=mesh, in_specs=(P(axis), P()), out_specs=P())(
-        stage_params, micro_MBX
-    )
-    return out_MBX.reshape(x.shape)
+        data = tuple(jax.reshard(a, NamedSharding(mesh, P())) for a in data)
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(axis),) + (P(),) * len(data), out_specs=P(axis)
+    )(stage_params, *data)
+
+
+def gpipe_loss(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    stage_params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    mesh: Mesh,
+    num_microbatches: int,
+    axis: str = "pipeline",
+) -> jax.Array:
+    """The sum over microbatches of ``loss_fn(model(x_m), y_m)``, run as a GPipe forward; ``jax.grad`` it.
+
+    Stage 0 alone reads ``x``; each later stage gets one microbatch per tick from the one before
+    (``ppermute``); the last stage alone computes the loss. ``stage_params`` has a leading
+    dimension of ``mesh.shape[axis]``; ``stage_fn(params, x)`` returns an array shaped like ``x``.
+    """
+    S = _check(stage_params, x, mesh, num_microbatches, axis)
+    M = num_microbatches
+    to_next = [(s, s + 1) for s in range(S - 1)]  # the last stage sends nothing on
+
+    def per_device(params: Any, micro_x: jax.Array, micro_y: jax.Array) -> jax.Array:
+        params = jax.tree.map(lambda p: p[0], params)  # this device's stage
+        stage = jax.lax.axis_index(axis)
+
+        def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
+            held, loss = carry
+            m = jnp.clip(t - stage, 0, M - 1)  # the microbatch this stage works on
+            fresh = jax.lax.dynamic_index_in_dim(micro_x, m, keepdims=False)
+            out = stage_fn(params, jnp.where(stage == 0, fresh, held))
+            target = jax.lax.dynamic_index_in_dim(micro_y, m, keepdims=False)
+            mine = (stage == S - 1) & (t - stage >= 0) & (t - stage < M)
+            loss = loss + jnp.where(mine, loss_fn(out, target), 0.0)
+            return (jax.lax.ppermute(out, axis, to_next), loss), None
+
+        start = jax.lax.pcast(
+            (jnp.zeros_like(micro_x[0]), jnp.zeros(())), (axis,), to="varying"
+        )
+        (_, loss), _ = jax.lax.scan(tick, start, jnp.arange(M + S - 1))
+        return loss[None]  # one value per stage: only the last stage's is not zero
+
+    losses = _run(mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M))
+    return jnp.sum(losses)  # one scalar per stage, all but the last zero
+
+
+def _tables(table: Table, num_stages: int) -> dict[str, np.ndarray]:
+    """A schedule as integer arrays ``[tick, stage]`` a compiled loop can index."""
+    T = len(table)
+    a = {
+        k: np.zeros((T, num_stages), np.int32)
+        for k in ("kind", "micro", "recv_f", "recv_b")
+    }
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            a["kind"][t, s] = 1 if op.kind == "F" else 2
+            a["micro"][t, s] = op.micro
+            if (
+                op.kind == "F" and s + 1 < num_stages
+            ):  # the next stage gets it after this tick
+                a["recv_f"][t, s + 1] = op.micro + 1
+            if op.kind == "B" and s > 0:
+                a["recv_b"][t, s - 1] = op.micro + 1
+    return a
+
+
+def check_slots(table: Table, slots: int) -> None:
+    """Raise if two microbatches alive at once on one device would share slot ``micro % slots``."""
+    tabs = _tables(table, len(table[0]))
+    for s in range(len(table[0])):
+        live: set[int] = set()
+        for t in range(len(table)):
+            arriving = tabs["recv_f"][t - 1, s] - 1 if t else -1
+            if s == 0 and tabs["kind"][t, s] == 1:
+                arriving = tabs["micro"][t, s]
+            if arriving >= 0:
+                if any(m % slots == arriving % slots for m in live):
+                    raise ValueError(f"{slots} slots are too few on stage {s} at tick {t}")
+                live.add(arriving)
+            if tabs["kind"][t, s] == 2:
+                live.discard(int(tabs["micro"][t, s]))
+
+
+def one_f_one_b_grads(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    stage_params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    mesh: Mesh,
+    num_microbatches: int,
+    axis: str = "pipeline",
+) -> tuple[jax.Array, Any]:
+    """The loss of ``gpipe_loss`` and its gradient, run on the 1F1B schedule; ``S`` slots of inputs per stage.
+
+    Each tick every stage runs what ``one_f_one_b_schedule`` says: a forward, or a backward by
+    ``jax.vjp`` that recomputes the stage from its saved input. Activations go to the next stage and
+    input gradients to the previous one by ``ppermute``, into slots ``micro % S``.
+    """
+    S = _check(stage_params, x, mesh, num_microbatches, axis)
+    M = num_microbatches
+    table = one_f_one_b_schedule(S, M)
+    check_slots(table, S)
+    tabs = {k: jnp.asarray(v) for k, v in _tables(table, S).items()}
+
+    def per_device(params: Any, micro_x: jax.Array, micro_y: jax.Array):
+        params = jax.tree.map(lambda p: p[0], params)
+        stage = jax.lax.axis_index(axis)
+        zero = jax.lax.pcast(jnp.zeros_like(micro_x[0]), (axis,), to="varying")
+
+        def forward(carry, m):
+            inputs, grads_in, grad_sum, loss = carry
+            x_in = jnp.where(stage == 0, micro_x[m], inputs[m % S])
+            inputs = inputs.at[m % S].set(x_in)  # stage 0 keeps its input for the backward
+            return (inputs, grads_in, grad_sum, loss), stage_fn(params, x_in), zero
+
+        def backward(carry, m):
+            inputs, grads_in, grad_sum, loss = carry
+            out, vjp = jax.vjp(stage_fn, params, inputs[m % S])  # recompute, then backward
+            value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
+            is_last = stage == S - 1
+            g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[m % S]))
+            grad_sum = jax.tree.map(jnp.add, grad_sum, g_params)
+            loss = loss + jnp.where(is_last, value, 0.0)
+            return (inputs, grads_in, grad_sum, loss), zero, g_x
+
+        def idle(carry, m):
+            return carry, zero, zero
+
+        def tick(carry, t):
+            kind, m = tabs["kind"][t, stage], tabs["micro"][t, stage]
+            carry, to_next, to_prev = jax.lax.switch(
+                kind, (idle, forward, backward), carry, m
+            )
+            inputs, grads_in, grad_sum, loss = carry
+            got_f = jax.lax.ppermute(to_next, axis, [(s, s + 1) for s in range(S - 1)])
+            got_b = jax.lax.ppermute(to_prev, axis, [(s + 1, s) for s in range(S - 1)])
+            rf, rb = tabs["recv_f"][t, stage] - 1, tabs["recv_b"][t, stage] - 1
+            inputs = jnp.where(rf >= 0, inputs.at[rf % S].set(got_f), inputs)
+            grads_in = jnp.where(rb >= 0, grads_in.at[rb % S].set(got_b), grads_in)
+            return (inputs, grads_in, grad_sum, loss), None
+
+        buffers = jnp.broadcast_to(zero, (S, *zero.shape))  # S slots, like zero: varying
+        loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
+        start = (
+            buffers,
+            buffers,
+            jax.tree.map(jnp.zeros_like, params),
+            loss,
+        )  # params vary
+        (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
+        return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
+
+    losses, grads = _run(mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M))
+    return jnp.sum(losses), grads
 
 
 def stack_stages(

@@ -527,47 +527,69 @@ def cost_speedups(
     return fig
 
 
-def pipeline_schedule(num_stages: int, num_microbatches: int) -> Figure:
-    """``pipeline.schedule``: the GPipe forward schedule as a chart: one row per stage, one column per tick, idle slots blank."""
-    table = pipeline.schedule(num_stages, num_microbatches)
-    fig, ax = plt.subplots(figsize=(0.5 * len(table) + 1.5, 0.5 * num_stages + 1.2))
+def pipeline_schedule(
+    num_stages: int, num_microbatches: int, kind: str = "gpipe", virtual: int = 2
+) -> Figure:
+    """A ``pipeline`` schedule (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``) as a chart: one row per device, one column per tick.
+
+    Forwards are pale, backwards dark; each box names its microbatch (``3.1``: microbatch 3 in
+    the device's second virtual stage); idle slots are blank.
+    """
+    builders = {
+        "gpipe": lambda: pipeline.gpipe_schedule(num_stages, num_microbatches),
+        "1f1b": lambda: pipeline.one_f_one_b_schedule(num_stages, num_microbatches),
+        "interleaved": lambda: pipeline.interleaved_schedule(
+            num_stages, num_microbatches, virtual
+        ),
+    }
+    if kind not in builders:
+        raise ValueError(f"kind must be one of {sorted(builders)}, got {kind!r}")
+    table = builders[kind]()
+    fig, ax = plt.subplots(figsize=(0.3 * len(table) + 1.5, 0.45 * num_stages + 1.2))
     colors = plt.get_cmap("tab10")
     for tick, row in enumerate(table):
-        for stage, micro in enumerate(row):
-            if micro is None:
+        for device, op in enumerate(row):
+            if op is None:
                 continue
+            y = num_stages - 1 - device
+            backward = op.kind == "B"
             ax.add_patch(
                 Rectangle(
-                    (tick, num_stages - 1 - stage),
+                    (tick, y),
                     0.95,
                     0.9,
-                    color=colors(micro % 10),
-                    alpha=0.7,
+                    color=colors(op.micro % 10),
+                    alpha=0.9 if backward else 0.35,
                 )
             )
-            ax.text(
-                tick + 0.47,
-                num_stages - 1 - stage + 0.45,
-                str(micro),
-                ha="center",
-                va="center",
-                fontsize=8,
+            label = (
+                str(op.micro)
+                if kind != "interleaved"
+                else f"{op.micro}.{op.stage // num_stages}"
             )
+            ax.text(tick + 0.47, y + 0.45, label, ha="center", va="center", fontsize=6)
     ax.set_xlim(0, len(table))
     ax.set_ylim(0, num_stages)
+    step = max(1, len(table) // 20)
     ax.set_xticks(
-        [t + 0.5 for t in range(len(table))],
-        [str(t) for t in range(len(table))],
+        [t + 0.5 for t in range(0, len(table), step)],
+        [str(t) for t in range(0, len(table), step)],
         fontsize=7,
     )
     ax.set_yticks(
         [num_stages - 1 - s + 0.45 for s in range(num_stages)],
-        [f"stage {s}" for s in range(num_stages)],
+        [f"device {s}" for s in range(num_stages)],
     )
-    ax.set_xlabel("tick")
+    ax.set_xlabel("tick (pale: forward, dark: backward)")
+    name = {
+        "gpipe": "GPipe",
+        "1f1b": "1F1B",
+        "interleaved": f"interleaved 1F1B, v = {virtual}",
+    }[kind]
+    peak = max(pipeline.in_flight(table))
     ax.set_title(
-        f"GPipe forward, {num_stages} stages x {num_microbatches} microbatches: "
-        f"bubble {pipeline.bubble_fraction(num_stages, num_microbatches):.0%}",
+        f"{name}, {num_stages} stages x {num_microbatches} microbatches: "
+        f"bubble {pipeline.idle_fraction(table):.0%}, at most {peak} in flight",
         fontsize=10,
     )
     fig.tight_layout()

@@ -14,6 +14,10 @@ def stage_fn(params, x):
     return jnp.tanh(x @ params["w"] + params["b"])
 
 
+def loss_fn(out, y):
+    return jnp.sum((out - y) ** 2)
+
+
 def stage_params(num_stages, width=8):
     return pipeline.stack_stages(
         lambda k: {
@@ -25,60 +29,144 @@ def stage_params(num_stages, width=8):
     )
 
 
+def pipe_mesh(stages, axis_type=AxisType.Explicit):
+    return make_mesh(
+        (stages,), ("pipeline",), axis_types=axis_type, devices=jax.devices()[:stages]
+    )
+
+
 @pytest.mark.parametrize(
     "stages, micro, expected", [(1, 4, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7), (8, 32, 7 / 39)]
 )
-def test_bubble_fraction_formula_and_schedule(stages, micro, expected):
+def test_gpipe_and_1f1b_idle_the_same_share_and_differ_in_memory(stages, micro, expected):
     assert pipeline.bubble_fraction(stages, micro) == pytest.approx(expected)
-    table = pipeline.schedule(stages, micro)
-    assert len(table) == micro + stages - 1
-    assert pipeline.idle_fraction(table) == pytest.approx(expected)
-    for j in range(micro):  # microbatch j visits the stages in order, one tick apart
-        assert [row.index(j) for row in table if j in row] == list(range(stages))
+    gpipe = pipeline.gpipe_schedule(stages, micro)
+    ofob = pipeline.one_f_one_b_schedule(stages, micro)
+    for table in (gpipe, ofob):
+        assert len(table) == 2 * (micro + stages - 1)
+        assert pipeline.idle_fraction(table) == pytest.approx(expected)
+    assert pipeline.in_flight(gpipe) == [micro] * stages
+    assert pipeline.in_flight(ofob) == [min(stages - d, micro) for d in range(stages)]
+    for t, row in enumerate(
+        gpipe[: micro + stages - 1]
+    ):  # microbatch m on device d at tick m + d
+        assert [op and (op.kind, op.micro) for op in row] == [
+            ("F", t - d) if 0 <= t - d < micro else None for d in range(stages)
+        ]
+
+
+def test_1f1b_alternates_after_warm_up():
+    table = pipeline.one_f_one_b_schedule(4, 6)
+    device_1 = [f"{op.kind}{op.micro}" for op in (row[1] for row in table) if op]
+    assert device_1 == [
+        "F0",
+        "F1",
+        "F2",
+        "B0",
+        "F3",
+        "B1",
+        "F4",
+        "B2",
+        "F5",
+        "B3",
+        "B4",
+        "B5",
+    ]
+
+
+@pytest.mark.parametrize(
+    "stages, micro, virtual", [(4, 8, 2), (4, 4, 3), (8, 16, 2), (3, 6, 2)]
+)
+def test_interleaved_divides_the_bubble_by_v(stages, micro, virtual):
+    table = pipeline.interleaved_schedule(stages, micro, virtual)
+    assert len(table) == 2 * (virtual * micro + stages - 1)  # ticks of one virtual stage
+    assert pipeline.idle_fraction(table) == pytest.approx(
+        pipeline.bubble_fraction(stages, micro, virtual)
+    )
+    ops = {(op.kind, op.micro, op.stage) for row in table for op in row if op}
+    assert len(ops) == 2 * micro * stages * virtual  # every op once
+    assert {op.stage % stages for row in table for op in row[1:2] if op} == {1}
+    # device 0 holds 2 (S - 1) + (v - 1) S + 1 chunks at its peak (Megatron's warm-up, plus one)
+    assert pipeline.in_flight(table)[0] == min(
+        2 * (stages - 1) + (virtual - 1) * stages + 1, micro * virtual
+    )
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
         pipeline.bubble_fraction(2, 0)
-    mesh = make_mesh((N,), ("pipeline",), axis_types=AxisType.Explicit)
+    with pytest.raises(
+        ValueError, match=r"microbatches \(6\) in groups of the stages \(4\)"
+    ):
+        pipeline.interleaved_schedule(4, 6, 2)
+    mesh = pipe_mesh(N)
     with pytest.raises(ValueError, match=f"leading dimension of {N}"):
-        pipeline.pipeline_apply(stage_fn, stage_params(N + 1), jnp.zeros((4, 8)), mesh, 2)
+        pipeline.gpipe_loss(
+            stage_fn,
+            loss_fn,
+            stage_params(N + 1),
+            jnp.zeros((4, 8)),
+            jnp.zeros((4, 8)),
+            mesh,
+            2,
+        )
     with pytest.raises(
         ValueError, match="batch of 6 cannot be cut into 4 equal microbatches"
     ):
-        pipeline.pipeline_apply(stage_fn, stage_params(N), jnp.zeros((6, 8)), mesh, 4)
+        pipeline.one_f_one_b_grads(
+            stage_fn,
+            loss_fn,
+            stage_params(N),
+            jnp.zeros((6, 8)),
+            jnp.zeros((6, 8)),
+            mesh,
+            4,
+        )
+    with pytest.raises(ValueError, match="2 slots are too few on stage 0"):
+        pipeline.check_slots(pipeline.gpipe_schedule(4, 4), 2)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_pipeline_equals_sequential_forward_and_gradients(axis_type):
-    mesh = make_mesh((N,), ("pipeline",), axis_types=axis_type)
-    params = stage_params(N)
-    x = jax.random.normal(jax.random.key(1), (12, 8))
-    piped = jax.jit(
-        lambda p, x: pipeline.pipeline_apply(stage_fn, p, x, mesh, num_microbatches=4)
+@pytest.mark.parametrize(
+    "stages, micro, axis_type",
+    [
+        (4, 4, AxisType.Explicit),
+        (8, 4, AxisType.Auto),
+        (8, 12, AxisType.Explicit),
+        (6, 3, AxisType.Explicit),
+    ],
+)
+def test_gpipe_and_1f1b_equal_the_sequential_loss_and_gradients(stages, micro, axis_type):
+    mesh = pipe_mesh(stages, axis_type)
+    params = stage_params(stages)
+    x = jax.random.normal(jax.random.key(1), (micro * 3, 8))
+    y = jax.random.normal(jax.random.key(2), (micro * 3, 8))
+    want, want_g = jax.value_and_grad(
+        lambda p: pipeline.sequential_loss(stage_fn, loss_fn, p, x, y)
+    )(params)
+    gpipe = jax.jit(
+        jax.value_and_grad(
+            lambda p: pipeline.gpipe_loss(stage_fn, loss_fn, p, x, y, mesh, micro)
+        )
     )
-    np.testing.assert_allclose(
-        piped(params, x), pipeline.sequential_apply(stage_fn, params, x), atol=1e-6
+    ofob = jax.jit(
+        lambda p: pipeline.one_f_one_b_grads(stage_fn, loss_fn, p, x, y, mesh, micro)
     )
-
-    def loss(apply):
-        return lambda p: jnp.sum(apply(p) ** 2)
-
-    want = jax.grad(loss(lambda p: pipeline.sequential_apply(stage_fn, p, x)))(params)
-    got = jax.jit(jax.grad(loss(lambda p: piped(p, x))))(params)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    for loss, grads in (gpipe(params), ofob(params)):
+        np.testing.assert_allclose(loss, want, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_the_compiled_pipeline_passes_activations_in_a_loop():
-    mesh = make_mesh((N,), ("pipeline",), axis_types=AxisType.Explicit)
+def test_the_compiled_gpipe_sends_one_microbatch_per_tick_and_no_output():
     x = jnp.zeros((8, 8))
     text = comms.compiled_text(
-        lambda p, x: pipeline.pipeline_apply(stage_fn, p, x, mesh, 4), stage_params(N), x
+        lambda p, x: pipeline.gpipe_loss(stage_fn, loss_fn, p, x, x, pipe_mesh(4), 4),
+        stage_params(4),
+        x,
     )
-    permutes = [c for c in comms.collectives(text) if c.kind == "collective-permute"]
-    if N == 1:
-        assert not permutes
-        return
-    # One permute in the loop body, of one microbatch (2 rows x 8 floats), run M + S - 1 times.
+    found = comms.collectives(text)
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    # One permute in the loop body, of one microbatch (2 rows x 8 floats), run M + S - 1 times;
+    # the only other collective sums 4 per-stage losses (a scalar each).
     assert len(permutes) == 1 and permutes[0].in_loop and permutes[0].bytes == 2 * 8 * 4
+    assert all(c.bytes <= 4 * 4 for c in found if c.kind != "collective-permute")

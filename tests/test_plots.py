@@ -212,8 +212,24 @@ def test_speedup_figure_has_a_solid_and_a_dashed_line_per_layout():
 def test_schedule_figure_draws_one_box_per_busy_slot():
     fig = plots.pipeline_schedule(4, 6)
     (ax,) = fig.get_axes()
-    assert len(ax.patches) == 4 * 6 and "bubble 33%" in ax.get_title()
-    assert [t.get_text() for t in ax.get_yticklabels()] == [f"stage {s}" for s in range(4)]
+    # a forward and a backward per microbatch and stage; (S-1)/(M+S-1) = 3/9 idle
+    assert len(ax.patches) == 2 * 4 * 6 and "bubble 33%" in ax.get_title()
+    assert "at most 6 in flight" in ax.get_title()
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"device {s}" for s in range(4)]
+
+
+@pytest.mark.parametrize(
+    "kind, boxes, title",
+    [
+        ("1f1b", 2 * 4 * 8, "bubble 27%, at most 4"),
+        ("interleaved", 2 * 2 * 4 * 8, "bubble 16%, at most 11"),
+    ],
+)
+def test_schedule_figure_for_1f1b_and_interleaved(kind, boxes, title):
+    (ax,) = plots.pipeline_schedule(4, 8, kind).get_axes()
+    assert len(ax.patches) == boxes and title in ax.get_title()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        plots.pipeline_schedule(4, 8, "zero-bubble")
 
 
 def test_memory_measured_vs_predicted_stacks_a_solid_and_a_hatched_bar_per_strategy():
