@@ -63,13 +63,13 @@ def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:
 
 def _fold_block(q, k, v, mask, carry):
     """Fold one block of keys and values into the online softmax (running max, sum, output)."""
-    m, l, o = carry  # m, l: (B, N, Tq); o: (B, Tq, N, H)
+    m, total, o = carry  # m, total: (B, N, Tq); o: (B, Tq, N, H)
     s = jnp.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(q.shape[-1])
     s = jnp.where(mask, s, MASKED)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     rescale = jnp.exp(m - m_new)
-    l_new = l * rescale + p.sum(-1)
+    l_new = total * rescale + p.sum(-1)
     o_new = o * rescale.transpose(0, 2, 1)[..., None] + jnp.einsum("bnqk,bknh->bqnh", p, v)
     return m_new, l_new, o_new
 
@@ -91,8 +91,8 @@ def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.A
         carry = _fold_block(q_BTNH, k, v, q_pos[:, None] >= kv_pos[None, :], carry)
         if step < n - 1:
             k, v = (jax.lax.ppermute(x, axis_name, to_next) for x in (k, v))
-    m, l, o = carry
-    return o / l.transpose(0, 2, 1)[..., None]
+    _, total, o = carry
+    return o / total.transpose(0, 2, 1)[..., None]
 
 
 def gathered_kv_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
