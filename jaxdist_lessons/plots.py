@@ -763,3 +763,27 @@ def lm_scale(
     axes[0, 0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
+
+
+def memory_vs_sequence(
+    seq_lens: Sequence[int], memory: Mapping[str, Sequence[float]], unit: str = "GB"
+) -> Figure:
+    """Bytes per device against sequence length, one line per way of running attention, both axes log.
+
+    ``memory[name]`` holds one value in bytes per entry of ``seq_lens``.
+    """
+    if not memory or any(len(v) != len(seq_lens) for v in memory.values()):
+        raise ValueError("need one value per sequence length for every line")
+    scale = {"MB": 10**6, "GB": hardware.GB}.get(unit)
+    if scale is None:
+        raise ValueError(f"unknown unit {unit!r}; allowed: MB, GB")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (name, values) in enumerate(memory.items()):
+        ax.plot(seq_lens, np.asarray(values) / scale, marker="o", label=name,
+                color=plt.cm.tab10(i % 10))  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
+           ylabel=f"{unit} per device", title="Attention forward + backward: temporaries")  # fmt: skip
+    ax.set_xticks(list(seq_lens), [f"{t // 1024}k" for t in seq_lens])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

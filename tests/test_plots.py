@@ -306,3 +306,19 @@ def test_lm_scale_draws_one_bar_per_strategy_and_device_count():
 def test_lm_scale_needs_rows():
     with pytest.raises(ValueError, match="at least one row"):
         plots.lm_scale([])
+
+
+def test_memory_vs_sequence_draws_one_line_per_attention():
+    fig = plots.memory_vs_sequence(
+        [8192, 32768], {"one device": [2e9, 8e9], "ring": [1e9, 4e9]}, unit="GB"
+    )
+    ax = fig.axes[0]
+    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()}
+    assert lines == {
+        "one device": [2.0, 8.0],
+        "ring": [1.0, 4.0],
+    }
+    assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8k", "32k"]
+    with pytest.raises(ValueError, match="one value per sequence length"):
+        plots.memory_vs_sequence([8192], {"ring": [1.0, 2.0]})
