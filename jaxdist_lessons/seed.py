@@ -38,7 +38,9 @@ CHAPTERS = {
     "07_troubleshooting": "7. Troubleshooting",
     "08_multi_host": "8. Multi-host",
     "09_flax_partitioning": "9. Logical rules: one model, any strategy",
-    "10_pipelines_mesh_shape": "10. Pipelines and the mesh-shape question",
+    "10_language_model": "10. Training a transformer language model",
+    "10_pipelines_mesh_shape": "11. Pipelines and the mesh-shape question",
+    "12_long_sequences": "12. Long sequences",
 }
 
 # The code cells an entry can have, in the order the appendix shows them.
