@@ -181,8 +181,9 @@ def moe_all_to_all(
 def dropped_fraction(logits_TE: jax.Array, top_k: int, capacity_factor: float) -> float:
     """Share of the (token, choice) pairs that ``route`` drops at this capacity factor."""
     num_tokens, num_experts = logits_TE.shape
-    r = route(logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor))
-    return float(r.dropped) / (top_k * num_tokens)
+    slots = capacity(num_tokens, num_experts, top_k, capacity_factor)
+    dropped = jax.jit(route, static_argnums=(1, 2))(logits_TE, top_k, slots).dropped
+    return float(dropped) / (top_k * num_tokens)
 
 
 def router_logits(
