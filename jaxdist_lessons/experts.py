@@ -110,9 +110,9 @@ def moe_einsum(
     logits_TE = x_TD @ params["router_DE"]
     num_tokens, num_experts = logits_TE.shape
     r = route(logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor))
-    x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC, x_TD)
+    x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
     y_ECD = expert_mlp(params, x_ECD)
-    y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC, y_ECD)
+    y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
     return y_TD, MoeStats(balance_loss(r.fraction_E, r.mean_prob_E), r.z_loss, r.dropped)
 
 
@@ -141,7 +141,8 @@ def moe_all_to_all(
         num_tokens, num_experts = logits_TE.shape
         cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
         r = route(logits_TE, top_k, cap)
-        x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC, x_TD)
+        # in the activations' dtype: a float32 one-hot would double a bf16 buffer
+        x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
         # Block s of the experts goes to device s; what comes back is stacked by sender.
         x_SLCD = jax.lax.all_to_all(
             x_ECD.reshape(n, -1, cap, x_TD.shape[1]), "expert", 0, 0, tiled=True
@@ -153,7 +154,7 @@ def moe_all_to_all(
             .transpose(1, 0, 2, 3)
         )
         y_ECD = jax.lax.all_to_all(y_SLCD, "expert", 0, 0, tiled=True).reshape(x_ECD.shape)
-        y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC, y_ECD)
+        y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
         fraction_E, mean_prob_E, z_loss = jax.lax.pmean(
             (r.fraction_E, r.mean_prob_E, r.z_loss), token_axes
         )

@@ -3,7 +3,8 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, experts
 
@@ -117,3 +118,36 @@ def test_router_logits_skew_favours_low_experts():
     assert experts.dropped_fraction(logits_TE, 1, 1.0) > experts.dropped_fraction(
         flat, 1, 1.0
     )
+
+
+def test_all_to_all_buffers_in_bf16_and_the_weights_per_device_compile_only():
+    # compile only: 24 experts of width 512 -> 1024 in bf16 on (4, 2), 256 tokens per device
+    mesh = jax.make_mesh((4, 2), ("expert", "data"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"router_DE": P(), "w_in_EDF": P("expert"), "w_out_EFD": P("expert")}
+    shapes = {
+        "router_DE": (512, E),
+        "w_in_EDF": (E, 512, 1024),
+        "w_out_EFD": (E, 1024, 512),
+    }
+    abstract = {
+        name: jax.ShapeDtypeStruct(
+            shapes[name], jnp.bfloat16, sharding=NamedSharding(mesh, specs[name])
+        )
+        for name in specs
+    }
+    x = jax.ShapeDtypeStruct(
+        (256 * 8, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P(("expert", "data")))
+    )
+    layer = jax.jit(lambda p, x: experts.moe_all_to_all(p, x, 2, 1.25, mesh))
+    lowered = layer.lower(abstract, x)
+    # the program JAX writes moves bf16 buffers (a float32 one-hot would have promoted them) ...
+    lines = lowered.as_text().splitlines()
+    exchanged = [line.split("->")[-1] for line in lines if "stablehlo.all_to_all" in line]
+    assert len(exchanged) == 2 and all("x512xbf16>" in line for line in exchanged)
+    # ... and XLA:CPU converts them to float32 around its all-to-all: twice the bytes
+    program = lowered.compile()
+    buffer = experts.all_to_all_bytes(E, experts.capacity(256, E, 2, 1.25), 512, itemsize=4)
+    found = comms.summary(program.as_text())["all-to-all"]["bytes"]
+    assert found == 2 * buffer == 2 * 24 * 27 * 512 * 4
+    weights = 2 * E * 512 * 1024 * 2 // 4 + 512 * E * 2
+    assert program.memory_analysis().argument_size_in_bytes == weights + 256 * 512 * 2
