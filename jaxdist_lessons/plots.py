@@ -784,6 +784,43 @@ def memory_vs_sequence(
     ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
            ylabel=f"{unit} per device", title="Attention forward + backward: temporaries")  # fmt: skip
     ax.set_xticks(list(seq_lens), [f"{t // 1024}k" for t in seq_lens])
+
+
+# --- Chapter 13: mixture of experts ------------------------------------------------------------
+
+
+def dropped_tokens(
+    capacity_factors: Sequence[float], curves: Mapping[str, Sequence[float]]
+) -> Figure:
+    """The share of (token, choice) pairs dropped against the capacity factor, one line per curve.
+
+    ``curves`` maps a label ("k=1, uniform") to one dropped fraction per capacity factor.
+    """
+    if not curves:
+        raise ValueError("need at least one curve")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, (label, values) in enumerate(curves.items()):
+        if len(values) != len(capacity_factors):
+            raise ValueError(
+                f"curve {label!r} has {len(values)} values for {len(capacity_factors)} capacity factors"
+            )
+        style = "-" if "k=1" in label else "--"
+        ax.plot(
+            capacity_factors,
+            values,
+            style,
+            marker="o",
+            ms=3,
+            color=plt.cm.tab10(i % 10),
+            label=label,
+        )
+    ax.axvline(1.0, color="0.6", lw=0.8)
+    ax.set(
+        xlabel="capacity factor",
+        ylabel="share of (token, choice) pairs dropped",
+        title="Tokens dropped at the expert capacity",
+        ylim=(0, None),
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

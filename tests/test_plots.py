@@ -322,3 +322,26 @@ def test_memory_vs_sequence_draws_one_line_per_attention():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8k", "32k"]
     with pytest.raises(ValueError, match="one value per sequence length"):
         plots.memory_vs_sequence([8192], {"ring": [1.0, 2.0]})
+
+
+# --- dropped_tokens (chapter 13) ---------------------------------------------------------------
+
+
+def test_dropped_tokens_draws_one_line_per_curve():
+    factors = [0.5, 1.0, 2.0]
+    curves = {"k=1, uniform": [0.5, 0.2, 0.0], "k=2, skewed": [0.6, 0.4, 0.1]}
+    fig = plots.dropped_tokens(factors, curves)
+    ax = fig.axes[0]
+    lines = [line for line in ax.get_lines() if line.get_label() in curves]
+    assert [line.get_label() for line in lines] == list(curves)
+    assert lines[1].get_ydata().tolist() == [0.6, 0.4, 0.1]
+    assert lines[0].get_linestyle() == "-" and lines[1].get_linestyle() == "--"
+    assert ax.get_title() == "Tokens dropped at the expert capacity"
+    plt.close(fig)
+
+
+def test_dropped_tokens_checks_its_curves():
+    with pytest.raises(ValueError, match="at least one curve"):
+        plots.dropped_tokens([1.0], {})
+    with pytest.raises(ValueError, match="has 1 values for 2 capacity factors"):
+        plots.dropped_tokens([1.0, 2.0], {"k=1": [0.1]})
