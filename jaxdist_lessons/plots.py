@@ -784,6 +784,9 @@ def memory_vs_sequence(
     ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
            ylabel=f"{unit} per device", title="Attention forward + backward: temporaries")  # fmt: skip
     ax.set_xticks(list(seq_lens), [f"{t // 1024}k" for t in seq_lens])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 # --- Chapter 13: mixture of experts ------------------------------------------------------------
