@@ -203,6 +203,24 @@ def test_each_process_reads_only_its_rows(dirs, spec_run):
         data.batches(path, 16, slice(0, 6), 0)
 
 
+def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
+    """--data: a nanoGPT-style .bin of uint16 ids, or a .npy, packed into seq_len + 1 records."""
+    tokens = (np.arange(100) * 7 % 50).astype(np.uint16)  # 100 ids below a vocabulary of 50
+    tokens.tofile(tmp_path / "mine.bin")
+    np.save(tmp_path / "mine.npy", tokens.astype(np.int32))
+    rows = tokens[:99].reshape(11, 9)  # 100 // (8 + 1) = 11 records of 9 tokens
+    for name in ("mine.bin", "mine.npy"):
+        out = tmp_path / name.replace(".", "_")
+        path = data.prepare(str(out), 8, 50, str(tmp_path / name))
+        assert path.name == "mine-8.array_record"
+        batch = next(data.batches(path, 11, slice(0, 11), seed=0))
+        assert sorted(map(tuple, batch)) == sorted(map(tuple, rows))  # shuffled, all there
+    with pytest.raises(SystemExit, match="token id 49 is outside the vocabulary 40"):
+        data.prepare(str(tmp_path / "small"), 8, 40, str(tmp_path / "mine.bin"))
+    with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
+        data.prepare(str(tmp_path / "txt"), 8, 50, str(tmp_path / "mine.txt"))
+
+
 def test_model_flops_match_the_compiled_programs(dirs):
     """6 flops per matmul weight per token, plus attention's, against XLA's count for one
     training step's gradient (forward and backward) of the 125m preset. The layers are unrolled
