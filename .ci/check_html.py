@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Check the built HTML book, page by page: every figure a chapter makes is in its page, the
-numbered chapters each have at least one, and no page shows stderr noise.
+numbered chapters each have at least one, and no page shows stderr noise or the path of the
+repository it was built in (a traceback's file names, a command typed with an absolute path).
 
 Usage: python .ci/check_html.py [BUILD_HTML_DIR]   (default: _build/html)
 
@@ -50,6 +51,9 @@ def problems(html_dir: pathlib.Path, book_dir: pathlib.Path = ROOT / "book") -> 
             found.append(
                 f"{page.name}: {images} images for {expected} figures the chapter makes"
             )
+        machine = str(book_dir.resolve().parent)
+        if machine in html:
+            found.append(f"{page.name}: the build machine's path {machine}")
         found += [
             f"{page.name}: {what}"
             for what, pattern in NOISE.items()
