@@ -88,17 +88,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def case_pids() -> set[int]:
-    """Process ids of running hang-lab cases (to check that none is left behind)."""
+def module_pids(module: str) -> set[int]:
+    """Process ids of running ``python -m module`` processes (to check that none is left behind)."""
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"jaxdist_lessons.hang_lab" in f.read():
+                if module.encode() in f.read():
                     found.add(int(pid))
         except OSError:
             pass
     return found
+
+
+def case_pids() -> set[int]:
+    """Process ids of running hang-lab cases."""
+    return module_pids(__name__)
 
 
 def run_cases(cases: dict[str, list[str]] = LAB, limit_s: float = 60) -> dict[str, Outcome]:

@@ -7,19 +7,25 @@ of the 8 (``tests/meshes.py``).
 
 import os
 
+import pytest
+
 from jaxdist_lessons import devices
 
 DEVICES = devices.setup(num_devices=8)
 
+from jaxdist_lessons import hang_lab, multihost_demo  # noqa: E402  (after the setup)
 
-def demo_pids():
+
+def demo_pids() -> set[int]:
     """Process ids of running multihost_demo processes (to check that none is left behind)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"jaxdist_lessons.multihost_demo" in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
+    return hang_lab.module_pids("jaxdist_lessons.multihost_demo")
+
+
+@pytest.fixture
+def slurm():
+    """Skip a test that needs an idle SLURM node, or fail it under JAXDIST_REQUIRE_SLURM=1."""
+    reason = multihost_demo.slurm_unavailable()
+    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
+        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
+    if reason:
+        pytest.skip(reason)

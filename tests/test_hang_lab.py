@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jaxdist_lessons import hang_lab, multihost_demo
+from jaxdist_lessons import hang_lab
 from jaxdist_lessons.hang_lab import ROOT_OK
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,15 +90,6 @@ JAXS_SLURM_VARIABLES = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
 )
-
-
-@pytest.fixture
-def slurm():
-    reason = multihost_demo.slurm_unavailable()
-    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
-    if reason:
-        pytest.skip(reason)
 
 
 def test_one_task_per_node_drives_only_the_gpu_numbered_by_its_local_id(slurm, tmp_path):

@@ -23,8 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist_lessons import multihost_demo
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import data  # noqa: E402
@@ -360,18 +358,9 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     assert losses(alone) == pytest.approx(expected, rel=1e-5)
 
 
-def slurm_or_skip():
-    reason = multihost_demo.slurm_unavailable()
-    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
-    if reason:
-        pytest.skip(reason)
-
-
-def test_srun_two_processes_and_scancel_sigterm(dirs, spec_run, tmp_path):
+def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path):
     """srun -n 2 (JAX's SLURM detection joins them): the losses of 1 process x 8 devices; the
     tasks get SIGTERM from scancel --signal=TERM, save at the next step and exit 0."""
-    slurm_or_skip()
     reference = losses(spec_run[0])
     name = f"jaxdist-lm-{os.getpid()}"
     command = ["srun", "--overcommit", "-n", "2", "-J", name, "python", "examples/lm/train.py",

@@ -17,19 +17,11 @@ import sys
 import pytest
 from conftest import demo_pids
 
-from jaxdist_lessons import multihost_demo
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture(autouse=True)
-def slurm():
-    reason = multihost_demo.slurm_unavailable()
-    if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
-    if reason:
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("slurm")  # the fixture of conftest.py
 
 
 def srun(*args, timeout=180):
