@@ -305,6 +305,26 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     )
 
 
+def signalled_run(command: list[str], tmp_path, notify) -> str:
+    """Run ``command`` (4 devices a process), call ``notify(process)`` once step 1 is printed
+    (the signal handlers are set by then), and return its output once it exits 0."""
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, env=environment(4), text=True,
+                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+        lines = []
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if line.startswith("step 1 loss"):
+                    notify(process)
+            process.wait(timeout=120)
+        finally:
+            process.kill()
+    stdout = "".join(lines)
+    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    return stdout
+
+
 def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     """2 processes x 4 devices under mpirun: the losses of 1 process x 8 devices; SIGUSR1 to
     mpirun reaches both processes, which agree on a step, save it and exit 0; a rerun resumes
@@ -323,20 +343,8 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
                 "--compilation-cache", str(dirs["cache"]),
                 "--step-timeout", "120"]  # fmt: skip  # the deadline's store, across processes
 
-    with open(tmp_path / "stderr", "w") as stderr:
-        process = subprocess.Popen(command(20), cwd=ROOT, env=environment(4), text=True,
-                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
-        lines = []
-        try:
-            for line in process.stdout:
-                lines.append(line)
-                if line.startswith("step 1 loss"):  # the handlers are set by then
-                    process.send_signal(signal.SIGUSR1)
-            process.wait(timeout=120)
-        finally:
-            process.kill()
-    stdout = "".join(lines)
-    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    stdout = signalled_run(command(20), tmp_path,
+                           lambda process: process.send_signal(signal.SIGUSR1))  # fmt: skip
     [saved] = re.findall(r"^SIGUSR1: saved step (\d+), exiting$", stdout, re.M)
     saved = int(saved)
     assert (
@@ -367,20 +375,8 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
                *COMMON, "--mesh", SPEC, "--steps", "20", "--data-dir", str(dirs["data"]),
                "--checkpoint-dir", str(tmp_path / "checkpoints"),
                "--compilation-cache", str(dirs["cache"])]  # fmt: skip
-    with open(tmp_path / "stderr", "w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env=environment(4), text=True,
-                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
-        lines = []
-        try:
-            for line in process.stdout:
-                lines.append(line)
-                if line.startswith("step 1 loss"):
-                    subprocess.run(["scancel", "--signal=TERM", "--name", name], check=True)
-            process.wait(timeout=120)
-        finally:
-            process.kill()
-    stdout = "".join(lines)
-    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    scancel = ["scancel", "--signal=TERM", "--name", name]
+    stdout = signalled_run(command, tmp_path, lambda _: subprocess.run(scancel, check=True))
     [saved] = re.findall(r"^SIGTERM: saved step (\d+), exiting$", stdout, re.M)
     assert 1 <= int(saved) < 20
     expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}
