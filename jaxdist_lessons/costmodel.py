@@ -18,6 +18,12 @@ A layout is ``(data, fsdp, model)``: batch split ``data x fsdp`` ways, parameter
 parallelism). ``(8, 1)`` in the article's notation is ``Layout(data=8)``, ``(4, 2)`` is
 ``Layout(data=4, model=2)``.
 
+Beside the layout's collectives, one layer's collectives for the strategies of chapters 12 and 13,
+each as the ``Transfer`` records ``transfers_from_hlo`` reads from the compiled layer:
+``tensor_parallel_transfers`` (an all-reduce, or Megatron sequence parallelism's all-gather and
+reduce-scatter), ``context_parallel_transfers`` (ring attention's K/V permutes, the all-gather of
+K and V, Ulysses's all-to-alls) and ``expert_parallel_transfers`` (dispatch and combine).
+
 What it leaves out, on purpose: kernel efficiency (it assumes peak flops, the case most
 favourable to communication mattering), overlap is bracketed (``step_s`` adds compute and
 communication, ``overlapped_s`` takes the larger), latency per collective, and pipelines.
@@ -29,7 +35,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxdist_lessons import comms, hardware, memory
+from jaxdist_lessons import comms, experts, hardware, memory, sequence
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.models.vit import vit_params
 
@@ -269,6 +275,89 @@ def transfers_from_hlo(hlo_text: str) -> list[Transfer]:
     ]
 
 
+def tensor_parallel_transfers(
+    activation_bytes: float, tensor: int, sequence_parallel: bool = False
+) -> list[Transfer]:
+    """One Megatron all-reduce site: an all-reduce of the activation over ``tensor`` devices, or, with
+    sequence parallelism, an all-gather of it and a reduce-scatter into ``1/tensor`` of it.
+
+    ``activation_bytes`` is the whole activation one device computes a partial sum of (its tokens x
+    width x itemsize). A ring sends the same bytes either way: ``2 (t-1)/t`` of the activation.
+    """
+    if not sequence_parallel:
+        return [
+            Transfer(
+                "all-reduce", activation_bytes, tensor, "activations (tensor parallel)"
+            )
+        ]
+    return [
+        Transfer("all-gather", activation_bytes, tensor, "activations (sequence parallel)"),
+        Transfer(
+            "reduce-scatter",
+            activation_bytes / tensor,
+            tensor,
+            "activations (sequence parallel)",
+        ),
+    ]
+
+
+def context_parallel_transfers(
+    kind: str,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    head_dim: int,
+    num_devices: int,
+    itemsize: int = 4,
+) -> list[Transfer]:
+    """One causal attention's forward collectives with the sequence split over ``num_devices`` (chapter 12).
+
+    ``kind`` is a key of ``sequence.ATTENTIONS``. ``heads`` are the K/V heads (all of them for
+    Ulysses, whose Q, K, V and output have as many). With ``block`` one device's share of K (or V):
+    ring attention permutes K and V ``n-1`` times each; all-gather-KV gathers K and V whole;
+    Ulysses sends Q, K, V and the output through one all-to-all each, of ``block`` bytes.
+    """
+    n = positive_int("num_devices", num_devices)
+    whole = sequence.kv_bytes(batch, seq_len, heads, head_dim, itemsize) // 2  # K or V
+    block = whole // n
+    if kind == "ring":
+        return [
+            Transfer("collective-permute", block, None, "K or V to the next device")
+        ] * (2 * (n - 1))
+    if kind == "all-gather KV":
+        return [Transfer("all-gather", whole, n, "K or V, gathered")] * 2
+    if kind == "Ulysses":
+        return [Transfer("all-to-all", block, n, "Q, K, V to heads; output back")] * 4
+    raise ValueError(
+        f"unknown attention {kind!r}; allowed: {', '.join(sequence.ATTENTIONS)}"
+    )
+
+
+def expert_parallel_transfers(
+    tokens_per_device: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float,
+    width: int,
+    expert_devices: int,
+    itemsize: int = 4,
+) -> list[Transfer]:
+    """One mixture-of-experts layer's forward collectives over an ``expert`` axis (chapter 13).
+
+    Each device fills a buffer of ``E x C`` slots of ``width`` (``experts.capacity`` of its own
+    tokens), all-to-alls it to the experts' devices (dispatch), and the results come back the same
+    way (combine). The backward pass sends the gradients the same two ways again.
+    """
+    slots = experts.capacity(tokens_per_device, num_experts, top_k, capacity_factor)
+    buffer = experts.all_to_all_bytes(num_experts, slots, width, itemsize)
+    return [
+        Transfer(
+            "all-to-all", buffer, expert_devices, "tokens to their experts (dispatch)"
+        ),
+        Transfer("all-to-all", buffer, expert_devices, "results home (combine)"),
+    ]
+
+
 def predict_transfers(
     spec: TransformerSpec,
     layout: Layout,
@@ -276,6 +365,7 @@ def predict_transfers(
     activation_bytes: int = 2,
     tp_allreduces_per_layer: int = 4,
     fsdp_gathers: int = 2,
+    sequence_parallel: bool = False,
 ) -> list[Transfer]:
     """The collectives one training step needs on ``layout``, per device, as ``comms`` would report them.
 
@@ -285,6 +375,8 @@ def predict_transfers(
       are all-reduced one by one). A vocabulary-parallel LM adds two more: the embedding lookup
       going forward, and the gradient of the output projection's input going back (the softmax's
       per-token maximum and sum, 8 bytes a token, are left out).
+      ``sequence_parallel`` (Megatron's, Korthikanti et al. 2022): each all-reduce becomes an
+      all-gather and a reduce-scatter (``tensor_parallel_transfers``), the same bytes on a ring.
     - FSDP: every weight gathered ``fsdp_gathers`` times (forward, and again for the backward pass),
       and the gradients reduce-scattered.
     - Data parallelism: the (sharded) gradients all-reduced over ``data``.
@@ -296,9 +388,7 @@ def predict_transfers(
         count = spec.num_layers * tp_allreduces_per_layer + (
             2 if spec.vocab_parallel else 0
         )
-        out += [
-            Transfer("all-reduce", size, layout.model, "activations (tensor parallel)")
-        ] * count
+        out += tensor_parallel_transfers(size, layout.model, sequence_parallel) * count
     shard = params_per_device(spec, layout) * param_bytes
     if layout.fsdp > 1:
         out += [

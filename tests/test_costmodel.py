@@ -1,3 +1,5 @@
+import collections
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -6,13 +8,18 @@ import jax.numpy as jnp
 import matplotlib
 import optax
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import (
+    comms,
     compiled,
     costmodel,
+    experts,
     hardware,
     memory,
     partitioning,
+    sequence,
     sharding,
 )
 from jaxdist_lessons.models import vit
@@ -255,4 +262,103 @@ def test_predicted_flops_and_parameters_match_the_compiled_program(compiled_step
     )
     assert math.isclose(
         sum(x.size for x in jax.tree.leaves(nn.unbox(state.params))), SPEC.params
+    )
+
+
+# --- One layer's collectives against the compiled layer (chapters 12 and 13), at 4 and 8 devices --
+
+
+def records(transfers):
+    """What the compiler and the model must agree on, whatever the order: kind, bytes, group size."""
+    return sorted((t.kind, t.bytes, t.group_size) for t in transfers)
+
+
+def axis_mesh(name, n):
+    return jax.make_mesh(
+        (n,), (name,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n]
+    )
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("kind", list(sequence.ATTENTIONS))
+def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
+    B, T, N, H = 1, 32, 8, 4  # 2n chunks of the sequence, n heads for Ulysses
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    attention = sequence.over_sequence(sequence.ATTENTIONS[kind], axis_mesh("sequence", n))
+    measured = costmodel.transfers_from_hlo(comms.compiled_text(attention, q, q, q))
+    predicted = costmodel.context_parallel_transfers(kind, B, T, N, H, n)
+    assert records(measured) == records(predicted)
+    # and a ring sends what chapter 12's formula says
+    sent = sum(map(costmodel.sent_bytes, predicted))
+    assert sent == sequence.predicted_bytes(kind, B, T, N, H, n)["sent"]
+
+
+def test_context_parallel_transfers_reject_an_unknown_attention():
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        costmodel.context_parallel_transfers("flash", 1, 32, 8, 4, 4)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_expert_parallel_transfers_are_the_compiled_layer(n):
+    num_experts, width, tokens, top_k, factor = 8, 16, 8, 2, 1.25
+    params = experts.init_params(jax.random.key(0), width, 32, num_experts)
+    mesh = axis_mesh("expert", n)
+    layer = jax.jit(lambda p, x: experts.moe_all_to_all(p, x, top_k, factor, mesh))
+    x_TD = jax.ShapeDtypeStruct((tokens * n, width), jnp.float32)
+    measured = costmodel.transfers_from_hlo(layer.lower(params, x_TD).compile().as_text())
+    predicted = costmodel.expert_parallel_transfers(
+        tokens, num_experts, top_k, factor, width, n
+    )
+    exchanged = [t for t in measured if t.kind == "all-to-all"]
+    assert records(exchanged) == records(predicted)
+    # the rest: the router's statistics, averaged (f, P: 8 floats each; z-loss) and the dropped count
+    stats = [t for t in measured if t.kind != "all-to-all"]
+    assert {t.kind for t in stats} == {"all-reduce"}
+    assert sum(t.bytes for t in stats) == (2 * num_experts + 1) * 4 + 4
+    # 8 experts x ceil(2 x 8 x 1.25 / 8) = 3 slots x 16 wide x 4 bytes, each way
+    assert [t.bytes for t in predicted] == [8 * 3 * 16 * 4] * 2
+
+
+def block_tp(x, w1, w2):
+    return x + jax.lax.psum(jax.nn.gelu(x @ w1) @ w2, "tensor")
+
+
+def block_sp(x, w1, w2):
+    h = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+    y = jax.nn.gelu(h @ w1) @ w2
+    return x + jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_transfers_are_the_compiled_megatron_block(sequence_parallel, n):
+    B, T, D, F = 2, 16, 8, 32
+    residual = P(None, "tensor") if sequence_parallel else P()
+    block = jax.shard_map(
+        block_sp if sequence_parallel else block_tp,
+        mesh=axis_mesh("tensor", n),
+        in_specs=(residual, P(None, "tensor"), P("tensor", None)),
+        out_specs=residual,
+    )
+    shapes = [(B, T, D), (D, F), (F, D)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    measured = costmodel.transfers_from_hlo(comms.compiled_text(block, *args))
+    predicted = costmodel.tensor_parallel_transfers(B * T * D * 4, n, sequence_parallel)
+    assert records(measured) == records(predicted)
+    # a ring sends 2 (n-1)/n of the activation either way: chapter 12's Megatron formula
+    theory = sequence.megatron_bytes(B, T, D, n)
+    name = "tensor + sequence" if sequence_parallel else "tensor"
+    assert sum(map(costmodel.sent_bytes, predicted)) == theory[name]["sent"]
+
+
+def test_sequence_parallel_layout_sends_what_tensor_parallel_sends():
+    spec, layout = costmodel.MODELS["GPT-2 (124M)"], costmodel.Layout(data=2, model=4)
+    spec = dataclasses.replace(spec, logits_per_token=50256)  # a vocabulary 4 divides
+    plain = costmodel.predict_transfers(spec, layout)
+    sp = costmodel.predict_transfers(spec, layout, sequence_parallel=True)
+    kinds = collections.Counter(t.kind for t in sp)
+    # 12 blocks x 4 sites + 2 for the vocabulary: each all-reduce is now a gather and a scatter
+    assert kinds == {"all-gather": 50, "reduce-scatter": 50, "all-reduce": 1}
+    assert sum(map(costmodel.sent_bytes, sp)) == pytest.approx(
+        sum(map(costmodel.sent_bytes, plain))
     )
