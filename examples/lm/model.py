@@ -1,20 +1,24 @@
 """A Llama-style decoder in Flax Linen, with a logical axis name on every weight and activation.
 
 RMSNorm, rotary positions (RoPE), grouped-query attention through jax.nn.dot_product_attention
-(which can take cuDNN's fused kernel on GPUs), a SwiGLU MLP, and a scan over the layers with a
+(which can take cuDNN's fused kernel on GPUs) or, with the sequence split over devices, ring
+attention; a SwiGLU MLP or a mixture of SwiGLU experts; and a scan over the layers with a
 rematerialisation policy. The names ("embed", "mlp", "heads", ...) say what an axis means; the
 rules in train.py say which mesh axis, if any, splits it.
 
-Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, H head
-width, F MLP width, V vocabulary, L layers.
+Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, G query
+heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S tokens routed
+together (a group), C an expert's slots per group.
 """
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,10 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False  # the output projection reuses the embedding table
     norm_eps: float = 1e-5
+    num_experts: int = 0  # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
+    top_k: int = 1  # experts per token
+    capacity_factor: float = 1.25  # an expert's slots per group: ceil(k * S * factor / E)
+    group_size: int = 512  # S: tokens routed together (at most the sequence)
 
     @property
     def head_width(self) -> int:  # H
@@ -79,20 +87,60 @@ class RMSNorm(nn.Module):
         return (x * scale).astype(self.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
     """Rotate each pair of features by an angle proportional to the token's position."""
     half = x_BTNH.shape[-1] // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies
-    sin, cos = jnp.sin(angles_BTH)[:, :, None, :], jnp.cos(angles_BTH)[:, :, None, :]
+    angles_TH = positions_T[:, None].astype(jnp.float32) * frequencies
+    sin, cos = jnp.sin(angles_TH)[:, None, :], jnp.cos(angles_TH)[:, None, :]
     first, second = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
     return rotated.astype(x_BTNH.dtype)
 
 
+MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
+
+
+def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
+    """Causal attention on one device's share of a sequence split over ``axis`` (inside
+    jax.shard_map). Each device keeps its queries; the keys and values travel around the ring,
+    one ppermute per step, and each block is folded into an online softmax (a running maximum
+    and sum), so no device holds the whole sequence's keys (ring attention: Liu et al. 2023,
+    arXiv:2310.01889). ``positions_T``, whole on every device, gives each column's position
+    in the text; the mask compares positions, so any order of the tokens works, such as
+    train.py's load-balanced zigzag."""
+    n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    B, T, N, H = q_BTNH.shape  # noqa: N806
+    K = k_BTKH.shape[2]  # noqa: N806
+    share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H).astype(jnp.float32) * H**-0.5
+    max_BKGT = jnp.full((B, K, N // K, T), MASKED)
+    sum_BKGT = jnp.zeros((B, K, N // K, T))
+    out_BTKGH = jnp.zeros(q_BTKGH.shape)
+    k_BSKH, v_BSKH = k_BTKH.astype(jnp.float32), v_BTKH.astype(jnp.float32)
+    for step in range(n):  # at this step, the block that started on device i - step
+        mask_TS = share(i)[:, None] >= share((i - step) % n)[None, :]
+        s_BKGTS = jnp.where(
+            mask_TS, jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH), MASKED
+        )
+        new_max_BKGT = jnp.maximum(max_BKGT, s_BKGTS.max(-1))
+        p_BKGTS = jnp.where(mask_TS, jnp.exp(s_BKGTS - new_max_BKGT[..., None]), 0.0)
+        rescale_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
+        sum_BKGT = sum_BKGT * rescale_BKGT + p_BKGTS.sum(-1)
+        out_BTKGH = out_BTKGH * rescale_BKGT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
+            "bkgts,bskh->btkgh", p_BKGTS, v_BSKH)  # fmt: skip
+        max_BKGT = new_max_BKGT
+        if step < n - 1:  # pass the block on: device j sends to j + 1
+            ring = [(j, (j + 1) % n) for j in range(n)]
+            k_BSKH, v_BSKH = jax.lax.ppermute((k_BSKH, v_BSKH), axis, ring)
+    out_BTKGH = out_BTKGH / sum_BKGT.transpose(0, 3, 1, 2)[..., None]
+    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
 class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    context_parallel: bool = False  # the sequence is split over the 'sequence' mesh axis
 
     def project(
         self, name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int
@@ -101,7 +149,7 @@ class Attention(nn.Module):
         return self.param(name, init, shape, jnp.float32).astype(self.dtype)
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         c = self.config
         D, N, K, H = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
         # Column-parallel: each 'tensor' device computes its own heads, whole.
@@ -109,15 +157,21 @@ class Attention(nn.Module):
         w_kv = [
             self.project(n, (D, K, H), ("embed", "kv_heads", "head_dim"), D) for n in "kv"
         ]
-        q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, w_DNH), positions_BT, c.rope_theta)
+        q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, w_DNH), positions_T, c.rope_theta)
         k_BTKH = rope(
-            jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[0]), positions_BT, c.rope_theta
+            jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[0]), positions_T, c.rope_theta
         )
         v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[1])
         q_BTNH = constrain(q_BTNH, ("batch", "act_seq", "act_heads", None))
         k_BTKH = constrain(k_BTKH, ("batch", "act_seq", "act_kv_heads", None))
         v_BTKH = constrain(v_BTKH, ("batch", "act_seq", "act_kv_heads", None))
-        out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        if self.context_parallel:  # each device: its tokens, its heads, its batch rows
+            spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
+            ring = jax.shard_map(ring_attention, in_specs=(spec, spec, spec, P()),
+                                 out_specs=spec)  # fmt: skip
+            out_BTNH = ring(q_BTNH, k_BTKH, v_BTKH, positions_T)
+        else:  # positions in order: the causal mask is the lower triangle
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
         out_BTNH = constrain(out_BTNH, ("batch", "act_seq", "act_heads", None))
         # Row-parallel: each device's heads give a partial sum, which the layout after the
         # block reduces (an all-reduce, or a reduce-scatter under sequence parallelism).
@@ -142,6 +196,78 @@ class MLP(nn.Module):
         return dense(c.width, kernel_init=down_init, name="down")(h_BTF)
 
 
+BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coefficients
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, a top-k router and a capacity: GShard's dispatch and combine by einsum.
+
+    Each group of S tokens is routed on its own: a token's choices take the next free slot of
+    their experts, first choices before second ones, and a choice that finds its expert full is
+    dropped (the token keeps its residual). Weights and the routed tokens are split over the
+    'expert' mesh axis; between the two, XLA moves tokens to their experts' devices and back
+    (all-to-alls). Returns the output and the auxiliary loss: Switch's load balance
+    E * sum_e f_e P_e (Fedus et al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss
+    (Zoph et al. 2022, arXiv:2202.08906).
+    """
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    def expert_weight(self, name: str, shape: tuple[int, ...], names: tuple[str, ...]):
+        init = weight(nn.initializers.normal(shape[1] ** -0.5), names)
+        return self.param(name, init, shape, jnp.float32).astype(self.dtype)
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        B, T, D = x_BTD.shape  # noqa: N806
+        E, K, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
+        S = min(c.group_size, T)  # noqa: N806
+        C = math.ceil(K * S * c.capacity_factor / E)  # noqa: N806
+        x_BGSD = x_BTD.reshape(B, T // S, S, D)
+        router_DE = self.param("router", weight(nn.initializers.normal(D**-0.5), ("embed", None)),
+                               (D, E), jnp.float32)  # fmt: skip
+        logits_BGSE = jnp.einsum("bgsd,de->bgse", x_BGSD.astype(jnp.float32), router_DE)
+        probs_BGSE = jax.nn.softmax(logits_BGSE, axis=-1)
+        gates_BGSK, experts_BGSK = jax.lax.top_k(probs_BGSE, K)
+        gates_BGSK /= gates_BGSK.sum(-1, keepdims=True)  # k > 1: a token's gates sum to 1
+        # A slot for each (choice, token): how many earlier pairs chose the same expert.
+        choice_BGKSE = jax.nn.one_hot(experts_BGSK.swapaxes(2, 3), E)
+        flat = choice_BGKSE.reshape(B, T // S, K * S, E)
+        slot_BGKS = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, T // S, K, S)
+        slot_BGKSC = jax.nn.one_hot(slot_BGKS.astype(jnp.int32), C)  # all zero: dropped
+        dispatch_BGSEC = jnp.einsum("bgkse,bgksc->bgsec", choice_BGKSE, slot_BGKSC)
+        combine_BGSEC = jnp.einsum("bgkse,bgksc,bgsk->bgsec", choice_BGKSE, slot_BGKSC,
+                                   gates_BGSK)  # fmt: skip
+        balance = E * jnp.sum(choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2)))
+        z_loss = jnp.mean(jax.nn.logsumexp(logits_BGSE, axis=-1) ** 2)
+        # Each device fills its rows' slots, then the slots go to their experts' devices:
+        # split by expert instead of by batch row (an all-to-all over 'expert').
+        local, routed = (
+            (None, "batch", "act_seq", None),
+            ("act_experts", "expert_batch", "act_seq", None),
+        )
+        x_EBGCD = constrain(jnp.einsum("bgsec,bgsd->ebgcd", dispatch_BGSEC.astype(self.dtype),
+                                       x_BGSD), (*local, None))  # fmt: skip
+        x_EBGCD = constrain(x_EBGCD, (*routed, None))
+        w_gate_EDF, w_up_EDF = (
+            self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
+            for n in ("gate", "up")
+        )
+        w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
+        h_EBGCF = nn.silu(jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)) * jnp.einsum(
+            "ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF)  # fmt: skip
+        h_EBGCF = constrain(h_EBGCF, (*routed, "act_mlp"))
+        y_EBGCD = constrain(
+            jnp.einsum("ebgcf,efd->ebgcd", h_EBGCF, w_down_EFD), (*routed, None)
+        )
+        # And back to their batch rows (the second all-to-all), weighted by their gates.
+        y_EBGCD = constrain(y_EBGCD, (*local, None))
+        y_BGSD = jnp.einsum("bgsec,ebgcd->bgsd", combine_BGSEC.astype(self.dtype), y_EBGCD)
+        return y_BGSD.reshape(B, T, D), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
+
+
 # Between blocks the residual stream is split over the batch and, where the rules map
 # "act_seq_residual" to 'tensor', over the sequence too (Megatron's sequence parallelism: the
 # norms work on T/tensor tokens, and the all-reduces become all-gathers and reduce-scatters).
@@ -152,43 +278,58 @@ WHOLE = ("batch", "act_seq", "act_embed")
 class Block(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    context_parallel: bool = False
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(
+        self, x_BTD: jax.Array, positions_T: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         c = self.config
         # Each block's input is gathered whole along the sequence (an all-gather where the
         # residual is split over 'tensor'), then split by heads or MLP columns.
         h = constrain(RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE)
-        x_BTD = constrain(x_BTD + Attention(c, self.dtype, name="attention")(h, positions_BT),
-                          RESIDUAL)  # fmt: skip
+        attention = Attention(c, self.dtype, self.context_parallel, name="attention")
+        x_BTD = constrain(x_BTD + attention(h, positions_T), RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, self.dtype, name="mlp_norm")(x_BTD), WHOLE)
-        x_BTD = constrain(x_BTD + MLP(c, self.dtype, name="mlp")(h), RESIDUAL)
-        return x_BTD, None  # nn.scan's (carry, output)
+        if c.num_experts:
+            y_BTD, aux_loss = Experts(c, self.dtype, name="experts")(h)
+        else:
+            y_BTD, aux_loss = MLP(c, self.dtype, name="mlp")(h), jnp.zeros(())
+        return constrain(x_BTD + y_BTD, RESIDUAL), aux_loss  # nn.scan's (carry, output)
 
 
 class Transformer(nn.Module):
+    """Token ids -> (logits, the experts' auxiliary loss summed over layers; 0 if dense).
+
+    ``positions_T``: each column's position in the text, if the tokens come in another order
+    (train.py's zigzag for ring attention); by default 0, 1, ..., T-1.
+    """
+
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32  # the compute type; weights stay float32
     remat: str = "full"
     # Layers per loop iteration; num_layers leaves no loop (XLA's cost_analysis counts a
     # loop's body once, whatever its trip count).
     scan_unroll: int = 1
+    context_parallel: bool = False  # ring attention over the 'sequence' mesh axis
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None):
         c = self.config
         embed = nn.Embed(c.vocab_size, c.width, dtype=self.dtype, param_dtype=jnp.float32,
                          embedding_init=weight(nn.initializers.normal(1.0), ("vocab", "embed")),
                          name="embed")  # fmt: skip
         x_BTD = constrain(embed(tokens_BT), RESIDUAL)
-        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        if positions_T is None:
+            positions_T = jnp.arange(tokens_BT.shape[1])
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=nn.broadcast, length=c.num_layers, unroll=self.scan_unroll,
                          metadata_params={nn.PARTITION_NAME: "layers"})  # fmt: skip
-        x_BTD, _ = layers(c, self.dtype, name="layers")(x_BTD, positions_BT)
+        x_BTD, aux_loss_L = layers(c, self.dtype, self.context_parallel, name="layers")(
+            x_BTD, positions_T)  # fmt: skip
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
         if c.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)
@@ -198,7 +339,7 @@ class Transformer(nn.Module):
                                   kernel_init=weight(nn.initializers.normal(c.width**-0.5),
                                                      ("embed", "vocab")))(x_BTD)  # fmt: skip
         # Vocabulary-parallel logits: no device holds a row of all V logits.
-        return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))
+        return constrain(logits_BTV, ("batch", "act_seq", "act_vocab")), aux_loss_L.sum()
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -219,7 +360,9 @@ def count_params(config: ModelConfig) -> int:
     per_layer += (
         c.width * c.head_width * (c.num_heads * 2 + c.num_kv_heads * 2)
     )  # q, out, k, v
-    per_layer += 3 * c.width * c.mlp_width + 2 * c.width  # gate, up, down; two norms
+    experts = max(c.num_experts, 1)
+    per_layer += experts * 3 * c.width * c.mlp_width + 2 * c.width  # gate, up, down; norms
+    per_layer += c.width * c.num_experts  # the router
     embeddings = c.vocab_size * c.width * (1 if c.tie_embeddings else 2)
     return c.num_layers * per_layer + embeddings + c.width
 
@@ -231,10 +374,17 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     App. B): 2 flops per multiply-add, times 3 for the forward and the two backward matmuls. The
     embedding lookup is no matmul; with tied embeddings the table is used once, as the output
     projection. Attention adds 12·L·T·(N·H) per token (the causal mask is not subtracted).
+    With experts, the weights a token uses: the router and its top_k experts.
     """
     c = config
     matmul_params = count_params(c) - c.vocab_size * c.width * (
         0 if c.tie_embeddings else 1
     )
     matmul_params -= c.width * (2 * c.num_layers + 1)  # norms' scales multiply, no matmul
+    if (
+        c.num_experts
+    ):  # a token passes through top_k experts of the E (dispatch not counted)
+        matmul_params -= (
+            c.num_layers * (c.num_experts - c.top_k) * 3 * c.width * c.mlp_width
+        )
     return 6 * matmul_params + 12 * c.num_layers * seq_len * c.num_heads * c.head_width

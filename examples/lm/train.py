@@ -1,4 +1,4 @@
-"""Train a Llama-style language model on any mesh of data, FSDP and tensor parallelism.
+"""Train a Llama-style language model on any mesh of data, FSDP, expert, sequence and tensor parallelism.
 
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
@@ -6,6 +6,8 @@
     srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b ...
     python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
         --global-batch 16 --num-devices 16 --compile-only   # memory and bytes, no hardware
+    python examples/lm/train.py --model tiny --mesh data=2,sequence=4 ...  # ring attention
+    python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh data=2,expert=4 ...
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its loss, tokens per second,
 step time and model-flops utilisation; checkpoints hold the model, the optimizer and the data
@@ -18,6 +20,7 @@ JAX's heartbeat does not catch), naming the processes behind and printing every 
 import argparse
 import collections
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import re
@@ -42,16 +45,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
 
-AXES = ("data", "fsdp", "tensor")  # 'tensor' last: its devices are neighbours, in one node
+# 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of K, V).
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 
 # Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism splits
-# heads, MLP width and vocabulary (Megatron's column/row split). Activations: the batch over
-# data and fsdp; between blocks, the sequence over 'tensor' (sequence parallelism).
+# heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits the experts.
+# Activations: the batch over data, fsdp and expert (experts aside, 'expert' is one more data
+# axis); the sequence over 'sequence' (context parallelism) and, between blocks, over
+# 'tensor' too (Megatron's sequence parallelism); routed tokens by expert, not by batch row.
 RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
+    ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
+    ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
-    ("act_seq_residual", "tensor"),
+    ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
     ("act_heads", "tensor"), ("act_kv_heads", "tensor"), ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )  # fmt: skip
@@ -65,7 +72,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--model", default="tiny", choices=sorted(model_lib.PRESETS))
-    add("--mesh", default="fsdp=-1", help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest")
+    add("--mesh", default="fsdp=-1", help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; "
+        "axes: " + ", ".join(AXES))  # fmt: skip
+    add("--experts", type=int, default=0, help="experts per MLP (0: a dense MLP)")
+    add("--top-k", type=int, default=1, help="experts per token")
+    add("--capacity-factor", type=float, default=1.25, help="an expert's slots per group: "
+        "ceil(top_k x group x factor / experts); experts / top_k: none dropped")  # fmt: skip
+    add(
+        "--group-size",
+        type=int,
+        default=512,
+        help="tokens routed together (at most --seq-len)",
+    )
     add("--steps", type=int, default=200)
     add("--global-batch", type=int, default=16, help="sequences per step, all devices")
     add("--seq-len", type=int, default=128)
@@ -100,7 +118,7 @@ def join_processes() -> None:
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
-    """'data=2,tensor=2' -> a (data, fsdp, tensor) mesh; one axis may be -1, the rest 1."""
+    """'data=2,tensor=2' -> a mesh over all of AXES; one axis may be -1, the others 1."""
     sizes = {axis: 1 for axis in AXES}
     for item in spec.split(","):
         axis, _, size = item.partition("=")
@@ -120,9 +138,35 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def model_config(args) -> model_lib.ModelConfig:
+    """The preset, with experts if --experts asks for them."""
+    config = model_lib.PRESETS[args.model]
+    if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
+        raise SystemExit(
+            f"--top-k {args.top_k} must be between 1 and --experts {args.experts}"
+        )
+    if args.capacity_factor <= 0 or args.group_size < 1:
+        raise SystemExit("--capacity-factor and --group-size must be positive")
+    return dataclasses.replace(config, num_experts=args.experts, top_k=args.top_k,
+                               capacity_factor=args.capacity_factor,
+                               group_size=args.group_size)  # fmt: skip
+
+
 def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
     """Say what does not divide, before JAX says it less clearly."""
-    tensor, batch_ways = mesh.shape["tensor"], mesh.shape["data"] * mesh.shape["fsdp"]
+    tensor, batch_ways = mesh.shape["tensor"], int(np.prod([mesh.shape[a] for a in BATCH]))
+    expert, sequence = mesh.shape["expert"], mesh.shape["sequence"]
+    if expert > 1 and config.num_experts % expert:
+        raise SystemExit(
+            f"--experts {config.num_experts} does not split over expert={expert}"
+        )
+    if sequence > 1 and args.seq_len % (2 * sequence * tensor):
+        raise SystemExit(f"--seq-len {args.seq_len} does not split into 2 x sequence={sequence}"
+                         f" x tensor={tensor} chunks (the zigzag layout)")  # fmt: skip
+    group = min(config.group_size, args.seq_len)
+    if config.num_experts and (args.seq_len % group or (args.seq_len // group) % sequence):
+        raise SystemExit(f"--seq-len {args.seq_len} does not make groups of {group} tokens "
+                         f"that split over sequence={sequence}")  # fmt: skip
     for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size"):
         if getattr(config, name) % tensor:
             raise SystemExit(
@@ -130,7 +174,7 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             )
     if args.global_batch % batch_ways:
         raise SystemExit(f"--global-batch {args.global_batch} does not split over data x fsdp "
-                         f"= {batch_ways} devices")  # fmt: skip
+                         f"x expert = {batch_ways} devices")  # fmt: skip
     if tensor > 1 and args.seq_len % tensor:
         raise SystemExit(f"--seq-len {args.seq_len} does not split over tensor={tensor}")
 
@@ -152,11 +196,20 @@ def make_optimizer(args) -> optax.GradientTransformation:
                                    mask=decay))  # fmt: skip
 
 
+def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
+    """Token positions in the order that balances causal attention over a ring of devices:
+    cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late tokens alike)."""
+    chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
+    return np.concatenate([chunks[[i, 2 * num_devices - 1 - i]].ravel()
+                           for i in range(num_devices)])  # fmt: skip
+
+
 def abstract_state(model, tx, mesh, seq_len: int):
     """The train state's shapes and shardings, from one trace of init under the rules."""
 
-    def init(rng):
-        params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+    def init(rng):  # the weights are the same with or without ring attention
+        params = model.clone(context_parallel=False).init(
+            rng, jnp.zeros((1, seq_len), jnp.int32))["params"]  # fmt: skip
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes
@@ -170,22 +223,31 @@ def abstract_state(model, tx, mesh, seq_len: int):
 
 
 def make_train_step(shardings, mesh, dtype=jnp.float32):
+    sequence = mesh.shape["sequence"]
+
     def train_step(state, tokens_BT):
         inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+        positions_T = np.arange(inputs_BT.shape[1])
+        if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
+            positions_T = zigzag(inputs_BT.shape[1], sequence)
+            inputs_BT, targets_BT = inputs_BT[:, positions_T], targets_BT[:, positions_T]
 
         def loss_fn(params):
             # Float32 master weights, cast to the compute type here, on each device's shard:
             # FSDP then gathers bfloat16 weights, half the bytes (FSDP2's param_dtype).
             params = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
                 p.astype(dtype), s), params, shardings.params)  # fmt: skip
-            logits_BTV = state.apply_fn({"params": params}, inputs_BT)
-            return model_lib.cross_entropy(logits_BTV, targets_BT)
+            logits_BTV, aux_loss = state.apply_fn(
+                {"params": params}, inputs_BT, positions_T
+            )
+            loss = model_lib.cross_entropy(logits_BTV, targets_BT)
+            return loss + aux_loss, loss  # the experts' losses train the router
 
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
         return state.apply_gradients(grads=grads), metrics
 
-    batch = NamedSharding(mesh, P(("data", "fsdp")))
+    batch = NamedSharding(mesh, P(BATCH))
     return jax.jit(train_step, in_shardings=(shardings, batch),
                    out_shardings=(shardings, NamedSharding(mesh, P())),
                    donate_argnums=0)  # fmt: skip
@@ -237,7 +299,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 def compile_only(step, shapes, args, mesh) -> None:
     """Compile one step for the requested sizes, allocating nothing, and print its costs."""
     tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(("data", "fsdp"))))  # fmt: skip
+                                  sharding=NamedSharding(mesh, P(BATCH)))  # fmt: skip
     start = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         compiled = step.lower(shapes, tokens).compile()
@@ -336,7 +398,7 @@ def checkpoint_manager(args) -> ocp.CheckpointManager:
 
 def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
     """The rows of each global batch that this process's devices hold."""
-    sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    sharding = NamedSharding(mesh, P(BATCH))
     index = sharding.addressable_devices_indices_map((global_batch, seq_len + 1)).values()
     starts = [i[0].start or 0 for i in index]
     stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
@@ -383,7 +445,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     flops = model_lib.flops_per_token(model.config, args.seq_len) * tokens_per_step
     kind = jax.devices()[0].device_kind
     peak = next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
-    preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(("data", "fsdp")))
+    preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     for _ in range(int(state.step), args.steps):
         tokens = jax.make_array_from_process_local_data(
@@ -417,22 +479,29 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         manager.close()
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.num_devices:
-        jax.config.update("jax_num_cpu_devices", args.num_devices)
-    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-    join_processes()
+def setup(args):
+    """The mesh, the model, the optimizer, the jitted step and the state's shapes."""
     mesh = make_mesh(args.mesh)
-    config = model_lib.PRESETS[args.model]
+    config = model_config(args)
     check_fits(config, mesh, args)
-    model = model_lib.Transformer(config, jnp.dtype(args.dtype), args.remat)
+    model = model_lib.Transformer(config, jnp.dtype(args.dtype), args.remat,
+                                  context_parallel=mesh.shape["sequence"] > 1)  # fmt: skip
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         shapes, init = abstract_state(model, tx, mesh, args.seq_len)
     step = make_train_step(
         jax.tree.map(lambda s: s.sharding, shapes), mesh, jnp.dtype(args.dtype)
     )
+    return mesh, model, tx, step, shapes, init
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.num_devices:
+        jax.config.update("jax_num_cpu_devices", args.num_devices)
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    join_processes()
+    mesh, model, tx, step, shapes, init = setup(args)
     if args.compile_only:
         return compile_only(step, shapes, args, mesh)
     train(args, mesh, model, tx, step, shapes, init)
