@@ -18,7 +18,7 @@ Schedules are built by one simulator: each device has a fixed order of operation
 next one as soon as its input is ready (a forward needs the previous stage's forward, a backward
 the next stage's backward). ``gpipe_loss`` runs GPipe as a ``shard_map`` program (``jax.grad``
 writes its backward); ``one_f_one_b_grads`` runs 1F1B with the backward written per stage with
-``jax.vjp``.
+``jax.vjp``, and ``interleaved_grads`` runs interleaved 1F1B the same way, its chunks on a ring.
 """
 
 from __future__ import annotations
