@@ -18,7 +18,7 @@ Schedules are built by one simulator: each device has a fixed order of operation
 next one as soon as its input is ready (a forward needs the previous stage's forward, a backward
 the next stage's backward). ``gpipe_loss`` runs GPipe as a ``shard_map`` program (``jax.grad``
 writes its backward); ``one_f_one_b_grads`` runs 1F1B with the backward written per stage with
-``jax.vjp``.
+``jax.vjp``, and ``interleaved_grads`` runs interleaved 1F1B the same way, its chunks on a ring.
 """
 
 from __future__ import annotations
@@ -183,12 +183,16 @@ def _check(stage_params: Any, x: jax.Array, mesh: Mesh, num_microbatches: int, a
             f"stage_params must have a leading dimension of {num_stages} (the size of mesh axis "
             f"{axis!r}), one slice per stage; got leading sizes {sorted(leading)}"
         )
+    _check_batch(x, num_microbatches)
+    return num_stages
+
+
+def _check_batch(x: jax.Array, num_microbatches: int) -> None:
     positive_int("num_microbatches", num_microbatches)
     if x.shape[0] % num_microbatches:
         raise ValueError(
             f"batch of {x.shape[0]} cannot be cut into {num_microbatches} equal microbatches"
         )
-    return num_stages
 
 
 def _micro(a: jax.Array, num_microbatches: int) -> jax.Array:
@@ -362,6 +366,140 @@ def one_f_one_b_grads(
 
     losses, grads = _run(mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M))
     return jnp.sum(losses), grads
+
+
+def _pooled_tables(table: Table, num_stages: int) -> tuple[dict[str, np.ndarray], int, int]:
+    """A schedule of virtual stages as arrays ``[tick, device]``, each input and gradient held in a pool slot.
+
+    Returns the arrays (``kind``, ``micro``, ``chunk``, the ``slot`` and ``gslot`` an op reads,
+    and ``recv_f``/``recv_b``, one more than the slot an arrival fills, 0 for none) and the two
+    pool sizes: the most inputs, and the most gradients, any device holds at once.
+    """
+    S, last = num_stages, max(op.stage for row in table for op in row if op)
+    names = ("kind", "micro", "chunk", "slot", "gslot", "recv_f", "recv_b")
+    a = {k: np.zeros((len(table), S), np.int32) for k in names}
+    held_x: list[dict] = [{} for _ in range(S)]  # per device: (micro, stage) -> slot
+    held_g: list[dict] = [{} for _ in range(S)]
+    pools = [1, 1]
+
+    def take(held: dict, key: tuple[int, int]) -> int:
+        held[key] = min(set(range(len(held) + 1)) - set(held.values()))
+        return held[key]
+
+    for t, row in enumerate(table):
+        for d, op in enumerate(row):  # this tick's ops read (and free) their slots
+            if op is None:
+                continue
+            key = (op.micro, op.stage)
+            a["kind"][t, d], a["micro"][t, d] = (1 if op.kind == "F" else 2), op.micro
+            a["chunk"][t, d] = op.stage // S
+            if op.kind == "F":
+                a["slot"][t, d] = held_x[d][key] if op.stage else take(held_x[d], key)
+            else:
+                a["slot"][t, d] = held_x[d].pop(key)
+                a["gslot"][t, d] = held_g[d].pop(key) if op.stage < last else 0
+        for op in row:  # then what they sent arrives, into free slots
+            if op and op.kind == "F" and op.stage < last:
+                to = (op.stage + 1) % S
+                a["recv_f"][t, to] = take(held_x[to], (op.micro, op.stage + 1)) + 1
+            if op and op.kind == "B" and op.stage > 0:
+                to = (op.stage - 1) % S
+                a["recv_b"][t, to] = take(held_g[to], (op.micro, op.stage - 1)) + 1
+        pools[0] = max(pools[0], *map(len, held_x))
+        pools[1] = max(pools[1], *map(len, held_g))
+    return a, pools[0], pools[1]
+
+
+def interleaved_grads(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    stage_params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    mesh: Mesh,
+    num_microbatches: int,
+    virtual: int,
+    axis: str = "pipeline",
+) -> tuple[jax.Array, Any]:
+    """The loss and gradient of the model of ``stage_params``' layers, run on interleaved 1F1B.
+
+    ``stage_params`` has one leading slice per layer (``stage_fn`` applies one), ``S * virtual``
+    chunks of equal size: device ``d`` holds chunks ``d, d + S, ...``. Each tick every device runs
+    what ``interleaved_schedule`` says, as ``one_f_one_b_grads`` does; the last device's chunk
+    sends on to device 0's next chunk (a ring ``ppermute``), and inputs and gradients wait in
+    pools of slots sized by the schedule. Gradients come back in ``stage_params``' layout.
+    """
+    S, v, M = mesh.shape[axis], positive_int("virtual", virtual), num_microbatches
+    layers = {p.shape[0] for p in jax.tree.leaves(stage_params)}
+    if len(layers) != 1 or next(iter(layers)) % (S * v):
+        raise ValueError(
+            f"stage_params' leading dimensions {sorted(layers)} (layers) must be one number "
+            f"that {S} stages x {v} virtual stages = {S * v} chunks divide"
+        )
+    _check_batch(x, M)
+    table = interleaved_schedule(S, M, v)
+    arrays, num_inputs, num_grads = _pooled_tables(table, S)
+    tabs = {k: jnp.asarray(a) for k, a in arrays.items()}
+
+    def chunk_fn(params: Any, x: jax.Array) -> jax.Array:
+        return sequential_apply(stage_fn, params, x)
+
+    def per_device(params: Any, micro_x: jax.Array, micro_y: jax.Array):
+        params = jax.tree.map(lambda p: p[0], params)  # [v, layers per chunk, ...]
+        device = jax.lax.axis_index(axis)
+        zero = jax.lax.pcast(jnp.zeros_like(micro_x[0]), (axis,), to="varying")
+
+        def forward(carry, m, c, slot, gslot):
+            inputs, grads_in, grad_sum, loss = carry
+            x_in = jnp.where((device == 0) & (c == 0), micro_x[m], inputs[slot])
+            inputs = inputs.at[slot].set(x_in)  # chunk 0 keeps its input for the backward
+            out = chunk_fn(jax.tree.map(lambda p: p[c], params), x_in)
+            return (inputs, grads_in, grad_sum, loss), out, zero
+
+        def backward(carry, m, c, slot, gslot):
+            inputs, grads_in, grad_sum, loss = carry
+            mine = jax.tree.map(lambda p: p[c], params)
+            out, vjp = jax.vjp(chunk_fn, mine, inputs[slot])  # recompute, then backward
+            value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
+            is_last = (device == S - 1) & (c == v - 1)
+            g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[gslot]))
+            grad_sum = jax.tree.map(lambda a, g: a.at[c].add(g), grad_sum, g_params)
+            loss = loss + jnp.where(is_last, value, 0.0)
+            return (inputs, grads_in, grad_sum, loss), zero, g_x
+
+        def idle(carry, *op):
+            return carry, zero, zero
+
+        def tick(carry, t):
+            op = [tabs[k][t, device] for k in ("micro", "chunk", "slot", "gslot")]
+            carry, to_next, to_prev = jax.lax.switch(
+                tabs["kind"][t, device], (idle, forward, backward), carry, *op
+            )
+            inputs, grads_in, grad_sum, loss = carry
+            got_f = jax.lax.ppermute(to_next, axis, [(d, (d + 1) % S) for d in range(S)])
+            got_b = jax.lax.ppermute(to_prev, axis, [(d, (d - 1) % S) for d in range(S)])
+            rf, rb = tabs["recv_f"][t, device] - 1, tabs["recv_b"][t, device] - 1
+            inputs = jnp.where(rf >= 0, inputs.at[rf].set(got_f), inputs)
+            grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
+            return (inputs, grads_in, grad_sum, loss), None
+
+        loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
+        pools = [jnp.broadcast_to(zero, (k, *zero.shape)) for k in (num_inputs, num_grads)]
+        start = (*pools, jax.tree.map(jnp.zeros_like, params), loss)
+        (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
+        return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
+
+    def by_device(p: jax.Array) -> jax.Array:  # layer (c S + d) L' + i -> [d, c, i]
+        return p.reshape(v, S, -1, *p.shape[1:]).swapaxes(0, 1)
+
+    def by_layer(g: jax.Array) -> jax.Array:
+        if AxisType.Explicit in mesh.axis_types:  # gather before merging the stage axis
+            g = jax.reshard(g, NamedSharding(mesh, P()))
+        return g.swapaxes(0, 1).reshape(-1, *g.shape[3:])
+
+    placed = jax.tree.map(by_device, stage_params)
+    losses, grads = _run(mesh, axis, per_device, placed, _micro(x, M), _micro(y, M))
+    return jnp.sum(losses), jax.tree.map(by_layer, grads)
 
 
 def stack_stages(

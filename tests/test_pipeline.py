@@ -126,6 +126,33 @@ def test_bad_arguments():
         pipeline.check_slots(pipeline.gpipe_schedule(4, 4), 2)
 
 
+def interleaved(layers, batch, micro, virtual=2, mesh=None):
+    x = jnp.zeros((batch, 8))
+    return pipeline.interleaved_grads(
+        stage_fn, loss_fn, stage_params(layers), x, x, mesh or pipe_mesh(4), micro, virtual
+    )
+
+
+def test_interleaved_rejects_what_megatron_does():
+    with pytest.raises(
+        ValueError,
+        match=r"interleaved 1F1B needs microbatches \(6\) in groups of the stages \(4\)",
+    ):
+        interleaved(8, 12, 6)
+    with pytest.raises(
+        ValueError,
+        match=r"leading dimensions \[12\] \(layers\) must be one number that 4 stages x 2 "
+        r"virtual stages = 8 chunks divide",
+    ):
+        interleaved(12, 8, 4)
+    with pytest.raises(
+        ValueError, match="batch of 6 cannot be cut into 4 equal microbatches"
+    ):
+        interleaved(8, 6, 4)
+    with pytest.raises(ValueError, match="virtual must be a positive integer, got 0"):
+        interleaved(8, 8, 4, virtual=0)
+
+
 @pytest.mark.parametrize(
     "stages, micro, axis_type",
     [
@@ -170,3 +197,72 @@ def test_the_compiled_gpipe_sends_one_microbatch_per_tick_and_no_output():
     # the only other collective sums 4 per-stage losses (a scalar each).
     assert len(permutes) == 1 and permutes[0].in_loop and permutes[0].bytes == 2 * 8 * 4
     assert all(c.bytes <= 4 * 4 for c in found if c.kind != "collective-permute")
+
+
+@pytest.mark.parametrize(
+    "shape, micro, virtual, axis_type",
+    [
+        ((4,), 8, 2, AxisType.Explicit),
+        ((8,), 8, 2, AxisType.Auto),
+        ((6,), 6, 2, AxisType.Explicit),
+        ((2, 3), 3, 3, AxisType.Explicit),  # a data axis beside the pipeline
+    ],
+)
+def test_interleaved_equals_the_sequential_loss_and_gradients(
+    shape, micro, virtual, axis_type
+):
+    names = ("data", "pipeline")[-len(shape) :]
+    mesh = make_mesh(
+        shape, names, axis_types=axis_type, devices=jax.devices()[: np.prod(shape)]
+    )
+    layers = shape[-1] * virtual
+    params = stage_params(layers)
+    x = jax.random.normal(jax.random.key(1), (micro * 3, 8))
+    y = jax.random.normal(jax.random.key(2), (micro * 3, 8))
+    want, want_g = jax.value_and_grad(
+        lambda p: pipeline.sequential_loss(stage_fn, loss_fn, p, x, y)
+    )(params)
+    loss, grads = jax.jit(
+        lambda p: pipeline.interleaved_grads(
+            stage_fn, loss_fn, p, x, y, mesh, micro, virtual
+        )
+    )(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(grads)):
+        assert b.shape == a.shape
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stages, virtual", [(2, 3), (4, 2), (8, 2), (3, 2)])
+def test_interleaved_pools_hold_the_schedule_s_in_flight_count(stages, virtual):
+    for micro in (stages, 2 * stages, 4 * stages):
+        table = pipeline.interleaved_schedule(stages, micro, virtual)
+        _, inputs, grads = pipeline._pooled_tables(table, stages)
+        assert inputs == max(pipeline.in_flight(table))
+        assert grads <= stages
+
+
+def test_interleaved_compiled_memory_follows_its_in_flight_count():
+    """Temporaries rise from M = 4 to M = 8 by the 3 chunk inputs the schedule adds, then stay."""
+    width, rows, mesh = 128, 32, pipe_mesh(4)
+    params = pipeline.stack_stages(
+        lambda k: {"w": jax.random.normal(k, (width, width)), "b": jnp.zeros(width)},
+        jax.random.key(0),
+        8,
+    )
+
+    def temp_bytes(micro):
+        x = jnp.zeros((micro * rows, width))
+        run = lambda p, x: pipeline.interleaved_grads(
+            stage_fn, loss_fn, p, x, x, mesh, micro, 2
+        )
+        return jax.jit(run).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    flights = {
+        m: pipeline.in_flight(pipeline.interleaved_schedule(4, m, 2))[0] for m in (4, 8, 16)
+    }
+    assert flights == {4: 8, 8: 11, 16: 11}
+    temps = {m: temp_bytes(m) for m in flights}
+    micro_bytes = rows * width * 4
+    assert (temps[8] - temps[4]) / micro_bytes == pytest.approx(3, abs=0.02)
+    assert abs(temps[16] - temps[8]) < 0.02 * micro_bytes
