@@ -88,14 +88,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def module_pids(module: str) -> set[int]:
-    """Process ids of running ``python -m module`` processes (to check that none is left behind)."""
+def module_pids(module: str, inherited: str = "PYTEST_XDIST_WORKER") -> set[int]:
+    """Process ids of running ``python -m module`` processes (to check that none is left behind).
+
+    Where this process's environment sets ``inherited`` (pytest-xdist names each worker so),
+    only the processes with the same value count: those started from here, not a neighbour's.
+    """
+    mine = os.environ.get(inherited)
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if module.encode() in f.read():
-                    found.add(int(pid))
+                if module.encode() not in f.read():
+                    continue
+            if mine is not None:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"{inherited}={mine}".encode() not in f.read().split(b"\0"):
+                        continue
+            found.add(int(pid))
         except OSError:
             pass
     return found

@@ -2,7 +2,10 @@
 
 Always 8, whatever ``JAXDIST_NUM_DEVICES`` says (that variable sets the notebooks' count): a test
 that needs another count, 1 or a count that is not a power of two, builds its mesh over a subset
-of the 8 (``tests/meshes.py``).
+of the 8.
+
+``pytest`` runs on every core (pytest-xdist, ``-n auto`` in pyproject.toml); ``-n 0`` runs in one
+process.
 """
 
 import os
@@ -14,6 +17,27 @@ from jaxdist_lessons import devices
 DEVICES = devices.setup(num_devices=8)
 
 from jaxdist_lessons import hang_lab, multihost_demo  # noqa: E402  (after the setup)
+
+
+# Chapters that submit jobs to the one-node SLURM cluster of .ci/slurm-up.
+SLURM_CHAPTERS = {"07_troubleshooting.ipynb", "08_multi_host.ipynb"}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, build the offline digits data set once, here, before the workers
+    start: two workers preparing it at once would race on the same directory."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        from jaxdist_lessons import data
+
+        data.digits_source("train")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
+    job after another: two jobs at once would find the node busy."""
+    for item in items:
+        if "slurm" in getattr(item, "fixturenames", ()) or item.path.name in SLURM_CHAPTERS:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def demo_pids() -> set[int]:
