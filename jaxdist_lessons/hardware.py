@@ -285,7 +285,8 @@ def by_memory(names: Iterable[str] | None = None) -> dict[float, list[Chip]]:
     """
     chips = CHIPS.values() if names is None else [chip(name) for name in names]
     groups: dict[float, list[Chip]] = {}
-    for each in sorted(chips, key=lambda c: c.memory_bytes):  # stable: CHIPS order within a group
+    # sorted() is stable: within a group the chips keep CHIPS's order, SXM before PCIe.
+    for each in sorted(chips, key=lambda c: c.memory_bytes):
         group = groups.setdefault(each.memory_bytes, [])
         if all(other.family != each.family for other in group):
             group.append(each)
