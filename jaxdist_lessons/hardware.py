@@ -14,6 +14,7 @@ is not given a neighbour's figures.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 GB = 10**9
 GiB = 2**30
@@ -64,6 +65,14 @@ class Chip:
     def memory_label(self) -> str:
         """The memory as the vendor writes it, such as ``'95 GiB'``."""
         return f"{self.memory:g} {self.memory_unit}"
+
+    @property
+    def family(self) -> str:
+        """The chip without its board: ``'H100'`` for both ``'H100 80GB'`` and ``'H100 PCIe'``.
+
+        A TPU's family is its whole name: a v4, a v5e and a v5p are three chips.
+        """
+        return self.name if self.name.startswith("TPU") else self.name.split()[0]
 
 
 def _chip(
@@ -266,6 +275,22 @@ def chip(name: str) -> Chip:
             f"unknown accelerator {name!r}; allowed: {', '.join(sorted(CHIPS))}"
         )
     return CHIPS[name]
+
+
+def by_memory(names: Iterable[str] | None = None) -> dict[float, list[Chip]]:
+    """The chips called ``names`` (all of ``CHIPS`` by default) grouped by memory in bytes, smallest first.
+
+    Each chip appears once in its group: a chip sold on two boards with the same memory (an SXM
+    module and a PCIe card) is the record listed first, since for memory they are one chip.
+    """
+    chips = CHIPS.values() if names is None else [chip(name) for name in names]
+    groups: dict[float, list[Chip]] = {}
+    # sorted() is stable: within a group the chips keep CHIPS's order, SXM before PCIe.
+    for each in sorted(chips, key=lambda c: c.memory_bytes):
+        group = groups.setdefault(each.memory_bytes, [])
+        if all(other.family != each.family for other in group):
+            group.append(each)
+    return groups
 
 
 def chip_for_kind(device_kind: str) -> Chip | None:

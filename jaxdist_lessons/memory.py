@@ -340,14 +340,20 @@ def shares_table(shares: Mapping[str, TrainingMemory], title: str = "") -> Table
 
 
 def devices_needed_table(totals: Mapping[str, float], title: str = "") -> Table:
-    """The fewest chips of each kind in ``hardware.CHIPS`` that hold each total, with the memory's source."""
-    rows = [
-        [
-            chip.name,
-            chip.memory_label,
-            *(devices_needed(total, chip.name) for total in totals.values()),
-            chip.sources["memory"].split(": ")[0],
-        ]
-        for chip in hardware.CHIPS.values()
-    ]
+    """The fewest chips that hold each total, one row per memory size in ``hardware.CHIPS``.
+
+    Chips with the same memory need the same count, so they share a row (``hardware.by_memory``:
+    each chip once, its PCIe card left out); the last column is the memory's source.
+    """
+    rows = []
+    for chips in hardware.by_memory().values():
+        sources = dict.fromkeys(c.sources["memory"].split(": ")[0] for c in chips)
+        rows.append(
+            [
+                " / ".join(c.name for c in chips),
+                chips[0].memory_label,
+                *(devices_needed(total, chips[0].name) for total in totals.values()),
+                ", ".join(sources),
+            ]
+        )
     return Table(["accelerator", "memory", *totals, "source"], rows, title=title)

@@ -60,11 +60,9 @@ def memory_vs_model_size(
     }
     for label, per_param in curves.items():
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
-    by_capacity: dict[float, list[str]] = {}
-    for name in accelerators:
-        by_capacity.setdefault(hardware.chip(name).memory_bytes, []).append(name)
-    for i, (capacity, names) in enumerate(sorted(by_capacity.items())):
-        label = " / ".join(names)
+    by_capacity = hardware.by_memory(accelerators)  # each chip once, smallest memory first
+    for i, (capacity, chips) in enumerate(by_capacity.items()):
+        label = " / ".join(c.name for c in chips)
         ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
         right = i % 2 == 0  # alternate sides so that close capacities do not overlap
         ax.annotate(

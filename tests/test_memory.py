@@ -172,6 +172,26 @@ def test_devices_needed():
     assert memory.devices_needed(adam, "TPU v5p") == 28  # 2.8e12 / 95 GiB = 27.4
 
 
+def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
+    table = memory.devices_needed_table({"Adam": memory.training_state_bytes(175e9).total})
+    names = [row[0] for row in table.values]
+    assert names == [
+        "TPU v5e",
+        "TPU v4",
+        "A100 40GB",
+        "A100 80GB / H100 80GB",  # the same memory, the same count: one row
+        "TPU v5p",
+        "H200 141GB",
+    ]
+    assert not any("PCIe" in name for name in names)  # a PCIe card is its SXM chip's twin
+    assert [row[2] for row in table.values] == [175, 82, 70, 35, 28, 20]
+    assert len({tuple(row[1:3]) for row in table.values}) == len(names)  # no two rows alike
+    assert table.values[3][-1] == (
+        "https://www.nvidia.com/en-us/data-center/a100/, "
+        "https://www.nvidia.com/en-us/data-center/h100/"
+    )
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
