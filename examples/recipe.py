@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
 # Sharding rules: the first parameter path (a regex) that matches gives the spec; the rest are
-# replicated. Megatron's MLP split: the hidden units over 'model', the batch over 'data'.
-RULES = [(r"Dense_0/kernel", P(None, "model")), (r"Dense_0/bias", P("model")),
-         (r"Dense_1/kernel", P("model", None))]  # fmt: skip
+# replicated. Megatron's MLP split: the hidden units over 'tensor', the batch over 'data'.
+RULES = [(r"Dense_0/kernel", P(None, "tensor")), (r"Dense_0/bias", P("tensor")),
+         (r"Dense_1/kernel", P("tensor", None))]  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -103,8 +103,8 @@ def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
 def main(steps: int, checkpoint_dir: str) -> None:
     join_processes()
     n = jax.device_count()
-    model_axis = 2 if n % 2 == 0 else 1  # tensor parallel in pairs where the count allows
-    shape, axes = (n // model_axis, model_axis), ("data", "model")
+    tensor_axis = 2 if n % 2 == 0 else 1  # tensor parallel in pairs where the count allows
+    shape, axes = (n // tensor_axis, tensor_axis), ("data", "tensor")
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto, AxisType.Auto))
     state = create_state(mesh, learning_rate=1e-3)
     train_step = make_train_step(state, mesh)

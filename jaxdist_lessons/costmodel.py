@@ -13,10 +13,10 @@ estimates:
 - **memory**: training state (weights, gradients, Adam moments, fp32 master weights) and the
   activations kept for the backward pass (Korthikanti et al. 2022).
 
-A layout is ``(data, fsdp, model)``: batch split ``data x fsdp`` ways, parameters split over
-``fsdp`` (ZeRO-3), attention heads and MLP units split over ``model`` (Megatron tensor
+A layout is ``(data, fsdp, tensor)``: batch split ``data x fsdp`` ways, parameters split over
+``fsdp`` (ZeRO-3), attention heads and MLP units split over ``tensor`` (Megatron tensor
 parallelism). ``(8, 1)`` in the article's notation is ``Layout(data=8)``, ``(4, 2)`` is
-``Layout(data=4, model=2)``.
+``Layout(data=4, tensor=2)``.
 
 Beside the layout's collectives, one layer's collectives for the strategies of chapters 12 and 13,
 each as the ``Transfer`` records ``transfers_from_hlo`` reads from the compiled layer:
@@ -171,27 +171,27 @@ MODELS: dict[str, TransformerSpec] = {
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Devices per axis: ``data`` and ``fsdp`` split the batch, ``fsdp`` also the parameters, ``model`` the layers."""
+    """Devices per axis: ``data`` and ``fsdp`` split the batch, ``fsdp`` also the parameters, ``tensor`` the layers."""
 
     data: int = 1
     fsdp: int = 1
-    model: int = 1
+    tensor: int = 1
 
     def __post_init__(self):
-        for axis in ("data", "fsdp", "model"):
+        for axis in ("data", "fsdp", "tensor"):
             positive_int(f"Layout.{axis}", getattr(self, axis))
 
     @property
     def devices(self) -> int:
         """Devices the layout uses."""
-        return self.data * self.fsdp * self.model
+        return self.data * self.fsdp * self.tensor
 
     @property
     def label(self) -> str:
-        """``(4,2)`` in the article's (data, model) notation, or ``FSDP 8``."""
+        """``(4,2)`` in the (data, tensor) notation, or ``FSDP 8`` (``FSDP 8 x tensor 2``)."""
         if self.fsdp == 1:
-            return f"({self.data},{self.model})"
-        rest = f" x model {self.model}" if self.model > 1 else ""
+            return f"({self.data},{self.tensor})"
+        rest = f" x tensor {self.tensor}" if self.tensor > 1 else ""
         return (
             f"FSDP {self.fsdp}" + (f" x data {self.data}" if self.data > 1 else "") + rest
         )
@@ -199,8 +199,8 @@ class Layout:
 
 def article_layouts(num_devices: int = 8) -> list[Layout]:
     """The article's meshes for ``num_devices`` devices, ``(n,1)`` ... ``(1,n)`` over powers of two, then FSDP."""
-    models = [2**k for k in range(num_devices.bit_length()) if num_devices % 2**k == 0]
-    return [Layout(data=num_devices // m, model=m) for m in models] + [
+    tensors = [2**k for k in range(num_devices.bit_length()) if num_devices % 2**k == 0]
+    return [Layout(data=num_devices // t, tensor=t) for t in tensors] + [
         Layout(fsdp=num_devices)
     ]
 
@@ -208,15 +208,15 @@ def article_layouts(num_devices: int = 8) -> list[Layout]:
 def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
     """Reasons ``layout`` cannot run ``spec`` as is (an empty list when it can)."""
     problems = []
-    if spec.num_heads % layout.model:
-        problems.append(f"{spec.num_heads} heads do not split over model={layout.model}")
-    if spec.mlp_dim % layout.model:
+    if spec.num_heads % layout.tensor:
+        problems.append(f"{spec.num_heads} heads do not split over tensor={layout.tensor}")
+    if spec.mlp_dim % layout.tensor:
         problems.append(
-            f"MLP width {spec.mlp_dim} does not split over model={layout.model}"
+            f"MLP width {spec.mlp_dim} does not split over tensor={layout.tensor}"
         )
-    if spec.vocab_parallel and spec.logits_per_token % layout.model:
+    if spec.vocab_parallel and spec.logits_per_token % layout.tensor:
         problems.append(
-            f"vocabulary of {spec.logits_per_token} does not split over model={layout.model}"
+            f"vocabulary of {spec.logits_per_token} does not split over tensor={layout.tensor}"
         )
     if spec.global_batch % (layout.data * layout.fsdp):
         problems.append(
@@ -227,7 +227,7 @@ def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
 
 def params_per_device(spec: TransformerSpec, layout: Layout) -> float:
     """Parameters one device holds: tensor parallelism splits the block kernels, FSDP everything."""
-    return (spec.tp_params / layout.model + (spec.params - spec.tp_params)) / layout.fsdp
+    return (spec.tp_params / layout.tensor + (spec.params - spec.tp_params)) / layout.fsdp
 
 
 # --- Communication ------------------------------------------------------------------------------
@@ -383,12 +383,12 @@ def predict_transfers(
     """
     out = []
     local_tokens = spec.tokens / (layout.data * layout.fsdp)
-    if layout.model > 1:
+    if layout.tensor > 1:
         size = local_tokens * spec.hidden * activation_bytes
         count = spec.num_layers * tp_allreduces_per_layer + (
             2 if spec.vocab_parallel else 0
         )
-        out += tensor_parallel_transfers(size, layout.model, sequence_parallel) * count
+        out += tensor_parallel_transfers(size, layout.tensor, sequence_parallel) * count
     shard = params_per_device(spec, layout) * param_bytes
     if layout.fsdp > 1:
         out += [
@@ -434,16 +434,16 @@ def layer_activation_bytes(
     batch: int,
     hidden: int,
     heads: int,
-    model: int = 1,
+    tensor: int = 1,
     flash_attention: bool = False,
 ) -> float:
-    """Activation bytes one block keeps under ``model``-way tensor parallelism, 16-bit activations.
+    """Activation bytes one block keeps under ``tensor``-way tensor parallelism, 16-bit activations.
 
     Korthikanti et al. 2022, eq. (2): ``s b h (10 + 24/t + 5 a s / (h t))``; with ``t = 1`` it is
     eq. (1), ``memory.transformer_layer_activation_bytes``.
     """
-    attention = 0 if flash_attention else 5 * heads * seq_len / (hidden * model)
-    return seq_len * batch * hidden * (10 + 24 / model + attention)
+    attention = 0 if flash_attention else 5 * heads * seq_len / (hidden * tensor)
+    return seq_len * batch * hidden * (10 + 24 / tensor + attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,23 +502,23 @@ def estimate(
     local_params = params_per_device(spec, layout)
     state = local_params * state_per_param
     if layout.fsdp > 1:  # the gathered weights of the layer in use and the next one
-        state += 2 * weight_bytes * spec.layer_tp_params / layout.model
+        state += 2 * weight_bytes * spec.layer_tp_params / layout.tensor
     local_batch = spec.global_batch / (layout.data * layout.fsdp)
     activations = spec.num_layers * layer_activation_bytes(
         spec.seq_len,
         local_batch,
         spec.hidden,
         spec.num_heads,
-        layout.model,
+        layout.tensor,
         flash_attention,
     )
-    logits_split = layout.model if spec.vocab_parallel else 1
+    logits_split = layout.tensor if spec.vocab_parallel else 1
     activations += (
         local_batch * spec.seq_len * spec.logits_per_token * 4 / logits_split
     )  # fp32, for the loss
     # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
     # optimizer's update touches the local shard.
-    gathered_params = spec.tp_params / layout.model + (spec.params - spec.tp_params)
+    gathered_params = spec.tp_params / layout.tensor + (spec.params - spec.tp_params)
     hbm = (
         gathered_params * 3 * weight_bytes
         + local_params * 2 * state_per_param

@@ -280,18 +280,21 @@ def catalogue() -> dict[str, Callable[[], Any]]:
     explicit_data = NamedSharding(
         jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,)), P("data")
     )
-    pairs = devices_for_axis(2)  # a 'model' axis of 2: on an odd count, all devices but one
+    pairs = devices_for_axis(
+        2
+    )  # a 'tensor' axis of 2: on an odd count, all devices but one
     hybrid = jax.make_mesh(
-        mesh_shape(len(pairs), data=-1, model=2),
-        ("data", "model"),
+        mesh_shape(len(pairs), data=-1, tensor=2),
+        ("data", "tensor"),
         axis_types=(AxisType.Explicit,) * 2,
         devices=pairs,
     )
     x = jax.device_put(
-        np.ones((4 * len(pairs), 16), np.float32), NamedSharding(hybrid, P("data", "model"))
+        np.ones((4 * len(pairs), 16), np.float32),
+        NamedSharding(hybrid, P("data", "tensor")),
     )
     w = jax.device_put(
-        np.ones((16, 32), np.float32), NamedSharding(hybrid, P("model", None))
+        np.ones((16, 32), np.float32), NamedSharding(hybrid, P("tensor", None))
     )
     batch = np.ones((4 * n + 1, 3), np.float32)
     placed = jax.device_put(np.ones((4 * n, 3), np.float32), data)
@@ -338,7 +341,7 @@ def catalogue() -> dict[str, Callable[[], Any]]:
         "shard_map, same batch": lambda: per_device_sum(batch),
         "pmap, 4n+1 rows (more than n)": lambda: jax.pmap(lambda v: v.sum())(batch),
         "pmap, 2n rows not reshaped": lambda: jax.pmap(lambda v: v.sum())(batch[: 2 * n]),
-        "spec names a missing axis": lambda: NamedSharding(auto, P("model")),
+        "spec names a missing axis": lambda: NamedSharding(auto, P("tensor")),
         "spec longer than the rank": lambda: jax.device_put(
             np.zeros(n, np.float32), NamedSharding(auto, P("data", None))
         ),

@@ -1,8 +1,9 @@
 """Device meshes: make them with checked shapes, list the shapes N devices allow, describe them.
 
 A mesh arranges devices in an n-dimensional grid and names each grid axis. The names are
-only labels: ``('data', 'model')`` does nothing until a ``PartitionSpec`` uses them.
-Our axis names throughout the book: ``data``, ``fsdp``, ``model``, ``pipeline``.
+only labels: ``('data', 'tensor')`` does nothing until a ``PartitionSpec`` uses them.
+Our axis names throughout the book (and the LM recipe's): ``data``, ``fsdp``, ``tensor``,
+``sequence``, ``expert``, ``pipeline``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist_lessons._checks import positive_int
 
-AXIS_NAMES = ("data", "fsdp", "model", "pipeline")
+AXIS_NAMES = ("data", "fsdp", "tensor", "sequence", "expert", "pipeline")
 
 
 class MeshError(ValueError):
@@ -65,7 +66,7 @@ def devices_for_axis(
     size: int, devices: Sequence[jax.Device] | None = None
 ) -> list[jax.Device]:
     """The most of ``devices`` (default: all) that an axis of ``size`` splits evenly: all of them,
-    or all but the remainder (6 of 7 for a ``model`` axis of 2). A 2-D mesh on a prime count has
+    or all but the remainder (6 of 7 for a ``tensor`` axis of 2). A 2-D mesh on a prime count has
     one axis of 1; chapters use this to show the nearest mesh with both axes above 1 instead.
     """
     positive_int("size", size)
@@ -80,7 +81,7 @@ def devices_for_axis(
 def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
     """Sizes for the named axes, in order, where one size may be ``-1``: "whatever is left".
 
-    ``mesh_shape(8, data=-1, model=2)`` is ``(4, 2)``. Chapters use it to adapt to the device count.
+    ``mesh_shape(8, data=-1, tensor=2)`` is ``(4, 2)``. Chapters use it to adapt to the device count.
     """
     names = _check_names(tuple(sizes))
     free = [n for n, s in sizes.items() if s == -1]

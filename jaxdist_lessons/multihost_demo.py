@@ -104,15 +104,15 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
 
 
 def hybrid() -> dict[str, Any]:
-    """A hybrid mesh: ``model`` inside each process (ICI), ``data`` across processes (DCN); whose collectives go where."""
+    """A hybrid mesh: ``tensor`` inside each process (ICI), ``data`` across processes (DCN); whose collectives go where."""
     mesh = multihost.hybrid_mesh(
         (1, jax.local_device_count()),
         (jax.process_count(), 1),
-        ("data", "model"),
+        ("data", "tensor"),
         axis_types=AxisType.Explicit,
     )
     x = jax.device_put(
-        np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "model"))
+        np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "tensor"))
     )
     report = {"process_grid": multihost.process_grid(mesh).tolist()}
     for axis in mesh.axis_names:
@@ -120,8 +120,8 @@ def hybrid() -> dict[str, Any]:
             jax.shard_map(
                 lambda block, axis=axis: lax.psum(block, axis),
                 mesh=mesh,
-                in_specs=P("data", "model"),
-                out_specs=P("data", "model"),
+                in_specs=P("data", "tensor"),
+                out_specs=P("data", "tensor"),
             )
         )
         [op] = [

@@ -7,7 +7,7 @@ strategy:
 
 - ``data``: only the batch is split (over ``'data'``); every device holds every parameter;
 - ``fsdp``: the batch and the parameters are split over ``'fsdp'`` (ZeRO-3);
-- ``tensor``: attention heads, the MLP's hidden units and an LM's vocabulary are split over ``'model'`` (Megatron);
+- ``tensor``: attention heads, the MLP's hidden units and an LM's vocabulary are split over ``'tensor'`` (Megatron);
 - ``hybrid``: ``data`` and ``tensor`` together on a 2-D mesh;
 - ``fsdp+tensor``: ``fsdp`` and ``tensor`` together.
 
@@ -41,7 +41,7 @@ from jaxdist_lessons.sharding import path_name
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-MESH_AXES = ("data", "fsdp", "model")
+MESH_AXES = ("data", "fsdp", "tensor")
 
 _DATA: LogicalRules = (("batch", "data"),)
 # Priority order matters: a mesh axis goes to the first listed name a parameter has, so a kernel
@@ -53,11 +53,11 @@ _FSDP_PARAMS: LogicalRules = (
     ("vocab", "fsdp"),
 )
 _TENSOR: LogicalRules = (
-    ("heads", "model"),
-    ("mlp", "model"),
-    ("vocab", "model"),
-    ("act_heads", "model"),
-    ("act_mlp", "model"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
 )
 
 RULES: dict[str, LogicalRules] = {
@@ -69,7 +69,7 @@ RULES: dict[str, LogicalRules] = {
 }
 STRATEGIES = tuple(RULES)
 
-# For the article's 4-axis mesh ('data', 'fsdp', 'model', 'pipeline'): the batch over 'data' and
+# For the article's 4-axis mesh, in our names ('data', 'fsdp', 'tensor', 'pipeline'): the batch over 'data' and
 # 'fsdp' together, FSDP and tensor parallelism as above. No rule names 'pipeline', so every device
 # along it holds the same blocks: the name alone pipelines nothing (see ``pipeline.py``).
 FOUR_AXIS_RULES: LogicalRules = (("batch", ("data", "fsdp")), *_TENSOR, *_FSDP_PARAMS)
@@ -82,27 +82,29 @@ def rules_for(strategy: str) -> LogicalRules:
     return RULES[strategy]
 
 
-def mesh_shape_for(strategy: str, num_devices: int, model: int = 2) -> tuple[int, int, int]:
-    """Sizes of ``('data', 'fsdp', 'model')`` for a strategy on ``num_devices`` devices.
+def mesh_shape_for(
+    strategy: str, num_devices: int, tensor: int = 2
+) -> tuple[int, int, int]:
+    """Sizes of ``('data', 'fsdp', 'tensor')`` for a strategy on ``num_devices`` devices.
 
-    Pure strategies put every device on their one axis; the 2-D ones put ``model`` devices
-    (at most ``num_devices``) on ``'model'`` and the rest on ``'data'`` or ``'fsdp'``.
+    Pure strategies put every device on their one axis; the 2-D ones put ``tensor`` devices
+    (at most ``num_devices``) on ``'tensor'`` and the rest on ``'data'`` or ``'fsdp'``.
     """
     rules_for(strategy)
     n = num_devices
-    model = min(model, n)
+    tensor = min(tensor, n)
     shapes = {
-        "data": {"data": n, "fsdp": 1, "model": 1},
-        "fsdp": {"data": 1, "fsdp": n, "model": 1},
-        "tensor": {"data": 1, "fsdp": 1, "model": n},
-        "hybrid": {"data": -1, "fsdp": 1, "model": model},
-        "fsdp+tensor": {"data": 1, "fsdp": -1, "model": model},
+        "data": {"data": n, "fsdp": 1, "tensor": 1},
+        "fsdp": {"data": 1, "fsdp": n, "tensor": 1},
+        "tensor": {"data": 1, "fsdp": 1, "tensor": n},
+        "hybrid": {"data": -1, "fsdp": 1, "tensor": tensor},
+        "fsdp+tensor": {"data": 1, "fsdp": -1, "tensor": tensor},
     }
     return mesh_lib.mesh_shape(n, **shapes[strategy])
 
 
-def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2) -> Mesh:
-    """A ``('data', 'fsdp', 'model')`` mesh with Auto axes, shaped for ``strategy``.
+def strategy_mesh(strategy: str, num_devices: int | None = None, tensor: int = 2) -> Mesh:
+    """A ``('data', 'fsdp', 'tensor')`` mesh with Auto axes, shaped for ``strategy``.
 
     Auto, because Linen's ``with_logical_constraint`` is a sharding *constraint* that XLA
     propagates from; Explicit axes make sharding part of every type instead. With
@@ -110,7 +112,7 @@ def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2)
     """
     n = jax.device_count() if num_devices is None else num_devices
     return mesh_lib.make_mesh(
-        mesh_shape_for(strategy, n, model),
+        mesh_shape_for(strategy, n, tensor),
         MESH_AXES,
         axis_types=AxisType.Auto,
         devices=jax.devices()[:n],
@@ -118,19 +120,19 @@ def strategy_mesh(strategy: str, num_devices: int | None = None, model: int = 2)
 
 
 def four_axis_shape(num_devices: int) -> tuple[int, int, int, int]:
-    """Sizes of ``('data', 'fsdp', 'model', 'pipeline')`` on ``num_devices``: ``(1, 2, 2, 2)`` on 8.
+    """Sizes of ``('data', 'fsdp', 'tensor', 'pipeline')`` on ``num_devices``: ``(1, 2, 2, 2)`` on 8.
 
     With fewer than 8 devices ``pipeline`` shrinks to 1 first, then ``fsdp`` (``(1, 2, 2, 1)`` on 4,
-    ``(1, 1, 2, 1)`` on 2); ``model`` stays 2 down to 2 devices. With more, ``fsdp`` grows.
+    ``(1, 1, 2, 1)`` on 2); ``tensor`` stays 2 down to 2 devices. With more, ``fsdp`` grows.
     """
     n = positive_int("num_devices", num_devices)
     pipeline = 2 if n >= 8 else 1
-    model = 2 if n >= 2 else 1
-    return tuple(mesh_lib.mesh_shape(n, data=1, fsdp=-1, model=model, pipeline=pipeline))
+    tensor = 2 if n >= 2 else 1
+    return tuple(mesh_lib.mesh_shape(n, data=1, fsdp=-1, tensor=tensor, pipeline=pipeline))
 
 
 def four_axis_mesh(num_devices: int | None = None) -> Mesh:
-    """The article's ``('data', 'fsdp', 'model', 'pipeline')`` mesh, done right, shaped by ``four_axis_shape``."""
+    """The article's 4-axis mesh done right, ``('data', 'fsdp', 'tensor', 'pipeline')``, shaped by ``four_axis_shape``."""
     n = jax.device_count() if num_devices is None else num_devices
     return mesh_lib.make_mesh(
         four_axis_shape(n),

@@ -39,8 +39,8 @@ from jaxdist_lessons import mesh as mesh_lib
 from jaxdist_lessons.multihost import print0
 
 Batch = data.Batch
-# Regex rules on leaf paths, ``[('kernel$', P(None, 'model')), ...]``, or Flax logical rules,
-# ``(('mlp', 'model'), ('batch', 'data'), ...)``.
+# Regex rules on leaf paths, ``[('kernel$', P(None, 'tensor')), ...]``, or Flax logical rules,
+# ``(('mlp', 'tensor'), ('batch', 'data'), ...)``.
 Rules = sharding.Rules | Sequence[tuple[str, str | tuple[str, ...] | None]]
 Step = Callable[[Any, Batch], tuple[Any, dict[str, jax.Array]]]
 

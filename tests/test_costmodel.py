@@ -85,7 +85,7 @@ def test_tensor_parallel_transfers_by_hand():
         global_batch=6,
     )
     transfers = costmodel.predict_transfers(
-        spec, costmodel.Layout(data=3, model=2), param_bytes=4, activation_bytes=4
+        spec, costmodel.Layout(data=3, tensor=2), param_bytes=4, activation_bytes=4
     )
     activations = [t for t in transfers if t.what.startswith("activations")]
     # 4 per block, 2 blocks, each of (6/3 images x 5 tokens x 4 hidden) floats, over the 2 model devices.
@@ -110,14 +110,14 @@ def test_vocabulary_parallel_lm_by_hand():
     )
     assert spec.vocab_parallel and spec.tp_params == 3 * spec.layer_tp_params + 16 * 8
     transfers = costmodel.predict_transfers(
-        spec, costmodel.Layout(model=2), activation_bytes=2
+        spec, costmodel.Layout(tensor=2), activation_bytes=2
     )
     # 4 all-reduces per block and 2 for the embedding, each of 4 x 4 tokens x 8 hidden x 2 bytes.
     assert [(t.kind, t.bytes) for t in transfers] == [("all-reduce", 4 * 4 * 8 * 2)] * 14
     in_blocks, outside = costmodel.train_flops(spec)
     assert outside == 6 * 16 * 8 * 16  # the tied output projection, 16 tokens
     assert (
-        costmodel.flops_per_device(spec, costmodel.Layout(model=2))
+        costmodel.flops_per_device(spec, costmodel.Layout(tensor=2))
         == (in_blocks + outside) / 2
     )
 
@@ -152,7 +152,7 @@ def test_activation_formula_reduces_to_chapter_1s_without_tensor_parallelism():
             2048, 4, 12288, 96, 1, flash
         ) == memory.transformer_layer_activation_bytes(2048, 4, 12288, 96, flash)
     # Korthikanti et al. eq. (2): the 24 sbh and attention terms split over t, the 10 sbh do not.
-    assert costmodel.layer_activation_bytes(10, 1, 100, 4, model=2) == 10 * 100 * (
+    assert costmodel.layer_activation_bytes(10, 1, 100, 4, tensor=2) == 10 * 100 * (
         10 + 12 + 5 * 4 * 10 / 200
     )
 
@@ -166,20 +166,21 @@ def test_layouts_checks_and_labels():
         "FSDP 8",
     ]
     assert costmodel.check_layout(
-        costmodel.MODELS["ViT-B/16"], costmodel.Layout(model=8)
-    ) == ["12 heads do not split over model=8"]
+        costmodel.MODELS["ViT-B/16"], costmodel.Layout(tensor=8)
+    ) == ["12 heads do not split over tensor=8"]
     assert (
-        costmodel.check_layout(costmodel.MODELS["ViT-L/16"], costmodel.Layout(model=8))
+        costmodel.check_layout(costmodel.MODELS["ViT-L/16"], costmodel.Layout(tensor=8))
         == []
     )
-    # GPT-2's 50,257-token vocabulary, split over `model` with the embedding, divides by nothing but 1.
+    # GPT-2's 50,257-token vocabulary, split over `tensor` with the embedding, divides by nothing but 1.
     assert costmodel.check_layout(
-        costmodel.MODELS["GPT-2 medium (355M)"], costmodel.Layout(data=4, model=2)
-    ) == ["vocabulary of 50257 does not split over model=2"]
+        costmodel.MODELS["GPT-2 medium (355M)"], costmodel.Layout(data=4, tensor=2)
+    ) == ["vocabulary of 50257 does not split over tensor=2"]
     assert [x.label for x in costmodel.article_layouts(32)][-2:] == ["(1,32)", "FSDP 32"]
     assert [x.label for x in costmodel.article_layouts(6)] == ["(6,1)", "(3,2)", "FSDP 6"]
-    with pytest.raises(ValueError, match="Layout.model must be a positive integer, got 0"):
-        costmodel.Layout(model=0)
+    assert costmodel.Layout(fsdp=4, tensor=2).label == "FSDP 4 x tensor 2"
+    with pytest.raises(ValueError, match="Layout.tensor must be a positive integer, got 0"):
+        costmodel.Layout(tensor=0)
 
 
 def test_the_cost_model_needs_a_chip_with_a_link_figure():
@@ -213,7 +214,7 @@ def compiled_step(request):
     program = step.lower(
         state, jax.device_put(BATCH, partitioning.batch_sharding(mesh, rules))
     ).compile()
-    layout = costmodel.Layout(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"])
+    layout = costmodel.Layout(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
     return strategy, layout, program, state
 
 
@@ -230,7 +231,7 @@ def test_predicted_collectives_match_the_compiled_program(compiled_step):
         SPEC, layout, param_bytes=4, activation_bytes=4, tp_allreduces_per_layer=6
     )
     loss = (
-        4 if N > 1 and layout.model < N else 0
+        4 if N > 1 and layout.tensor < N else 0
     )  # the mean loss, all-reduced over the batch devices
     if strategy in ("data", "tensor", "hybrid"):
         # Exactly the predicted all-reduces, plus the loss.
@@ -352,7 +353,7 @@ def test_tensor_parallel_transfers_are_the_compiled_megatron_block(sequence_para
 
 
 def test_sequence_parallel_layout_sends_what_tensor_parallel_sends():
-    spec, layout = costmodel.MODELS["GPT-2 (124M)"], costmodel.Layout(data=2, model=4)
+    spec, layout = costmodel.MODELS["GPT-2 (124M)"], costmodel.Layout(data=2, tensor=4)
     spec = dataclasses.replace(spec, logits_per_token=50256)  # a vocabulary 4 divides
     plain = costmodel.predict_transfers(spec, layout)
     sp = costmodel.predict_transfers(spec, layout, sequence_parallel=True)

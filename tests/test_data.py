@@ -59,7 +59,7 @@ def test_offline_dataset_is_scikit_learns_digits_built_by_tfds_as_array_record()
 
 def test_batches_are_global_arrays_sharded_over_data():
     mesh = make_mesh(
-        mesh_shape(N, data=-1, model=2) if N > 1 else (1, 1), ("data", "model")
+        mesh_shape(N, data=-1, tensor=2) if N > 1 else (1, 1), ("data", "tensor")
     )
     batch = next(data.batches(digits("train"), 8 * N, mesh, seed=0))
     assert (

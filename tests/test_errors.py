@@ -130,12 +130,12 @@ def test_pmap_runs_fewer_rows_than_devices_on_the_first_devices():
 
 
 def test_spec_with_an_axis_the_mesh_lacks(auto):
-    exc = raised(NamedSharding, auto, P("model"))  # the constructor checks the names
+    exc = raised(NamedSharding, auto, P("tensor"))  # the constructor checks the names
     assert (
-        str(exc) == "Resource axis: model of P('model',) is not found in mesh: ('data',)."
+        str(exc) == "Resource axis: tensor of P('tensor',) is not found in mesh: ('data',)."
     )
     assert assert_explained(exc, "spec names an axis the mesh does not have").cause == (
-        "the spec P('model',) names mesh axis 'model', but the mesh's axes are ('data',)"
+        "the spec P('tensor',) names mesh axis 'tensor', but the mesh's axes are ('data',)"
     )
 
 
@@ -175,10 +175,12 @@ def test_unbound_axis_name_under_pmap_and_batchnorm_under_jit():
 @pytest.mark.skipif(N < 4, reason="needs a 2-D mesh with both axes > 1")
 def test_explicit_axes_ask_for_out_sharding():
     mesh = jax.make_mesh(
-        (N // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
     )
-    x = jax.device_put(np.ones((N, 4), np.float32), NamedSharding(mesh, P("data", "model")))
-    w = jax.device_put(np.ones((4, 6), np.float32), NamedSharding(mesh, P("model", None)))
+    x = jax.device_put(
+        np.ones((N, 4), np.float32), NamedSharding(mesh, P("data", "tensor"))
+    )
+    w = jax.device_put(np.ones((4, 6), np.float32), NamedSharding(mesh, P("tensor", None)))
     exc = raised(jax.jit(lambda x, w: x @ w), x, w)
     assert type(exc).__name__ == "ShardingTypeError" and not isinstance(exc, ValueError)
     assert str(exc).startswith(
@@ -343,7 +345,7 @@ def test_explain_calls_tabulates_what_each_call_raises():
     table = errors.explain_calls(
         {
             "missing axis": lambda: NamedSharding(
-                jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), P("model")
+                jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), P("tensor")
             ),
             "a key": lambda: {}["x"],
         }

@@ -200,7 +200,7 @@ def test_recipe_learns_and_saves_a_checkpoint(recipe_one_process):
     out, checkpoints = recipe_one_process
     values = recipe_losses(out)
     assert len(values) == 40 and values[-1] < 0.6 * values[0]  # 2.27 to 1.19 here
-    assert "saved step 40 to" in out and "{'data': 4, 'model': 2} mesh" in out
+    assert "saved step 40 to" in out and "{'data': 4, 'tensor': 2} mesh" in out
     assert (checkpoints / "40").is_dir()
 
 
@@ -222,7 +222,7 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
         STEPS="40",
         CHECKPOINT_DIR=str(tmp_path),
     )
-    assert "{'data': 4, 'model': 2} mesh" in out and (tmp_path / "40").is_dir()
+    assert "{'data': 4, 'tensor': 2} mesh" in out and (tmp_path / "40").is_dir()
     # The same global batches on 4 processes x 2 devices as on 1 process x 8 devices.
     assert recipe_losses(out) == pytest.approx(
         recipe_losses(recipe_one_process[0]), rel=1e-4

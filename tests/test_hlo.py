@@ -184,21 +184,21 @@ def test_unreadable_groups_are_an_error(text):
         hlo.replica_group_lists(text)
 
 
-@pytest.mark.parametrize("axis", ["data", "model"])
+@pytest.mark.parametrize("axis", ["data", "tensor"])
 def test_groups_of_a_compiled_psum_are_the_mesh_axis(axis):
     n = jax.device_count()
     if n % 2:
         pytest.skip("needs an even number of devices")
-    mesh = make_mesh((n // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = make_mesh((n // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     x = jax.device_put(
-        np.ones((n // 2, 2), np.float32), NamedSharding(mesh, P("data", "model"))
+        np.ones((n // 2, 2), np.float32), NamedSharding(mesh, P("data", "tensor"))
     )
     fn = jax.jit(
         jax.shard_map(
             lambda b: jax.lax.psum(b, axis),
             mesh=mesh,
-            in_specs=P("data", "model"),
-            out_specs=P("data", "model"),
+            in_specs=P("data", "tensor"),
+            out_specs=P("data", "tensor"),
         )
     )
     [op] = [
@@ -210,7 +210,7 @@ def test_groups_of_a_compiled_psum_are_the_mesh_axis(axis):
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     # Positions in the compiled program are the mesh's device order; along `axis`, one group per row/column.
     position = {int(i): k for k, i in enumerate(ids.flat)}
-    expected = ids if axis == "model" else ids.T
+    expected = ids if axis == "tensor" else ids.T
     assert sorted(sorted(g) for g in groups) == sorted(
         sorted(position[int(i)] for i in row) for row in expected
     )

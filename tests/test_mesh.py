@@ -10,13 +10,13 @@ from jaxdist_lessons.mesh import MeshError
 
 
 def test_mesh_shapes_lists_every_factorisation():
-    assert mesh.mesh_shapes(8, ("data", "model")) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert mesh.mesh_shapes(8, ("data", "tensor")) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert mesh.mesh_shapes(8, ("data",)) == [(8,)]
-    three = mesh.mesh_shapes(8, ("data", "fsdp", "model"))
+    three = mesh.mesh_shapes(8, ("data", "fsdp", "tensor"))
     assert (
         len(three) == 10 and all(math.prod(s) == 8 for s in three) and len(set(three)) == 10
     )
-    assert mesh.mesh_shapes(12, ("data", "model")) == [
+    assert mesh.mesh_shapes(12, ("data", "tensor")) == [
         (1, 12),
         (2, 6),
         (3, 4),
@@ -24,35 +24,35 @@ def test_mesh_shapes_lists_every_factorisation():
         (6, 2),
         (12, 1),
     ]
-    assert mesh.mesh_shapes(7, ("data", "model")) == [(1, 7), (7, 1)]
+    assert mesh.mesh_shapes(7, ("data", "tensor")) == [(1, 7), (7, 1)]
 
 
 def test_mesh_shape_fills_in_the_free_axis():
-    assert mesh.mesh_shape(8, data=-1, model=2) == (4, 2)
-    assert mesh.mesh_shape(8, model=2, data=-1) == (2, 4)
-    assert mesh.mesh_shape(2, data=-1, model=2) == (1, 2)
+    assert mesh.mesh_shape(8, data=-1, tensor=2) == (4, 2)
+    assert mesh.mesh_shape(8, tensor=2, data=-1) == (2, 4)
+    assert mesh.mesh_shape(2, data=-1, tensor=2) == (1, 2)
     assert mesh.mesh_shape(4, data=4) == (4,)
 
 
 def test_make_mesh_states_axis_types_and_uses_every_device():
     n = jax.device_count()
-    explicit = mesh.make_mesh(mesh.mesh_shape(n, data=-1, model=2), ("data", "model"))
+    explicit = mesh.make_mesh(mesh.mesh_shape(n, data=-1, tensor=2), ("data", "tensor"))
     auto = mesh.make_mesh((n,), ("data",), axis_types=AxisType.Auto)
     assert explicit.axis_types == (AxisType.Explicit, AxisType.Explicit)
     assert auto.axis_types == (AxisType.Auto,)
     assert sorted(d.id for d in explicit.devices.flat) == list(range(n))
     mixed = mesh.make_mesh(
-        (n // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto)
+        (n // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit, AxisType.Auto)
     )
     assert mixed.axis_types == (AxisType.Explicit, AxisType.Auto)
 
 
 def test_device_coordinates_agree_with_the_device_grid():
     n = jax.device_count()
-    m = mesh.make_mesh((n // 2, 2), ("data", "model"))
+    m = mesh.make_mesh((n // 2, 2), ("data", "tensor"))
     coords = mesh.device_coordinates(m)
     for index in np.ndindex(m.devices.shape):
-        assert coords[m.devices[index].id] == {"data": index[0], "model": index[1]}
+        assert coords[m.devices[index].id] == {"data": index[0], "tensor": index[1]}
 
 
 def test_divisors():
@@ -64,35 +64,35 @@ def test_divisors():
     "call, message",
     [
         (
-            lambda: mesh.make_mesh((3, 3), ("data", "model")),
+            lambda: mesh.make_mesh((3, 3), ("data", "tensor")),
             "mesh shape (3, 3) needs 9 devices, but there are {n}: use a shape whose product is {n}, one of {shapes}",
         ),
         (
             lambda: mesh.make_mesh((2, 2), ("data", "data")),
             "duplicate axis names ['data'] in ('data', 'data'): give every mesh axis its own name, "
-            "for example from ('data', 'fsdp', 'model', 'pipeline')",
+            "for example from ('data', 'fsdp', 'tensor', 'sequence', 'expert', 'pipeline')",
         ),
         (
-            lambda: mesh.make_mesh((2,), ("data", "model")),
-            "shape (2,) has 1 axes but axis_names ('data', 'model') has 2: give one size per name",
+            lambda: mesh.make_mesh((2,), ("data", "tensor")),
+            "shape (2,) has 1 axes but axis_names ('data', 'tensor') has 2: give one size per name",
         ),
         (
             lambda: mesh.make_mesh((8,), "data"),
             "axis_names must be a sequence of names, not the string 'data': write ('data',)",
         ),
         (
-            lambda: mesh.mesh_shape(8, data=-1, model=3),
-            "8 devices cannot be split as {'data': -1, 'model': 3}: the fixed sizes multiply to 3, which does not "
+            lambda: mesh.mesh_shape(8, data=-1, tensor=3),
+            "8 devices cannot be split as {'data': -1, 'tensor': 3}: the fixed sizes multiply to 3, which does not "
             "divide 8. Choose sizes whose product divides 8 (its divisors: [1, 2, 4, 8])",
         ),
         (
-            lambda: mesh.mesh_shape(8, data=2, model=2),
-            "the sizes {'data': 2, 'model': 2} use 4 devices, but there are 8: make their product 8, or let one "
+            lambda: mesh.mesh_shape(8, data=2, tensor=2),
+            "the sizes {'data': 2, 'tensor': 2} use 4 devices, but there are 8: make their product 8, or let one "
             "axis take the rest with -1",
         ),
         (
-            lambda: mesh.mesh_shape(8, data=-1, model=-1),
-            "at most one axis may be -1, got ['data', 'model']",
+            lambda: mesh.mesh_shape(8, data=-1, tensor=-1),
+            "at most one axis may be -1, got ['data', 'tensor']",
         ),
         (
             lambda: mesh.mesh_shape(8, data=0),
@@ -109,7 +109,7 @@ def test_bad_input_gets_an_error_naming_the_fix(call, message):
     with pytest.raises(MeshError) as info:
         call()
     expected = message.replace("{n}", str(n)).replace(
-        "{shapes}", str(mesh.mesh_shapes(n, ("data", "model")))
+        "{shapes}", str(mesh.mesh_shapes(n, ("data", "tensor")))
     )
     assert str(info.value) == expected
 

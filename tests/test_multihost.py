@@ -349,15 +349,15 @@ def test_print0_prints_on_process_0(capsys):
 def test_hybrid_mesh_in_one_process():
     n = jax.device_count()
     mesh = multihost.hybrid_mesh(
-        (1, n), (1, 1), ("data", "model"), axis_types=AxisType.Explicit
+        (1, n), (1, 1), ("data", "tensor"), axis_types=AxisType.Explicit
     )
-    assert dict(mesh.shape) == {"data": 1, "model": n}
+    assert dict(mesh.shape) == {"data": 1, "tensor": n}
     assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
     assert multihost.process_grid(mesh).tolist() == [[0] * n]
     with pytest.raises(multihost.MultihostError, match="must multiply to the 1 nodes"):
-        multihost.hybrid_mesh((1, n), (2, 1), ("data", "model"))
+        multihost.hybrid_mesh((1, n), (2, 1), ("data", "tensor"))
     with pytest.raises(multihost.MultihostError, match="one entry per axis"):
-        multihost.hybrid_mesh((n,), (1, 1), ("data", "model"))
+        multihost.hybrid_mesh((n,), (1, 1), ("data", "tensor"))
 
 
 def test_hybrid_mesh_over_two_nodes_given_in_one_process():

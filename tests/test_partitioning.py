@@ -44,11 +44,11 @@ def test_rules_give_each_strategy_its_specs(variables):
     assert spec(variables, "fsdp", "Block_0", "mlp", "up", "bias") == P(
         "fsdp"
     )  # through 'mlp', the next rule
-    assert spec(variables, "tensor", *up) == P(None, "model")
-    assert spec(variables, "tensor", *down) == P("model", None)
-    assert spec(variables, "tensor", *query) == P(None, "model", None)
-    assert spec(variables, "hybrid", *query) == P(None, "model", None)
-    assert spec(variables, "fsdp+tensor", *up) == P("fsdp", "model")
+    assert spec(variables, "tensor", *up) == P(None, "tensor")
+    assert spec(variables, "tensor", *down) == P("tensor", None)
+    assert spec(variables, "tensor", *query) == P(None, "tensor", None)
+    assert spec(variables, "hybrid", *query) == P(None, "tensor", None)
+    assert spec(variables, "fsdp+tensor", *up) == P("fsdp", "tensor")
     assert spec(variables, "tensor", "head", "kernel") == P(None, None)
     assert nn.logical_to_mesh_axes(("batch",), PT.rules_for("hybrid")) == P("data")
 
@@ -61,7 +61,7 @@ def test_describe_lists_every_leaf_with_its_block(variables):
     assert row[1:] == [
         (32, 64),
         str(P("embed", "mlp")),
-        str(P(None, "model")),
+        str(P(None, "tensor")),
         (32, 64 // N),
     ]
 
@@ -71,7 +71,7 @@ def test_mesh_shapes_and_unknown_strategy():
     assert PT.mesh_shape_for("fsdp", N) == (1, N, 1)
     assert PT.mesh_shape_for("tensor", N) == (1, 1, N)
     assert PT.mesh_shape_for("hybrid", 8) == (4, 1, 2)
-    assert PT.mesh_shape_for("fsdp+tensor", 8, model=4) == (1, 2, 4)
+    assert PT.mesh_shape_for("fsdp+tensor", 8, tensor=4) == (1, 2, 4)
     with pytest.raises(ValueError, match="unknown strategy 'zero'; known: data, fsdp"):
         PT.rules_for("zero")
 
@@ -85,16 +85,16 @@ def test_four_axis_mesh_shrinks_pipeline_then_fsdp():
     with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
         PT.four_axis_shape(0)
     mesh = PT.four_axis_mesh()
-    assert mesh.axis_names == ("data", "fsdp", "model", "pipeline")
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "pipeline")
     assert tuple(mesh.shape.values()) == PT.four_axis_shape(N)
 
 
 def test_four_axis_rules_split_the_batch_over_data_and_fsdp_first():
-    # The first matching rule wins: 'mlp' goes to 'model' (tensor rules come before FSDP's).
+    # The first matching rule wins: 'mlp' goes to 'tensor' (tensor rules come before FSDP's).
     assert nn.logical_to_mesh_axes(("embed", "mlp"), PT.FOUR_AXIS_RULES) == P(
-        "fsdp", "model"
+        "fsdp", "tensor"
     )
-    assert nn.logical_to_mesh_axes(("mlp",), PT.FOUR_AXIS_RULES) == P("model")
+    assert nn.logical_to_mesh_axes(("mlp",), PT.FOUR_AXIS_RULES) == P("tensor")
     # 'fsdp' is taken by the batch, so 'embed' stays whole in an activation.
     assert nn.logical_to_mesh_axes(("batch", None, "embed"), PT.FOUR_AXIS_RULES) == P(
         ("data", "fsdp"), None, None
@@ -133,14 +133,16 @@ def test_same_losses_under_every_strategy_and_state_born_sharded():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
-    model_size = min(2, N)
-    mesh = make_mesh((N // model_size, model_size), ("data", "model"), axis_types=axis_type)
+    tensor_size = min(2, N)
+    mesh = make_mesh(
+        (N // tensor_size, tensor_size), ("data", "tensor"), axis_types=axis_type
+    )
     model = PT.nnx_sharded_mlp(mesh, din=8, hidden=16, dout=4)
     specs = nnx.get_partition_spec(nnx.state(model))
-    assert specs["up"]["kernel"].get_value() == P(None, "model")
-    assert specs["down"]["kernel"].get_value() == P("model", None)
+    assert specs["up"]["kernel"].get_value() == P(None, "tensor")
+    assert specs["down"]["kernel"].get_value() == P("tensor", None)
     named = nnx.get_named_sharding(nnx.state(model), mesh)
-    assert named["up"]["kernel"].get_value() == jax.NamedSharding(mesh, P(None, "model"))
+    assert named["up"]["kernel"].get_value() == jax.NamedSharding(mesh, P(None, "tensor"))
     optimizer = PT.nnx_optimizer(model, optax.adam(1e-2), mesh)
     rows = jax.sharding.NamedSharding(mesh, P("data"))
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8)), rows)
@@ -149,7 +151,7 @@ def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
         losses = [float(PT.nnx_train_step(model, optimizer, x, y)) for _ in range(3)]
     assert losses[2] < losses[0]
     kernel = model.up.kernel.get_value()
-    assert sharding.shard_shapes(kernel)[0] == (8, 16 // model_size)
+    assert sharding.shard_shapes(kernel)[0] == (8, 16 // tensor_size)
     assert (
         optimizer.opt_state[0].mu["up"]["kernel"].get_value().sharding.spec
         == kernel.sharding.spec
@@ -179,10 +181,10 @@ def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True):
         np.testing.assert_array_equal(a, b)
     tensor = PT.mesh_specs(named, PT.rules_for("tensor"))["params"]
-    assert tensor["embed"]["embedding"] == P("model", None)  # vocabulary-parallel
-    assert tensor["Block_0"]["attention"]["query"]["kernel"] == P(None, "model", None)
-    assert tensor["Block_0"]["attention"]["out"]["kernel"] == P("model", None, None)
-    assert tensor["Block_0"]["mlp"]["down"]["kernel"] == P("model", None)
+    assert tensor["embed"]["embedding"] == P("tensor", None)  # vocabulary-parallel
+    assert tensor["Block_0"]["attention"]["query"]["kernel"] == P(None, "tensor", None)
+    assert tensor["Block_0"]["attention"]["out"]["kernel"] == P("tensor", None, None)
+    assert tensor["Block_0"]["mlp"]["down"]["kernel"] == P("tensor", None)
     assert PT.mesh_specs(named, PT.rules_for("fsdp"))["params"]["position"] == P(
         None, "fsdp"
     )
@@ -204,8 +206,8 @@ def test_decoder_same_losses_data_parallel_and_fsdp_with_tensor():
     assert runs["data"].losses[2] < runs["data"].losses[0]
     np.testing.assert_allclose(runs["fsdp+tensor"].losses, runs["data"].losses, rtol=2e-5)
     embedding = runs["fsdp+tensor"].state.params["embed"]["embedding"].value
-    model_size = runs["fsdp+tensor"].mesh.shape["model"]
+    tensor_size = runs["fsdp+tensor"].mesh.shape["tensor"]
     assert sharding.shard_shapes(embedding)[0] == (
-        32 // model_size,
-        16 // (N // model_size),
+        32 // tensor_size,
+        16 // (N // tensor_size),
     )

@@ -74,7 +74,7 @@ def rectangles(fig):
 
 
 @pytest.mark.parametrize(
-    "shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "model"))]
+    "shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "tensor"))]
 )
 def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
     m = mesh_lib.make_mesh(shape, names)
@@ -89,7 +89,7 @@ def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
 
 
 def test_draw_mesh_rejects_more_than_two_axes():
-    m = mesh_lib.make_mesh((N // 2, 2, 1), ("data", "model", "pipeline"))
+    m = mesh_lib.make_mesh((N // 2, 2, 1), ("data", "tensor", "pipeline"))
     with pytest.raises(ValueError, match="draw_mesh draws 1-D and 2-D meshes"):
         plots.draw_mesh(m)
 
@@ -99,13 +99,13 @@ def test_draw_mesh_rejects_more_than_two_axes():
     [
         ((4 * N,), P("data")),
         ((4 * N,), P()),
-        ((2 * N, 4), P("data", "model")),
-        ((2 * N, 4), P(None, "model")),
-        ((2 * N, 4), P(("data", "model"))),
+        ((2 * N, 4), P("data", "tensor")),
+        ((2 * N, 4), P(None, "tensor")),
+        ((2 * N, 4), P(("data", "tensor"))),
     ],
 )
 def test_draw_sharding_draws_one_block_per_shard(shape, spec):
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     s = NamedSharding(m, spec)
     fig = plots.draw_sharding(shape, s)
     held = sharding.blocks(shape, s)
@@ -195,7 +195,7 @@ def test_plot_has_a_time_and_a_memory_panel_per_model():
 
 def test_speedup_figure_has_a_solid_and_a_dashed_line_per_layout():
     spec = costmodel.MODELS["ViT-B/16"]
-    others = [costmodel.Layout(data=4, model=2), costmodel.Layout(fsdp=8)]
+    others = [costmodel.Layout(data=4, tensor=2), costmodel.Layout(fsdp=8)]
     fig = plots.cost_speedups(
         [spec], costmodel.Layout(data=8), others, "A100 40GB", [8, 64, 512], claim=1.8
     )

@@ -36,22 +36,24 @@ def lines_by_colour(ax):
 
 
 def test_groups_across_the_process_axis_are_red_and_inside_one_are_green():
-    m = mesh.make_mesh((2, 4), ("data", "model"), axis_types=AxisType.Explicit)
+    m = mesh.make_mesh((2, 4), ("data", "tensor"), axis_types=AxisType.Explicit)
     # As if each row of the mesh belonged to its own process (2 processes x 4 devices).
     owner = np.array([[0, 0, 0, 0], [1, 1, 1, 1]])
-    groups = {axis: psum_groups(m, axis) for axis in ("data", "model")}
+    groups = {axis: psum_groups(m, axis) for axis in ("data", "tensor")}
     assert groups == {
         "data": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        "model": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "tensor": [[0, 1, 2, 3], [4, 5, 6, 7]],
     }
     fig = plots.process_collectives(owner, m.axis_names, groups)
-    data_ax, model_ax = fig.axes
+    data_ax, tensor_ax = fig.axes
     red, green = matplotlib.colors.to_hex("tab:red"), matplotlib.colors.to_hex("tab:green")
     assert (
-        lines_by_colour(data_ax) == [red] * 4 and lines_by_colour(model_ax) == [green] * 2
+        lines_by_colour(data_ax) == [red] * 4 and lines_by_colour(tensor_ax) == [green] * 2
     )
     assert data_ax.get_title() == "all-reduce over 'data': 4 of 4 groups cross processes"
-    assert model_ax.get_title() == "all-reduce over 'model': 0 of 2 groups cross processes"
+    assert (
+        tensor_ax.get_title() == "all-reduce over 'tensor': 0 of 2 groups cross processes"
+    )
     assert sum(t.get_text().startswith("process 1, ") for t in data_ax.texts) == 4
     matplotlib.pyplot.close(fig)
 

@@ -14,18 +14,18 @@ from jaxdist_lessons.sharding import ShardingError
 N = jax.device_count()
 MESHES = [
     ((N,), ("data",)),
-    ((N // 2, 2), ("data", "model")),
-    ((2, N // 2), ("data", "model")),
+    ((N // 2, 2), ("data", "tensor")),
+    ((2, N // 2), ("data", "tensor")),
 ]
 SPECS = [
     P(),
     P("data"),
-    P("model"),
-    P("data", "model"),
-    P(None, "model"),
-    P(("data", "model")),
-    P(("model", "data")),
-    P("model", "data"),
+    P("tensor"),
+    P("data", "tensor"),
+    P(None, "tensor"),
+    P(("data", "tensor")),
+    P(("tensor", "data")),
+    P("tensor", "data"),
 ]
 
 
@@ -57,11 +57,11 @@ def test_predicted_shards_match_the_addressable_shards(mesh_shape, names, spec, 
 
 
 def test_replicas_counts_unnamed_axes():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     assert sharding.replicas(m, P()) == N
     assert sharding.replicas(m, P("data")) == 2
-    assert sharding.replicas(m, P(None, "model")) == N // 2
-    assert sharding.replicas(m, P(("data", "model"))) == 1
+    assert sharding.replicas(m, P(None, "tensor")) == N // 2
+    assert sharding.replicas(m, P(("data", "tensor"))) == 1
 
 
 @pytest.mark.parametrize(
@@ -69,29 +69,29 @@ def test_replicas_counts_unnamed_axes():
     [
         (
             (9, 3),
-            P("model"),
-            "array: dimension 0 of shape (9, 3) has size 9, which 2 devices (axes ('model',)) "
+            P("tensor"),
+            "array: dimension 0 of shape (9, 3) has size 9, which 2 devices (axes ('tensor',)) "
             "cannot split evenly: drop the remainder, pad it to a multiple of 2, or leave it unsharded "
             "(None) in the spec",
         ),
         (
             (8, 7),
-            P(None, ("data", "model")),
+            P(None, ("data", "tensor")),
             "array: dimension 1 of shape (8, 7) has size 7, which {n} devices "
-            "(axes ('data', 'model')) cannot split evenly: drop the remainder, pad it "
+            "(axes ('data', 'tensor')) cannot split evenly: drop the remainder, pad it "
             "to a multiple of {n}, or leave it unsharded (None) in the spec",
         ),
         (
             (8, 4),
-            P("data", "model", None),
-            "array: spec P('data', 'model', None) has 3 entries but the array "
+            P("data", "tensor", None),
+            "array: spec P('data', 'tensor', None) has 3 entries but the array "
             "has rank 2 (8, 4): a spec has at most one entry per array dimension",
         ),
         (
             (8, 4),
-            P("tensor"),
-            "array: spec P('tensor',) names axis 'tensor', which is not in the mesh "
-            "{{'data': {k}, 'model': 2}}: use one of ('data', 'model')",
+            P("expert"),
+            "array: spec P('expert',) names axis 'expert', which is not in the mesh "
+            "{{'data': {k}, 'tensor': 2}}: use one of ('data', 'tensor')",
         ),
         (
             (8, 4),
@@ -102,7 +102,7 @@ def test_replicas_counts_unnamed_axes():
     ],
 )
 def test_check_spec_errors(shape, spec, message):
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     with pytest.raises(ShardingError) as info:
         sharding.check_spec(shape, m, spec)
     assert str(info.value) == message.format(k=N // 2, n=N)
@@ -120,14 +120,14 @@ TREE = {
     "norm": {"scale": jnp.zeros(16)},
     "step": jnp.zeros((), jnp.int32),
 }
-RULES = [(r"dense/kernel$", P(None, "model")), (r"bias$|scale$", P("model"))]
+RULES = [(r"dense/kernel$", P(None, "tensor")), (r"bias$|scale$", P("tensor"))]
 
 
 def test_rules_map_paths_to_specs_first_match_wins():
-    assert sharding.spec_for("params/dense/kernel", RULES) == P(None, "model")
-    assert sharding.spec_for("params/dense/bias", RULES) == P("model")
+    assert sharding.spec_for("params/dense/kernel", RULES) == P(None, "tensor")
+    assert sharding.spec_for("params/dense/bias", RULES) == P("tensor")
     assert sharding.spec_for("step", RULES) == P()
-    assert sharding.spec_for("x/bias", [(r"bias", P("data")), (r"bias", P("model"))]) == P(
+    assert sharding.spec_for("x/bias", [(r"bias", P("data")), (r"bias", P("tensor"))]) == P(
         "data"
     )
     with pytest.raises(
@@ -137,11 +137,11 @@ def test_rules_map_paths_to_specs_first_match_wins():
 
 
 def test_shardings_from_rules_place_a_tree():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     shardings = sharding.shardings_from_rules(TREE, m, RULES)
     placed = jax.device_put(TREE, shardings)
-    assert placed["dense"]["kernel"].sharding.spec == P(None, "model")
-    assert placed["norm"]["scale"].sharding.spec == P("model")
+    assert placed["dense"]["kernel"].sharding.spec == P(None, "tensor")
+    assert placed["norm"]["scale"].sharding.spec == P("tensor")
     assert placed["step"].sharding.spec == P()
     assert sharding.shard_shapes(placed["dense"]["kernel"])[0] == (8, 8)
     abstract = jax.eval_shape(lambda: TREE)
@@ -151,11 +151,11 @@ def test_shardings_from_rules_place_a_tree():
 
 
 def test_a_bad_rule_fails_with_the_leaf_path():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     with pytest.raises(
-        ShardingError, match=r"^dense/bias: spec P\('model', None\) has 2 entries"
+        ShardingError, match=r"^dense/bias: spec P\('tensor', None\) has 2 entries"
     ):
-        sharding.specs_from_rules(TREE, m, [(r"bias", P("model", None))])
+        sharding.specs_from_rules(TREE, m, [(r"bias", P("tensor", None))])
 
 
 def test_path_name():
@@ -167,7 +167,7 @@ def test_path_name():
 
 
 def test_bytes_per_device_sums_a_whole_tree():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "model"))
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
     tree = {
         "a": jax.device_put(jnp.zeros((N, 4)), NamedSharding(m, P("data"))),
         "b": [jax.device_put(jnp.zeros(6, jnp.int8), NamedSharding(m, P()))],
@@ -226,8 +226,10 @@ def test_pad_and_drop_need_one_leading_size():
 def test_check_batch_names_the_other_spec_problems(auto):
     good = np.ones((N, 3))
     sharding.check_batch({"x": good}, auto, P("data"))
-    with pytest.raises(ShardingError, match="names axis 'model', which is not in the mesh"):
-        sharding.check_batch({"x": good}, auto, P("model"))
+    with pytest.raises(
+        ShardingError, match="names axis 'tensor', which is not in the mesh"
+    ):
+        sharding.check_batch({"x": good}, auto, P("tensor"))
     with pytest.raises(
         ShardingError, match="x: spec .* has 3 entries but the array has rank 2"
     ):
@@ -246,5 +248,5 @@ def test_one_check_for_the_input_pipeline_and_check_batch(auto):
         rf"'data' \(mesh \{{'data': {N}\}}\) and the 2 processes",
     ):
         sharding.check_batch_divides(2 * N + 1, auto, "data", process_count=2)
-    with pytest.raises(ShardingError, match="has no axis 'model' to shard the batch over"):
-        sharding.check_batch_divides(N, auto, "model")
+    with pytest.raises(ShardingError, match="has no axis 'tensor' to shard the batch over"):
+        sharding.check_batch_divides(N, auto, "tensor")

@@ -27,8 +27,8 @@ STRATEGIES = {
     "data parallel": (lambda devices: ((len(devices),), ("data",)), []),
     "hybrid": (
         lambda devices: (
-            mesh_shape(len(devices), data=-1, model=min(2, len(devices))),
-            ("data", "model"),
+            mesh_shape(len(devices), data=-1, tensor=min(2, len(devices))),
+            ("data", "tensor"),
         ),
         resnet.partition_rules(),
     ),
@@ -79,11 +79,13 @@ def test_state_is_born_sharded_by_the_rules():
         jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings)
     ):
         assert leaf.sharding == expected, sharding.path_name(path)
-    assert state.params["conv_init"]["kernel"].sharding.spec == P(None, None, None, "model")
+    assert state.params["conv_init"]["kernel"].sharding.spec == P(
+        None, None, None, "tensor"
+    )
     mu = state.opt_state[0].mu["conv_init"][
         "kernel"
     ]  # Adam's moments follow the parameters
-    assert mu.sharding.spec == P(None, None, None, "model")
+    assert mu.sharding.spec == P(None, None, None, "tensor")
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -240,21 +242,21 @@ def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(tmp_path
 def test_train_and_evaluate_under_rules_shards_the_state():
     config = train.Config(
         **{**SMALL, "model": MODEL, "preprocess": data.Preprocess()},
-        mesh={"data": -1, "model": min(2, N)},
+        mesh={"data": -1, "tensor": min(2, N)},
         rules=resnet.partition_rules(),
         epochs=1,
         evaluate=False,
     )
     result = train.train_and_evaluate(config)
-    assert dict(result.mesh.shape) == {"data": N // min(2, N), "model": min(2, N)}
+    assert dict(result.mesh.shape) == {"data": N // min(2, N), "tensor": min(2, N)}
     kernel = result.state.params["conv_init"]["kernel"]
-    assert kernel.sharding.spec == P(None, None, None, "model")
+    assert kernel.sharding.spec == P(None, None, None, "tensor")
     losses = [row["loss"] for row in result.history.train]
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
 def test_rules_are_one_kind():
-    assert train.is_logical((("mlp", "model"), ("batch", None)))
-    assert not train.is_logical([("kernel$", P("model"))]) and not train.is_logical([])
+    assert train.is_logical((("mlp", "tensor"), ("batch", None)))
+    assert not train.is_logical([("kernel$", P("tensor"))]) and not train.is_logical([])
     with pytest.raises(ValueError, match="rules mix regex rules"):
-        train.is_logical([("kernel$", P("model")), ("mlp", "model")])
+        train.is_logical([("kernel$", P("tensor")), ("mlp", "tensor")])

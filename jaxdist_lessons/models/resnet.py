@@ -116,15 +116,15 @@ ResNet101 = _family((3, 4, 23, 3), BottleneckBlock)
 ResNet152 = _family((3, 8, 36, 3), BottleneckBlock)
 
 
-def partition_rules(model_axis: str = "model") -> list[tuple[str, P]]:
-    """Tensor-parallel rules for a ResNet's variables: output channels over ``model_axis``.
+def partition_rules(tensor_axis: str = "tensor") -> list[tuple[str, P]]:
+    """Tensor-parallel rules for a ResNet's variables: output channels over ``tensor_axis``.
 
     Convolution kernels are ``(kh, kw, in, out)`` and the head is ``(features, classes)``:
     both split their last dimension. BatchNorm's per-channel scale, bias and statistics
     follow the channels they normalise. Every other leaf is replicated.
     """
     return [
-        (r"(conv_init|Conv_\d+|proj_conv)/kernel$", P(None, None, None, model_axis)),
-        (r"head/kernel$", P(None, model_axis)),
-        (r"(scale|bias|mean|var)$", P(model_axis)),
+        (r"(conv_init|Conv_\d+|proj_conv)/kernel$", P(None, None, None, tensor_axis)),
+        (r"head/kernel$", P(None, tensor_axis)),
+        (r"(scale|bias|mean|var)$", P(tensor_axis)),
     ]

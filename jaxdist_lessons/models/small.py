@@ -51,7 +51,7 @@ class NNXMLP(nnx.Module):
     """A two-layer MLP in NNX, split Megatron-style: the first kernel by columns, the second by rows."""
 
     def __init__(
-        self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, axis: str = "model"
+        self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, axis: str = "tensor"
     ):
         init = nnx.initializers.lecun_normal()
         self.up = nnx.Linear(

@@ -51,13 +51,13 @@ def test_forward_pass_shapes_and_dtype():
     assert set(updates) == {"batch_stats"}
 
 
-def test_partition_rules_cover_resnet50_on_a_model_axis():
+def test_partition_rules_cover_resnet50_on_a_tensor_axis():
     n = jax.device_count()
-    mesh = make_mesh(mesh_shape(n, data=-1, model=2), ("data", "model"))
+    mesh = make_mesh(mesh_shape(n, data=-1, tensor=2), ("data", "tensor"))
     variables = abstract_variables(resnet.ResNet50(num_classes=1000))
     specs = sharding.specs_from_rules(variables, mesh, resnet.partition_rules())
     assert specs["params"]["conv_init"]["kernel"] == jax.sharding.PartitionSpec(
-        None, None, None, "model"
+        None, None, None, "tensor"
     )
-    assert specs["params"]["head"]["kernel"] == jax.sharding.PartitionSpec(None, "model")
-    assert specs["batch_stats"]["bn_init"]["mean"] == jax.sharding.PartitionSpec("model")
+    assert specs["params"]["head"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor")
+    assert specs["batch_stats"]["bn_init"]["mean"] == jax.sharding.PartitionSpec("tensor")
