@@ -633,7 +633,11 @@ def process_collectives(
                 va="center",
                 fontsize=7,
                 zorder=3,
-                bbox={"facecolor": plt.cm.Pastel2(process % 8), "edgecolor": "none", "pad": 1},
+                bbox={
+                    "facecolor": plt.cm.Pastel2(process % 8),
+                    "edgecolor": "none",
+                    "pad": 1,
+                },
             )
         crossing = 0
         for k, group in enumerate(name_groups):
