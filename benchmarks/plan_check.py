@@ -1,10 +1,11 @@
-"""The planner (``jaxdist_lessons.plan``) against the compiler, on 24 (model, devices, layout)s.
+"""The planner (``jaxdist_lessons.plan``) against the compiler, on 29 (model, devices, layout)s.
 
 For each, ``examples/lm/train.py``'s step is compiled on simulated CPU devices (XLA:CPU, JAX
 0.10.2) and its per-device argument bytes and bytes per collective kind are set beside the
 planner's predictions; the activation estimate beside XLA:CPU's temporaries. The set covers
 DP, FSDP, HSDP, FSDP+TP, ring attention and experts; GQA (every preset), tied embeddings (1b),
-and device counts of 4, 6, 8, 12 and 16. Writes ``book/data/plan_check.json``, which
+device counts of 4, 6, 8, 12 and 16, and both ways XLA:CPU compiles the embedding lookup
+(``plan.gathers_the_table``). Writes ``book/data/plan_check.json``, which
 ``tests/test_plan.py`` checks (and recompiles three rows of, live).
 
     python benchmarks/plan_check.py                 # ~15 min on 2 busy cores
@@ -35,6 +36,9 @@ COMBOS = [
     ("tiny", 8, 2, "FSDP+TP", "fsdp=4,tensor=2", 128, 16, {}),
     ("tiny", 8, 2, "sequence", "fsdp=2,sequence=4", 128, 16, {}),
     ("tiny", 8, 2, "experts", "fsdp=2,expert=4", 128, 16, MOE),
+    ("tiny", 8, 2, "sequence", "fsdp=2,sequence=4", 256, 16, {}),  # the table gathered
+    ("tiny", 8, 2, "experts", "fsdp=2,expert=4", 256, 16, MOE),  # the table gathered
+    ("125m", 8, 2, "HSDP", "data=2,fsdp=4", 512, 80, {}),  # the table gathered
     ("125m", 8, 2, "FSDP", "fsdp=8", 256, 16, {}),
     ("125m", 8, 2, "FSDP+TP", "fsdp=2,tensor=4", 256, 16, {}),
     ("125m", 8, 2, "sequence", "fsdp=4,sequence=2", 256, 16, {}),
@@ -54,6 +58,7 @@ COMBOS = [
     ("8b", 16, 2, "HSDP", "data=2,fsdp=8", 512, 16, {}),
     ("125m", 4, 1, "FSDP+TP", "fsdp=2,tensor=2", 256, 8, {}),
     ("tiny", 4, 1, "sequence", "fsdp=2,sequence=2", 256, 8, {}),
+    ("125m", 4, 1, "sequence", "fsdp=2,sequence=2", 256, 8, {}),
 ]
 
 
@@ -120,15 +125,18 @@ def main() -> None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """The worst ratio per kind (furthest from 1), and the activation estimate's range."""
+    """The worst ratio per kind (furthest from 1), of the kinds held to 10% and of the minor
+    ones, and the range of the activation estimate over XLA:CPU's temporaries."""
     worst: dict[str, float] = {}
+    minor: dict[str, float] = {}
     for r in rows:
         parts = {"arguments": r["check"]["arguments"], **r["check"]["collectives"]}
         for kind, v in parts.items():
-            if v.get("minor") or v["ratio"] is None:
-                continue
-            if kind not in worst or abs(v["ratio"] - 1) > abs(worst[kind] - 1):
-                worst[kind] = v["ratio"]
+            into = minor if v.get("minor") else worst
+            if v["ratio"] is not None and (
+                kind not in into or abs(v["ratio"] - 1) > abs(into[kind] - 1)
+            ):
+                into[kind] = v["ratio"]
     temps = [r["check"]["temporaries"]["ratio"] for r in rows]
     for r in rows:
         print(f"{r['model']:>5} {r['devices']:>3} {r['mesh']:<20} agrees={r['agrees']} "
@@ -138,7 +146,14 @@ def summarize(rows: list[dict]) -> dict:
               + f" temps={r['check']['temporaries']['ratio']:.2f}")  # fmt: skip
     return {"combinations": len(rows), "all_agree": all(r["agrees"] for r in rows),
             "worst_ratio": worst,
-            "activation_estimate_over_temporaries": {"min": min(temps), "max": max(temps)}}  # fmt: skip
+            "worst_ratio_of_minor_kinds": minor,
+            "activation_estimate_over_temporaries": {"min": min(temps), "max": max(temps)},
+            "note": "ratios are predicted / compiled; a minor kind carries under "
+                    f"{plan.MINOR:.0%} of its program's collective bytes and is not held to "
+                    "10%; the activation estimate (remat 'full' layer inputs, one layer's "
+                    "activations with the T x T scores, float32 logits and their gradient, "
+                    "plus the gradients) falls short of XLA:CPU's temporaries by the factor "
+                    "given: XLA:CPU keeps more (float32 copies, fusion buffers)"}  # fmt: skip
 
 
 if __name__ == "__main__":

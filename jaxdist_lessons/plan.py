@@ -379,57 +379,102 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     out += _t("all-gather", F32 * gathered, c, "fsdp", what="weights (FSDP)")
     out += _t("all-reduce", F32 * (L * layer / t + norms + unembed / t), c, "fsdp",
               what="gradients (FSDP)")  # fmt: skip
+    rest = P - V * D  # the embedding table's gradient: embedding_transfers
     for axis in ("data", "sequence"):
-        out += _t("all-reduce", F32 * P / f, c, axis, what=f"gradients over {axis}")
-    dense = P - L * (mlp_weights(m) - D * m.num_experts) if m.num_experts else P
+        out += _t("all-reduce", F32 * rest / f, c, axis, what=f"gradients over {axis}")
+    shared = rest - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
     out += _t(
-        "all-reduce", F32 * dense / f, c, "expert", what="gradients of shared weights"
+        "all-reduce", F32 * shared / f, c, "expert", what="gradients of shared weights"
     )
     return out
 
 
-def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
-    """What moves activations: the embedding lookup (whose table is split over fsdp, not over
-    the batch), Megatron's sequence-parallel activations, ring attention's K and V, and the
-    experts' dispatch and combine. Counts per layer read from XLA:CPU's programs."""
-    m, f, t, s, e, d = (run.shape, c.size("fsdp"), c.size("tensor"), c.size("sequence"),
-                        c.size("expert"), c.size("data"))  # fmt: skip
-    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers  # noqa: N806
-    rows = B // c.batch_ways
-    everything = F32 * B * T * D  # the whole batch's embeddings
-    out = []
-    if f > 1 and d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
+def gathers_the_table(run: Run, c: Candidate) -> bool:
+    """Whether XLA:CPU looks the tokens up in a gathered embedding table rather than moving
+    activations to the table's shards. Read from compiled programs (tiny and 125m, on both
+    sides of each boundary): with a data axis, when a step has more tokens than the vocabulary
+    has entries; with a sequence or expert axis, when an fsdp group's share of them is at least
+    as many; with fsdp (and tensor) alone, never."""
+    tokens, vocab = run.global_batch * run.seq_len, run.shape.vocab_size
+    if c.size("data") > 1:
+        return tokens > vocab
+    return c.size("sequence") * c.size("expert") > 1 and tokens / c.size("fsdp") >= vocab
+
+
+def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup under FSDP (the table split over fsdp, not over the batch) and its
+    gradient, in either of XLA:CPU's two ways (``gathers_the_table``)."""
+    m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
+                        c.size("data"), c.size("tensor"))  # fmt: skip
+    B, T, D, V = run.global_batch, run.seq_len, m.width, m.vocab_size  # noqa: N806
+    rows, table, everything = B // c.batch_ways, F32 * V * D, F32 * B * T * D
+    if f == 1:  # data parallelism: the table is whole on every device, like the rest
+        return []
+    if gathers_the_table(run, c):
+        out = []
+        if d > 1:  # HSDP: rows gathered over data; the table's gradient reduced everywhere
+            out += _t("all-gather", everything / f, c, "data", what="embeddings")
+            out += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+            return out + _t(
+                "all-reduce", table, c, "data", "fsdp", what="embedding gradient"
+            )
+        out += _t("all-gather", table, c, "fsdp", what="embedding table")
+        if e > 1:
+            return out + _t(
+                "all-reduce", table, c, "fsdp", "expert", what="embedding gradient"
+            )
+        out += _t("all-reduce", table, c, "fsdp", what="embedding gradient")
+        return out + _t(
+            "all-reduce", 2 * table / f, c, "sequence", what="embedding gradient"
+        )
+    out = [t_ for axis in ("data", "sequence", "expert")
+           for t_ in _t("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
+    if d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
         out += _t("all-gather", everything / f, c, "data", what="embeddings")
         out += _t("all-gather", everything, c, "data", "fsdp", what="embeddings")
         out += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
-    elif f > 1 and e > 1:
+    elif e > 1:
         out += _t("all-to-all", everything / (f * e), c, "fsdp", what="embeddings")
         out += _t("all-gather", everything / f, c, "expert", what="embeddings")
-        out += _t("all-gather", everything + F32 * 2 * L * B * T * m.num_experts, c, "fsdp",
-                  "expert", what="embeddings, router logits")  # fmt: skip
+        out += _t("all-gather", everything, c, "fsdp", "expert", what="embeddings")
         out += _t("collective-permute", F32 * rows * T * D, c, "expert", what="embeddings")
-    elif f > 1:
+    else:
         out += _t("all-to-all", everything / f, c, "fsdp", what="embeddings")
         out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
         out += _t("all-to-all", everything / (f * t), c, "tensor", what="embeddings")
+        if s == 2 and f > 2:  # measured; with f = 2, the swaps below instead
+            out += _t(
+                "all-to-all", everything / (f * s), c, "sequence", what="zigzag order"
+            )
+        if s == 2 and f == 2:  # measured: the zigzag order by swaps between the two
+            swap = F32 * (rows * T // s * D + B * T * D // f)
+            out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
         out += _t("all-gather", everything / f + F32 * rows * T * D, c, "sequence",
                   what="embeddings")  # fmt: skip
-    if t > 1:
+    return out
+
+
+def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """What moves activations inside the layers: Megatron's sequence-parallel activations,
+    ring attention's K and V, the experts' router logits, dispatch and combine. Counts per
+    layer read from XLA:CPU's programs."""
+    m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
+    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers  # noqa: N806
+    rows = B // c.batch_ways
+    out = []
+    if t > 1:  # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
         act = F32 * rows * T * D
-        out += _t(
-            "all-gather", act * (6 * L + 2), c, "tensor", what="activations (Megatron SP)"
-        )
-        out += _t(
-            "all-reduce", act * (8 * L + 1), c, "tensor", what="activations (Megatron SP)"
-        )
+        out += _t("all-gather", act * (6 * L + 2), c, "tensor", what="activations (SP)")
+        out += _t("all-reduce", act * (8 * L + 1), c, "tensor", what="activations (SP)")
     if s > 1:
         kv = F32 * rows * (T // s) * m.num_kv_heads * m.head_width
         out += _t("collective-permute", L * 3 * (s - 1) * 2 * kv, c, "sequence",
                   what="K and V around the ring")  # fmt: skip
-        if s == 2:  # measured: two devices swap their halves of the zigzag order
-            swap = F32 * (rows * T // s * D + B * T * D // f)
-            out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
     if m.num_experts and e > 1:
+        logits = (
+            F32 * 2 * L * B * T * m.num_experts
+        )  # gathered forward and for the backward
+        out += _t("all-gather", logits, c, "fsdp", "expert", what="router logits")
         group = min(m.group_size, T)
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
         buffer = F32 * m.num_experts * rows * (T // group) * slots * D
@@ -461,10 +506,14 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
         n, P = run.devices, param_count(run.shape)  # noqa: N806
         return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
-    return weight_transfers(run, c) + activation_transfers(run, c)
+    return (
+        weight_transfers(run, c)
+        + embedding_transfers(run, c)
+        + activation_transfers(run, c)
+    )
 
 
-def bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
+def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
     """Bytes per collective kind, counted as ``train.collective_bytes`` counts them."""
     out: dict[str, float] = {}
     for move in moves:
@@ -545,7 +594,9 @@ def row(run: Run, c: Candidate) -> dict[str, Any]:
         "fits": mem.total <= USABLE * run.chip.memory_bytes,
         "memory_bytes": {**dataclasses.asdict(mem), "total": mem.total},
         "arguments_bytes": argument_bytes(run, c),
-        "collective_bytes": bytes_by_kind(transfers(run, c)),
+        # as XLA:CPU runs attention, keeping the T x T scores: to set against its temporaries
+        "activations_with_scores_bytes": activation_bytes(run, c, flash=False),
+        "collective_bytes": transfer_bytes_by_kind(transfers(run, c)),
         "sent_bytes": links,
         "predicted_step_s": time["step"],
         "predicted_mfu": time["mfu"],
@@ -653,8 +704,8 @@ def ratio(predicted: float, compiled: float) -> float | None:
 
 def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any]:
     """Predicted against compiled: argument bytes, bytes per collective kind (kinds under
-    ``MINOR`` of the program's bytes marked minor), and the activation estimate against
-    XLA:CPU's temporaries."""
+    ``MINOR`` of the program's bytes marked minor), and the activation estimate (with the
+    T x T scores XLA:CPU keeps) and the gradients against XLA:CPU's temporaries."""
     total = sum(compiled["collectives"].values())
     kinds = sorted(set(plan_row["collective_bytes"]) | set(compiled["collectives"]))
     collectives = {}
@@ -663,8 +714,9 @@ def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any
         want = plan_row["collective_bytes"].get(kind, 0)
         collectives[kind] = {"predicted": want, "compiled": got, "ratio": ratio(want, got),
                              "minor": got < MINOR * total and want < MINOR * total}  # fmt: skip
-    memory_row = plan_row["memory_bytes"]
-    estimate = memory_row["activations"] + memory_row["gradients"]
+    estimate = (
+        plan_row["activations_with_scores_bytes"] + plan_row["memory_bytes"]["gradients"]
+    )
     return {
         "arguments": {"predicted": plan_row["arguments_bytes"],
                       "compiled": compiled["arguments"],
@@ -826,7 +878,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     checks = []
     if args.check:
-        chosen = [r for r in rows if r["fits"] and r["runs_in_recipe"]][: args.check_rows]
+        chosen = [r for r in rows if r["runs_in_recipe"]][
+            : args.check_rows
+        ]  # fitting first
         compiled = compile_flags(run.devices, [r["flags"] for r in chosen])
         checks = [compare(r, c) for r, c in zip(chosen, compiled)]
     if args.json:

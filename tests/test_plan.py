@@ -134,36 +134,62 @@ def test_the_sweep_agrees_with_the_compiler():
         k for r in rows for k, v in r["check"]["collectives"].items() if not v["minor"]
     }
     assert {"all-gather", "all-reduce", "all-to-all", "collective-permute"} <= kinds
+    regimes = set()
     for r in rows:
-        combo = next(c for c in plan_check.COMBOS if (c[0], c[1], c[4]) ==
-                     (r["model"], r["devices"], r["mesh"]))  # fmt: skip
-        _, predicted = plan_check.prediction(combo)
+        run, predicted = plan_check.prediction(tuple(r["combo"]))
+        regimes.add(
+            plan.gathers_the_table(run, plan.Candidate("", plan.mesh_sizes(r["mesh"])))
+        )
         check = plan.compare(predicted, r["compiled"])
         assert check == r["check"], r["mesh"]
         assert plan.agrees(check), (r["model"], r["mesh"], check)
+    assert regimes == {True, False}  # both ways of compiling the embedding lookup
+    assert sorted(plan_check.key(r["combo"]) for r in rows) == sorted(
+        plan_check.key(list(c)) for c in plan_check.COMBOS
+    )
 
 
-LIVE = [("tiny", 8, "fsdp=4,tensor=2"), ("tiny", 8, "fsdp=2,expert=4")]
-
-
-def test_three_rows_recompile_to_the_jsons_values(tmp_path):
-    """The JSON is current: two tiny rows compiled again in one process, and a third through
-    train.py's own --compile-only with the flags the planner prints (they run as given)."""
+def test_two_rows_recompile_to_the_jsons_values(tmp_path):
+    """The JSON is current: one tiny row compiled again by the planner's worker (exact bytes),
+    and one through train.py's own --compile-only with the flags the planner prints (they run
+    as given; its line prints GB to 3 decimals and collective bytes exactly)."""
     checked = json.loads(CHECKED_JSON.read_text())
     rows = {(r["model"], r["devices"], r["mesh"]): r for r in checked["rows"]}
-    stored = [rows[key] for key in LIVE]
-    compiled = plan.compile_flags(8, [r["flags"] for r in stored], progress=False)
-    for r, now in zip(stored, compiled):
-        assert now == r["compiled"], r["mesh"]
-    sequence = rows[("tiny", 8, "fsdp=2,sequence=4")]
+    fsdp = rows[("tiny", 8, "fsdp=8")]
+    [compiled] = plan.compile_flags(8, [fsdp["flags"]], progress=False)
+    assert compiled == fsdp["compiled"]
+    ring = rows[("tiny", 8, "fsdp=2,sequence=4")]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "examples/lm/train.py", *sequence["flags"].split(),
+    done = subprocess.run([sys.executable, "examples/lm/train.py", *ring["flags"].split(),
                            "--num-devices", "8", "--compile-only", "--compilation-cache",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("per device:"))
     arguments = float(re.search(r"arguments ([\d.]+) GB", line)[1])
-    assert arguments == round(sequence["compiled"]["arguments"] / 1e9, 3)
+    assert arguments == round(ring["compiled"]["arguments"] / 1e9, 3)
     printed = {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)}
-    assert printed == sequence["compiled"]["collectives"]
+    assert printed == ring["compiled"]["collectives"]
+
+
+def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
+    """--check's table and JSON, with the compiler stood in for (the recompile test above
+    runs the real one): compiled values of 90% of the predicted give ratios of 1.111."""
+    asked = []
+
+    def compiled(devices, flag_lines, progress=True):
+        asked.append((devices, list(flag_lines)))
+        rows = {r["flags"]: r for r in plan.plan(plan.make_run(plan.parse_args(EXAMPLE)))}
+        return [{"arguments": rows[f]["arguments_bytes"] * 0.9, "temporaries": 1e9,
+                 "collectives": {k: v * 0.9 for k, v in rows[f]["collective_bytes"].items()}}
+                for f in flag_lines]  # fmt: skip
+
+    monkeypatch.setattr(plan, "compile_flags", compiled)
+    status, printed, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2"])
+    assert status == 0
+    [(devices, flags)] = asked
+    assert devices == 8 and len(flags) == 2 and "n/a" not in flags
+    assert printed.count(" 1.111") >= 4  # arguments and at least one kind, for each row
+    status, as_json, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2", "--json"])
+    checks = json.loads(as_json)["checks"]
+    assert [c["arguments"]["ratio"] for c in checks] == pytest.approx([1 / 0.9] * 2)
