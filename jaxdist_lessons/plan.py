@@ -12,7 +12,7 @@ MFU, and the recipe's flags. ``--check`` compiles the best rows with the recipe'
 
 The collective bytes are those of the program XLA:CPU compiles from the recipe (JAX 0.10.2):
 every collective moves float32, even under ``--dtype bfloat16``, and the counts per layer below
-were read from compiled programs (``benchmarks/plan_check.py`` checks them on 20+ layouts). A GPU
+were read from compiled programs (``benchmarks/plan_check.py`` checks them on 33 layouts). A GPU
 compiler makes other choices (reduce-scatters, bf16 gathers): step times and MFU are predictions
 from those bytes and the chip's datasheet, at peak flops, with no overlap of communication.
 Written here rather than taken from a library: no planner we know of reads JAX meshes.
@@ -150,10 +150,6 @@ class Candidate:
     def size(self, axis: str) -> int:
         """Devices along one of ``AXES``."""
         return self.mesh[AXES.index(axis)]
-
-    @property
-    def devices(self) -> int:
-        return math.prod(self.mesh) * self.stages
 
     @property
     def batch_ways(self) -> int:
@@ -389,69 +385,82 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return out
 
 
-def gathers_the_table(run: Run, c: Candidate) -> bool:
-    """Whether XLA:CPU looks the tokens up in a gathered embedding table rather than moving
-    activations to the table's shards. Read from compiled programs (tiny and 125m, on both
-    sides of each boundary): with a data axis, when a step has more tokens than the vocabulary
-    has entries; with a sequence or expert axis, when an fsdp group's share of them is at least
-    as many; with fsdp (and tensor) alone, never."""
-    tokens, vocab = run.global_batch * run.seq_len, run.shape.vocab_size
-    if c.size("data") > 1:
-        return tokens > vocab
-    return c.size("sequence") * c.size("expert") > 1 and tokens / c.size("fsdp") >= vocab
-
-
-def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
-    """The embedding lookup under FSDP (the table split over fsdp, not over the batch) and its
-    gradient, in either of XLA:CPU's two ways (``gathers_the_table``)."""
+def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup with the table left split: XLA:CPU moves the tokens' activations to
+    the table's fsdp shards and back, and reduces its gradient over the other batch axes."""
     m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
                         c.size("data"), c.size("tensor"))  # fmt: skip
-    B, T, D, V = run.global_batch, run.seq_len, m.width, m.vocab_size  # noqa: N806
-    rows, table, everything = B // c.batch_ways, F32 * V * D, F32 * B * T * D
-    if f == 1:  # data parallelism: the table is whole on every device, like the rest
-        return []
-    if gathers_the_table(run, c):
-        out = []
-        if d > 1:  # HSDP: rows gathered over data; the table's gradient reduced everywhere
-            out += _t("all-gather", everything / f, c, "data", what="embeddings")
-            out += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
-            return out + _t(
-                "all-reduce", table, c, "data", "fsdp", what="embedding gradient"
-            )
-        out += _t("all-gather", table, c, "fsdp", what="embedding table")
-        if e > 1:
-            return out + _t(
-                "all-reduce", table, c, "fsdp", "expert", what="embedding gradient"
-            )
-        out += _t("all-reduce", table, c, "fsdp", what="embedding gradient")
-        return out + _t(
-            "all-reduce", 2 * table / f, c, "sequence", what="embedding gradient"
-        )
+    B, T, D = run.global_batch, run.seq_len, m.width  # noqa: N806
+    rows, table, everything = B // c.batch_ways, F32 * m.vocab_size * D, F32 * B * T * D
     out = [t_ for axis in ("data", "sequence", "expert")
            for t_ in _t("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
     if d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
         out += _t("all-gather", everything / f, c, "data", what="embeddings")
         out += _t("all-gather", everything, c, "data", "fsdp", what="embeddings")
-        out += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
-    elif e > 1:
+        return out + _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+    if e > 1:
         out += _t("all-to-all", everything / (f * e), c, "fsdp", what="embeddings")
         out += _t("all-gather", everything / f, c, "expert", what="embeddings")
         out += _t("all-gather", everything, c, "fsdp", "expert", what="embeddings")
-        out += _t("collective-permute", F32 * rows * T * D, c, "expert", what="embeddings")
-    else:
-        out += _t("all-to-all", everything / f, c, "fsdp", what="embeddings")
-        out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
-        out += _t("all-to-all", everything / (f * t), c, "tensor", what="embeddings")
-        if s == 2 and f > 2:  # measured; with f = 2, the swaps below instead
-            out += _t(
-                "all-to-all", everything / (f * s), c, "sequence", what="zigzag order"
-            )
-        if s == 2 and f == 2:  # measured: the zigzag order by swaps between the two
-            swap = F32 * (rows * T // s * D + B * T * D // f)
-            out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
-        out += _t("all-gather", everything / f + F32 * rows * T * D, c, "sequence",
-                  what="embeddings")  # fmt: skip
-    return out
+        return out + _t(
+            "collective-permute", F32 * rows * T * D, c, "expert", what="embeddings"
+        )
+    out += _t("all-to-all", everything / f, c, "fsdp", what="embeddings")
+    out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
+    out += _t("all-to-all", everything / (f * t), c, "tensor", what="embeddings")
+    if s == 2 and f > 2:  # measured; with f = 2, the swaps below instead
+        out += _t("all-to-all", everything / (f * s), c, "sequence", what="zigzag order")
+    if s == 2 and f == 2:  # measured: the zigzag order by swaps between the two
+        swap = F32 * (rows * T // s * D + B * T * D // f)
+        out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
+    return out + _t("all-gather", everything / f + F32 * rows * T * D, c, "sequence",
+                    what="embeddings")  # fmt: skip
+
+
+def table_moves(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup in a gathered table: the table gathered over fsdp and its gradient
+    all-reduced whole (on a small model with a data axis, the rows still gathered over data)."""
+    m, f, d = run.shape, c.size("fsdp"), c.size("data")
+    table, everything = (
+        F32 * m.vocab_size * m.width,
+        F32 * run.global_batch * run.seq_len * m.width,
+    )
+    if d > 1:
+        rows = _t("all-gather", everything / f, c, "data", what="embeddings")
+        rows += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+        if sum(r.bytes for r in rows) > table:
+            rows = _t("all-gather", table, c, "fsdp", what="embedding table")
+        return rows + _t("all-reduce", table, c, "data", "fsdp", what="embedding gradient")
+    out = _t("all-gather", table, c, "fsdp", what="embedding table")
+    if c.size("expert") > 1:
+        return out + _t("all-reduce", table, c, "fsdp", "expert", what="embedding gradient")
+    out += _t("all-reduce", table, c, "fsdp", what="embedding gradient")
+    return out + _t("all-reduce", 2 * table / f, c, "sequence", what="embedding gradient")
+
+
+def gathers_the_table(run: Run, c: Candidate) -> bool:
+    """Whether XLA:CPU gathers the embedding table for the lookup (``table_moves``) rather than
+    moving activations (``lookup_moves``). Read from compiled programs on both sides of each
+    boundary (tiny, 125m, 8b): with a data axis, when a step has more tokens than the table has
+    rows; with an expert axis, when an fsdp group's share of them is at least as many; with
+    fsdp and sequence axes, when it moves fewer bytes; with a tensor axis, never seen."""
+    tokens, vocab = run.global_batch * run.seq_len, run.shape.vocab_size
+    if c.size("tensor") > 1:
+        return False
+    if c.size("data") > 1:
+        return tokens > vocab
+    if c.size("expert") > 1:
+        return tokens / c.size("fsdp") >= vocab
+    cost = lambda moves: sum(move.bytes for move in moves)
+    return cost(table_moves(run, c)) < cost(lookup_moves(run, c))
+
+
+def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup and its gradient under FSDP (the table split over fsdp, not over
+    the batch), in whichever of its two ways XLA:CPU compiles it (``gathers_the_table``)."""
+    if c.size("fsdp") == 1:  # data parallelism: the table is whole on every device
+        return []
+    return table_moves(run, c) if gathers_the_table(run, c) else lookup_moves(run, c)
 
 
 def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
@@ -574,6 +583,11 @@ def recipe_flags(run: Run, c: Candidate) -> str:
     if not c.runs_in_recipe:
         return "n/a"
     m = run.shape
+    dense = dataclasses.replace(
+        m, num_experts=0, top_k=1, capacity_factor=1.25, group_size=512
+    )
+    if dense != PRESETS.get(run.model):
+        return "n/a (train.py runs its presets' shapes)"
     flags = [f"--model {run.model}", f"--mesh {c.mesh_flag}", f"--seq-len {run.seq_len}",
              f"--global-batch {run.global_batch}", f"--dtype {run.dtype}"]  # fmt: skip
     if m.num_experts:
@@ -696,10 +710,8 @@ def compile_flags(
 
 
 def ratio(predicted: float, compiled: float) -> float | None:
-    """predicted / compiled (``None`` when the compiler has none, 0 predicted: they agree)."""
-    if not compiled:
-        return None if not predicted else math.inf
-    return predicted / compiled
+    """predicted / compiled; ``None`` where the compiled program has none of it."""
+    return predicted / compiled if compiled else None
 
 
 def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any]:
@@ -801,6 +813,8 @@ def model_shape(args: argparse.Namespace) -> LMShape:
     if args.model and args.model not in PRESETS:
         raise PlanError(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}, or give "
                         "--layers --width --heads --kv-heads --mlp-width --vocab")  # fmt: skip
+    if min(given.values(), default=1) < 1:
+        raise PlanError("the model's sizes must be positive")
     if args.model:
         shape = dataclasses.replace(PRESETS[args.model], **given)
     elif len(given) < len(SHAPE_FLAGS):
@@ -810,8 +824,6 @@ def model_shape(args: argparse.Namespace) -> LMShape:
         raise PlanError(f"give --model, or the model's shape: missing {' '.join(missing)}")
     else:
         shape = LMShape(**given)
-    if min(given.values(), default=1) < 1:
-        raise PlanError("the model's sizes must be positive")
     if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
         raise PlanError(f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
                         "KV heads: heads must divide the width, KV heads the heads")  # fmt: skip
@@ -869,7 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
                             f"{USABLE:.0%} of {run.chip.memory_label} (the recipe has no gradient "
                             "accumulation: fewer --global-batch or more --devices)")  # fmt: skip
-        if args.check and run.model not in PRESETS:
+        if args.check and all(r["flags"].startswith("n/a") for r in rows):
             raise PlanError(
                 "--check compiles the recipe, which runs its presets only: use --model"
             )

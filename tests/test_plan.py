@@ -193,3 +193,22 @@ def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
     status, as_json, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2", "--json"])
     checks = json.loads(as_json)["checks"]
     assert [c["arguments"]["ratio"] for c in checks] == pytest.approx([1 / 0.9] * 2)
+
+
+def test_a_model_given_by_its_shape():
+    """GQA and experts from flags: the experts' rows appear; train.py runs presets only, so no
+    row has flags, and --check says why."""
+    shape = ["--layers", "4", "--width", "512", "--heads", "8", "--kv-heads", "2",
+             "--mlp-width", "1024", "--vocab", "8000", "--experts", "8", "--top-k", "2",
+             "--devices", "8", "--nodes", "2", "--global-batch", "16"]  # fmt: skip
+    status, as_json, _ = run_main([*shape, "--json"])
+    assert status == 0
+    out = json.loads(as_json)
+    assert out["run"]["shape"]["num_kv_heads"] == 2 and out["run"]["model"] == "custom"
+    experts = [r["mesh"] for r in out["rows"] if r["strategy"] == "experts"]
+    assert sorted(experts) == ["fsdp=2,expert=4", "fsdp=4,expert=2"]
+    assert all(r["flags"].startswith("n/a") for r in out["rows"])
+    status, _, error = run_main([*shape, "--check"])
+    assert status == 2 and "--check compiles the recipe" in error
+    status, _, error = run_main([*shape[:-2], "--global-batch", "16", "--heads", "0"])
+    assert status == 2 and error == "plan: the model's sizes must be positive\n"
