@@ -156,7 +156,9 @@ def summarize(rows: list[dict]) -> dict:
                     f"{plan.MINOR:.0%} of its program's collective bytes and is not held to "
                     "10%; the activation estimate (remat 'full' layer inputs, one layer's "
                     "activations with the T x T scores, float32 logits and their gradient, "
-                    "plus the gradients) is the given fraction of XLA:CPU's temporaries; what "
+                    "plus the gradients and, under FSDP, the gathered weights: "
+                    "plan.temporaries_estimate) is the given fraction of XLA:CPU's "
+                    "temporaries; what "
                     "XLA:CPU keeps beyond it is not broken down here. GPU compiles: not yet "
                     "compared (no GPU at hand)"}  # fmt: skip
 

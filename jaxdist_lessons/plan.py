@@ -317,24 +317,21 @@ class Memory:
 
 
 def memory(run: Run, c: Candidate) -> Memory:
-    """Memory per device for a layout."""
+    """Memory per device for a layout. Under FSDP the weights add two layers and the output
+    projection gathered (in the compute dtype), and the gradients the output projection's
+    whole gradient, before it is reduced."""
+    m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
     local = local_weights(run, c)
-    optimizer = (
-        2
-        * F32
-        * (param_count(run.shape) / run.devices if c.strategy == "ZeRO-1" else local)
-    )
-    gathered = 0.0
-    if c.size("fsdp") > 1:
-        m = run.shape
-        per_layer = (attention_weights(m) + mlp_weights(m) / c.size("expert")) / c.size(
-            "tensor"
-        )
-        gathered = 2 * per_layer * (2 if run.dtype == "bfloat16" else 4)
-    weights = F32 * local + gathered
-    return Memory(
-        weights, optimizer, F32 * local, activation_bytes(run, c), token_bytes(run, c)
-    )
+    zero1 = c.strategy == "ZeRO-1"
+    optimizer = 2 * F32 * (param_count(m) / run.devices if zero1 else local)
+    weights, gradients = F32 * local, F32 * local
+    if f > 1:
+        itemsize = 2 if run.dtype == "bfloat16" else 4
+        layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
+        weights += (2 * layer + m.vocab_size * m.width) / t * itemsize
+        gradients += F32 * m.vocab_size * m.width / t
+    activations = activation_bytes(run, c)
+    return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
 
 
 # --- Collectives (XLA:CPU's program) ------------------------------------------------------------
@@ -596,6 +593,13 @@ def recipe_flags(run: Run, c: Candidate) -> str:
     return " ".join(flags)
 
 
+def temporaries_estimate(run: Run, c: Candidate, mem: Memory) -> float:
+    """What the estimate says XLA:CPU's temporaries hold: the activations with the T x T
+    scores its attention keeps, the gradients and the gathered weights (beyond the arguments)."""
+    gathered = mem.weights - F32 * local_weights(run, c)
+    return activation_bytes(run, c, flash=False) + mem.gradients + gathered
+
+
 def row(run: Run, c: Candidate) -> dict[str, Any]:
     """Everything the table and the JSON say about one layout."""
     mem, links, time = memory(run, c), link_bytes(run, c), step_seconds(run, c)
@@ -608,8 +612,7 @@ def row(run: Run, c: Candidate) -> dict[str, Any]:
         "fits": mem.total <= USABLE * run.chip.memory_bytes,
         "memory_bytes": {**dataclasses.asdict(mem), "total": mem.total},
         "arguments_bytes": argument_bytes(run, c),
-        # as XLA:CPU runs attention, keeping the T x T scores: to set against its temporaries
-        "activations_with_scores_bytes": activation_bytes(run, c, flash=False),
+        "temporaries_estimate_bytes": temporaries_estimate(run, c, mem),
         "collective_bytes": transfer_bytes_by_kind(transfers(run, c)),
         "sent_bytes": links,
         "predicted_step_s": time["step"],
@@ -716,8 +719,8 @@ def ratio(predicted: float, compiled: float) -> float | None:
 
 def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any]:
     """Predicted against compiled: argument bytes, bytes per collective kind (kinds under
-    ``MINOR`` of the program's bytes marked minor), and the activation estimate (with the
-    T x T scores XLA:CPU keeps) and the gradients against XLA:CPU's temporaries."""
+    ``MINOR`` of the program's bytes marked minor), and ``temporaries_estimate`` against
+    XLA:CPU's temporaries."""
     total = sum(compiled["collectives"].values())
     kinds = sorted(set(plan_row["collective_bytes"]) | set(compiled["collectives"]))
     collectives = {}
@@ -726,9 +729,7 @@ def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any
         want = plan_row["collective_bytes"].get(kind, 0)
         collectives[kind] = {"predicted": want, "compiled": got, "ratio": ratio(want, got),
                              "minor": got < MINOR * total and want < MINOR * total}  # fmt: skip
-    estimate = (
-        plan_row["activations_with_scores_bytes"] + plan_row["memory_bytes"]["gradients"]
-    )
+    estimate = plan_row["temporaries_estimate_bytes"]
     return {
         "arguments": {"predicted": plan_row["arguments_bytes"],
                       "compiled": compiled["arguments"],
