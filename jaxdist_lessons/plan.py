@@ -643,7 +643,7 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
               r["predicted_step_s"], f"{r['predicted_mfu']:.1%}"] for r in rows]  # fmt: skip
     title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
              f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
-             f"step, {run.dtype}; bytes sent per device per step")  # fmt: skip
+             f"step, {run.dtype}; GB sent per device per step by XLA:CPU's program (float32 collectives)")  # fmt: skip
     return Table(HEADERS, cells, title=title)
 
 
