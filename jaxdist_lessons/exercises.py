@@ -2,7 +2,7 @@
 
 Each chapter's Exercises section makes a checker, then the reader fills in an answer::
 
-    check = exercises.checker("04_gradients", n=n)
+    check = exercises.checker("04_gradients", n=n, in_features=192)
     answer_3 = None  # bytes each device sends
     check(3, answer_3)  # -> "Expected: ..." ; "Not yet: ..." ; "Right: ..."
 
@@ -459,10 +459,6 @@ def _ch02(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             ),
         ),
     }
-
-
-def _spec_text(spec: Any) -> str:
-    return normalise(spec)
 
 
 def _ch03(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
