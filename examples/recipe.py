@@ -1,4 +1,4 @@
-"""A complete sharded training script to copy: JAX, Flax, Optax and Orbax (scikit-learn for its digits).
+"""A complete sharded training script to copy: JAX, Flax, Optax, Orbax, sklearn's digits.
 
 One process:      JAX_NUM_CPU_DEVICES=8 python examples/recipe.py
 Several (MPI):    JAX_NUM_CPU_DEVICES=2 mpirun -np 4 python examples/recipe.py
@@ -20,8 +20,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
-# Sharding rules: the first parameter path (a regex) that matches gives the spec; the rest are
-# replicated. Megatron's MLP split: the hidden units over 'tensor', the batch over 'data'.
+# Sharding rules: the first parameter path (a regex) that matches gives the spec; the rest
+# are replicated. Megatron's MLP split: the hidden units over 'tensor', the batch over
+# 'data'.
 RULES = [(r"Dense_0/kernel", P(None, "tensor")), (r"Dense_0/bias", P("tensor")),
          (r"Dense_1/kernel", P("tensor", None))]  # fmt: skip
 
@@ -35,7 +36,7 @@ class MLP(nn.Module):
 
 
 def join_processes() -> None:
-    """Join the other processes, if a launcher started several (mpirun, srun): JAX detects them."""
+    """Join the other processes if mpirun or srun started several: JAX detects them."""
     mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # Open MPI's mpirun
     if mpi or int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # or SLURM's srun
         jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
@@ -47,7 +48,7 @@ def spec_for(path, rules=RULES) -> P:
 
 
 def create_state(mesh, learning_rate: float) -> train_state.TrainState:
-    """Parameters and Adam's moments, born sharded: no device ever holds more than its shards."""
+    """Parameters and Adam's moments, born sharded: no device holds more than its shards."""
     model, tx = MLP(), optax.adam(learning_rate)
 
     def init(rng):  # run under jit with out_shardings, each device makes only its shards
@@ -81,7 +82,7 @@ def make_train_step(state, mesh):
 
 
 def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
-    """Each process loads only its rows of each global batch; JAX assembles the global array."""
+    """Each process loads only its rows of each batch; JAX assembles the global array."""
     digits = load_digits()
     images, labels = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int32)
     per_process = global_batch // jax.process_count()

@@ -1,11 +1,12 @@
-"""Run this first on a new cluster: do the processes join, and does a psum cross all of them?
+"""Run this first on a new cluster: do the processes join, does a psum cross all of them?
 
     srun python examples/smoke.py --expect-devices 16            # SLURM, 2 nodes x 8 GPUs
     mpirun -np 16 python examples/smoke.py --expect-devices 16   # Open MPI 5
     JAX_NUM_CPU_DEVICES=2 mpirun -np 2 python examples/smoke.py  # here, on CPU devices
 
-Every process prints its index, its host and its devices; process 0 prints "smoke test passed".
-Otherwise every process exits with status 1 and a message that says what went wrong.
+Every process prints its index, its host and its devices; process 0 prints "smoke test
+passed". Otherwise every process exits with status 1 and a message that says what went
+wrong.
 """
 
 import argparse
@@ -34,8 +35,8 @@ def main() -> None:
         "--expect-devices", type=int, help="the devices the job should have in all"
     )
     args = parser.parse_args()
-    # First, before anything else touches JAX. Open MPI 5's mpirun needs the mpi4py detection;
-    # SLURM, Kubernetes and Cloud TPU are detected with no arguments.
+    # First, before anything else touches JAX. Open MPI 5's mpirun needs the mpi4py
+    # detection; SLURM, Kubernetes and Cloud TPU are detected with no arguments.
     method = "mpi4py" if "OMPI_COMM_WORLD_SIZE" in os.environ else None
     try:
         jax.distributed.initialize(cluster_detection_method=method)
@@ -43,15 +44,17 @@ def main() -> None:
         print(f"no cluster detected ({error}); running as one process", flush=True)
     local = ", ".join(str(d) for d in jax.local_devices())
     print(
-        f"process {jax.process_index()} of {jax.process_count()} on {socket.gethostname()}: "
-        f"{jax.local_device_count()} local devices [{local}], {jax.device_count()} in all",
+        f"process {jax.process_index()} of {jax.process_count()} "
+        f"on {socket.gethostname()}: {jax.local_device_count()} local devices [{local}], "
+        f"{jax.device_count()} in all",
         flush=True,
     )
     total = jax.device_count()
     if args.expect_devices is not None and total != args.expect_devices:
         fail(
-            f"the job has {total} devices, not {args.expect_devices}: check the tasks per node, "
-            "the GPUs each task sees (CUDA_VISIBLE_DEVICES) and local_device_ids"
+            f"the job has {total} devices, not {args.expect_devices}: "
+            "check the tasks per node, the GPUs each task sees (CUDA_VISIBLE_DEVICES) "
+            "and local_device_ids"
         )
     # Device k of the mesh holds k + 1; a psum over all of them gives 1 + 2 + ... + total.
     mesh = jax.make_mesh((total,), ("all",), axis_types=(AxisType.Explicit,))

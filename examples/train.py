@@ -5,7 +5,7 @@ Start one copy per process with the cluster's own tool; JAX finds the others:
     JAX_NUM_CPU_DEVICES=2 mpirun -np 3 python examples/train.py
     JAX_NUM_CPU_DEVICES=2 srun -n 3 python examples/train.py
 
-JAX_NUM_CPU_DEVICES gives each process 2 simulated CPU devices; leave it out on GPUs and TPUs.
+JAX_NUM_CPU_DEVICES gives each process 2 simulated CPU devices; leave it out on GPUs, TPUs.
 """
 
 import os
@@ -44,7 +44,7 @@ def global_array(local: np.ndarray, spec: P) -> jax.Array:
 
 @jax.jit
 def train_step(w: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One step of gradient descent on the mean squared error; XLA all-reduces the gradient."""
+    """One step of gradient descent on mean squared error; XLA all-reduces the gradient."""
     loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
     return w - 0.1 * grad, loss
 
@@ -57,6 +57,5 @@ for step in range(30):
     if jax.process_index() == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss:.6f}", flush=True)
 if jax.process_index() == 0:
-    print(
-        f"{jax.process_count()} processes x {jax.local_device_count()} devices; w = {np.round(np.asarray(w), 3)}"
-    )
+    w = np.round(np.asarray(w), 3)
+    print(f"{jax.process_count()} processes x {jax.local_device_count()} devices; w = {w}")

@@ -241,6 +241,7 @@ class Transfer:
     bytes: float
     group_size: int | None
     what: str = ""
+    axes: tuple[str, ...] = ()  # the mesh axes its groups span, where known
 
 
 def sent_bytes(transfer: Transfer) -> float:

@@ -30,10 +30,8 @@ import jax
 import jax.extend.backend
 
 # A cycle, kept on purpose: setup() prints doctor's warning about untested versions, and the
-# doctor imports this module inside its functions, to report what setup() would choose. Only a
-# module of its own for the tested versions, imported by both, would end it.
-from jaxdist_lessons import doctor
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lessons.versions import version_warning
 
 ENV_VAR = "JAXDIST_NUM_DEVICES"
 DEFAULT_NUM_DEVICES = 8
@@ -193,7 +191,7 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
     info, choice, available = started
     # On a machine without accelerators the line says enough; with them, it also says why.
     print(info if available.platform == "cpu" else f"{info}. Why: {choice.reason}")
-    warning = doctor.version_warning()
+    warning = version_warning()
     if warning:
         print(warning)
     return info

@@ -3,31 +3,25 @@
 It prints the installed versions against the ones the book is tested with, the platform,
 whether an accelerator build of JAX (CUDA plugin, libtpu) is installed, the devices JAX
 reports, and what ``devices.setup()`` would choose for a chapter that needs 1, 2 or 8 devices.
-The tested versions live here, once: ``requirements.txt`` pins the same ones, and a test keeps
-the two equal.
+The tested versions live in ``versions``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
+from jaxdist_lessons import devices
 from jaxdist_lessons.tables import Table
-
-# The versions requirements.txt pins and CI tests (tests/test_doctor.py keeps them equal).
-TESTED: dict[str, str] = {
-    "jax": "0.10.2",
-    "jaxlib": "0.10.2",
-    "flax": "0.12.8",
-    "optax": "0.2.8",
-    "orbax-checkpoint": "0.12.8",
-    "tensorflow-datasets": "4.9.10",
-}
-PYTHON_TESTED = "3.11"
+from jaxdist_lessons.versions import (
+    PYTHON_TESTED,
+    TESTED,
+    installed,
+    version_warning,
+)
 
 # Distributions that make JAX use an accelerator, by the platform they bring.
 ACCELERATOR_BUILDS: dict[str, str] = {
@@ -38,35 +32,6 @@ ACCELERATOR_BUILDS: dict[str, str] = {
 }
 
 MINIMUMS = (1, 2, 8)
-
-
-def installed(distribution: str) -> str | None:
-    """The installed version of ``distribution``, or ``None``."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def untested(versions: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
-    """The packages whose installed version differs from the tested one: ``{name: installed}``."""
-    versions = {name: installed(name) for name in TESTED} if versions is None else versions
-    return {
-        name: versions.get(name) for name in TESTED if versions.get(name) != TESTED[name]
-    }
-
-
-def version_warning(versions: Mapping[str, str | None] | None = None) -> str | None:
-    """One line naming the packages that differ from the tested versions, or ``None``."""
-    differ = untested(versions)
-    if not differ:
-        return None
-    found = ", ".join(f"{name} {version or 'missing'}" for name, version in differ.items())
-    tested = ", ".join(f"{name} {TESTED[name]}" for name in differ)
-    return (
-        f"jaxdist: warning: this book is tested with {tested}; found {found}. Most chapters "
-        "still run, but printed numbers and error messages may differ."
-    )
 
 
 def accelerator_builds() -> dict[str, str]:
@@ -95,8 +60,6 @@ def versions_table() -> Table:
 
 def choices_table(available: object, requested: int | None) -> Table:
     """What ``setup(min_devices=k)`` would choose on ``available`` for each k in ``MINIMUMS``."""
-    from jaxdist_lessons import devices
-
     rows = []
     for minimum in MINIMUMS:
         try:
@@ -118,8 +81,6 @@ def report() -> list[Table | str]:
     not in a notebook whose chapter has not called ``setup()`` yet.
     """
     import jax
-
-    from jaxdist_lessons import devices
 
     builds = accelerator_builds()
     lines: list[Table | str] = [

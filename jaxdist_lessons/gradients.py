@@ -270,7 +270,7 @@ def form_step(
     return lambda state, batch: step(*place(state, batch, mesh))
 
 
-# --- Transitional: what chapter 7, perf.py and troubleshoot.py still use -------------------------
+# --- Transitional: what chapter 7 still uses -----------------------------------------------------
 # They take the models from models.small, a state from train.create_train_state and a data.Batch
 # dict; delete this block once they do.
 from jaxdist_lessons.models.small import MLP, SmallCNN  # noqa: E402, F401

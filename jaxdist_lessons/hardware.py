@@ -42,7 +42,9 @@ class Chip:
 
     ``memory`` is in ``memory_unit`` as the vendor states it; bandwidths are bytes per second;
     ``link_bytes_per_s`` is what one chip can send to its peers at once, one way (``None`` where
-    the vendor gives no chip-to-chip figure). ``sources`` maps each field to its page.
+    the vendor gives no chip-to-chip figure). ``network_bytes_per_s`` is what one chip can send
+    to other nodes (hosts, slices) at once, one way, through the adapters its reference system
+    gives each chip (``None`` where none is recorded). ``sources`` maps each field to its page.
     """
 
     name: str
@@ -55,6 +57,8 @@ class Chip:
     link_bytes_per_s: float | None
     link: str
     sources: dict[str, str]
+    network_bytes_per_s: float | None = None
+    network: str = ""
 
     @property
     def memory_bytes(self) -> float:
@@ -84,10 +88,16 @@ def _chip(
     hbm_gb_s: float,
     link: tuple[str, float | None],
     words: dict[str, str],
+    network: tuple[str, float, str] | None = None,
 ) -> Chip:
     """A chip from its vendor's page: ``memory`` as (figure, unit), ``tflops`` as (bf16, fp32),
-    ``link`` as (name, GB/s over both directions, of which half goes each way)."""
+    ``link`` as (name, GB/s over both directions, of which half goes each way); ``network`` as
+    (name, Gb/s one way per chip, the source's page and words)."""
     link_name, both_ways = link
+    across = {}
+    if network is not None:
+        across = {"network_bytes_per_s": network[1] * 1e9 / 8, "network": network[0]}
+        words = {**words, "network_bytes_per_s": network[2]}
     kinds_source = _TPU_KINDS if name.startswith("TPU") else _CUDA_NAME
     return Chip(
         name,
@@ -99,11 +109,33 @@ def _chip(
         None if both_ways is None else both_ways / 2 * 1e9,
         f"{link_name} ({both_ways:g} GB/s bidirectional)" if both_ways else link_name,
         {
-            **{f: f"{page}: {text}" for f, text in words.items()},
+            **{
+                f: text if text.startswith("https://") else f"{page}: {text}"
+                for f, text in words.items()
+            },
             "device_kinds": kinds_source,
         },
+        **across,
     )
 
+
+_BASEPOD = (
+    "https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-"
+    "enterprise-ai/latest/core-components.html"
+)
+# Across nodes: the compute fabric of NVIDIA's reference systems, one adapter per GPU.
+_DGX_H = (
+    "InfiniBand NDR",
+    400,
+    f"{_BASEPOD}: DGX H100 and H200 systems, eight single-port ConnectX-7 adapters of up to "
+    "400 Gb/s InfiniBand (NDR), one per GPU",
+)
+_DGX_A100 = (
+    "InfiniBand HDR",
+    200,
+    "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html: "
+    "8x single-port ConnectX-6 VPI 200 Gb/s HDR InfiniBand, one per GPU",
+)
 
 _A100_WORDS = {
     "peak_bf16_flops": "BF16 Tensor Core 312 TFLOPS (624 with sparsity)",
@@ -128,6 +160,7 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "GPU memory bandwidth 1,555GB/s",
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
+            _DGX_A100,
         ),
         _chip(
             "A100 40GB PCIe",
@@ -157,6 +190,7 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "GPU memory bandwidth 2,039GB/s",
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
+            _DGX_A100,
         ),
         _chip(
             "A100 80GB PCIe",
@@ -187,6 +221,7 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "H100 SXM, GPU memory bandwidth 3.35TB/s",
                 "link_bytes_per_s": "H100 SXM, NVIDIA NVLink 900GB/s",
             },
+            _DGX_H,
         ),
         _chip(
             "H100 PCIe",
@@ -219,6 +254,7 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "H200 SXM, GPU memory bandwidth 4.8TB/s",
                 "link_bytes_per_s": "H200 SXM, NVIDIA NVLink 900GB/s",
             },
+            _DGX_H,
         ),
         _chip(
             "TPU v4",
@@ -263,6 +299,11 @@ CHIPS: dict[str, Chip] = {
                 "hbm_bytes_per_s": "HBM bandwidth per chip (GBps): 2765",
                 "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth per chip (GBps): 1200",
             },
+            (
+                "DCN",
+                50,
+                f"{_TPU_V5P}: Data center network (DCN) bandwidth per chip: 50 Gbps",
+            ),
         ),
     ]
 }

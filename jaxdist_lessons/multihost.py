@@ -26,9 +26,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-# PRIVATE (as in devices.py): the only way to ask "has JAX started?" without starting it.
-from jax._src import xla_bridge
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -113,17 +110,21 @@ def initialize(
     ``jax.distributed.initialize``. ``exit_on_error`` ends the process at once on an uncaught
     exception (``exit_at_once_on_error``).
     """
-    if xla_bridge.backends_are_initialized() or jax.distributed.is_initialized():
-        raise MultihostError(
-            "JAX has already started in this process, and processes can only be joined before "
-            "JAX's first operation: call multihost.initialize() first thing in the script "
-            "(instead of devices.setup()), and start one copy per process (mpirun -np N, srun -n N)"
-        )
-    # The CPU client is created once, after initialize(): the device count must be set before it.
-    jax.config.update(
-        "jax_num_cpu_devices",
-        devices.requested_num_devices(num_devices) or devices.DEFAULT_NUM_DEVICES,
+    started = MultihostError(
+        "JAX has already started in this process, and processes can only be joined before "
+        "JAX's first operation: call multihost.initialize() first thing in the script "
+        "(instead of devices.setup()), and start one copy per process (mpirun -np N, srun -n N)"
     )
+    if jax.distributed.is_initialized():
+        raise started
+    # The CPU client is created once, after initialize(): the device count must be set before
+    # it. JAX refuses the setting (RuntimeError) once its backends have started: the public way
+    # to ask whether they have.
+    count = devices.requested_num_devices(num_devices) or devices.DEFAULT_NUM_DEVICES
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        raise started from None
     explicit = coordinator_address is not None or num_processes is not None
     method = "mpi4py" if launched_by_mpi() and not explicit else None
     try:
@@ -141,6 +142,10 @@ def initialize(
         if str(error) != _NO_CLUSTER or explicit:
             raise
         return process_info("single process")
+    except RuntimeError as error:  # JAX started already, with the same CPU device count
+        if "must be called before any JAX calls" in str(error):
+            raise started from None
+        raise
     if exit_on_error:
         exit_at_once_on_error()
     return process_info(method or ("arguments" if explicit else "cluster detection"))

@@ -625,13 +625,19 @@ def process_collectives(
                     facecolor=plt.cm.Pastel2(process % 8), edgecolor="black",
                 )
             )  # fmt: skip
-            ax.text(
+            ax.text(  # above the lines drawn below, on the box's own colour: never crossed
                 c,
-                rows - 1 - r + 0.15,
+                rows - 1 - r + 0.17,
                 f"process {process}, device {position}",
                 ha="center",
                 va="center",
                 fontsize=7,
+                zorder=3,
+                bbox={
+                    "facecolor": plt.cm.Pastel2(process % 8),
+                    "edgecolor": "none",
+                    "pad": 1,
+                },
             )
         crossing = 0
         for k, group in enumerate(name_groups):

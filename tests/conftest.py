@@ -18,7 +18,6 @@ DEVICES = devices.setup(num_devices=8)
 
 from jaxdist_lessons import hang_lab, multihost_demo  # noqa: E402  (after the setup)
 
-
 # Chapters that submit jobs to the one-node SLURM cluster of .ci/slurm-up.
 SLURM_CHAPTERS = {"07_troubleshooting.ipynb", "08_multi_host.ipynb"}
 

@@ -10,6 +10,7 @@ FIGURES = [
     "peak_fp32_flops",
     "hbm_bytes_per_s",
     "link_bytes_per_s",
+    "network_bytes_per_s",
     "device_kinds",
 ]
 
@@ -24,6 +25,10 @@ def test_figures_match_the_datasheets():
     assert h100.hbm_bytes_per_s == 3350e9
     assert h100.link_bytes_per_s == 450e9
     assert h100.memory_bytes == 80e9
+    # Across nodes, one 400 Gb/s InfiniBand NDR adapter per H100 (DGX H100): 50 GB/s one way,
+    # a ninth of NVLink's; none recorded for a PCIe card.
+    assert h100.network_bytes_per_s == 50e9 and h100.link_bytes_per_s / 50e9 == 9
+    assert hardware.chip("H100 PCIe").network_bytes_per_s is None
 
 
 def test_memory_in_the_vendors_unit():

@@ -2,8 +2,8 @@
 
 The default corpus is real English prose that every Python installation carries offline: the
 Python language reference's topics (the stdlib's pydoc_data, about 460 kB). A byte-level BPE
-tokenizer (Hugging Face `tokenizers`) is trained on it once. `--data FILE` points at a reader's
-own tokens instead: a `.npy` array or a nanoGPT-style `.bin` of uint16 token ids.
+tokenizer (Hugging Face `tokenizers`) is trained on it once. `--data FILE` points at a
+reader's own tokens instead: a `.npy` array or a nanoGPT-style `.bin` of uint16 token ids.
 """
 
 import os
@@ -40,7 +40,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
 
 
 def corpus_tokens(vocab_size: int, directory: pathlib.Path) -> np.ndarray:
-    """The default corpus as one stream of token ids, documents separated by <|endoftext|>."""
+    """The default corpus as one stream of token ids, documents joined by <|endoftext|>."""
     tokenizer = train_tokenizer(
         corpus(), vocab_size, directory / f"tokenizer-{vocab_size}.json"
     )
@@ -59,7 +59,7 @@ def reader_tokens(path: str) -> np.ndarray:
 
 
 def write_sequences(tokens: np.ndarray, seq_len: int, path: pathlib.Path) -> int:
-    """Pack the stream into records of seq_len + 1 tokens (inputs and next-token targets)."""
+    """Pack the stream into records of seq_len + 1 tokens (inputs, next-token targets)."""
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise SystemExit(f"{len(tokens)} tokens cannot fill one sequence of {seq_len + 1}")

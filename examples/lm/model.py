@@ -1,14 +1,15 @@
-"""A Llama-style decoder in Flax Linen, with a logical axis name on every weight and activation.
+"""A Llama-style decoder in Flax Linen, a logical axis name on every weight and activation.
 
-RMSNorm, rotary positions (RoPE), grouped-query attention through jax.nn.dot_product_attention
-(which can take cuDNN's fused kernel on GPUs) or, with the sequence split over devices, ring
-attention; a SwiGLU MLP or a mixture of SwiGLU experts; and a scan over the layers with a
-rematerialisation policy. The names ("embed", "mlp", "heads", ...) say what an axis means; the
-rules in train.py say which mesh axis, if any, splits it.
+RMSNorm, rotary positions (RoPE), grouped-query attention through
+jax.nn.dot_product_attention (which can take cuDNN's fused kernel on GPUs) or, with the
+sequence split over devices, ring attention; a SwiGLU MLP or a mixture of SwiGLU experts;
+and a scan over the layers with a rematerialisation policy. The names ("embed", "mlp",
+"heads", ...) say what an axis means; the rules in train.py say which mesh axis, if any,
+splits it.
 
-Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, G query
-heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S tokens routed
-together (a group), C an expert's slots per group.
+Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, G
+query heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S tokens
+routed together (a group), C an expert's slots per group.
 """
 
 import dataclasses
@@ -42,11 +43,11 @@ class ModelConfig:
         return self.width // self.num_heads
 
 
-# Published shapes: Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, width 2048,
-# 32 heads, 8 KV heads, MLP 8192, tied embeddings) and Llama 3 8B and 70B ("The Llama 3 Herd of
-# Models", arXiv:2407.21783, Table 3). All three use a 128,256-token vocabulary and RoPE base
-# 500,000. "tiny" and "125m" are ours: tiny trains on a CPU in minutes; 125m has GPT-3 Small's
-# depth and width.
+# Published shapes: Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, width
+# 2048, 32 heads, 8 KV heads, MLP 8192, tied embeddings) and Llama 3 8B and 70B ("The Llama
+# 3 Herd of Models", arXiv:2407.21783, Table 3). All three use a 128,256-token vocabulary
+# and RoPE base 500,000. "tiny" and "125m" are ours: tiny trains on a CPU in minutes; 125m
+# has GPT-3 Small's depth and width.
 PRESETS = {
     "tiny": ModelConfig(2048, 4, 128, 4, 2, 384),
     "125m": ModelConfig(32_768, 12, 768, 12, 4, 2048),
@@ -63,7 +64,7 @@ REMAT_POLICIES = {
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Pin an activation's layout by its logical axes (a no-op outside the rules' context)."""
+    """Pin an activation's layout by its logical axes (no-op outside the rules' context)."""
     return nn.with_logical_constraint(x, names)
 
 
@@ -103,11 +104,12 @@ MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
 
 def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
-    jax.shard_map). Each device keeps its queries; the keys and values travel around the ring,
-    one ppermute per step, and each block is folded into an online softmax (a running maximum
-    and sum), so no device holds the whole sequence's keys (ring attention: Liu et al. 2023,
-    arXiv:2310.01889). ``positions_T``, whole on every device, gives each column's position
-    in the text; the mask compares positions, so any order of the tokens works, such as
+    jax.shard_map). Each device keeps its queries; the keys and values travel around the
+    ring, one ppermute per step, and each block is folded into an online softmax (a running
+    maximum and sum), so no device holds the whole sequence's keys (ring attention: Liu et
+    al. 2023, arXiv:2310.01889). ``positions_T``, whole on every device, gives each column's
+    position in the text; the mask compares positions, so any order of the tokens works,
+    such as
     train.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     B, T, N, H = q_BTNH.shape  # noqa: N806
@@ -128,7 +130,8 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
         rescale_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
         sum_BKGT = sum_BKGT * rescale_BKGT + p_BKGTS.sum(-1)
         out_BTKGH = out_BTKGH * rescale_BKGT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
-            "bkgts,bskh->btkgh", p_BKGTS, v_BSKH)  # fmt: skip
+            "bkgts,bskh->btkgh", p_BKGTS, v_BSKH
+        )
         max_BKGT = new_max_BKGT
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
@@ -167,8 +170,9 @@ class Attention(nn.Module):
         v_BTKH = constrain(v_BTKH, ("batch", "act_seq", "act_kv_heads", None))
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
-            ring = jax.shard_map(ring_attention, in_specs=(spec, spec, spec, P()),
-                                 out_specs=spec)  # fmt: skip
+            ring = jax.shard_map(
+                ring_attention, in_specs=(spec, spec, spec, P()), out_specs=spec
+            )
             out_BTNH = ring(q_BTNH, k_BTKH, v_BTKH, positions_T)
         else:  # positions in order: the causal mask is the lower triangle
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
@@ -186,8 +190,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         c = self.config
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
-                                  param_dtype=jnp.float32)  # fmt: skip
+        dense = functools.partial(
+            nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32
+        )
         up_init = weight(nn.initializers.normal(c.width**-0.5), ("embed", "mlp"))
         gate_BTF = dense(c.mlp_width, kernel_init=up_init, name="gate")(x_BTD)
         up_BTF = dense(c.mlp_width, kernel_init=up_init, name="up")(x_BTD)
@@ -200,15 +205,15 @@ BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coef
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, a top-k router and a capacity: GShard's dispatch and combine by einsum.
+    """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine (einsum).
 
-    Each group of S tokens is routed on its own: a token's choices take the next free slot of
-    their experts, first choices before second ones, and a choice that finds its expert full is
-    dropped (the token keeps its residual). Weights and the routed tokens are split over the
-    'expert' mesh axis; between the two, XLA moves tokens to their experts' devices and back
-    (all-to-alls). Returns the output and the auxiliary loss: Switch's load balance
-    E * sum_e f_e P_e (Fedus et al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss
-    (Zoph et al. 2022, arXiv:2202.08906).
+    Each group of S tokens is routed on its own: a token's choices take the next free slot
+    of their experts, first choices before second ones, and a choice that finds its expert
+    full is dropped (the token keeps its residual). Weights and the routed tokens are split
+    over the 'expert' mesh axis; between the two, XLA moves tokens to their experts' devices
+    and back (all-to-alls). Returns the output and the auxiliary loss: Switch's load balance
+    E * sum_e f_e P_e (Fedus et al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss (Zoph
+    et al. 2022, arXiv:2202.08906).
     """
 
     config: ModelConfig
@@ -226,8 +231,12 @@ class Experts(nn.Module):
         S = min(c.group_size, T)  # noqa: N806
         C = math.ceil(K * S * c.capacity_factor / E)  # noqa: N806
         x_BGSD = x_BTD.reshape(B, T // S, S, D)
-        router_DE = self.param("router", weight(nn.initializers.normal(D**-0.5), ("embed", None)),
-                               (D, E), jnp.float32)  # fmt: skip
+        router_DE = self.param(
+            "router",
+            weight(nn.initializers.normal(D**-0.5), ("embed", None)),
+            (D, E),
+            jnp.float32,
+        )
         logits_BGSE = jnp.einsum("bgsd,de->bgse", x_BGSD.astype(jnp.float32), router_DE)
         probs_BGSE = jax.nn.softmax(logits_BGSE, axis=-1)
         gates_BGSK, experts_BGSK = jax.lax.top_k(probs_BGSE, K)
@@ -238,8 +247,9 @@ class Experts(nn.Module):
         slot_BGKS = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, T // S, K, S)
         slot_BGKSC = jax.nn.one_hot(slot_BGKS.astype(jnp.int32), C)  # all zero: dropped
         dispatch_BGSEC = jnp.einsum("bgkse,bgksc->bgsec", choice_BGKSE, slot_BGKSC)
-        combine_BGSEC = jnp.einsum("bgkse,bgksc,bgsk->bgsec", choice_BGKSE, slot_BGKSC,
-                                   gates_BGSK)  # fmt: skip
+        combine_BGSEC = jnp.einsum(
+            "bgkse,bgksc,bgsk->bgsec", choice_BGKSE, slot_BGKSC, gates_BGSK
+        )
         balance = E * jnp.sum(choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2)))
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BGSE, axis=-1) ** 2)
         # Each device fills its rows' slots, then the slots go to their experts' devices:
@@ -248,8 +258,10 @@ class Experts(nn.Module):
             (None, "batch", "act_seq", None),
             ("act_experts", "expert_batch", "act_seq", None),
         )
-        x_EBGCD = constrain(jnp.einsum("bgsec,bgsd->ebgcd", dispatch_BGSEC.astype(self.dtype),
-                                       x_BGSD), (*local, None))  # fmt: skip
+        x_EBGCD = constrain(
+            jnp.einsum("bgsec,bgsd->ebgcd", dispatch_BGSEC.astype(self.dtype), x_BGSD),
+            (*local, None),
+        )
         x_EBGCD = constrain(x_EBGCD, (*routed, None))
         w_gate_EDF, w_up_EDF = (
             self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
@@ -257,7 +269,8 @@ class Experts(nn.Module):
         )
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
         h_EBGCF = nn.silu(jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)) * jnp.einsum(
-            "ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF)  # fmt: skip
+            "ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF
+        )
         h_EBGCF = constrain(h_EBGCF, (*routed, "act_mlp"))
         y_EBGCD = constrain(
             jnp.einsum("ebgcf,efd->ebgcd", h_EBGCF, w_down_EFD), (*routed, None)
@@ -269,8 +282,9 @@ class Experts(nn.Module):
 
 
 # Between blocks the residual stream is split over the batch and, where the rules map
-# "act_seq_residual" to 'tensor', over the sequence too (Megatron's sequence parallelism: the
-# norms work on T/tensor tokens, and the all-reduces become all-gathers and reduce-scatters).
+# "act_seq_residual" to 'tensor', over the sequence too (Megatron's sequence parallelism:
+# the norms work on T/tensor tokens, and the all-reduces become all-gathers and
+# reduce-scatters).
 RESIDUAL = ("batch", "act_seq_residual", "act_embed")
 WHOLE = ("batch", "act_seq", "act_embed")
 
@@ -316,28 +330,46 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None):
         c = self.config
-        embed = nn.Embed(c.vocab_size, c.width, dtype=self.dtype, param_dtype=jnp.float32,
-                         embedding_init=weight(nn.initializers.normal(1.0), ("vocab", "embed")),
-                         name="embed")  # fmt: skip
+        embed = nn.Embed(
+            c.vocab_size,
+            c.width,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=weight(nn.initializers.normal(1.0), ("vocab", "embed")),
+            name="embed",
+        )
         x_BTD = constrain(embed(tokens_BT), RESIDUAL)
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=nn.broadcast, length=c.num_layers, unroll=self.scan_unroll,
-                         metadata_params={nn.PARTITION_NAME: "layers"})  # fmt: skip
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=nn.broadcast,
+            length=c.num_layers,
+            unroll=self.scan_unroll,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
         x_BTD, aux_loss_L = layers(c, self.dtype, self.context_parallel, name="layers")(
-            x_BTD, positions_T)  # fmt: skip
+            x_BTD, positions_T
+        )
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
         if c.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)
         else:
-            logits_BTV = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype,
-                                  param_dtype=jnp.float32, name="unembed",
-                                  kernel_init=weight(nn.initializers.normal(c.width**-0.5),
-                                                     ("embed", "vocab")))(x_BTD)  # fmt: skip
+            logits_BTV = nn.Dense(
+                c.vocab_size,
+                use_bias=False,
+                dtype=self.dtype,
+                param_dtype=jnp.float32,
+                name="unembed",
+                kernel_init=weight(
+                    nn.initializers.normal(c.width**-0.5), ("embed", "vocab")
+                ),
+            )(x_BTD)
         # Vocabulary-parallel logits: no device holds a row of all V logits.
         return constrain(logits_BTV, ("batch", "act_seq", "act_vocab")), aux_loss_L.sum()
 
@@ -370,11 +402,12 @@ def count_params(config: ModelConfig) -> int:
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """Training flops per token: 6 per weight used in a matmul, plus attention's scores.
 
-    The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM, arXiv:2204.02311,
-    App. B): 2 flops per multiply-add, times 3 for the forward and the two backward matmuls. The
-    embedding lookup is no matmul; with tied embeddings the table is used once, as the output
-    projection. Attention adds 12·L·T·(N·H) per token (the causal mask is not subtracted).
-    With experts, the weights a token uses: the router and its top_k experts.
+    The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
+    arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the two
+    backward matmuls. The embedding lookup is no matmul; with tied embeddings the table is
+    used once, as the output projection. Attention adds 12·L·T·(N·H) per token (the causal
+    mask is not subtracted). With experts, the weights a token uses: the router and its
+    top_k experts.
     """
     c = config
     matmul_params = count_params(c) - c.vocab_size * c.width * (

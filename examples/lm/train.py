@@ -1,4 +1,4 @@
-"""Train a Llama-style language model on any mesh of data, FSDP, expert, sequence and tensor parallelism.
+"""Train a Llama-style language model on a mesh of data/fsdp/expert/sequence/tensor axes.
 
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
@@ -7,14 +7,15 @@
     python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
         --global-batch 16 --num-devices 16 --compile-only   # memory and bytes, no hardware
     python examples/lm/train.py --model tiny --mesh data=2,sequence=4 ...  # ring attention
-    python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh data=2,expert=4 ...
+    python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
 
-JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its loss, tokens per second,
-step time and model-flops utilisation; checkpoints hold the model, the optimizer and the data
-iterator, so a rerun on the same --checkpoint-dir continues with the exact next batch. SIGTERM
-or SIGUSR1 (preemption notices) save at the next step boundary and exit 0. --step-timeout S ends
-a job whose step has not advanced on some process for S seconds (a process alive but stuck, which
-JAX's heartbeat does not catch), naming the processes behind and printing every process's stack.
+JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its
+loss, tokens per second, step time and model-flops utilisation; checkpoints hold the model,
+the optimizer and the data iterator, so a rerun on the same --checkpoint-dir continues with
+the exact next batch. SIGTERM or SIGUSR1 (preemption notices) save at the next step boundary
+and exit 0. --step-timeout S ends a job whose step has not advanced on some process for S
+seconds (a process alive but stuck, which JAX's heartbeat does not catch), naming the
+processes behind and printing every process's stack.
 """
 
 import argparse
@@ -50,10 +51,10 @@ AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 
 # Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism splits
-# heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits the experts.
-# Activations: the batch over data, fsdp and expert (experts aside, 'expert' is one more data
-# axis); the sequence over 'sequence' (context parallelism) and, between blocks, over
-# 'tensor' too (Megatron's sequence parallelism); routed tokens by expert, not by batch row.
+# heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits the
+# experts. Activations: the batch over data, fsdp and expert (experts aside, 'expert' is one
+# more data axis); the sequence over 'sequence' (context parallelism) and, between blocks,
+# over 'tensor' too (Megatron's sequence parallelism); routed tokens by expert, not by row.
 RULES = (
     ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
     ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
@@ -63,21 +64,37 @@ RULES = (
     ("act_vocab", "tensor"),
 )  # fmt: skip
 
-# Peak dense bf16 flop/s per chip, from the vendors' datasheets (H100/H200 SXM: 989 TFLOP/s).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12,
-              "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12}  # fmt: skip
+# Peak dense bf16 flop/s per chip, from the vendors' datasheets (H100/H200 SXM: 989 T).
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--model", default="tiny", choices=sorted(model_lib.PRESETS))
-    add("--mesh", default="fsdp=-1", help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; "
-        "axes: " + ", ".join(AXES))  # fmt: skip
+    add(
+        "--mesh",
+        default="fsdp=-1",
+        help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: " + ", ".join(AXES),
+    )
     add("--experts", type=int, default=0, help="experts per MLP (0: a dense MLP)")
     add("--top-k", type=int, default=1, help="experts per token")
-    add("--capacity-factor", type=float, default=1.25, help="an expert's slots per group: "
-        "ceil(top_k x group x factor / experts); experts / top_k: none dropped")  # fmt: skip
+    add(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="an expert's slots per group: "
+        "ceil(top_k x group x factor / experts); experts / top_k: none dropped",
+    )
     add(
         "--group-size",
         type=int,
@@ -105,13 +122,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--compile-only", action="store_true", help="compile one step, print memory, stop")
     add("--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR")
     add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
-    add("--step-timeout", type=float, metavar="SECONDS",
-        help="end the job (status 124) when a step has not finished on some process for SECONDS")  # fmt: skip
+    add(
+        "--step-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="end the job (status 124) when a step has not finished on some process "
+        "for SECONDS",
+    )
     return parser.parse_args(argv)
 
 
 def join_processes() -> None:
-    """Join the other processes, if a launcher started several (mpirun, srun): JAX detects them."""
+    """Join the other processes if mpirun or srun started several: JAX detects them."""
     mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # Open MPI's mpirun
     if mpi or int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # or SLURM's srun
         jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
@@ -132,8 +154,10 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     for axis in rest:
         sizes[axis] = jax.device_count() // known
     if np.prod(list(sizes.values())) != jax.device_count():
-        raise SystemExit(f"--mesh {spec} has {np.prod(list(sizes.values()))} devices, "
-                         f"not the {jax.device_count()} there are")  # fmt: skip
+        raise SystemExit(
+            f"--mesh {spec} has {np.prod(list(sizes.values()))} devices, "
+            f"not the {jax.device_count()} there are"
+        )
     shape = tuple(sizes[a] for a in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
@@ -147,9 +171,13 @@ def model_config(args) -> model_lib.ModelConfig:
         )
     if args.capacity_factor <= 0 or args.group_size < 1:
         raise SystemExit("--capacity-factor and --group-size must be positive")
-    return dataclasses.replace(config, num_experts=args.experts, top_k=args.top_k,
-                               capacity_factor=args.capacity_factor,
-                               group_size=args.group_size)  # fmt: skip
+    return dataclasses.replace(
+        config,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        group_size=args.group_size,
+    )
 
 
 def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
@@ -161,47 +189,60 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             f"--experts {config.num_experts} does not split over expert={expert}"
         )
     if sequence > 1 and args.seq_len % (2 * sequence * tensor):
-        raise SystemExit(f"--seq-len {args.seq_len} does not split into 2 x sequence={sequence}"
-                         f" x tensor={tensor} chunks (the zigzag layout)")  # fmt: skip
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not split into 2 x sequence={sequence}"
+            f" x tensor={tensor} chunks (the zigzag layout)"
+        )
     group = min(config.group_size, args.seq_len)
     if config.num_experts and (args.seq_len % group or (args.seq_len // group) % sequence):
-        raise SystemExit(f"--seq-len {args.seq_len} does not make groups of {group} tokens "
-                         f"that split over sequence={sequence}")  # fmt: skip
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not make groups of {group} tokens "
+            f"that split over sequence={sequence}"
+        )
     for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size"):
         if getattr(config, name) % tensor:
             raise SystemExit(
                 f"{name}={getattr(config, name)} does not split over tensor={tensor}"
             )
     if args.global_batch % batch_ways:
-        raise SystemExit(f"--global-batch {args.global_batch} does not split over data x fsdp "
-                         f"x expert = {batch_ways} devices")  # fmt: skip
+        raise SystemExit(
+            f"--global-batch {args.global_batch} does not split over data x fsdp "
+            f"x expert = {batch_ways} devices"
+        )
     if tensor > 1 and args.seq_len % tensor:
         raise SystemExit(f"--seq-len {args.seq_len} does not split over tensor={tensor}")
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
-    """AdamW with warmup and cosine decay, global-norm clipping, no decay on norms or embeddings."""
+    """AdamW, warmup + cosine decay, global-norm clipping; no decay of norms, embeddings."""
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, args.warmup_steps, max(args.steps, args.warmup_steps + 1),
-        end_value=args.learning_rate / 10)  # fmt: skip
+        0.0,
+        args.learning_rate,
+        args.warmup_steps,
+        max(args.steps, args.warmup_steps + 1),
+        end_value=args.learning_rate / 10,
+    )
 
     def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
-        return jax.tree_util.tree_map_with_path(lambda p, _: "kernel" in jax.tree_util.keystr(p),
-                                                params)  # fmt: skip
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: "kernel" in jax.tree_util.keystr(p), params
+        )
 
     # Under jit the gradients are sharded arrays, and global_norm's sum is over all of them:
     # the clipping sees the whole model's norm, whatever the mesh.
-    return optax.chain(optax.clip_by_global_norm(args.clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                                   mask=decay))  # fmt: skip
+    return optax.chain(
+        optax.clip_by_global_norm(args.clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay),
+    )
 
 
 def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
     """Token positions in the order that balances causal attention over a ring of devices:
     cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late tokens alike)."""
     chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
-    return np.concatenate([chunks[[i, 2 * num_devices - 1 - i]].ravel()
-                           for i in range(num_devices)])  # fmt: skip
+    return np.concatenate(
+        [chunks[[i, 2 * num_devices - 1 - i]].ravel() for i in range(num_devices)]
+    )
 
 
 def abstract_state(model, tx, mesh, seq_len: int):
@@ -209,16 +250,21 @@ def abstract_state(model, tx, mesh, seq_len: int):
 
     def init(rng):  # the weights are the same with or without ring attention
         params = model.clone(context_parallel=False).init(
-            rng, jnp.zeros((1, seq_len), jnp.int32))["params"]  # fmt: skip
+            rng, jnp.zeros((1, seq_len), jnp.int32)
+        )["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-    strip = lambda tree: jax.tree.map(lambda x: x.unbox(False) if is_box(x) else x, tree,
-                                      is_leaf=is_box)  # fmt: skip
+    strip = lambda tree: jax.tree.map(
+        lambda x: x.unbox(False) if is_box(x) else x, tree, is_leaf=is_box
+    )
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
-    shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          strip(boxed), shardings)  # fmt: skip
+    shapes = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        strip(boxed),
+        shardings,
+    )
     return shapes, lambda rng: nn.meta.unbox(init(rng))
 
 
@@ -235,8 +281,11 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
         def loss_fn(params):
             # Float32 master weights, cast to the compute type here, on each device's shard:
             # FSDP then gathers bfloat16 weights, half the bytes (FSDP2's param_dtype).
-            params = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
-                p.astype(dtype), s), params, shardings.params)  # fmt: skip
+            params = jax.tree.map(
+                lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
+                params,
+                shardings.params,
+            )
             logits_BTV, aux_loss = state.apply_fn(
                 {"params": params}, inputs_BT, positions_T
             )
@@ -248,9 +297,12 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
         return state.apply_gradients(grads=grads), metrics
 
     batch = NamedSharding(mesh, P(BATCH))
-    return jax.jit(train_step, in_shardings=(shardings, batch),
-                   out_shardings=(shardings, NamedSharding(mesh, P())),
-                   donate_argnums=0)  # fmt: skip
+    return jax.jit(
+        train_step,
+        in_shardings=(shardings, batch),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -277,14 +329,16 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         elif match := re.match(r"\s*\S+ = (.+?) ([a-z-]+?)(?:-start)?\(", line):
             shape, opcode = match.groups()
             if opcode in kinds:
-                own[name][opcode] += sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",")
-                                                                 if d] or [1]))
-                                         for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
-                                         if t in sizes)  # fmt: skip
+                own[name][opcode] += sum(
+                    sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                    if t in sizes
+                )
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
-                calls[name].append((callee, int(trips.group(1)) if trips and opcode == "while"
-                                    else 1))  # fmt: skip
+                calls[name].append(
+                    (callee, int(trips.group(1)) if trips and opcode == "while" else 1)
+                )
 
     def total(computation: str) -> collections.Counter:
         counts = collections.Counter(own[computation])
@@ -298,8 +352,11 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 def compile_only(step, shapes, args, mesh) -> None:
     """Compile one step for the requested sizes, allocating nothing, and print its costs."""
-    tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(BATCH)))  # fmt: skip
+    tokens = jax.ShapeDtypeStruct(
+        (args.global_batch, args.seq_len + 1),
+        jnp.int32,
+        sharding=NamedSharding(mesh, P(BATCH)),
+    )
     start = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         compiled = step.lower(shapes, tokens).compile()
@@ -307,11 +364,18 @@ def compile_only(step, shapes, args, mesh) -> None:
     arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes  # donated: reused
     sent = collective_bytes(compiled.as_text())
-    print(f"compiled {args.model} on {dict(mesh.shape)} in {time.perf_counter() - start:.1f} s "
-          f"({jax.devices()[0].platform}; XLA:CPU's buffer assignment differs from a GPU's)")  # fmt: skip
-    print(f"per device: arguments {arguments / 1e9:.3f} GB, temporaries {temporaries / 1e9:.3f} "
-          f"GB, total {(arguments + temporaries + outputs) / 1e9:.3f} GB; collectives "
-          + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())), flush=True)  # fmt: skip
+    seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
+    print(
+        f"compiled {args.model} on {dict(mesh.shape)} in {seconds:.1f} s "
+        f"({platform}; XLA:CPU's buffer assignment differs from a GPU's)"
+    )
+    total = arguments + temporaries + outputs
+    print(
+        f"per device: arguments {arguments / 1e9:.3f} GB, "
+        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB; collectives "
+        + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
+        flush=True,
+    )
 
 
 class Preemption:
@@ -334,7 +398,8 @@ class Preemption:
 class StepDeadline:
     """--step-timeout: a thread ends the job when this process's step has not advanced for
     ``seconds``. Each process writes its step into the key-value store of JAX's coordination
-    service; the first to pass its deadline names the processes behind, and every process prints
+    service; the first to pass its deadline names the processes behind, and every process
+    prints
     its Python stacks (faulthandler; ``kill -USR2 <pid>`` does it by hand) and exits 124."""
 
     def __init__(self, seconds: float):
@@ -347,8 +412,9 @@ class StepDeadline:
 
     def reached(self, step: int) -> None:
         if self.client is not None:
-            self.client.key_value_set(f"lm_deadline/step/{jax.process_index()}", str(step),
-                                      allow_overwrite=True)  # fmt: skip
+            self.client.key_value_set(
+                f"lm_deadline/step/{jax.process_index()}", str(step), allow_overwrite=True
+            )
         self.step, self.since = step, time.monotonic()
 
     def _fired(self):
@@ -375,25 +441,38 @@ class StepDeadline:
                 }
                 ahead = max(steps.values())
                 behind = [p for p in range(jax.process_count()) if steps.get(p, -1) < ahead]
-                message = (f"step timeout: processes {behind} did not finish step {ahead} within "
-                           f"{self.seconds:g} s" if behind else f"step timeout: step {ahead + 1} "
-                           f"did not finish within {self.seconds:g} s on any process")  # fmt: skip
+                message = (
+                    f"step timeout: processes {behind} did not finish step {ahead} within "
+                    f"{self.seconds:g} s"
+                    if behind
+                    else f"step timeout: step {ahead + 1} "
+                    f"did not finish within {self.seconds:g} s on any process"
+                )
                 with contextlib.suppress(Exception):  # another process may have fired first
                     self.client and self.client.key_value_set("lm_deadline/fired", message)
             if message is not None:
-                print(f"{message}; process {jax.process_index()}'s stacks:", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"{message}; process {jax.process_index()}'s stacks:",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 faulthandler.dump_traceback(all_threads=True)
                 time.sleep(1.5)  # the others poll the message and dump theirs
                 os._exit(124)
 
 
 def checkpoint_manager(args) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=args.keep,
-                                           save_interval_steps=args.checkpoint_every)  # fmt: skip
-    return ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir), options=options,
-                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
-                                                "data": grain.checkpoint.CheckpointHandler()})  # fmt: skip
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=args.keep, save_interval_steps=args.checkpoint_every
+    )
+    return ocp.CheckpointManager(
+        os.path.abspath(args.checkpoint_dir),
+        options=options,
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+        },
+    )
 
 
 def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
@@ -410,12 +489,15 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
     step = manager.latest_step()
     data_item = grain.checkpoint.CheckpointRestore(batches)
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(shapes), data=data_item))  # fmt: skip
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes), data=data_item),
+        )
         return restored.state, restored.data
     except ValueError:  # Grain keeps one file per process: saved with another process count
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(shapes)))  # fmt: skip
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
+        )
         batches.set_state({"next_index": step})  # global batch s is the same on any layout
         return restored.state, batches
 
@@ -436,7 +518,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     batches = data.batches(path, args.global_batch, rows, args.seed)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
-            jax.random.key(args.seed))  # born sharded  # fmt: skip
+            jax.random.key(args.seed)
+        )  # born sharded
     manager = checkpoint_manager(args) if args.checkpoint_dir else None
     if manager and manager.latest_step() is not None:
         state, batches = restore(manager, shapes, batches)
@@ -449,7 +532,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     for _ in range(int(state.step), args.steps):
         tokens = jax.make_array_from_process_local_data(
-            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1))  # fmt: skip
+            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
+        )
         if args.profile and int(state.step) in (5, 8):  # trace steps 6 to 8
             profiler = jax.profiler
             profiler.start_trace(args.profile) if state.step == 5 else profiler.stop_trace()
@@ -459,16 +543,24 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         loss = float(metrics["loss"])  # on every process: it waits, so none runs ahead
         seconds, now = time.perf_counter() - start, int(state.step)
         mfu = f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
-        print0(f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
-               f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"
-               f"{mfu}", flush=True)  # fmt: skip
+        print0(
+            f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
+            f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"
+            f"{mfu}",
+            flush=True,
+        )
         if deadline:  # after the step: the first step's compilation does not count
             deadline.reached(now)
         stop = preemption.agreed()
         if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
-            manager.save(now, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(batches)))  # fmt: skip
+            manager.save(
+                now,
+                force=True,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=grain.checkpoint.CheckpointSave(batches),
+                ),
+            )
         if stop:
             print0(f"{preemption.signal}: saved step {now}, exiting", flush=True)
             break
@@ -484,8 +576,12 @@ def setup(args):
     mesh = make_mesh(args.mesh)
     config = model_config(args)
     check_fits(config, mesh, args)
-    model = model_lib.Transformer(config, jnp.dtype(args.dtype), args.remat,
-                                  context_parallel=mesh.shape["sequence"] > 1)  # fmt: skip
+    model = model_lib.Transformer(
+        config,
+        jnp.dtype(args.dtype),
+        args.remat,
+        context_parallel=mesh.shape["sequence"] > 1,
+    )
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         shapes, init = abstract_state(model, tx, mesh, args.seq_len)

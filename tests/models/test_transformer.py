@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist_lessons import comms, memory, perf
+from jaxdist_lessons import comms, memory, residuals
 from jaxdist_lessons.models import transformer as T
 
 CONFIG = {"vocab_size": 64, "num_layers": 2, "hidden": 32, "num_heads": 4, "max_len": 16}
@@ -52,7 +52,7 @@ def test_remat_changes_nothing_but_memory(policy):
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # ...but memory: the backward pass gets fewer saved activations to read.
-    saved = lambda model: perf.residual_bytes(
+    saved = lambda model: residuals.residual_bytes(
         lambda p: T.next_token_loss(model, p, tokens), params
     )
     assert 0 < saved(remat) < saved(plain)

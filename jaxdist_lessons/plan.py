@@ -1,0 +1,924 @@
+"""Plan a run before renting the cluster: which layouts fit, what they send, how fast (predicted).
+
+    python -m jaxdist_lessons.plan --model 8b --devices 16 --nodes 2 --chip h100 \\
+        --seq-len 8192 --global-batch 256 [--json] [--check]
+
+One row per candidate layout of the LM recipe (``examples/lm/train.py``): DP, ZeRO-1, FSDP,
+HSDP, FSDP with tensor parallelism inside a node, ring attention over a ``sequence`` axis,
+experts over an ``expert`` axis, and pipeline schedules. Each row gives the memory per device,
+the bytes each device sends per step inside a node and across nodes, a predicted step time and
+MFU, and the recipe's flags. ``--check`` compiles the best rows with the recipe's
+``--compile-only`` on simulated CPU devices and prints predicted and compiled numbers side by side.
+
+The collective bytes are those of the program XLA:CPU compiles from the recipe (JAX 0.10.2):
+every collective moves float32, even under ``--dtype bfloat16``, and the counts per layer below
+were read from compiled programs (``benchmarks/plan_check.py`` checks them on 33 layouts). A GPU
+compiler makes other choices (reduce-scatters, bf16 gathers): step times and MFU are predictions
+from those bytes and the chip's datasheet, at peak flops, with no overlap of communication.
+Written here rather than taken from a library: no planner we know of reads JAX meshes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jaxdist_lessons import costmodel, hardware, pipeline
+from jaxdist_lessons.costmodel import Transfer
+from jaxdist_lessons.tables import Table
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "lm" / "train.py"
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")  # train.AXES, in its order
+F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
+USABLE = 0.9  # of a chip's memory a layout may fill (the rest: runtime, fragmentation)
+
+# --- Models --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LMShape:
+    """A Llama-style decoder's shape, with the field names of the recipe's ``ModelConfig``."""
+
+    vocab_size: int
+    num_layers: int
+    width: int  # D
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    mlp_width: int  # F
+    tie_embeddings: bool = False
+    num_experts: int = 0  # E; 0: a dense MLP
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    group_size: int = 512
+
+    @property
+    def head_width(self) -> int:  # H
+        return self.width // self.num_heads
+
+
+# examples/lm/model.py's PRESETS (tests/test_plan.py checks that they are equal).
+PRESETS = {
+    "tiny": LMShape(2048, 4, 128, 4, 2, 384),
+    "125m": LMShape(32_768, 12, 768, 12, 4, 2048),
+    "1b": LMShape(128_256, 16, 2048, 32, 8, 8192, tie_embeddings=True),
+    "8b": LMShape(128_256, 32, 4096, 32, 8, 14_336),
+    "70b": LMShape(128_256, 80, 8192, 64, 8, 28_672),
+}
+
+CHIP_NAMES = {
+    "a100": "A100 80GB",
+    "a100-40gb": "A100 40GB",
+    "h100": "H100 80GB",
+    "h200": "H200 141GB",
+    "v5p": "TPU v5p",
+}
+
+
+def attention_weights(m: LMShape) -> int:
+    """One layer's Q, K, V and output projections."""
+    return m.width * m.head_width * (2 * m.num_heads + 2 * m.num_kv_heads)
+
+
+def mlp_weights(m: LMShape) -> int:
+    """One layer's MLP: gate, up and down, for each expert; and the router."""
+    return max(m.num_experts, 1) * 3 * m.width * m.mlp_width + m.width * m.num_experts
+
+
+def param_count(m: LMShape) -> int:
+    """Parameters (``model.count_params``)."""
+    layers = m.num_layers * (attention_weights(m) + mlp_weights(m) + 2 * m.width)
+    return layers + m.vocab_size * m.width * (1 if m.tie_embeddings else 2) + m.width
+
+
+def model_flops_per_token(m: LMShape, seq_len: int) -> int:
+    """Training flops per token (``model.flops_per_token``): 6 per matmul weight a token uses,
+    plus attention's 12 L T N H."""
+    used = param_count(m) - m.vocab_size * m.width * (0 if m.tie_embeddings else 1)
+    used -= m.width * (2 * m.num_layers + 1)
+    if m.num_experts:
+        used -= m.num_layers * (m.num_experts - m.top_k) * 3 * m.width * m.mlp_width
+    return 6 * used + 12 * m.num_layers * seq_len * m.num_heads * m.head_width
+
+
+# Each weight of the recipe: its shape and the mesh axis splitting each dimension (train.RULES).
+def weight_shapes(m: LMShape) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading L."""
+    D, N, K, H, F, E, V, L = (m.width, m.num_heads, m.num_kv_heads, m.head_width,  # noqa: N806
+                              m.mlp_width, m.num_experts, m.vocab_size, m.num_layers)  # fmt: skip
+    out = [((L, D), (None, "fsdp"))] * 2  # the two norms
+    out += [((L, D, N, H), (None, "fsdp", "tensor", None))]
+    out += [((L, D, K, H), (None, "fsdp", "tensor", None))] * 2
+    out += [((L, N, H, D), (None, "tensor", None, "fsdp"))]
+    if E:
+        out += [((L, D, E), (None, "fsdp", None))]
+        out += [((L, E, D, F), (None, "expert", "fsdp", "tensor"))] * 2
+        out += [((L, E, F, D), (None, "expert", "tensor", "fsdp"))]
+    else:
+        out += [((L, D, F), (None, "fsdp", "tensor"))] * 2 + [
+            ((L, F, D), (None, "tensor", "fsdp"))
+        ]
+    out += [((V, D), ("tensor", "fsdp")), ((D,), ("fsdp",))]  # embedding, final norm
+    if not m.tie_embeddings:
+        out += [((D, V), ("fsdp", "tensor"))]
+    return out
+
+
+# --- Layouts -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout: devices per mesh axis (``train.AXES``), or a pipeline of ``stages`` (FSDP
+    inside each stage), or ZeRO-1 over all devices; only the recipe's own meshes run."""
+
+    strategy: str
+    mesh: tuple[int, int, int, int, int]  # data, fsdp, expert, sequence, tensor
+    stages: int = 1
+    schedule: str = ""  # GPipe, 1F1B, interleaved
+    virtual: int = 1
+
+    def size(self, axis: str) -> int:
+        """Devices along one of ``AXES``."""
+        return self.mesh[AXES.index(axis)]
+
+    @property
+    def batch_ways(self) -> int:
+        """Mesh axes that split the batch rows: data, fsdp, expert (train.BATCH)."""
+        return self.size("data") * self.size("fsdp") * self.size("expert")
+
+    @property
+    def runs_in_recipe(self) -> bool:
+        return self.stages == 1 and self.strategy != "ZeRO-1"
+
+    @property
+    def mesh_flag(self) -> str:
+        """``data=2,fsdp=8``: the axes above 1 (``data=1`` for one device)."""
+        return ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the reader asks for: a model, a batch and the machines."""
+
+    model: str
+    shape: LMShape
+    devices: int
+    nodes: int
+    chip: hardware.Chip
+    seq_len: int
+    global_batch: int
+    dtype: str = "bfloat16"
+
+    @property
+    def per_node(self) -> int:
+        return self.devices // self.nodes
+
+
+def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
+    """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``."""
+    sizes = dict.fromkeys(AXES, 1)
+    for item in flag.split(","):
+        axis, _, size = item.partition("=")
+        if axis not in sizes or not size.isdigit() or int(size) < 1:
+            raise PlanError(
+                f"mesh {flag!r}: expected axis=size with axes {', '.join(AXES)}"
+            )
+        sizes[axis] = int(size)
+    return tuple(sizes.values())
+
+
+def candidates(run: Run) -> list[Candidate]:
+    """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
+    n, p, m = run.devices, run.per_node, run.shape
+    mesh = lambda **sizes: tuple(sizes.get(a, 1) for a in AXES)
+    out = [Candidate("DP", mesh(data=n)), Candidate("ZeRO-1", mesh(data=n))]
+    out.append(Candidate("FSDP", mesh(fsdp=n)))
+    if run.nodes > 1:
+        out.append(Candidate("HSDP", mesh(data=run.nodes, fsdp=p)))
+    # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
+    # table instead of the activations, which the counts below do not follow.
+    inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
+    out += [Candidate("FSDP+TP", mesh(fsdp=n // t, tensor=t)) for t in inside]
+    out += [Candidate("sequence", mesh(fsdp=n // s, sequence=s)) for s in inside]
+    if m.num_experts:
+        out += [Candidate("experts", mesh(fsdp=n // e, expert=e)) for e in inside]
+    stages = run.nodes if run.nodes > 1 else 2
+    if n % stages == 0 and n > 1:
+        for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
+            out.append(Candidate(f"pipeline {schedule}", mesh(fsdp=n // stages), stages,
+                                 schedule, virtual))  # fmt: skip
+    return out
+
+
+def problems(run: Run, c: Candidate) -> list[str]:
+    """Why the recipe (or the pipeline's stages) cannot split this model this way (train.check_fits)."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    out = [f"{name} {getattr(m, name)} does not split over tensor={t}"
+           for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
+           if getattr(m, name) % t]  # fmt: skip
+    for name, axis in (("width", "fsdp"), ("num_experts", "expert")):
+        if getattr(m, name) % c.size(axis):  # JAX shards evenly or not at all
+            out.append(
+                f"{name} {getattr(m, name)} does not split over {axis}={c.size(axis)}"
+            )
+    if run.global_batch % c.batch_ways:
+        out.append(f"global batch {run.global_batch} does not split over {c.batch_ways}")
+    if s > 1 and run.seq_len % (2 * s * t):
+        out.append(f"seq-len {run.seq_len} does not split into 2 x sequence={s} chunks")
+    if t > 1 and run.seq_len % t:
+        out.append(f"seq-len {run.seq_len} does not split over tensor={t}")
+    group = min(m.group_size, run.seq_len)
+    if m.num_experts and (run.seq_len % group or (run.seq_len // group) % s):
+        out.append(f"seq-len {run.seq_len} does not make groups of {group} tokens")
+    if c.stages > 1 and m.num_layers % (c.stages * c.virtual):
+        out.append(f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages")
+    if c.stages > 1 and (run.global_batch // c.batch_ways) < c.stages:
+        out.append(f"fewer sequences per replica than the {c.stages} stages")
+    return out
+
+
+# --- Memory --------------------------------------------------------------------------------------
+
+
+def local_weights(run: Run, c: Candidate) -> int:
+    """Weights one device holds: each dimension split over its mesh axis, rounded up (XLA pads)."""
+    total = sum(
+        math.prod(math.ceil(d / (c.size(a) if a else 1)) for d, a in zip(dims, axes))
+        for dims, axes in weight_shapes(run.shape)
+    )
+    if c.strategy == "ZeRO-1":
+        return param_count(run.shape)
+    return math.ceil(total / c.stages)
+
+
+def token_bytes(run: Run, c: Candidate) -> int:
+    """The step's input: this device's rows of (global batch, seq_len + 1) int32 tokens."""
+    return run.global_batch // c.batch_ways * (run.seq_len + 1) * 4
+
+
+def argument_bytes(run: Run, c: Candidate) -> int:
+    """The compiled step's arguments: float32 weights and Adam's two moments, the tokens, and
+    three int32 step counters (TrainState's, Adam's and the schedule's)."""
+    weights = local_weights(run, c)
+    optimizer = (
+        math.ceil(2 * param_count(run.shape) / run.devices)
+        if c.strategy == "ZeRO-1"
+        else 2 * weights
+    )
+    return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
+
+
+def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
+    """What the step keeps besides its state (an estimate, to set against XLA's temporaries):
+    each layer's input (remat 'full'), one layer's activations while it is recomputed
+    (Korthikanti et al. 2022; with ``flash``, no T x T scores), and the float32 logits and their
+    gradient. A pipeline runs one sequence per microbatch and keeps the inputs of the
+    microbatches in flight: all of them under GPipe, one per stage under 1F1B."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    itemsize = 2 if run.dtype == "bfloat16" else 4
+    rows = run.global_batch // c.batch_ways
+    in_flight = rows if c.schedule in ("", "GPipe") else min(rows, c.stages)
+    micro = rows if c.stages == 1 else 1
+    tokens = run.seq_len // s
+    kept = in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
+    # XLA's attention on a CPU keeps the T x T scores; cuDNN's fused kernel (GPUs) does not.
+    layer = costmodel.layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
+    layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * m.capacity_factor)
+    logits = micro * tokens * m.vocab_size / t * (4 + 4)
+    return kept + layer + logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device: float32 weights (and, under FSDP, two layers gathered), Adam's two
+    moments, the gradients, the activations (an estimate), the input tokens."""
+
+    weights: float
+    optimizer: float
+    gradients: float
+    activations: float
+    tokens: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights + self.optimizer + self.gradients + self.activations + self.tokens
+        )
+
+
+def memory(run: Run, c: Candidate) -> Memory:
+    """Memory per device for a layout. Under FSDP the weights add two layers and the output
+    projection gathered (in the compute dtype), and the gradients the output projection's
+    whole gradient, before it is reduced."""
+    m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
+    local = local_weights(run, c)
+    zero1 = c.strategy == "ZeRO-1"
+    optimizer = 2 * F32 * (param_count(m) / run.devices if zero1 else local)
+    weights, gradients = F32 * local, F32 * local
+    if f > 1:
+        itemsize = 2 if run.dtype == "bfloat16" else 4
+        layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
+        weights += (2 * layer + m.vocab_size * m.width) / t * itemsize
+        gradients += F32 * m.vocab_size * m.width / t
+    activations = activation_bytes(run, c)
+    return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
+
+
+# --- Collectives (XLA:CPU's program) ------------------------------------------------------------
+
+
+def _t(
+    kind: str, nbytes: float, c: Candidate, *axes: str, what: str = ""
+) -> list[Transfer]:
+    """One collective over ``axes`` (an empty list if those axes have one device)."""
+    group = math.prod(c.size(a) for a in axes)
+    return [Transfer(kind, nbytes, group, what, axes)] if group > 1 and nbytes else []
+
+
+def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """FSDP's weight gathers and the gradients' all-reduces, as XLA:CPU compiles the recipe.
+
+    Measured: each layer weight gathered twice (forward, and remat's recomputation for the
+    backward), the attention's output projection a third time under tensor parallelism, the
+    norms three times; the output projection once, twice under tensor parallelism (a tied
+    table too, as the output projection); the embedding table never for its lookup (which
+    moves activations instead). Gradients: one all-reduce over fsdp
+    of all but the embedding's (no reduce-scatter on XLA:CPU), then one over each other batch
+    axis (data, sequence, expert) of the fsdp-split gradients; data parallelism alone: all of
+    them and the loss.
+    """
+    m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
+    L, D, V = m.num_layers, m.width, m.vocab_size  # noqa: N806
+    layer = attention_weights(m) + mlp_weights(m) / e
+    out_projection = L * m.num_heads * m.head_width * D
+    norms = L * 2 * D
+    unembed = V * D  # untied, or the tied table as the output projection: the same moves
+    P = param_count(m)  # noqa: N806
+    out = []
+    if c.strategy in ("DP", "ZeRO-1") or f == 1:
+        return _t("all-reduce", F32 * P + 4, c, "data", what="gradients")
+    gathered = 2 * L * layer / t + (out_projection / t if t > 1 else 0) + 3 * norms + 2 * D
+    gathered += unembed * (2 if t > 1 else 1) / t
+    out += _t("all-gather", F32 * gathered, c, "fsdp", what="weights (FSDP)")
+    out += _t("all-reduce", F32 * (L * layer / t + norms + unembed / t), c, "fsdp",
+              what="gradients (FSDP)")  # fmt: skip
+    rest = P - V * D  # the embedding table's gradient: embedding_transfers
+    for axis in ("data", "sequence"):
+        out += _t("all-reduce", F32 * rest / f, c, axis, what=f"gradients over {axis}")
+    shared = rest - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
+    out += _t(
+        "all-reduce", F32 * shared / f, c, "expert", what="gradients of shared weights"
+    )
+    return out
+
+
+def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup with the table left split: XLA:CPU moves the tokens' activations to
+    the table's fsdp shards and back, and reduces its gradient over the other batch axes."""
+    m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
+                        c.size("data"), c.size("tensor"))  # fmt: skip
+    B, T, D = run.global_batch, run.seq_len, m.width  # noqa: N806
+    rows, table, everything = B // c.batch_ways, F32 * m.vocab_size * D, F32 * B * T * D
+    out = [t_ for axis in ("data", "sequence", "expert")
+           for t_ in _t("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
+    if d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
+        out += _t("all-gather", everything / f, c, "data", what="embeddings")
+        out += _t("all-gather", everything, c, "data", "fsdp", what="embeddings")
+        return out + _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+    if e > 1:
+        out += _t("all-to-all", everything / (f * e), c, "fsdp", what="embeddings")
+        out += _t("all-gather", everything / f, c, "expert", what="embeddings")
+        out += _t("all-gather", everything, c, "fsdp", "expert", what="embeddings")
+        return out + _t(
+            "collective-permute", F32 * rows * T * D, c, "expert", what="embeddings"
+        )
+    out += _t("all-to-all", everything / f, c, "fsdp", what="embeddings")
+    out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
+    out += _t("all-to-all", everything / (f * t), c, "tensor", what="embeddings")
+    if s == 2 and f > 2:  # measured; with f = 2, the swaps below instead
+        out += _t("all-to-all", everything / (f * s), c, "sequence", what="zigzag order")
+    if s == 2 and f == 2:  # measured: the zigzag order by swaps between the two
+        swap = F32 * (rows * T // s * D + B * T * D // f)
+        out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
+    return out + _t("all-gather", everything / f + F32 * rows * T * D, c, "sequence",
+                    what="embeddings")  # fmt: skip
+
+
+def table_moves(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup in a gathered table: the table gathered over fsdp and its gradient
+    all-reduced whole (on a small model with a data axis, the rows still gathered over data)."""
+    m, f, d = run.shape, c.size("fsdp"), c.size("data")
+    table, everything = (
+        F32 * m.vocab_size * m.width,
+        F32 * run.global_batch * run.seq_len * m.width,
+    )
+    if d > 1:
+        rows = _t("all-gather", everything / f, c, "data", what="embeddings")
+        rows += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+        if sum(r.bytes for r in rows) > table:
+            rows = _t("all-gather", table, c, "fsdp", what="embedding table")
+        return rows + _t("all-reduce", table, c, "data", "fsdp", what="embedding gradient")
+    out = _t("all-gather", table, c, "fsdp", what="embedding table")
+    if c.size("expert") > 1:
+        return out + _t("all-reduce", table, c, "fsdp", "expert", what="embedding gradient")
+    out += _t("all-reduce", table, c, "fsdp", what="embedding gradient")
+    return out + _t("all-reduce", 2 * table / f, c, "sequence", what="embedding gradient")
+
+
+def gathers_the_table(run: Run, c: Candidate) -> bool:
+    """Whether XLA:CPU gathers the embedding table for the lookup (``table_moves``) rather than
+    moving activations (``lookup_moves``). Read from compiled programs on both sides of each
+    boundary (tiny, 125m, 8b): with a data axis, when a step has more tokens than the table has
+    rows; with an expert axis, when an fsdp group's share of them is at least as many; with
+    fsdp and sequence axes, when it moves fewer bytes; with a tensor axis, never seen."""
+    tokens, vocab = run.global_batch * run.seq_len, run.shape.vocab_size
+    if c.size("tensor") > 1:
+        return False
+    if c.size("data") > 1:
+        return tokens > vocab
+    if c.size("expert") > 1:
+        return tokens / c.size("fsdp") >= vocab
+    cost = lambda moves: sum(move.bytes for move in moves)
+    return cost(table_moves(run, c)) < cost(lookup_moves(run, c))
+
+
+def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """The embedding lookup and its gradient under FSDP (the table split over fsdp, not over
+    the batch), in whichever of its two ways XLA:CPU compiles it (``gathers_the_table``)."""
+    if c.size("fsdp") == 1:  # data parallelism: the table is whole on every device
+        return []
+    return table_moves(run, c) if gathers_the_table(run, c) else lookup_moves(run, c)
+
+
+def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """What moves activations inside the layers: Megatron's sequence-parallel activations,
+    ring attention's K and V, the experts' router logits, dispatch and combine. Counts per
+    layer read from XLA:CPU's programs."""
+    m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
+    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers  # noqa: N806
+    rows = B // c.batch_ways
+    out = []
+    if t > 1:  # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
+        act = F32 * rows * T * D
+        out += _t("all-gather", act * (6 * L + 2), c, "tensor", what="activations (SP)")
+        out += _t("all-reduce", act * (8 * L + 1), c, "tensor", what="activations (SP)")
+    if s > 1:
+        kv = F32 * rows * (T // s) * m.num_kv_heads * m.head_width
+        out += _t("collective-permute", L * 3 * (s - 1) * 2 * kv, c, "sequence",
+                  what="K and V around the ring")  # fmt: skip
+    if m.num_experts and e > 1:
+        logits = (
+            F32 * 2 * L * B * T * m.num_experts
+        )  # gathered forward and for the backward
+        out += _t("all-gather", logits, c, "fsdp", "expert", what="router logits")
+        group = min(m.group_size, T)
+        slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
+        buffer = F32 * m.num_experts * rows * (T // group) * slots * D
+        out += _t(
+            "all-to-all", L * 3 * 2 * buffer, c, "expert", what="tokens to experts and back"
+        )
+    return out
+
+
+def pipeline_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """A pipeline's sends between stages (each microbatch's activations forward, their gradient
+    back, once per virtual stage) and FSDP inside each stage: predicted, no recipe flag."""
+    m = run.shape
+    rows = run.global_batch // c.batch_ways
+    act = 2 * rows * run.seq_len * m.width  # bf16 activations, all microbatches
+    inside = dataclasses.replace(c, stages=1, strategy="FSDP")
+    stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
+    per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages)
+    sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
+                      ("pipeline",))]  # fmt: skip
+    return sends + weight_transfers(per_stage, inside)
+
+
+def transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """Every collective of one step on one device."""
+    if c.stages > 1:
+        return pipeline_transfers(run, c)
+    if c.strategy == "ZeRO-1":  # shards of the gradients, then the updated weights gathered
+        n, P = run.devices, param_count(run.shape)  # noqa: N806
+        return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
+                Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
+    return (
+        weight_transfers(run, c)
+        + embedding_transfers(run, c)
+        + activation_transfers(run, c)
+    )
+
+
+def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
+    """Bytes per collective kind, counted as ``train.collective_bytes`` counts them."""
+    out: dict[str, float] = {}
+    for move in moves:
+        out[move.kind] = out.get(move.kind, 0) + move.bytes
+    return out
+
+
+def crosses_nodes(run: Run, c: Candidate, axes: Sequence[str]) -> bool:
+    """Whether a group along ``axes`` spans nodes: devices are numbered over the mesh in
+    ``AXES`` order (as ``jax.make_mesh`` lays them out), ``per_node`` to a node; pipeline
+    stages are outermost, a node or more each."""
+    if "pipeline" in axes:
+        return run.nodes > 1
+    nodes: dict[tuple[int, ...], set[int]] = {}
+    for device, coords in enumerate(itertools.product(*(range(n) for n in c.mesh))):
+        group = tuple(i for a, i in zip(AXES, coords) if a not in axes)
+        nodes.setdefault(group, set()).add(device // run.per_node)
+    return any(len(found) > 1 for found in nodes.values())
+
+
+def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
+    """Bytes one device sends per step (ring algorithms) inside its node and across nodes."""
+    out = {"inside": 0.0, "across": 0.0}
+    for move in transfers(run, c):
+        link = "across" if crosses_nodes(run, c, move.axes) else "inside"
+        out[link] += costmodel.sent_bytes(move)
+    return out
+
+
+# --- Time ----------------------------------------------------------------------------------------
+
+
+def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
+    """Predicted seconds: compute at the chip's peak (remat 'full' runs the forward twice: 4/3
+    of the model's flops), the pipeline's bubble, and the sends at each link's bandwidth, with
+    no overlap."""
+    chip = run.chip
+    flops = model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
+    peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
+    compute = flops * 4 / 3 / run.devices / peak
+    if c.stages > 1:
+        micro = run.global_batch // c.batch_ways
+        compute /= 1 - pipeline.bubble_fraction(c.stages, micro, c.virtual)
+    links = link_bytes(run, c)
+    comm = links["inside"] / chip.link_bytes_per_s
+    if links["across"]:
+        comm += links["across"] / chip.network_bytes_per_s
+    step = compute + comm
+    return {"compute": compute, "comm": comm, "step": step,
+            "mfu": flops / step / (run.devices * peak)}  # fmt: skip
+
+
+# --- Rows ----------------------------------------------------------------------------------------
+
+
+def recipe_flags(run: Run, c: Candidate) -> str:
+    """The flags of ``examples/lm/train.py`` that run this layout (``n/a`` where it cannot)."""
+    if not c.runs_in_recipe:
+        return "n/a"
+    m = run.shape
+    dense = dataclasses.replace(
+        m, num_experts=0, top_k=1, capacity_factor=1.25, group_size=512
+    )
+    if dense != PRESETS.get(run.model):
+        return "n/a (train.py runs its presets' shapes)"
+    flags = [f"--model {run.model}", f"--mesh {c.mesh_flag}", f"--seq-len {run.seq_len}",
+             f"--global-batch {run.global_batch}", f"--dtype {run.dtype}"]  # fmt: skip
+    if m.num_experts:
+        flags += [f"--experts {m.num_experts}", f"--top-k {m.top_k}",
+                  f"--capacity-factor {m.capacity_factor:g}", f"--group-size {m.group_size}"]  # fmt: skip
+    return " ".join(flags)
+
+
+def temporaries_estimate(run: Run, c: Candidate, mem: Memory) -> float:
+    """What the estimate says XLA:CPU's temporaries hold: the activations with the T x T
+    scores its attention keeps, the gradients and the gathered weights (beyond the arguments)."""
+    gathered = mem.weights - F32 * local_weights(run, c)
+    return activation_bytes(run, c, flash=False) + mem.gradients + gathered
+
+
+def row(run: Run, c: Candidate) -> dict[str, Any]:
+    """Everything the table and the JSON say about one layout."""
+    mem, links, time = memory(run, c), link_bytes(run, c), step_seconds(run, c)
+    label = c.mesh_flag if c.stages == 1 else f"pipeline={c.stages},{c.mesh_flag}"
+    if c.schedule == "interleaved":
+        label += f" (v={c.virtual})"
+    return {
+        "strategy": c.strategy,
+        "mesh": label,
+        "fits": mem.total <= USABLE * run.chip.memory_bytes,
+        "memory_bytes": {**dataclasses.asdict(mem), "total": mem.total},
+        "arguments_bytes": argument_bytes(run, c),
+        "temporaries_estimate_bytes": temporaries_estimate(run, c, mem),
+        "collective_bytes": transfer_bytes_by_kind(transfers(run, c)),
+        "sent_bytes": links,
+        "predicted_step_s": time["step"],
+        "predicted_mfu": time["mfu"],
+        "flags": recipe_flags(run, c),
+        "runs_in_recipe": c.runs_in_recipe,
+    }
+
+
+def plan(run: Run) -> list[dict[str, Any]]:
+    """One row per layout that divides the model, fitting ones first, fastest first."""
+    rows = [row(run, c) for c in candidates(run) if not problems(run, c)]
+    return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
+
+
+HEADERS = ["strategy", "mesh", "fits", "weights GB", "optimizer GB", "grads GB",
+           "activations GB", "total GB", "in-node GB", "across GB",
+           "step s (predicted)", "MFU (predicted)"]  # fmt: skip
+
+
+def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
+    """The rows as a ``tables.Table``."""
+    gb = lambda x: x / 1e9
+    cells = [[r["strategy"], r["mesh"], "yes" if r["fits"] else "no",
+              *(gb(r["memory_bytes"][k]) for k in ("weights", "optimizer", "gradients",
+                                                  "activations", "total")),
+              gb(r["sent_bytes"]["inside"]), gb(r["sent_bytes"]["across"]),
+              r["predicted_step_s"], f"{r['predicted_mfu']:.1%}"] for r in rows]  # fmt: skip
+    title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
+             f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
+             f"step, {run.dtype}; GB sent per device per step by XLA:CPU's program (float32 collectives)")  # fmt: skip
+    return Table(HEADERS, cells, title=title)
+
+
+# --- Checked against the compiler --------------------------------------------------------------
+
+MINOR = 0.01  # a collective kind under 1% of a program's bytes is shown, not held to 10%
+
+
+def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
+    """In a fresh process: compile train.py's step for each argv on ``devices`` simulated CPU
+    devices and print one JSON line each (exact argument and temporary bytes, collective bytes
+    as ``train.collective_bytes`` counts them). ``train.compile_only`` prints GB to 3 decimals."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    sys.path.insert(0, str(TRAIN.parent))
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import train
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    for argv in runs:
+        args = train.parse_args([*argv, "--compile-only"])
+        try:
+            mesh, _, _, step, shapes, _ = train.setup(args)
+            tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
+                                          sharding=NamedSharding(mesh, P(train.BATCH)))  # fmt: skip
+            with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+                compiled = step.lower(shapes, tokens).compile()
+        except (Exception, SystemExit) as error:  # the next layout may still compile
+            print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
+            continue
+        memory_use = compiled.memory_analysis()
+        print(json.dumps({"arguments": memory_use.argument_size_in_bytes,
+                          "temporaries": memory_use.temp_size_in_bytes,
+                          "collectives": train.collective_bytes(compiled.as_text())}),
+              flush=True)  # fmt: skip
+
+
+def compile_flags(
+    devices: int, flag_lines: Sequence[str], progress: bool = True, strict: bool = True
+) -> list[dict]:
+    """Compile each line of recipe flags in one subprocess (JAX starts once), with a tqdm bar;
+    a layout that does not compile raises, or with ``strict=False`` gives ``{"error": ...}``."""
+    from tqdm import tqdm
+
+    runs = [line.split() for line in flag_lines]
+    program = f"from jaxdist_lessons import plan; plan.compile_worker({devices}, {runs!r})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    worker = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
+    results = []
+    with tqdm(total=len(runs), desc=f"compiling on {devices} CPU devices", unit="layout",
+              disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+        for line in worker.stdout:
+            results.append(json.loads(line))
+            bar.update()
+    if worker.wait() or len(results) != len(runs):
+        raise RuntimeError(f"compiling {flag_lines[len(results)]} failed:\n"
+                           f"{worker.stderr.read()[-3000:]}")  # fmt: skip
+    for line, result in zip(flag_lines, results):
+        if "error" in result and strict:
+            raise RuntimeError(f"train.py {line} --compile-only: {result['error']}")
+    return results
+
+
+def ratio(predicted: float, compiled: float) -> float | None:
+    """predicted / compiled; ``None`` where the compiled program has none of it."""
+    return predicted / compiled if compiled else None
+
+
+def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any]:
+    """Predicted against compiled: argument bytes, bytes per collective kind (kinds under
+    ``MINOR`` of the program's bytes marked minor), and ``temporaries_estimate`` against
+    XLA:CPU's temporaries."""
+    total = sum(compiled["collectives"].values())
+    kinds = sorted(set(plan_row["collective_bytes"]) | set(compiled["collectives"]))
+    collectives = {}
+    for kind in kinds:
+        got = compiled["collectives"].get(kind, 0)
+        want = plan_row["collective_bytes"].get(kind, 0)
+        collectives[kind] = {"predicted": want, "compiled": got, "ratio": ratio(want, got),
+                             "minor": got < MINOR * total and want < MINOR * total}  # fmt: skip
+    estimate = plan_row["temporaries_estimate_bytes"]
+    return {
+        "arguments": {"predicted": plan_row["arguments_bytes"],
+                      "compiled": compiled["arguments"],
+                      "ratio": ratio(plan_row["arguments_bytes"], compiled["arguments"])},
+        "collectives": collectives,
+        "temporaries": {"estimate": estimate, "compiled": compiled["temporaries"],
+                        "ratio": ratio(estimate, compiled["temporaries"])},
+    }  # fmt: skip
+
+
+def agrees(check: dict[str, Any], tolerance: float = 0.1) -> bool:
+    """Arguments and every collective kind that is not minor within ``tolerance``."""
+    ratios = [check["arguments"]["ratio"]]
+    ratios += [c["ratio"] for c in check["collectives"].values() if not c["minor"]]
+    return all(r is not None and abs(r - 1) <= tolerance for r in ratios)
+
+
+def check_table(rows: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]]) -> Table:
+    """Predicted and compiled side by side: arguments, each collective kind, temporaries."""
+    cells = []
+    fmt = lambda r: "-" if r is None else f"{r:.3f}"
+    for r, c in zip(rows, checks):
+        parts = [("arguments", c["arguments"])]
+        parts += [
+            (k + (" (minor)" if v["minor"] else ""), v) for k, v in c["collectives"].items()
+        ]
+        for name, v in parts:
+            cells.append([r["mesh"], name, v["predicted"] / 1e9, v["compiled"] / 1e9,
+                          fmt(v["ratio"])])  # fmt: skip
+        t = c["temporaries"]
+        cells.append([r["mesh"], "temporaries vs activation estimate", t["estimate"] / 1e9,
+                      t["compiled"] / 1e9, fmt(t["ratio"])])  # fmt: skip
+    return Table(["mesh", "per device", "predicted GB", "compiled GB", "ratio"], cells,
+                 title="predicted against XLA:CPU's compiled step (simulated devices)")  # fmt: skip
+
+
+# --- Command line --------------------------------------------------------------------------------
+
+
+class PlanError(ValueError):
+    """Input the planner cannot plan for; the command line prints it on one line, status 2."""
+
+
+def make_run(args: argparse.Namespace) -> Run:
+    """The reader's request, checked; ``PlanError`` says what is wrong."""
+    for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size"):
+        if getattr(args, name) < 1:
+            raise PlanError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
+    if args.experts < 0 or args.capacity_factor <= 0:
+        raise PlanError("--experts must be 0 or more and --capacity-factor positive")
+    if args.devices % args.nodes:
+        raise PlanError(f"--devices {args.devices} do not divide into --nodes {args.nodes}")
+    name = CHIP_NAMES.get(args.chip.lower(), args.chip)
+    if name not in hardware.CHIPS:
+        raise PlanError(f"unknown chip {args.chip!r}; known: {', '.join(CHIP_NAMES)}, "
+                        f"{', '.join(hardware.CHIPS)}")  # fmt: skip
+    chip = hardware.CHIPS[name]
+    if chip.link_bytes_per_s is None or (
+        args.nodes > 1 and chip.network_bytes_per_s is None
+    ):
+        raise PlanError(f"{chip.name} has no {'network' if chip.link_bytes_per_s else 'chip-to-chip'}"
+                        " bandwidth in hardware.CHIPS; pick another --chip")  # fmt: skip
+    shape = model_shape(args)
+    if not 1 <= args.top_k <= max(shape.num_experts, 1):
+        raise PlanError(
+            f"--top-k {args.top_k} must be between 1 and --experts {shape.num_experts}"
+        )
+    return Run(args.model or "custom", shape, args.devices, args.nodes, chip, args.seq_len,
+               args.global_batch, args.dtype)  # fmt: skip
+
+
+SHAPE_FLAGS = {"layers": "num_layers", "width": "width", "heads": "num_heads",
+               "kv_heads": "num_kv_heads", "mlp_width": "mlp_width", "vocab": "vocab_size"}  # fmt: skip
+
+
+def model_shape(args: argparse.Namespace) -> LMShape:
+    """A preset, or the shape the flags give; experts from --experts and --top-k either way."""
+    given = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
+             if getattr(args, flag) is not None}  # fmt: skip
+    if args.model and args.model not in PRESETS:
+        raise PlanError(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}, or give "
+                        "--layers --width --heads --kv-heads --mlp-width --vocab")  # fmt: skip
+    if min(given.values(), default=1) < 1:
+        raise PlanError("the model's sizes must be positive")
+    if args.model:
+        shape = dataclasses.replace(PRESETS[args.model], **given)
+    elif len(given) < len(SHAPE_FLAGS):
+        missing = [
+            f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is None
+        ]
+        raise PlanError(f"give --model, or the model's shape: missing {' '.join(missing)}")
+    else:
+        shape = LMShape(**given)
+    if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
+        raise PlanError(f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
+                        "KV heads: heads must divide the width, KV heads the heads")  # fmt: skip
+    return dataclasses.replace(shape, num_experts=args.experts, top_k=args.top_k,
+                               capacity_factor=args.capacity_factor,
+                               group_size=args.group_size)  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, status 2
+        raise PlanError(message)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = _Parser(
+        prog="python -m jaxdist_lessons.plan", description=__doc__.split("\n")[0]
+    )
+    add = parser.add_argument
+    add("--model", help=f"a preset of examples/lm/model.py: {', '.join(PRESETS)}")
+    for flag in SHAPE_FLAGS:
+        add(
+            f"--{flag.replace('_', '-')}",
+            type=int,
+            help="the model's shape, without --model",
+        )
+    add("--experts", type=int, default=0, help="experts per MLP (0: dense)")
+    add("--top-k", type=int, default=1)
+    add("--capacity-factor", type=float, default=1.25)
+    add("--group-size", type=int, default=512)
+    add("--devices", type=int, required=True)
+    add("--nodes", type=int, default=1)
+    add(
+        "--chip",
+        default="h100",
+        help=f"{', '.join(CHIP_NAMES)} or a name in hardware.CHIPS",
+    )
+    add("--seq-len", type=int, default=2048)
+    add("--global-batch", type=int, required=True, help="sequences per step")
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute type")
+    add("--json", action="store_true", help="print the rows as JSON")
+    add("--check", action="store_true", help="compile the best rows on simulated devices")
+    add("--check-rows", type=int, default=3, help="how many rows --check compiles")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: the table (or JSON), and with --check the compiled comparison."""
+    try:
+        args = parse_args(argv)
+        run = make_run(args)
+        rows = plan(run)
+        if not any(r["fits"] for r in rows):
+            smallest = min((r["memory_bytes"]["total"] for r in rows), default=math.inf)
+            raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
+                            f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
+                            f"{USABLE:.0%} of {run.chip.memory_label} (the recipe has no gradient "
+                            "accumulation: fewer --global-batch or more --devices)")  # fmt: skip
+        if args.check and all(r["flags"].startswith("n/a") for r in rows):
+            raise PlanError(
+                "--check compiles the recipe, which runs its presets only: use --model"
+            )
+    except PlanError as error:
+        print(f"plan: {error}", file=sys.stderr)
+        return 2
+    checks = []
+    if args.check:
+        chosen = [r for r in rows if r["runs_in_recipe"]][
+            : args.check_rows
+        ]  # fitting first
+        compiled = compile_flags(run.devices, [r["flags"] for r in chosen])
+        checks = [compare(r, c) for r, c in zip(chosen, compiled)]
+    if args.json:
+        out: dict[str, Any] = {"run": run_summary(run), "rows": rows}
+        if args.check:
+            out["checks"] = [{"mesh": r["mesh"], **c} for r, c in zip(chosen, checks)]
+        print(json.dumps(out, indent=1))
+        return 0
+    print(table(run, rows))
+    print("\nflags for examples/lm/train.py (add --num-devices N --compile-only to check one "
+          "on this machine):")  # fmt: skip
+    for number, r in enumerate(rows, 1):
+        print(f"{number:>3}. {r['strategy']:<22} {r['flags']}")
+    if args.check:
+        print()
+        print(check_table(chosen, checks))
+    return 0
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """The request, as JSON."""
+    return {"model": run.model, "shape": dataclasses.asdict(run.shape), "devices": run.devices,
+            "nodes": run.nodes, "chip": run.chip.name, "seq_len": run.seq_len,
+            "global_batch": run.global_batch, "dtype": run.dtype}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""plan: the planner's models match the recipe's, its command line, and its predictions against
+the compiler (book/data/plan_check.json, from benchmarks/plan_check.py; three rows recompiled)."""
+
+import contextlib
+import dataclasses
+import io
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxdist_lessons import plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import model as model_lib  # noqa: E402
+import plan_check  # noqa: E402
+
+CHECKED_JSON = ROOT / "book" / "data" / "plan_check.json"
+EXAMPLE = ["--model", "125m", "--devices", "8", "--nodes", "2", "--chip", "h100",
+           "--seq-len", "2048", "--global-batch", "16"]  # fmt: skip
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan.main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_presets_params_and_flops_are_the_recipes():
+    assert plan.PRESETS.keys() == model_lib.PRESETS.keys()
+    for name, shape in plan.PRESETS.items():
+        recipe = model_lib.PRESETS[name]
+        for field in dataclasses.fields(shape):
+            assert getattr(shape, field.name) == getattr(recipe, field.name), (name, field)
+        for experts in ({}, {"num_experts": 8, "top_k": 2}):
+            ours = dataclasses.replace(shape, **experts)
+            theirs = dataclasses.replace(recipe, **experts)
+            assert plan.param_count(ours) == model_lib.count_params(theirs)
+            assert plan.model_flops_per_token(ours, 4096) == model_lib.flops_per_token(
+                theirs, 4096
+            )
+            weights = sum(plan.math.prod(dims) for dims, _ in plan.weight_shapes(ours))
+            assert weights == plan.param_count(ours)
+
+
+def test_json_has_the_tables_rows():
+    status, printed, _ = run_main(EXAMPLE)
+    assert status == 0
+    status, as_json, _ = run_main([*EXAMPLE, "--json"])
+    assert status == 0
+    rows = json.loads(as_json)["rows"]
+    lines = printed.splitlines()
+    table_rows = lines[3 : 3 + len(rows)]  # title, headers, rule, then one line a row
+    assert len(rows) >= 8 and not lines[3 + len(rows)].strip()
+    for line, r in zip(table_rows, rows):
+        cells = re.split(r"\s{2,}", line.strip())
+        assert cells[:3] == [r["strategy"], r["mesh"], "yes" if r["fits"] else "no"]
+        assert float(cells[7]) == pytest.approx(r["memory_bytes"]["total"] / 1e9, rel=1e-3)
+        assert cells[-1] == f"{r['predicted_mfu']:.1%}"
+    strategies = {r["strategy"] for r in rows}
+    assert {
+        "DP",
+        "ZeRO-1",
+        "FSDP",
+        "HSDP",
+        "FSDP+TP",
+        "sequence",
+        "pipeline 1F1B",
+    } <= strategies
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True)  # fitting rows first
+    for (
+        r
+    ) in rows:  # each printed flag line is the row's, n/a where the recipe cannot run it
+        assert f"{r['strategy']:<22} {r['flags']}" in printed
+        assert (r["flags"] == "n/a") == (
+            r["strategy"] == "ZeRO-1" or "pipeline" in r["strategy"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "12", "--nodes", "5"], "--devices 12 do not divide into --nodes 5"),
+        (["--chip", "v100"], "unknown chip 'v100'; known: a100, a100-40gb, h100"),
+        (["--model", "13b"], "unknown model '13b'; presets: tiny, 125m, 1b, 8b, 70b"),
+        (["--global-batch", "0"], "--global-batch must be positive, got 0"),
+        (["--seq-len", "-8"], "--seq-len must be positive, got -8"),
+        (["--devices", "x"], "argument --devices: invalid int value: 'x'"),
+        (["--model", "70b", "--devices", "2", "--nodes", "1"],
+         "70b fits no layout on 2 x H100 80GB: the smallest needs"),
+        (["--model", None, "--layers", "2"], "missing --width --heads --kv-heads"),
+        (["--chip", "TPU v4"], "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS"),
+        (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
+    ],
+)  # fmt: skip
+def test_bad_input_gives_one_line_and_status_2(argv, message):
+    args = dict(zip(EXAMPLE[::2], EXAMPLE[1::2]))
+    args.update(zip(argv[::2], argv[1::2]))
+    flat = [x for k, v in args.items() if v is not None for x in (k, v)]
+    status, printed, error = run_main(flat)
+    assert (status, printed) == (2, "")
+    assert error.startswith("plan: ") and error.count("\n") == 1, error
+    assert message in error
+
+
+def test_command_line_exits_2_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "jaxdist_lessons.plan", *EXAMPLE[:-2],
+                           "--global-batch", "-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == "plan: --global-batch must be positive, got -1\n"
+
+
+def test_the_sweep_agrees_with_the_compiler():
+    """>= 20 layouts compiled (benchmarks/plan_check.py): the predicted argument bytes and the
+    bytes of every collective kind that carries 1% of the program's bytes or more, within 10%;
+    and the JSON's predictions are the planner's today (rerun the benchmark with --reuse if
+    the planner changed, without it if the recipe did)."""
+    checked = json.loads(CHECKED_JSON.read_text())
+    rows = checked["rows"]
+    assert len(rows) >= 20 and checked["summary"]["all_agree"]
+    assert {r["devices"] for r in rows} >= {6, 8, 12, 16}
+    assert {"DP", "FSDP", "HSDP", "FSDP+TP", "sequence", "experts"} <= {
+        r["strategy"] for r in rows
+    }
+    kinds = {
+        k for r in rows for k, v in r["check"]["collectives"].items() if not v["minor"]
+    }
+    assert {"all-gather", "all-reduce", "all-to-all", "collective-permute"} <= kinds
+    regimes = set()
+    for r in rows:
+        run, predicted = plan_check.prediction(tuple(r["combo"]))
+        regimes.add(
+            plan.gathers_the_table(run, plan.Candidate("", plan.mesh_sizes(r["mesh"])))
+        )
+        check = plan.compare(predicted, r["compiled"])
+        assert check == r["check"], r["mesh"]
+        assert plan.agrees(check), (r["model"], r["mesh"], check)
+    assert regimes == {True, False}  # both ways of compiling the embedding lookup
+    assert sorted(plan_check.key(r["combo"]) for r in rows) == sorted(
+        plan_check.key(list(c)) for c in plan_check.COMBOS
+    )
+
+
+def test_two_rows_recompile_to_the_jsons_values(tmp_path):
+    """The JSON is current: one tiny row compiled again by the planner's worker (exact bytes),
+    and one through train.py's own --compile-only with the flags the planner prints (they run
+    as given; its line prints GB to 3 decimals and collective bytes exactly)."""
+    checked = json.loads(CHECKED_JSON.read_text())
+    rows = {(r["model"], r["devices"], r["mesh"]): r for r in checked["rows"]}
+    fsdp = rows[("tiny", 8, "fsdp=8")]
+    [compiled] = plan.compile_flags(8, [fsdp["flags"]], progress=False)
+    assert compiled == fsdp["compiled"]
+    ring = rows[("tiny", 8, "fsdp=2,sequence=4")]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "examples/lm/train.py", *ring["flags"].split(),
+                           "--num-devices", "8", "--compile-only", "--compilation-cache",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("per device:"))
+    arguments = float(re.search(r"arguments ([\d.]+) GB", line)[1])
+    assert arguments == round(ring["compiled"]["arguments"] / 1e9, 3)
+    printed = {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)}
+    assert printed == ring["compiled"]["collectives"]
+
+
+def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
+    """--check's table and JSON, with the compiler stood in for (the recompile test above
+    runs the real one): compiled values of 90% of the predicted give ratios of 1.111."""
+    asked = []
+
+    def compiled(devices, flag_lines, progress=True):
+        asked.append((devices, list(flag_lines)))
+        rows = {r["flags"]: r for r in plan.plan(plan.make_run(plan.parse_args(EXAMPLE)))}
+        return [{"arguments": rows[f]["arguments_bytes"] * 0.9, "temporaries": 1e9,
+                 "collectives": {k: v * 0.9 for k, v in rows[f]["collective_bytes"].items()}}
+                for f in flag_lines]  # fmt: skip
+
+    monkeypatch.setattr(plan, "compile_flags", compiled)
+    status, printed, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2"])
+    assert status == 0
+    [(devices, flags)] = asked
+    assert devices == 8 and len(flags) == 2 and "n/a" not in flags
+    assert printed.count(" 1.111") >= 4  # arguments and at least one kind, for each row
+    status, as_json, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2", "--json"])
+    checks = json.loads(as_json)["checks"]
+    assert [c["arguments"]["ratio"] for c in checks] == pytest.approx([1 / 0.9] * 2)
+
+
+def test_a_model_given_by_its_shape():
+    """GQA and experts from flags: the experts' rows appear; train.py runs presets only, so no
+    row has flags, and --check says why."""
+    shape = ["--layers", "4", "--width", "512", "--heads", "8", "--kv-heads", "2",
+             "--mlp-width", "1024", "--vocab", "8000", "--experts", "8", "--top-k", "2",
+             "--devices", "8", "--nodes", "2", "--global-batch", "16"]  # fmt: skip
+    status, as_json, _ = run_main([*shape, "--json"])
+    assert status == 0
+    out = json.loads(as_json)
+    assert out["run"]["shape"]["num_kv_heads"] == 2 and out["run"]["model"] == "custom"
+    experts = [r["mesh"] for r in out["rows"] if r["strategy"] == "experts"]
+    assert sorted(experts) == ["fsdp=2,expert=4", "fsdp=4,expert=2"]
+    assert all(r["flags"].startswith("n/a") for r in out["rows"])
+    status, _, error = run_main([*shape, "--check"])
+    assert status == 2 and "--check compiles the recipe" in error
+    status, _, error = run_main([*shape[:-2], "--global-batch", "16", "--heads", "0"])
+    assert status == 2 and error == "plan: the model's sizes must be positive\n"
