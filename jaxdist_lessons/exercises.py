@@ -1182,9 +1182,7 @@ def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 def _layout(data: int, tensor: int) -> Any:
     from jaxdist_lessons import costmodel
 
-    fields = {f.name for f in dataclasses.fields(costmodel.Layout)}
-    name = "tensor" if "tensor" in fields else "model"
-    return costmodel.Layout(data=data, **{name: tensor})
+    return costmodel.Layout(data=data, tensor=tensor)
 
 
 def _crossing(hw: str) -> int:
