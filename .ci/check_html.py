@@ -32,10 +32,14 @@ IMAGE = re.compile(r'<img[^>]+src="[^"]+\.png"')
 
 def figures_made(chapter: pathlib.Path) -> int:
     """How many figures the chapter's code displays (its ``plots.show(`` calls)."""
-    return sum(cell.count("plots.show(") for cell in CODE_CELL.findall(chapter.read_text()))
+    return sum(
+        cell.count("plots.show(") for cell in CODE_CELL.findall(chapter.read_text())
+    )
 
 
-def problems(html_dir: pathlib.Path, book_dir: pathlib.Path = ROOT / "book") -> list[str]:
+def problems(
+    html_dir: pathlib.Path, book_dir: pathlib.Path = ROOT / "book"
+) -> list[str]:
     """Everything wrong with the built pages of the chapters in ``book_dir``."""
     found = []
     for chapter in sorted(book_dir.glob("*.md")):
@@ -68,7 +72,9 @@ def main(argv: list[str]) -> int:
     for problem in found:
         print(f"check_html: {problem}")
     if not found:
-        print(f"check_html: every chapter page in {html_dir} has its figures and no noise")
+        print(
+            f"check_html: every chapter page in {html_dir} has its figures and no noise"
+        )
     return 1 if found else 0
 
 

@@ -22,7 +22,9 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def executed_config(root: pathlib.Path = ROOT, config_file: str = "_config.yml") -> dict:
+def executed_config(
+    root: pathlib.Path = ROOT, config_file: str = "_config.yml"
+) -> dict:
     config = yaml.safe_load((root / config_file).read_text())
     paired = sorted(
         f"book/{md.name}"

@@ -90,7 +90,10 @@ APIS = [
         "https://docs.jax.dev/en/latest/profiling.html",
     ),
     (
-        ["optax.softmax_cross_entropy", "optax.softmax_cross_entropy_with_integer_labels"],
+        [
+            "optax.softmax_cross_entropy",
+            "optax.softmax_cross_entropy_with_integer_labels",
+        ],
         OPTAX + "losses.html",
     ),
     (["optax.MultiSteps"], OPTAX + "optimizer_wrappers.html#optax.MultiSteps"),
@@ -182,7 +185,9 @@ def find_first_uses(text: str) -> list[tuple[int, int, str]]:
     for spellings, url in APIS:
         if not already_linked(url, text):
             alternatives = "|".join(re.escape(s) for s in spellings)
-            todo.append((re.compile(rf"`(?:{alternatives})(?:\([^`]*\))?`"), ("url", url)))
+            todo.append(
+                (re.compile(rf"`(?:{alternatives})(?:\([^`]*\))?`"), ("url", url))
+            )
     todo += [
         (re.compile(p), ("url", url))
         for p, url in LIBRARIES
@@ -224,7 +229,9 @@ def find_first_uses(text: str) -> list[tuple[int, int, str]]:
                         word if target == "ZeRO" else target
                     )  # ZeRO-1, -2, -3 are entries too
                     new = (
-                        f"{{term}}`{word}`" if word == ref else f"{{term}}`{word} <{ref}>`"
+                        f"{{term}}`{word}`"
+                        if word == ref
+                        else f"{{term}}`{word} <{ref}>`"
                     )
                 edits.append((start + a, start + b, new))
                 done.add(i)

@@ -41,7 +41,10 @@ def gettext_config(root: pathlib.Path = ROOT) -> dict:
     # message, and they are relative to the build folder.
     sphinx["gettext_location"] = False
     extensions = config["sphinx"].get("local_extensions") or {}
-    for name, path in extensions.items():  # the config is written elsewhere: absolute paths
+    for (
+        name,
+        path,
+    ) in extensions.items():  # the config is written elsewhere: absolute paths
         extensions[name] = str((root / path).resolve())
     return config
 
@@ -117,7 +120,9 @@ def carry_translations(root: pathlib.Path = ROOT) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pot-dir", default=str(ROOT / "_build" / "gettext"))
-    parser.add_argument("--pot-only", action="store_true", help="write only the templates")
+    parser.add_argument(
+        "--pot-only", action="store_true", help="write only the templates"
+    )
     args = parser.parse_args()
     pot_dir = build_templates(pathlib.Path(args.pot_dir))
     if not args.pot_only:

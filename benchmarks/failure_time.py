@@ -95,7 +95,9 @@ def main() -> None:
     )
     for name, launch in launchers(args.processes).items():
         for how in ("raise", "kill"):
-            runs = [time_one(launch, args.devices, how, extra) for _ in range(args.repeat)]
+            runs = [
+                time_one(launch, args.devices, how, extra) for _ in range(args.repeat)
+            ]
             times = ", ".join(f"{t:.1f}" for t, _ in runs)
             median = statistics.median(t for t, _ in runs)
             statuses = sorted({s for _, s in runs})

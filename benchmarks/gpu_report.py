@@ -48,7 +48,9 @@ def chapters(names: Sequence[str] | None = None) -> list[pathlib.Path]:
     return [by_name[n] for n in names]
 
 
-def run(command: Sequence[str], log: pathlib.Path, timeout: float) -> tuple[bool, float]:
+def run(
+    command: Sequence[str], log: pathlib.Path, timeout: float
+) -> tuple[bool, float]:
     """Run ``command`` from the repository root, its output into ``log``; (passed, seconds)."""
     env = {k: v for k, v in os.environ.items() if k != "JAXDIST_NUM_DEVICES"}
     start = time.monotonic()
@@ -59,7 +61,9 @@ def run(command: Sequence[str], log: pathlib.Path, timeout: float) -> tuple[bool
         log.write_text(done.stdout + done.stderr)
         passed = done.returncode == 0
     except subprocess.TimeoutExpired as err:
-        log.write_text(f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}")
+        log.write_text(
+            f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+        )
         passed = False
     return passed, time.monotonic() - start
 
@@ -91,7 +95,9 @@ def lm_summary(text: str, skip: int = 5) -> str:
     tokens = statistics.median(float(r[1].replace(",", "")) for r in rows)
     step_ms = statistics.median(float(r[2]) for r in rows)
     mfus = [float(r[3]) for r in rows if r[3]]
-    mfu = f", MFU {statistics.median(mfus):.1f}%" if mfus else ", MFU n/a (no known peak)"
+    mfu = (
+        f", MFU {statistics.median(mfus):.1f}%" if mfus else ", MFU n/a (no known peak)"
+    )
     return f"median of steps {rows[0][0]}-{rows[-1][0]}: {tokens:,.0f} tokens/s, {step_ms:.0f} ms/step{mfu}"
 
 
@@ -121,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     python = sys.executable
 
-    doctor_ok, _ = run([python, "-m", "jaxdist_lessons.doctor"], out / "doctor.txt", 300)
+    doctor_ok, _ = run(
+        [python, "-m", "jaxdist_lessons.doctor"], out / "doctor.txt", 300
+    )
     rows = []
     for notebook in tqdm(chapters(args.chapters), desc="chapters", unit="chapter"):
         command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake"]
@@ -130,13 +138,17 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
             out / f"{notebook.stem}.txt",
             args.timeout,
         )
-        rows.append(f"| {notebook.stem} | {'pass' if passed else 'FAIL'} | {seconds:.0f} |")
+        rows.append(
+            f"| {notebook.stem} | {'pass' if passed else 'FAIL'} | {seconds:.0f} |"
+        )
     # strategies.py is CPU-sized already; only resnet50.py has a --small size
     small = {"resnet50.py": ["--small"] if args.small else [], "strategies.py": []}
     benchmarks = {}
     for script in ("resnet50.py", "strategies.py"):
         log = out / script.replace(".py", ".txt")
-        passed, _ = run([python, f"benchmarks/{script}", *small[script]], log, args.timeout)
+        passed, _ = run(
+            [python, f"benchmarks/{script}", *small[script]], log, args.timeout
+        )
         benchmarks[script] = (passed, log.read_text())
     devices = 8 if args.small else device_count(python)
     lm = {}
@@ -146,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
         log = out / f"lm-{name}.txt"
         passed, _ = run(command, log, args.timeout)
         text = log.read_text()
-        summary = lm_summary(text) if name == "train" else text.strip().splitlines()[-1:]
+        summary = (
+            lm_summary(text) if name == "train" else text.strip().splitlines()[-1:]
+        )
         lm[name] = (passed, " ".join(command[1:]), summary)
 
     report = [

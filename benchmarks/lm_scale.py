@@ -46,8 +46,13 @@ def parse_line(output: str) -> dict:
     """The numbers of train.py's 'per device:' line (GB, and bytes per collective kind)."""
     line = next(text for text in output.splitlines() if text.startswith("per device:"))
     gb = dict(re.findall(r"(arguments|temporaries|total) ([\d.]+) GB", line))
-    collectives = {kind: int(size) for kind, size in re.findall(r"([a-z-]+) (\d+) B", line)}
-    return {**{key: float(value) for key, value in gb.items()}, "collectives": collectives}
+    collectives = {
+        kind: int(size) for kind, size in re.findall(r"([a-z-]+) (\d+) B", line)
+    }
+    return {
+        **{key: float(value) for key, value in gb.items()},
+        "collectives": collectives,
+    }
 
 
 def compile_row(model: str, devices: int, strategy: str) -> dict:

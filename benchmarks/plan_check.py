@@ -42,7 +42,16 @@ COMBOS = [
     ("125m", 8, 2, "FSDP", "fsdp=8", 256, 16, {}),
     ("125m", 8, 2, "FSDP+TP", "fsdp=2,tensor=4", 256, 16, {}),
     ("125m", 8, 2, "sequence", "fsdp=4,sequence=2", 256, 16, {}),
-    ("125m", 8, 2, "experts", "fsdp=4,expert=2", 256, 16, {"num_experts": 8, "top_k": 2}),
+    (
+        "125m",
+        8,
+        2,
+        "experts",
+        "fsdp=4,expert=2",
+        256,
+        16,
+        {"num_experts": 8, "top_k": 2},
+    ),
     ("125m", 6, 2, "DP", "data=6", 256, 12, {}),
     ("125m", 6, 2, "FSDP", "fsdp=6", 256, 12, {}),
     ("125m", 6, 2, "HSDP", "data=2,fsdp=3", 384, 12, {}),
@@ -72,7 +81,9 @@ def prediction(combo: tuple) -> tuple[plan.Run, dict]:
     shape = plan.PRESETS[model]
     if moe:
         shape = plan.dataclasses.replace(shape, **moe)
-    run = plan.Run(model, shape, devices, nodes, hardware.chip("H100 80GB"), seq_len, batch)
+    run = plan.Run(
+        model, shape, devices, nodes, hardware.chip("H100 80GB"), seq_len, batch
+    )
     candidate = plan.Candidate(strategy, plan.mesh_sizes(mesh))
     assert not plan.problems(run, candidate), (combo, plan.problems(run, candidate))
     return run, plan.row(run, candidate)

@@ -33,8 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--width", type=float, default=None, help="channel multiplier, default 1.0"
     )
-    parser.add_argument("--per-device-batch", type=int, default=None, help="default 128")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps, default 20")
+    parser.add_argument(
+        "--per-device-batch", type=int, default=None, help="default 128"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps, default 20"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument(
         "--peak-tflops",
@@ -73,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     shardings = train.state_shardings(
         model, tx, mesh, [], image_shape
     )  # no rules: replicated state
-    state = train.create_train_state(model, tx, mesh, [], jax.random.key(0), image_shape)
+    state = train.create_train_state(
+        model, tx, mesh, [], jax.random.key(0), image_shape
+    )
     train_step, _ = train.make_steps(shardings, mesh)
     batch_size = args.per_device_batch * n
     rng = np.random.default_rng(0)

@@ -20,12 +20,19 @@ from jaxdist_lessons import devices, zero
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "transformer", "both"], default="both")
     parser.add_argument(
-        "--strategies", nargs="+", choices=zero.STRATEGIES, default=list(zero.STRATEGIES)
+        "--model", choices=["mlp", "transformer", "both"], default="both"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=zero.STRATEGIES,
+        default=list(zero.STRATEGIES),
     )
     parser.add_argument("--width", type=int, default=256, help="MLP hidden width")
-    parser.add_argument("--hidden", type=int, default=64, help="Transformer hidden size")
+    parser.add_argument(
+        "--hidden", type=int, default=64, help="Transformer hidden size"
+    )
     parser.add_argument("--layers", type=int, default=2, help="Transformer blocks")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument(
@@ -35,7 +42,10 @@ def main() -> None:
         help="examples per device (default: 32 for the MLP, 4 for the Transformer)",
     )
     parser.add_argument(
-        "--calls", type=int, default=5, help="timed steps per strategy (median reported)"
+        "--calls",
+        type=int,
+        default=5,
+        help="timed steps per strategy (median reported)",
     )
     args = parser.parse_args()
 
@@ -68,7 +78,8 @@ def main() -> None:
     for work in workloads:
         for strategy in args.strategies:
             print(
-                benchmark.strategy_table(strategy, work, mesh, calls=args.calls), end="\n\n"
+                benchmark.strategy_table(strategy, work, mesh, calls=args.calls),
+                end="\n\n",
             )
 
 

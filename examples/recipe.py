@@ -51,7 +51,9 @@ def create_state(mesh, learning_rate: float) -> train_state.TrainState:
     """Parameters and Adam's moments, born sharded: no device holds more than its shards."""
     model, tx = MLP(), optax.adam(learning_rate)
 
-    def init(rng):  # run under jit with out_shardings, each device makes only its shards
+    def init(
+        rng,
+    ):  # run under jit with out_shardings, each device makes only its shards
         params = model.init(rng, jnp.zeros((1, 64)))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
@@ -67,7 +69,9 @@ def make_train_step(state, mesh):
     def train_step(state, images, labels):
         def loss_fn(params):
             logits = state.apply_fn({"params": params}, images)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, labels
+            ).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
@@ -84,7 +88,10 @@ def make_train_step(state, mesh):
 def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
     """Each process loads only its rows of each batch; JAX assembles the global array."""
     digits = load_digits()
-    images, labels = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int32)
+    images, labels = (
+        (digits.data / 16.0).astype(np.float32),
+        digits.target.astype(np.int32),
+    )
     per_process = global_batch // jax.process_count()
     rng = np.random.default_rng(seed)
     sharding = NamedSharding(mesh, P("data"))
@@ -104,7 +111,9 @@ def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
 def main(steps: int, checkpoint_dir: str) -> None:
     join_processes()
     n = jax.device_count()
-    tensor_axis = 2 if n % 2 == 0 else 1  # tensor parallel in pairs where the count allows
+    tensor_axis = (
+        2 if n % 2 == 0 else 1
+    )  # tensor parallel in pairs where the count allows
     shape, axes = (n // tensor_axis, tensor_axis), ("data", "tensor")
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto, AxisType.Auto))
     state = create_state(mesh, learning_rate=1e-3)
@@ -112,7 +121,9 @@ def main(steps: int, checkpoint_dir: str) -> None:
     batch = 16 * shape[0]  # a multiple of the 'data' axis, hence of the processes
     for step, (images, labels) in enumerate(global_batches(mesh, batch, steps)):
         state, loss = train_step(state, images, labels)
-        loss = float(loss)  # on every process: it waits for the step, so none runs ahead
+        loss = float(
+            loss
+        )  # on every process: it waits for the step, so none runs ahead
         if jax.process_index() == 0:
             print(f"step {step:3d}  loss {loss:.4f}", flush=True)
 
@@ -126,5 +137,6 @@ def main(steps: int, checkpoint_dir: str) -> None:
 
 if __name__ == "__main__":
     main(
-        int(os.environ.get("STEPS", "100")), os.environ.get("CHECKPOINT_DIR", "/tmp/recipe")
+        int(os.environ.get("STEPS", "100")),
+        os.environ.get("CHECKPOINT_DIR", "/tmp/recipe"),
     )

@@ -64,7 +64,10 @@ def main() -> None:
     )
     psum = jax.jit(
         jax.shard_map(
-            lambda b: jax.lax.psum(b, "all"), mesh=mesh, in_specs=P("all"), out_specs=P()
+            lambda b: jax.lax.psum(b, "all"),
+            mesh=mesh,
+            in_specs=P("all"),
+            out_specs=P(),
         )
     )
     got = float(np.asarray(psum(x).addressable_shards[0].data)[0])

@@ -39,7 +39,9 @@ def local_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 def global_array(local: np.ndarray, spec: P) -> jax.Array:
     """One array over every process's devices, from this process's part of it."""
     shape = (GLOBAL_BATCH, *local.shape[1:]) if spec == P("data") else local.shape
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, shape)
+    return jax.make_array_from_process_local_data(
+        NamedSharding(mesh, spec), local, shape
+    )
 
 
 @jax.jit
@@ -49,7 +51,9 @@ def train_step(w: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax
     return w - 0.1 * grad, loss
 
 
-w = global_array(np.zeros(4, np.float32), P())  # replicated: every process passes all of it
+w = global_array(
+    np.zeros(4, np.float32), P()
+)  # replicated: every process passes all of it
 for step in range(30):
     x, y = local_batch(step)
     w, loss = train_step(w, global_array(x, P("data")), global_array(y, P("data")))
@@ -58,4 +62,6 @@ for step in range(30):
         print(f"step {step + 1}: loss {loss:.6f}", flush=True)
 if jax.process_index() == 0:
     w = np.round(np.asarray(w), 3)
-    print(f"{jax.process_count()} processes x {jax.local_device_count()} devices; w = {w}")
+    print(
+        f"{jax.process_count()} processes x {jax.local_device_count()} devices; w = {w}"
+    )

@@ -153,7 +153,9 @@ def strategy_table(
         jax.eval_shape(tx.init, work.params),
         axis=axis,
     )
-    params, opt_state = zero.place(strategy, work.params, tx.init(work.params), mesh, axis)
+    params, opt_state = zero.place(
+        strategy, work.params, tx.init(work.params), mesh, axis
+    )
     batch = jax.device_put(work.batch, NamedSharding(mesh, P(axis)))
     program = step.lower(params, opt_state, batch).compile()
     return compiled_strategy_table(
@@ -239,7 +241,9 @@ def compile_strategies(
         batch = jax.device_put(work.batch, NamedSharding(mesh, P("data")))
         opt_shape = jax.eval_shape(tx.init, work.params)
         for strategy in zero.STRATEGIES:
-            step = zero.make_step(strategy, work.loss_fn, tx, mesh, work.params, opt_shape)
+            step = zero.make_step(
+                strategy, work.loss_fn, tx, mesh, work.params, opt_shape
+            )
             state = zero.place(strategy, work.params, tx.init(work.params), mesh)
             programs[work.name, strategy] = (step.lower(*state, batch).compile(), state)
     return programs

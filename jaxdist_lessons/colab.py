@@ -108,11 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("chapters", nargs="*", type=pathlib.Path)
     args = parser.parse_args(argv)
-    chapters = args.chapters or [  # the notebooks' text sources; a plain page has no .ipynb
-        md
-        for md in sorted(pathlib.Path("book").glob("*.md"))
-        if md.with_suffix(".ipynb").exists()
-    ]
+    chapters = (
+        args.chapters
+        or [  # the notebooks' text sources; a plain page has no .ipynb
+            md
+            for md in sorted(pathlib.Path("book").glob("*.md"))
+            if md.with_suffix(".ipynb").exists()
+        ]
+    )
     for path in chapters:
         text = path.read_text()
         updated = with_install_cell(text)

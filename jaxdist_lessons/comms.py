@@ -31,7 +31,13 @@ from jaxdist_lessons import hlo
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.compiled import compile_fn
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +60,9 @@ class Collective:
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in a compiled program's text, in program order."""
     in_loops = hlo.loop_computations(hlo_text)
-    starts: dict[str, str] = {}  # an async -start op's name -> its attributes (the groups)
+    starts: dict[
+        str, str
+    ] = {}  # an async -start op's name -> its attributes (the groups)
     records = []
     for op in hlo.instructions(hlo_text):
         kind, phase = hlo.split_async(op.opcode)
@@ -80,7 +88,9 @@ def collectives(hlo_text: str) -> list[Collective]:
                 bytes=hlo.shapes_bytes(arrays),
                 shapes=arrays,
                 replica_groups=groups,
-                group_size=hlo.group_size(groups) if kind != "collective-permute" else None,
+                group_size=hlo.group_size(groups)
+                if kind != "collective-permute"
+                else None,
                 in_loop=op.computation in in_loops,
                 computation=op.computation,
                 name=op.name,
@@ -91,7 +101,9 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 def _check_kind(kind: str | None) -> None:
     if kind is not None and kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; allowed: {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown collective kind {kind!r}; allowed: {', '.join(KINDS)}"
+        )
 
 
 def total_bytes(hlo_text: str, kind: str | None = None) -> int:

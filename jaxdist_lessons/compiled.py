@@ -37,7 +37,9 @@ class CompiledStats:
     @property
     def live_bytes(self) -> int:
         """Arguments, outputs and temporaries, less what the outputs reuse from donated inputs."""
-        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+        return (
+            self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+        )
 
 
 def compile_fn(fn: Callable, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
@@ -87,7 +89,9 @@ def memory_row(stats: CompiledStats) -> list[int]:
     ]
 
 
-def memory_report(programs: Mapping[str, jax.stages.Compiled], title: str = "") -> Table:
+def memory_report(
+    programs: Mapping[str, jax.stages.Compiled], title: str = ""
+) -> Table:
     """A table of compiled programs' memory per device, one row per program, under ``MEMORY_HEADERS``.
 
     "live" bounds what the program holds at once; "XLA peak" is ``peak_memory_in_bytes``, which on
@@ -121,5 +125,10 @@ def instruction_table(
                 hlo.op_counts(run)["fusion"],
             ]
         )
-    headers = ["function", "lowered instructions", "of them calls", "compiled instructions"]
+    headers = [
+        "function",
+        "lowered instructions",
+        "of them calls",
+        "compiled instructions",
+    ]
     return Table([*headers, "fusions"], rows, title=title)

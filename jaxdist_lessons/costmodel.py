@@ -111,7 +111,9 @@ def vit_spec(
 ) -> TransformerSpec:
     """A ViT (``models/vit.py``'s architecture) as a ``TransformerSpec``."""
     tokens = (image_size // patch_size) ** 2 + 1
-    params = vit_params(hidden, num_layers, mlp_dim, patch_size, image_size, num_classes)
+    params = vit_params(
+        hidden, num_layers, mlp_dim, patch_size, image_size, num_classes
+    )
     return TransformerSpec(
         name,
         num_layers,
@@ -193,7 +195,9 @@ class Layout:
             return f"({self.data},{self.tensor})"
         rest = f" x tensor {self.tensor}" if self.tensor > 1 else ""
         return (
-            f"FSDP {self.fsdp}" + (f" x data {self.data}" if self.data > 1 else "") + rest
+            f"FSDP {self.fsdp}"
+            + (f" x data {self.data}" if self.data > 1 else "")
+            + rest
         )
 
 
@@ -209,7 +213,9 @@ def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
     """Reasons ``layout`` cannot run ``spec`` as is (an empty list when it can)."""
     problems = []
     if spec.num_heads % layout.tensor:
-        problems.append(f"{spec.num_heads} heads do not split over tensor={layout.tensor}")
+        problems.append(
+            f"{spec.num_heads} heads do not split over tensor={layout.tensor}"
+        )
     if spec.mlp_dim % layout.tensor:
         problems.append(
             f"MLP width {spec.mlp_dim} does not split over tensor={layout.tensor}"
@@ -227,7 +233,9 @@ def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
 
 def params_per_device(spec: TransformerSpec, layout: Layout) -> float:
     """Parameters one device holds: tensor parallelism splits the block kernels, FSDP everything."""
-    return (spec.tp_params / layout.tensor + (spec.params - spec.tp_params)) / layout.fsdp
+    return (
+        spec.tp_params / layout.tensor + (spec.params - spec.tp_params)
+    ) / layout.fsdp
 
 
 # --- Communication ------------------------------------------------------------------------------
@@ -257,7 +265,9 @@ def sent_bytes(transfer: Transfer) -> float:
         return comms.ring_all_reduce_bytes(b, g)
     if transfer.kind == "all-gather":
         return comms.ring_all_gather_bytes(b, g)
-    if transfer.kind == "reduce-scatter":  # its result is one shard of the reduced array
+    if (
+        transfer.kind == "reduce-scatter"
+    ):  # its result is one shard of the reduced array
         return comms.ring_reduce_scatter_bytes(b * g, g)
     return (
         (g - 1) / g * b
@@ -272,7 +282,8 @@ def comm_seconds(transfers: Iterable[Transfer], hw: hardware.Chip) -> float:
 def transfers_from_hlo(hlo_text: str) -> list[Transfer]:
     """The collectives of a compiled program (``comms.collectives``) as ``Transfer`` records."""
     return [
-        Transfer(c.kind, c.bytes, c.group_size, c.name) for c in comms.collectives(hlo_text)
+        Transfer(c.kind, c.bytes, c.group_size, c.name)
+        for c in comms.collectives(hlo_text)
     ]
 
 
@@ -292,7 +303,9 @@ def tensor_parallel_transfers(
             )
         ]
     return [
-        Transfer("all-gather", activation_bytes, tensor, "activations (sequence parallel)"),
+        Transfer(
+            "all-gather", activation_bytes, tensor, "activations (sequence parallel)"
+        ),
         Transfer(
             "reduce-scatter",
             activation_bytes / tensor,
@@ -397,7 +410,9 @@ def predict_transfers(
         ] * fsdp_gathers
         out.append(Transfer("reduce-scatter", shard, layout.fsdp, "gradients (FSDP)"))
     if layout.data > 1:
-        out.append(Transfer("all-reduce", shard, layout.data, "gradients (data parallel)"))
+        out.append(
+            Transfer("all-reduce", shard, layout.data, "gradients (data parallel)")
+        )
     return out
 
 
@@ -412,7 +427,9 @@ def train_flops(spec: TransformerSpec) -> tuple[float, float]:
     ``6 x params x sequences`` for a per-sequence head; attention scores and their weighted sum:
     ``3 x 4 x T^2 x H`` per sequence and layer.
     """
-    block_matmuls = spec.num_layers * (4 * spec.hidden**2 + 2 * spec.hidden * spec.mlp_dim)
+    block_matmuls = spec.num_layers * (
+        4 * spec.hidden**2 + 2 * spec.hidden * spec.mlp_dim
+    )
     attention = 12 * spec.num_layers * spec.seq_len**2 * spec.hidden * spec.global_batch
     outside = (
         6 * spec.token_matmul_params * spec.tokens
@@ -497,8 +514,12 @@ def estimate(
     """
     hw = _chip(hw)
     flops = flops_per_device(spec, layout)
-    state_per_param = memory.bytes_per_param(optimizer, precision)  # also checks both names
-    weight_bytes = memory.PRECISIONS[precision]["params"]  # what is gathered, read and sent
+    state_per_param = memory.bytes_per_param(
+        optimizer, precision
+    )  # also checks both names
+    weight_bytes = memory.PRECISIONS[precision][
+        "params"
+    ]  # what is gathered, read and sent
     transfer_options.setdefault("param_bytes", weight_bytes)
     local_params = params_per_device(spec, layout)
     state = local_params * state_per_param

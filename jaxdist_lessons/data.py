@@ -112,7 +112,9 @@ def digits_source(
     """
     data_dir = data_dir or DEFAULT_DATA_DIR
     if jax.process_index() == 0:
-        JaxdistDigits(data_dir=data_dir, file_format="array_record").download_and_prepare()
+        JaxdistDigits(
+            data_dir=data_dir, file_format="array_record"
+        ).download_and_prepare()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxdist_digits prepared")
     builder = JaxdistDigits(data_dir=data_dir, file_format="array_record")
@@ -301,11 +303,15 @@ def loader(
         )
     records = data
     if not drop_remainder:
-        records = _Padded(data, num_batches(len(data), global_batch, False) * global_batch)
+        records = _Padded(
+            data, num_batches(len(data), global_batch, False) * global_batch
+        )
     sampler = grain.samplers.IndexSampler(
         len(records), shuffle=shuffle, seed=epoch_seed(seed, epoch), num_epochs=1
     )
-    shift = [_RandomShift(preprocess.max_shift)] if augment and preprocess.max_shift else []
+    shift = (
+        [_RandomShift(preprocess.max_shift)] if augment and preprocess.max_shift else []
+    )
     return grain.DataLoader(
         data_source=records,
         sampler=sampler,
@@ -361,7 +367,9 @@ def batches(
         }
 
 
-def input_shape(data: Sequence[dict[str, Any]], preprocess: Preprocess) -> tuple[int, ...]:
+def input_shape(
+    data: Sequence[dict[str, Any]], preprocess: Preprocess
+) -> tuple[int, ...]:
     """The shape of one model input (``H, W, C``) after ``preprocess``."""
     return preprocess.decode(data[0])["images"].shape
 
@@ -398,9 +406,12 @@ def split_rows(
         )
     if strided:
         return jax.tree.map(
-            lambda x: x.reshape(size // pieces, pieces, *x.shape[1:]).swapaxes(0, 1), batch
+            lambda x: x.reshape(size // pieces, pieces, *x.shape[1:]).swapaxes(0, 1),
+            batch,
         )
-    return jax.tree.map(lambda x: x.reshape(pieces, size // pieces, *x.shape[1:]), batch)
+    return jax.tree.map(
+        lambda x: x.reshape(pieces, size // pieces, *x.shape[1:]), batch
+    )
 
 
 def fit_image(image_HWC: np.ndarray, size: int) -> np.ndarray:

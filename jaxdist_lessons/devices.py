@@ -35,7 +35,9 @@ from jaxdist_lessons.versions import version_warning
 
 ENV_VAR = "JAXDIST_NUM_DEVICES"
 DEFAULT_NUM_DEVICES = 8
-MAX_SIMULATED_DEVICES = 1024  # more would take minutes to start (see the module docstring)
+MAX_SIMULATED_DEVICES = (
+    1024  # more would take minutes to start (see the module docstring)
+)
 
 
 class SetupError(RuntimeError):
@@ -132,7 +134,9 @@ def choose(
         requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
     )
     if available.platform == "cpu":
-        return Choice("cpu", simulated, True, "no accelerator found: simulated CPU devices")
+        return Choice(
+            "cpu", simulated, True, "no accelerator found: simulated CPU devices"
+        )
     accelerators = _plural(available.count, available.platform.upper())
     if available.count >= min_devices:
         return Choice(
@@ -200,7 +204,9 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
 def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> bool:
     if info.platform == "cpu":
         wanted = (
-            requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+            requested
+            if requested is not None
+            else max(DEFAULT_NUM_DEVICES, min_devices)
         )
         return info.count == wanted
     return info.count >= min_devices
@@ -231,8 +237,12 @@ def _start(
 
 
 def _too_late_message(info: DeviceInfo, requested: int | None, min_devices: int) -> str:
-    wanted = requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
-    if info.platform != "cpu":  # too few accelerators, and too late to fall back to the CPU
+    wanted = (
+        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+    )
+    if (
+        info.platform != "cpu"
+    ):  # too few accelerators, and too late to fall back to the CPU
         return (
             f"this chapter needs at least {min_devices} devices, but JAX had already started "
             f"with {info.count} {info.platform} device(s), and can only switch to {wanted} "

@@ -301,14 +301,17 @@ def catalogue() -> dict[str, Callable[[], Any]]:
     norm = nn.BatchNorm(use_running_average=False, axis_name="data")
     norm_variables = norm.init(jax.random.key(0), batch[:n])
     per_device_sum = jax.shard_map(
-        lambda v: v.sum(keepdims=True), mesh=auto, in_specs=P("data"), out_specs=P("data")
+        lambda v: v.sum(keepdims=True),
+        mesh=auto,
+        in_specs=P("data"),
+        out_specs=P("data"),
     )
 
     def constrained_under_set_mesh():
         with jax.set_mesh(hybrid):
-            return jax.jit(lambda v: jax.lax.with_sharding_constraint(v, P("data", None)))(
-                x
-            )
+            return jax.jit(
+                lambda v: jax.lax.with_sharding_constraint(v, P("data", None))
+            )(x)
 
     def donated_again():
         state = jax.device_put(jnp.ones((n, 4)), data)
@@ -340,7 +343,9 @@ def catalogue() -> dict[str, Callable[[], Any]]:
         "device_put on an Explicit mesh": lambda: jax.device_put(batch, explicit_data),
         "shard_map, same batch": lambda: per_device_sum(batch),
         "pmap, 4n+1 rows (more than n)": lambda: jax.pmap(lambda v: v.sum())(batch),
-        "pmap, 2n rows not reshaped": lambda: jax.pmap(lambda v: v.sum())(batch[: 2 * n]),
+        "pmap, 2n rows not reshaped": lambda: jax.pmap(lambda v: v.sum())(
+            batch[: 2 * n]
+        ),
         "spec names a missing axis": lambda: NamedSharding(auto, P("tensor")),
         "spec longer than the rank": lambda: jax.device_put(
             np.zeros(n, np.float32), NamedSharding(auto, P("data", None))

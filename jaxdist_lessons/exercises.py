@@ -231,7 +231,9 @@ def _same(ex: Exercise, answer: Any) -> bool:
 
 def judge(ex: Exercise, answer: Any) -> Verdict:
     """The verdict on ``answer``: "Expected: ...", "Not yet: ..." or "Right: ..."."""
-    if answer is None or (ex.kind == "tuple" and all(a is None for a in _as_tuple(answer))):
+    if answer is None or (
+        ex.kind == "tuple" and all(a is None for a in _as_tuple(answer))
+    ):
         return Verdict(False, f"Expected: {ex.asks}.")
     if ex.kind == "tuple":
         parts = _as_tuple(answer)
@@ -242,11 +244,15 @@ def judge(ex: Exercise, answer: Any) -> Verdict:
                 return Verdict(False, f"Part {i}: expected {part.asks}.")
             right, reason = _judge(part, given)
             if not right:
-                return Verdict(False, f"Not yet (part {i} of {len(ex.parts)}): {reason}")
+                return Verdict(
+                    False, f"Not yet (part {i} of {len(ex.parts)}): {reason}"
+                )
         return Verdict(True, f"Right: {ex.why}")
     right, reason = _judge(ex, answer)
     return (
-        Verdict(True, f"Right: {ex.why}") if right else Verdict(False, f"Not yet: {reason}")
+        Verdict(True, f"Right: {ex.why}")
+        if right
+        else Verdict(False, f"Not yet: {reason}")
     )
 
 
@@ -264,7 +270,9 @@ def factor(f: float, says: str, rel_tol: float = 0.02) -> Hint:
 
 def equals(value: Any, says: str, rel_tol: float = 0.02) -> Hint:
     """A hint for a particular wrong number."""
-    return Hint(says, lambda a, e: _close(_number(a, "bytes") or math.nan, value, rel_tol))
+    return Hint(
+        says, lambda a, e: _close(_number(a, "bytes") or math.nan, value, rel_tol)
+    )
 
 
 def named(names: Sequence[str], says: str) -> Hint:
@@ -473,7 +481,9 @@ def _ch03(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     column = P(None, tp)
     block = sharding.shard_shape((1024, 4096), mesh, column)
     shape = (5040, 5040)
-    both = sharding.expected_bytes_per_device(shape, jnp.bfloat16, mesh, P((data_axis, tp)))
+    both = sharding.expected_bytes_per_device(
+        shape, jnp.bfloat16, mesh, P((data_axis, tp))
+    )
     only = sharding.expected_bytes_per_device(shape, jnp.bfloat16, mesh, column)
     whole = 5040 * 5040 * 2
 
@@ -491,7 +501,8 @@ def _ch03(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
         factor(2, "bfloat16 takes 2 bytes per element, not 4."),
         factor(0.5, "count bytes, not elements: bfloat16 takes 2 bytes each."),
         equals(
-            whole, "that is the whole array: divide by the devices the spec splits it over."
+            whole,
+            "that is the whole array: divide by the devices the spec splits it over.",
         ),
     )
     return {
@@ -612,7 +623,9 @@ def _ch04(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                 equals(
                     grads, "almost: the step all-reduces one more float32, the loss.", 0
                 ),
-                equals(params, "count bytes, not parameters: a float32 is 4 bytes.", 0.01),
+                equals(
+                    params, "count bytes, not parameters: a float32 is 4 bytes.", 0.01
+                ),
                 equals(
                     comms.ring_all_reduce_bytes(grads + 4, n),
                     "that is what each device sends in a ring; the question asks the bytes the "
@@ -649,7 +662,9 @@ def _ch04(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                     "that is one half of the ring: a reduce-scatter, then an all-gather, "
                     "each send (N-1)/N of the data.",
                 ),
-                equals(resnet, "that is the whole gradient: a ring sends 2 (N-1)/N of it."),
+                equals(
+                    resnet, "that is the whole gradient: a ring sends 2 (N-1)/N of it."
+                ),
                 equals(
                     2 * resnet,
                     "close to the whole round trip, but each step sends 1/N of the data, "
@@ -675,7 +690,9 @@ class Checker:
 
     def __init__(self, chapter: str, context: Mapping[str, Any]):
         if chapter not in CHAPTERS:
-            raise ValueError(f"no exercises for {chapter!r}; chapters: {sorted(CHAPTERS)}")
+            raise ValueError(
+                f"no exercises for {chapter!r}; chapters: {sorted(CHAPTERS)}"
+            )
         self.chapter = chapter
         self.context = dict(context)
         self._exercises: dict[int, Exercise] | None = None
@@ -805,7 +822,8 @@ def _ch06(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             asks="a dict from each kind of collective ('all-gather', 'reduce-scatter', "
             "'all-reduce') to its bytes",
             expected={
-                k: Exercise(asks="", expected=v, rel_tol=0.001) for k, v in kinds.items()
+                k: Exercise(asks="", expected=v, rel_tol=0.001)
+                for k, v in kinds.items()
             },
             kind="dict",
             why="FSDP all-gathers the sharded weights, reduce-scatters their gradients, and "
@@ -951,7 +969,9 @@ def _ch07(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             "smaller last batch needs another.",
             hints=(
                 equals(
-                    1, "the last batch has another shape, and jit compiles per shape.", 0
+                    1,
+                    "the last batch has another shape, and jit compiles per shape.",
+                    0,
                 ),
                 equals(4, "batches of the same shape reuse the compiled program.", 0),
             ),
@@ -975,9 +995,13 @@ def _demo_all_reduce_bytes(n: int) -> tuple[int, int]:
         train.abstract_state(multihost_demo.MODEL, tx, shape), shardings
     )
     source = data.digits_source("train")
-    batch = next(data.batches(source, 4 * n, mesh, preprocess=multihost_demo.PREPROCESS))
+    batch = next(
+        data.batches(source, 4 * n, mesh, preprocess=multihost_demo.PREPROCESS)
+    )
     text = step.lower(state, batch).compile().as_text()
-    return comms.total_bytes(text, "all-reduce"), comms.data_parallel_bytes(state.params)
+    return comms.total_bytes(text, "all-reduce"), comms.data_parallel_bytes(
+        state.params
+    )
 
 
 def _ch08(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
@@ -989,7 +1013,8 @@ def _ch08(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     sent = comms.ring_all_reduce_bytes(100e6, 64)
     seconds = (
         factor(
-            0.5, "a ring all-reduce sends 2 (N-1)/N of the data from each chip, not half."
+            0.5,
+            "a ring all-reduce sends 2 (N-1)/N of the data from each chip, not half.",
         ),
         factor(1e3, "give seconds, not milliseconds."),
         factor(8, "the DCN figure is in bits per second: 8 bits to a byte."),
@@ -1064,7 +1089,8 @@ def _ch08(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                     unit="bytes",
                     hints=(
                         equals(
-                            100e6 * ici / dcn, "DCN is the slower link: it needs less data."
+                            100e6 * ici / dcn,
+                            "DCN is the slower link: it needs less data.",
                         ),
                         *BYTES_NOT_GB,
                     ),
@@ -1078,7 +1104,9 @@ def _ch09(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     from jaxdist_lessons import partitioning
 
     rules = (("batch", "data"), ("embed", ("data", "tensor")), ("mlp", "data"))
-    spec = partitioning.mesh_specs(ctx["abstract"], rules)["params"]["Block_0"]["mlp"]["up"]
+    spec = partitioning.mesh_specs(ctx["abstract"], rules)["params"]["Block_0"]["mlp"][
+        "up"
+    ]
     return {
         1: Exercise(
             asks="a PartitionSpec",
@@ -1155,7 +1183,9 @@ def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             why="the run restores the last checkpoint and its data iterator, then trains only "
             "the steps still to do.",
             hints=(
-                equals(1, "the run finds the checkpoint in its directory and resumes.", 0),
+                equals(
+                    1, "the run finds the checkpoint in its directory and resumes.", 0
+                ),
                 equals(20, "that step is done and saved: the next one comes first.", 0),
             ),
         ),
@@ -1166,8 +1196,12 @@ def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             rel_tol=0.03,
             why="flops per token times tokens per step, over the devices' peak times the MFU.",
             hints=(
-                factor(16, "that is one device's time for the whole batch: there are 16."),
-                factor(0.16, "MFU is the fraction of the peak you reach: divide by it."),
+                factor(
+                    16, "that is one device's time for the whole batch: there are 16."
+                ),
+                factor(
+                    0.16, "MFU is the fraction of the peak you reach: divide by it."
+                ),
                 factor(
                     1 / 3,
                     "a training step is forward and backward: about three times "
@@ -1213,7 +1247,9 @@ def _ch10_pipe(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                     "the bubble is (S-1)/(M+S-1), not (S-1)/M.",
                     0,
                 ),
-                Hint("that leaves a bubble over 10%.", lambda a, e: (_number(a) or 0) < e),
+                Hint(
+                    "that leaves a bubble over 10%.", lambda a, e: (_number(a) or 0) < e
+                ),
             ),
         ),
         2: Exercise(
@@ -1269,7 +1305,9 @@ def _ch12(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             why="under the causal mask the first block attends to half a block and the last "
             "to almost all of them.",
             hints=(
-                factor(1 / fraction**2, "that is slowest over fastest: invert it.", 0.01),
+                factor(
+                    1 / fraction**2, "that is slowest over fastest: invert it.", 0.01
+                ),
                 equals(
                     1 / 8,
                     "the causal mask makes the work grow along the sequence: the "
@@ -1364,7 +1402,8 @@ def _ch13(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             "XLA removes that all-to-all as dead code.",
             hints=(
                 named(
-                    choices[:2], "the forward pass is the same whichever gradient you take."
+                    choices[:2],
+                    "the forward pass is the same whichever gradient you take.",
                 ),
                 named(
                     choices[3:],

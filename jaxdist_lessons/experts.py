@@ -45,7 +45,9 @@ class MoeStats(NamedTuple):
     dropped: jax.Array
 
 
-def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+def capacity(
+    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float
+) -> int:
     """Slots per expert: ``ceil(k * tokens * capacity_factor / experts)``."""
     return math.ceil(top_k * num_tokens * capacity_factor / num_experts)
 
@@ -54,7 +56,8 @@ def init_params(key: jax.Array, width: int, mlp_width: int, num_experts: int) ->
     """A router and ``num_experts`` two-layer MLPs, in float32."""
     k_router, k_in, k_out = jax.random.split(key, 3)
     return {
-        "router_DE": jax.random.normal(k_router, (width, num_experts)) / math.sqrt(width),
+        "router_DE": jax.random.normal(k_router, (width, num_experts))
+        / math.sqrt(width),
         "w_in_EDF": jax.random.normal(k_in, (num_experts, width, mlp_width))
         / math.sqrt(width),
         "w_out_EFD": jax.random.normal(k_out, (num_experts, mlp_width, width))
@@ -77,9 +80,13 @@ def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
     choice_KTE = jax.nn.one_hot(experts_TK.T, num_experts)
     # Slot = how many earlier (choice, token) pairs picked the same expert.
     flat = choice_KTE.reshape(top_k * num_tokens, num_experts)
-    position_KT = ((jnp.cumsum(flat, axis=0) - 1) * flat).sum(-1).reshape(top_k, num_tokens)
+    position_KT = (
+        ((jnp.cumsum(flat, axis=0) - 1) * flat).sum(-1).reshape(top_k, num_tokens)
+    )
     kept_KT = position_KT < capacity
-    slot_KTC = jax.nn.one_hot(position_KT.astype(jnp.int32), capacity) * kept_KT[..., None]
+    slot_KTC = (
+        jax.nn.one_hot(position_KT.astype(jnp.int32), capacity) * kept_KT[..., None]
+    )
     dispatch_TEC = jnp.einsum("kte,ktc->tec", choice_KTE, slot_KTC)
     combine_TEC = jnp.einsum("kte,ktc,tk->tec", choice_KTE, slot_KTC, gates_TK)
     return Routing(
@@ -109,18 +116,24 @@ def moe_einsum(
     """The layer with one-hot dispatch and combine tensors (GShard/Switch style)."""
     logits_TE = x_TD @ params["router_DE"]
     num_tokens, num_experts = logits_TE.shape
-    r = route(logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor))
+    r = route(
+        logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor)
+    )
     x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
     y_ECD = expert_mlp(params, x_ECD)
     y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
-    return y_TD, MoeStats(balance_loss(r.fraction_E, r.mean_prob_E), r.z_loss, r.dropped)
+    return y_TD, MoeStats(
+        balance_loss(r.fraction_E, r.mean_prob_E), r.z_loss, r.dropped
+    )
 
 
 def moe_reference(params: dict, x_TD: jax.Array, top_k: int) -> jax.Array:
     """Every token through its chosen experts, weighted by its gates, with no capacity limit."""
     gates_TK, experts_TK = top_k_gates(x_TD @ params["router_DE"], top_k)
     num_experts = params["router_DE"].shape[1]
-    weights_TE = jnp.einsum("tk,tke->te", gates_TK, jax.nn.one_hot(experts_TK, num_experts))
+    weights_TE = jnp.einsum(
+        "tk,tke->te", gates_TK, jax.nn.one_hot(experts_TK, num_experts)
+    )
     y_ETD = expert_mlp(params, jnp.broadcast_to(x_TD, (num_experts, *x_TD.shape)))
     return jnp.einsum("te,etd->td", weights_TE, y_ETD)
 
@@ -153,7 +166,9 @@ def moe_all_to_all(
             .reshape(-1, n, cap, x_TD.shape[1])
             .transpose(1, 0, 2, 3)
         )
-        y_ECD = jax.lax.all_to_all(y_SLCD, "expert", 0, 0, tiled=True).reshape(x_ECD.shape)
+        y_ECD = jax.lax.all_to_all(y_SLCD, "expert", 0, 0, tiled=True).reshape(
+            x_ECD.shape
+        )
         y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
         fraction_E, mean_prob_E, z_loss = jax.lax.pmean(
             (r.fraction_E, r.mean_prob_E, r.z_loss), token_axes
@@ -169,7 +184,9 @@ def moe_all_to_all(
     if (
         AxisType.Explicit in mesh.axis_types
     ):  # arrays carry their sharding: place them first
-        params = jax.reshard(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        params = jax.reshard(
+            params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+        )
         x_TD = jax.reshard(x_TD, NamedSharding(mesh, P(token_axes)))
     return jax.shard_map(
         per_device,
@@ -195,6 +212,8 @@ def router_logits(
     return jax.random.normal(key, (num_tokens, num_experts)) + bias_E
 
 
-def all_to_all_bytes(num_experts: int, capacity: int, width: int, itemsize: int = 4) -> int:
+def all_to_all_bytes(
+    num_experts: int, capacity: int, width: int, itemsize: int = 4
+) -> int:
     """Bytes of one all-to-all's result on each device: the local capacity buffer ``E * C * D``."""
     return num_experts * capacity * width * itemsize

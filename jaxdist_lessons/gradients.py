@@ -133,14 +133,19 @@ def pmap_step(
 
 
 def jit_step(
-    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    data_axis: str = "data",
 ) -> Step:
     """Form 3, the data-parallel step: ``jax.jit`` over the global batch, sharded over ``data_axis``.
 
     The step is written as for one device. The compiler sees a mean over a sharded dimension
     and inserts the all-reduce of the gradients itself.
     """
-    model = with_axis_name(model, None)  # BatchNorm sees the global batch: no axis to name
+    model = with_axis_name(
+        model, None
+    )  # BatchNorm sees the global batch: no axis to name
 
     def step(state: TrainState, batch: Batch):
         def objective(params):
@@ -159,7 +164,9 @@ def jit_step(
         return state, {"loss": loss, "grads": grads}
 
     replicated = NamedSharding(mesh, P())  # the state: a full copy on every device
-    rows_split = NamedSharding(mesh, P(data_axis))  # the batch: each device a slice of rows
+    rows_split = NamedSharding(
+        mesh, P(data_axis)
+    )  # the batch: each device a slice of rows
     return jax.jit(
         step,
         in_shardings=(replicated, rows_split),
@@ -168,7 +175,10 @@ def jit_step(
 
 
 def shard_map_step(
-    model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str = "data"
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    data_axis: str = "data",
 ) -> Step:
     """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean`` the *loss*.
 
@@ -207,7 +217,9 @@ def shard_map_trap_grads(
         return lax.pmean(loss_and_grads(model, state, batch)[1], data_axis)
 
     return jax.jit(
-        jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P())
+        jax.shard_map(
+            local_grads, mesh=mesh, in_specs=(P(), P(data_axis)), out_specs=P()
+        )
     )
 
 
@@ -220,7 +232,9 @@ def replicate(tree: Any, num_devices: int | None = None) -> Any:
     Host arrays, which ``pmap`` may place as it likes: it rejects arrays committed to other shardings.
     """
     n = jax.local_device_count() if num_devices is None else num_devices
-    return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), tree)
+    return jax.tree.map(
+        lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), tree
+    )
 
 
 def unreplicate(tree: Any) -> Any:
@@ -250,7 +264,10 @@ FORMS = ("one device", "pmap", "jit", "shard_map")
 
 
 def form_step(
-    form: str, model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh | None = None
+    form: str,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    mesh: Mesh | None = None,
 ) -> Step:
     """One form's step, taking and returning ordinary (global) arrays: it moves them where the form wants them.
 
@@ -265,8 +282,12 @@ def form_step(
         return lambda state, batch: step(*place(state, batch, one))
     if form == "pmap":
         step = pmap_step(model, tx)
-        return lambda state, batch: unreplicate(step(replicate(state), split_batch(batch)))
-    step = jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        return lambda state, batch: unreplicate(
+            step(replicate(state), split_batch(batch))
+        )
+    step = (
+        jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+    )
     return lambda state, batch: step(*place(state, batch, mesh))
 
 
@@ -283,7 +304,9 @@ def init_state(
     images_BHWC: jax.Array,
 ) -> TrainState:
     """Transitional: ``train.init_fn``'s state on the default device."""
-    return jax.jit(train.init_fn(model, tx, images_BHWC.shape[1:], images_BHWC.dtype))(rng)
+    return jax.jit(train.init_fn(model, tx, images_BHWC.shape[1:], images_BHWC.dtype))(
+        rng
+    )
 
 
 def _images_labels(batch: Any) -> tuple[jax.Array, jax.Array]:

@@ -116,9 +116,13 @@ def case_pids() -> set[int]:
     return module_pids(__name__)
 
 
-def run_cases(cases: dict[str, list[str]] = LAB, limit_s: float = 60) -> dict[str, Outcome]:
+def run_cases(
+    cases: dict[str, list[str]] = LAB, limit_s: float = 60
+) -> dict[str, Outcome]:
     """Start every case at once with ``mpirun -np 2``; kill any still running after ``limit_s`` seconds."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
+    }
     env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
     mpirun = shutil.which("mpirun", path=env["PATH"])
     start, jobs = time.monotonic(), {}
@@ -173,7 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("case", choices=CASES)
     parser.add_argument("--watchdog", type=float, help="step deadline in seconds")
-    parser.add_argument("--port", type=int, default=0, help="for unreachable and partial")
+    parser.add_argument(
+        "--port", type=int, default=0, help="for unreachable and partial"
+    )
     parser.add_argument("--timeouts", type=int, nargs=3, default=TIMEOUTS,
                         metavar=("INIT", "HEARTBEAT", "SHUTDOWN"))  # fmt: skip
     args = parser.parse_args()

@@ -105,7 +105,9 @@ def bytes_per_param(optimizer: str = "adam", precision: str = "fp32") -> int:
     return int(training_state_bytes(1, optimizer, precision).state)
 
 
-def per_device(memory: TrainingMemory, strategy: str, num_devices: int) -> TrainingMemory:
+def per_device(
+    memory: TrainingMemory, strategy: str, num_devices: int
+) -> TrainingMemory:
     """The share of ``memory`` (for the global batch) that each of ``num_devices`` devices holds.
 
     - ``replicated``: one device does everything (``num_devices`` is ignored).
@@ -168,7 +170,9 @@ def transformer_params(
         _check_count(name, value)
     embeddings = vocab_size * hidden + seq_len * hidden
     return (
-        num_layers * transformer_layer_params(hidden, mlp_ratio) + embeddings + 2 * hidden
+        num_layers * transformer_layer_params(hidden, mlp_ratio)
+        + embeddings
+        + 2 * hidden
     )
 
 
@@ -230,7 +234,9 @@ def resnet_layers(
     """
     stage_sizes = tuple(stage_sizes)
     if not stage_sizes or any(s < 1 for s in stage_sizes):
-        raise ValueError(f"stage_sizes must be positive block counts, got {stage_sizes!r}")
+        raise ValueError(
+            f"stage_sizes must be positive block counts, got {stage_sizes!r}"
+        )
     if image_size < 32 or image_size % 32:
         raise ValueError(
             f"image_size must be a positive multiple of 32, got {image_size!r}"
@@ -291,7 +297,8 @@ def resnet_activation_bytes(
     """
     _check_count("batch", batch)
     elements = sum(
-        layer.output_elements for layer in resnet_layers(image_size=image_size, **kwargs)
+        layer.output_elements
+        for layer in resnet_layers(image_size=image_size, **kwargs)
     )
     return batch * elements * dtype_bytes(dtype)
 
@@ -323,7 +330,9 @@ def per_param_table() -> Table:
     for precision in PRECISIONS:
         for optimizer in OPTIMIZER_SLOTS:
             one = training_state_bytes(1, optimizer, precision)
-            rows.append([precision, optimizer, *dataclasses.astuple(one)[:4], one.state])
+            rows.append(
+                [precision, optimizer, *dataclasses.astuple(one)[:4], one.state]
+            )
     headers = ["weights", "grads", "optimizer state", "master", "bytes / param"]
     return Table(
         ["precision", "optimizer", *headers],
@@ -334,7 +343,14 @@ def per_param_table() -> Table:
 
 def shares_table(shares: Mapping[str, TrainingMemory], title: str = "") -> Table:
     """Each strategy's share of training memory on one device (``per_device``'s results), part by part."""
-    parts = ["weights", "grads", "optimizer", "master", "activations", "total per device"]
+    parts = [
+        "weights",
+        "grads",
+        "optimizer",
+        "master",
+        "activations",
+        "total per device",
+    ]
     rows = [[s, *map(human_bytes, m.as_dict().values())] for s, m in shares.items()]
     return Table(["strategy", *parts], rows, title=title)
 

@@ -87,7 +87,9 @@ def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
     free = [n for n, s in sizes.items() if s == -1]
     if len(free) > 1:
         raise MeshError(f"at most one axis may be -1, got {free}")
-    bad = {n: s for n, s in sizes.items() if not isinstance(s, int) or (s < 1 and s != -1)}
+    bad = {
+        n: s for n, s in sizes.items() if not isinstance(s, int) or (s < 1 and s != -1)
+    }
     if bad:
         raise MeshError(f"axis sizes must be positive integers or -1, got {bad}")
     fixed = math.prod(s for s in sizes.values() if s != -1)

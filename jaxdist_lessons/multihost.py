@@ -201,7 +201,9 @@ def native_stdout_to_stderr() -> None:
 def split_devices(total: int, processes: int = 2) -> tuple[int, int]:
     """``(processes, devices per process)`` for ``total`` devices, or the nearest smaller total that splits evenly."""
     if total < processes:
-        raise MultihostError(f"{total} devices cannot be shared by {processes} processes")
+        raise MultihostError(
+            f"{total} devices cannot be shared by {processes} processes"
+        )
     return processes, total // processes
 
 
@@ -296,7 +298,8 @@ def node_device_grid(
     # As JAX's create_hybrid_device_mesh, on positions in `ordered`: a grid of nodes, each
     # node's block of ici_shape in its place.
     blocks = [
-        np.arange(k * size, (k + 1) * size).reshape(ici_shape) for k in range(len(by_node))
+        np.arange(k * size, (k + 1) * size).reshape(ici_shape)
+        for k in range(len(by_node))
     ]
     node_grid = np.arange(len(blocks)).reshape(dcn_shape)
     positions = np.block(

@@ -60,7 +60,9 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     # Device k of the mesh holds the number k + 1; each process supplies its own devices' numbers.
     mine = (
-        np.arange(jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32)
+        np.arange(
+            jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32
+        )
         + 1
     )
     numbers = multihost.global_array(mine, mesh)
@@ -112,7 +114,8 @@ def hybrid() -> dict[str, Any]:
         axis_types=AxisType.Explicit,
     )
     x = jax.device_put(
-        np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P("data", "tensor"))
+        np.ones(mesh.devices.shape, np.float32),
+        NamedSharding(mesh, P("data", "tensor")),
     )
     report = {"process_grid": multihost.process_grid(mesh).tolist()}
     for axis in mesh.axis_names:
@@ -224,12 +227,16 @@ def train_digits(
         )
     if restored is None:
         state, first_step = (
-            train.create_train_state(MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE),
+            train.create_train_state(
+                MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE
+            ),
             0,
         )
     else:
         state, first_step = restored
-        multihost.print0(f"resumed from {os.path.join(checkpoint_dir, str(first_step))}")
+        multihost.print0(
+            f"resumed from {os.path.join(checkpoint_dir, str(first_step))}"
+        )
     history = train.History()
     manager = (
         None
@@ -261,7 +268,12 @@ def train_digits(
                 eval_step,
                 lambda e, done=done: itertools.islice(
                     data.batches(
-                        source, global_batch, mesh, seed=0, epoch=e, preprocess=PREPROCESS
+                        source,
+                        global_batch,
+                        mesh,
+                        seed=0,
+                        epoch=e,
+                        preprocess=PREPROCESS,
                     ),
                     done,
                     None,
@@ -324,7 +336,10 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     With ``show_stderr``, stderr follows.
     """
     print(f"$ {command}")
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
     start = time.monotonic()
     result = subprocess.run(
         command, shell=True, env=env, capture_output=True, text=True, timeout=timeout
@@ -332,7 +347,9 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     job = Job(command, result.returncode, result.stdout, result.stderr, 0.0)
     job.seconds = time.monotonic() - start
     hidden = 0
-    for line in job.stdout.splitlines() + (job.stderr.splitlines() if show_stderr else []):
+    for line in job.stdout.splitlines() + (
+        job.stderr.splitlines() if show_stderr else []
+    ):
         if GLOO.search(line):
             hidden += 1
         else:
@@ -365,17 +382,15 @@ def slurm_unavailable(settle_s: int = 30) -> str | None:
         except subprocess.TimeoutExpired:
             return "SLURM is installed, but sinfo did not answer in 20 s (is slurmctld running?)"
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[
-                -1
-            ]
+            last = (
+                done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+            )[-1]
             return f"SLURM is installed, but sinfo failed ({last})"
         states = done.stdout.split()
         if any(state.startswith(("idle", "mix")) for state in states):
             return None
         time.sleep(1)
-    return (
-        f"SLURM is installed, but no node is idle (sinfo: {' '.join(states) or 'no nodes'})"
-    )
+    return f"SLURM is installed, but no node is idle (sinfo: {' '.join(states) or 'no nodes'})"
 
 
 def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
@@ -396,7 +411,8 @@ def run_where(tool: str, command: str, timeout: float = 300) -> Job | None:
 def parser() -> argparse.ArgumentParser:
     """The command line: ``hello``, ``hybrid``, ``train`` (one or more), the training options, and the timeouts."""
     p = argparse.ArgumentParser(
-        prog="python -m jaxdist_lessons.multihost_demo", description=__doc__.split("\n")[0]
+        prog="python -m jaxdist_lessons.multihost_demo",
+        description=__doc__.split("\n")[0],
     )
     p.add_argument(
         "commands",
@@ -417,7 +433,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fail-rank", type=int, help="the process that fails on purpose")
     p.add_argument(
-        "--fail-at-epoch", type=int, help="0-based epoch at whose start --fail-rank fails"
+        "--fail-at-epoch",
+        type=int,
+        help="0-based epoch at whose start --fail-rank fails",
     )
     p.add_argument(
         "--fail-how",
@@ -429,7 +447,9 @@ def parser() -> argparse.ArgumentParser:
         "--pause", type=float, default=0.0, help="seconds to sleep after each step"
     )
     defaults = multihost.Timeouts()
-    p.add_argument("--initialization-timeout", type=int, default=defaults.initialization)
+    p.add_argument(
+        "--initialization-timeout", type=int, default=defaults.initialization
+    )
     p.add_argument("--heartbeat-timeout", type=int, default=defaults.heartbeat)
     p.add_argument("--shutdown-timeout", type=int, default=defaults.shutdown)
     p.add_argument(

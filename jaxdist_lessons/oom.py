@@ -111,7 +111,9 @@ def fits(
     accelerator name or a jax device (``device_budget``); ``activation_bytes`` are for the
     global batch and are split as the strategy splits them.
     """
-    count = devices.size if isinstance(devices, Mesh) else positive_int("devices", devices)
+    count = (
+        devices.size if isinstance(devices, Mesh) else positive_int("devices", devices)
+    )
     state = memory.training_state_bytes(num_params, optimizer, precision)
     total = dataclasses.replace(state, activations=float(activation_bytes))
     share = memory.per_device(total, strategy, count)

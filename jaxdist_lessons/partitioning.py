@@ -78,7 +78,9 @@ FOUR_AXIS_RULES: LogicalRules = (("batch", ("data", "fsdp")), *_TENSOR, *_FSDP_P
 def rules_for(strategy: str) -> LogicalRules:
     """The logical-axis rules of a strategy; ``ValueError`` naming the known ones otherwise."""
     if strategy not in RULES:
-        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}"
+        )
     return RULES[strategy]
 
 
@@ -103,7 +105,9 @@ def mesh_shape_for(
     return mesh_lib.mesh_shape(n, **shapes[strategy])
 
 
-def strategy_mesh(strategy: str, num_devices: int | None = None, tensor: int = 2) -> Mesh:
+def strategy_mesh(
+    strategy: str, num_devices: int | None = None, tensor: int = 2
+) -> Mesh:
     """A ``('data', 'fsdp', 'tensor')`` mesh with Auto axes, shaped for ``strategy``.
 
     Auto, because Linen's ``with_logical_constraint`` is a sharding *constraint* that XLA
@@ -128,7 +132,9 @@ def four_axis_shape(num_devices: int) -> tuple[int, int, int, int]:
     n = positive_int("num_devices", num_devices)
     pipeline = 2 if n >= 8 else 1
     tensor = 2 if n >= 2 else 1
-    return tuple(mesh_lib.mesh_shape(n, data=1, fsdp=-1, tensor=tensor, pipeline=pipeline))
+    return tuple(
+        mesh_lib.mesh_shape(n, data=1, fsdp=-1, tensor=tensor, pipeline=pipeline)
+    )
 
 
 def four_axis_mesh(num_devices: int | None = None) -> Mesh:
@@ -176,7 +182,9 @@ def describe(tree: Any, mesh: Mesh, rules: LogicalRules) -> list[list[Any]]:
     rows = []
     leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(tree))
     logical = jax.tree.leaves(logical_specs(tree), is_leaf=lambda x: isinstance(x, P))
-    physical = jax.tree.leaves(mesh_specs(tree, rules), is_leaf=lambda x: isinstance(x, P))
+    physical = jax.tree.leaves(
+        mesh_specs(tree, rules), is_leaf=lambda x: isinstance(x, P)
+    )
     for (path, leaf), lspec, mspec in zip(leaves, logical, physical):
         block = NamedSharding(mesh, mspec).shard_shape(leaf.shape)
         rows.append([path_name(path), tuple(leaf.shape), str(lspec), str(mspec), block])
@@ -205,10 +213,14 @@ def make_train_step(
         train_lib.loss_step(loss_fn), shardings, batch_sharding(mesh, rules)
     )
     context = (
-        (lambda: activate(mesh, rules)) if constrain_activations else contextlib.nullcontext
+        (lambda: activate(mesh, rules))
+        if constrain_activations
+        else contextlib.nullcontext
     )
 
-    def run(state: train_lib.TrainState, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+    def run(
+        state: train_lib.TrainState, batch: Any
+    ) -> tuple[Any, dict[str, jax.Array]]:
         with context():
             return jitted(state, batch)
 

@@ -91,7 +91,8 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
     positive_int("num_microbatches", num_microbatches)
     M = range(num_microbatches)
     orders = [
-        [Op("F", m, d) for m in M] + [Op("B", m, d) for m in M] for d in range(num_stages)
+        [Op("F", m, d) for m in M] + [Op("B", m, d) for m in M]
+        for d in range(num_stages)
     ]
     return _simulate(orders, num_stages)
 
@@ -106,7 +107,9 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
         order = [Op("F", m, d) for m in range(warmup)]
         for i in range(num_microbatches - warmup):
             order += [Op("F", warmup + i, d), Op("B", i, d)]
-        order += [Op("B", m, d) for m in range(num_microbatches - warmup, num_microbatches)]
+        order += [
+            Op("B", m, d) for m in range(num_microbatches - warmup, num_microbatches)
+        ]
         orders.append(order)
     return _simulate(orders, num_stages)
 
@@ -175,7 +178,9 @@ def sequential_loss(
     return loss_fn(sequential_apply(stage_fn, stage_params, x), y)
 
 
-def _check(stage_params: Any, x: jax.Array, mesh: Mesh, num_microbatches: int, axis: str):
+def _check(
+    stage_params: Any, x: jax.Array, mesh: Mesh, num_microbatches: int, axis: str
+):
     num_stages = mesh.shape[axis]
     leading = {p.shape[0] for p in jax.tree.leaves(stage_params)}
     if leading != {num_stages}:
@@ -199,7 +204,9 @@ def _micro(a: jax.Array, num_microbatches: int) -> jax.Array:
     return a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:])
 
 
-def _run(mesh: Mesh, axis: str, per_device: Callable, stage_params: Any, *data: jax.Array):
+def _run(
+    mesh: Mesh, axis: str, per_device: Callable, stage_params: Any, *data: jax.Array
+):
     """``per_device`` under ``shard_map``: parameters split over ``axis``, data whole, results per stage."""
     if (
         AxisType.Explicit in mesh.axis_types
@@ -207,7 +214,10 @@ def _run(mesh: Mesh, axis: str, per_device: Callable, stage_params: Any, *data: 
         stage_params = jax.reshard(stage_params, NamedSharding(mesh, P(axis)))
         data = tuple(jax.reshard(a, NamedSharding(mesh, P())) for a in data)
     return jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(axis),) + (P(),) * len(data), out_specs=P(axis)
+        per_device,
+        mesh=mesh,
+        in_specs=(P(axis),) + (P(),) * len(data),
+        out_specs=P(axis),
     )(stage_params, *data)
 
 
@@ -288,7 +298,9 @@ def check_slots(table: Table, slots: int) -> None:
                 arriving = tabs["micro"][t, s]
             if arriving >= 0:
                 if any(m % slots == arriving % slots for m in live):
-                    raise ValueError(f"{slots} slots are too few on stage {s} at tick {t}")
+                    raise ValueError(
+                        f"{slots} slots are too few on stage {s} at tick {t}"
+                    )
                 live.add(arriving)
             if tabs["kind"][t, s] == 2:
                 live.discard(int(tabs["micro"][t, s]))
@@ -324,12 +336,16 @@ def one_f_one_b_grads(
         def forward(carry, m):
             inputs, grads_in, grad_sum, loss = carry
             x_in = jnp.where(stage == 0, micro_x[m], inputs[m % S])
-            inputs = inputs.at[m % S].set(x_in)  # stage 0 keeps its input for the backward
+            inputs = inputs.at[m % S].set(
+                x_in
+            )  # stage 0 keeps its input for the backward
             return (inputs, grads_in, grad_sum, loss), stage_fn(params, x_in), zero
 
         def backward(carry, m):
             inputs, grads_in, grad_sum, loss = carry
-            out, vjp = jax.vjp(stage_fn, params, inputs[m % S])  # recompute, then backward
+            out, vjp = jax.vjp(
+                stage_fn, params, inputs[m % S]
+            )  # recompute, then backward
             value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
             is_last = stage == S - 1
             g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[m % S]))
@@ -353,7 +369,9 @@ def one_f_one_b_grads(
             grads_in = jnp.where(rb >= 0, grads_in.at[rb % S].set(got_b), grads_in)
             return (inputs, grads_in, grad_sum, loss), None
 
-        buffers = jnp.broadcast_to(zero, (S, *zero.shape))  # S slots, like zero: varying
+        buffers = jnp.broadcast_to(
+            zero, (S, *zero.shape)
+        )  # S slots, like zero: varying
         loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
         start = (
             buffers,
@@ -364,11 +382,15 @@ def one_f_one_b_grads(
         (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
         return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
 
-    losses, grads = _run(mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M))
+    losses, grads = _run(
+        mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M)
+    )
     return jnp.sum(losses), grads
 
 
-def _pooled_tables(table: Table, num_stages: int) -> tuple[dict[str, np.ndarray], int, int]:
+def _pooled_tables(
+    table: Table, num_stages: int
+) -> tuple[dict[str, np.ndarray], int, int]:
     """A schedule of virtual stages as arrays ``[tick, device]``, each input and gradient held in a pool slot.
 
     Returns the arrays (``kind``, ``micro``, ``chunk``, the ``slot`` and ``gslot`` an op reads,
@@ -452,7 +474,9 @@ def interleaved_grads(
         def forward(carry, m, c, slot, gslot):
             inputs, grads_in, grad_sum, loss = carry
             x_in = jnp.where((device == 0) & (c == 0), micro_x[m], inputs[slot])
-            inputs = inputs.at[slot].set(x_in)  # chunk 0 keeps its input for the backward
+            inputs = inputs.at[slot].set(
+                x_in
+            )  # chunk 0 keeps its input for the backward
             out = chunk_fn(jax.tree.map(lambda p: p[c], params), x_in)
             return (inputs, grads_in, grad_sum, loss), out, zero
 
@@ -476,15 +500,21 @@ def interleaved_grads(
                 tabs["kind"][t, device], (idle, forward, backward), carry, *op
             )
             inputs, grads_in, grad_sum, loss = carry
-            got_f = jax.lax.ppermute(to_next, axis, [(d, (d + 1) % S) for d in range(S)])
-            got_b = jax.lax.ppermute(to_prev, axis, [(d, (d - 1) % S) for d in range(S)])
+            got_f = jax.lax.ppermute(
+                to_next, axis, [(d, (d + 1) % S) for d in range(S)]
+            )
+            got_b = jax.lax.ppermute(
+                to_prev, axis, [(d, (d - 1) % S) for d in range(S)]
+            )
             rf, rb = tabs["recv_f"][t, device] - 1, tabs["recv_b"][t, device] - 1
             inputs = jnp.where(rf >= 0, inputs.at[rf].set(got_f), inputs)
             grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
             return (inputs, grads_in, grad_sum, loss), None
 
         loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
-        pools = [jnp.broadcast_to(zero, (k, *zero.shape)) for k in (num_inputs, num_grads)]
+        pools = [
+            jnp.broadcast_to(zero, (k, *zero.shape)) for k in (num_inputs, num_grads)
+        ]
         start = (*pools, jax.tree.map(jnp.zeros_like, params), loss)
         (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
         return loss[None], jax.tree.map(lambda g: g[None], grad_sum)

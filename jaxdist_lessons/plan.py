@@ -163,7 +163,9 @@ class Candidate:
     @property
     def mesh_flag(self) -> str:
         """``data=2,fsdp=8``: the axes above 1 (``data=1`` for one device)."""
-        return ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
+        return (
+            ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +234,9 @@ def problems(run: Run, c: Candidate) -> list[str]:
                 f"{name} {getattr(m, name)} does not split over {axis}={c.size(axis)}"
             )
     if run.global_batch % c.batch_ways:
-        out.append(f"global batch {run.global_batch} does not split over {c.batch_ways}")
+        out.append(
+            f"global batch {run.global_batch} does not split over {c.batch_ways}"
+        )
     if s > 1 and run.seq_len % (2 * s * t):
         out.append(f"seq-len {run.seq_len} does not split into 2 x sequence={s} chunks")
     if t > 1 and run.seq_len % t:
@@ -241,7 +245,9 @@ def problems(run: Run, c: Candidate) -> list[str]:
     if m.num_experts and (run.seq_len % group or (run.seq_len // group) % s):
         out.append(f"seq-len {run.seq_len} does not make groups of {group} tokens")
     if c.stages > 1 and m.num_layers % (c.stages * c.virtual):
-        out.append(f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages")
+        out.append(
+            f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages"
+        )
     if c.stages > 1 and (run.global_batch // c.batch_ways) < c.stages:
         out.append(f"fewer sequences per replica than the {c.stages} stages")
     return out
@@ -292,7 +298,9 @@ def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
     tokens = run.seq_len // s
     kept = in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
     # XLA's attention on a CPU keeps the T x T scores; cuDNN's fused kernel (GPUs) does not.
-    layer = costmodel.layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
+    layer = costmodel.layer_activation_bytes(
+        tokens, micro, m.width, m.num_heads, t, flash
+    )
     layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * m.capacity_factor)
     logits = micro * tokens * m.vocab_size / t * (4 + 4)
     return kept + layer + logits
@@ -312,7 +320,11 @@ class Memory:
     @property
     def total(self) -> float:
         return (
-            self.weights + self.optimizer + self.gradients + self.activations + self.tokens
+            self.weights
+            + self.optimizer
+            + self.gradients
+            + self.activations
+            + self.tokens
         )
 
 
@@ -362,12 +374,16 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     layer = attention_weights(m) + mlp_weights(m) / e
     out_projection = L * m.num_heads * m.head_width * D
     norms = L * 2 * D
-    unembed = V * D  # untied, or the tied table as the output projection: the same moves
+    unembed = (
+        V * D
+    )  # untied, or the tied table as the output projection: the same moves
     P = param_count(m)  # noqa: N806
     out = []
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
         return _t("all-reduce", F32 * P + 4, c, "data", what="gradients")
-    gathered = 2 * L * layer / t + (out_projection / t if t > 1 else 0) + 3 * norms + 2 * D
+    gathered = (
+        2 * L * layer / t + (out_projection / t if t > 1 else 0) + 3 * norms + 2 * D
+    )
     gathered += unembed * (2 if t > 1 else 1) / t
     out += _t("all-gather", F32 * gathered, c, "fsdp", what="weights (FSDP)")
     out += _t("all-reduce", F32 * (L * layer / t + norms + unembed / t), c, "fsdp",
@@ -394,7 +410,9 @@ def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
     if d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
         out += _t("all-gather", everything / f, c, "data", what="embeddings")
         out += _t("all-gather", everything, c, "data", "fsdp", what="embeddings")
-        return out + _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
+        return out + _t(
+            "all-to-all", everything / (d * f), c, "fsdp", what="embeddings"
+        )
     if e > 1:
         out += _t("all-to-all", everything / (f * e), c, "fsdp", what="embeddings")
         out += _t("all-gather", everything / f, c, "expert", what="embeddings")
@@ -406,7 +424,9 @@ def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
     out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
     out += _t("all-to-all", everything / (f * t), c, "tensor", what="embeddings")
     if s == 2 and f > 2:  # measured; with f = 2, the swaps below instead
-        out += _t("all-to-all", everything / (f * s), c, "sequence", what="zigzag order")
+        out += _t(
+            "all-to-all", everything / (f * s), c, "sequence", what="zigzag order"
+        )
     if s == 2 and f == 2:  # measured: the zigzag order by swaps between the two
         swap = F32 * (rows * T // s * D + B * T * D // f)
         out += _t("collective-permute", swap, c, "sequence", what="zigzag order")
@@ -427,12 +447,18 @@ def table_moves(run: Run, c: Candidate) -> list[Transfer]:
         rows += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
         if sum(r.bytes for r in rows) > table:
             rows = _t("all-gather", table, c, "fsdp", what="embedding table")
-        return rows + _t("all-reduce", table, c, "data", "fsdp", what="embedding gradient")
+        return rows + _t(
+            "all-reduce", table, c, "data", "fsdp", what="embedding gradient"
+        )
     out = _t("all-gather", table, c, "fsdp", what="embedding table")
     if c.size("expert") > 1:
-        return out + _t("all-reduce", table, c, "fsdp", "expert", what="embedding gradient")
+        return out + _t(
+            "all-reduce", table, c, "fsdp", "expert", what="embedding gradient"
+        )
     out += _t("all-reduce", table, c, "fsdp", what="embedding gradient")
-    return out + _t("all-reduce", 2 * table / f, c, "sequence", what="embedding gradient")
+    return out + _t(
+        "all-reduce", 2 * table / f, c, "sequence", what="embedding gradient"
+    )
 
 
 def gathers_the_table(run: Run, c: Candidate) -> bool:
@@ -468,7 +494,9 @@ def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
     B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers  # noqa: N806
     rows = B // c.batch_ways
     out = []
-    if t > 1:  # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
+    if (
+        t > 1
+    ):  # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
         act = F32 * rows * T * D
         out += _t("all-gather", act * (6 * L + 2), c, "tensor", what="activations (SP)")
         out += _t("all-reduce", act * (8 * L + 1), c, "tensor", what="activations (SP)")
@@ -485,7 +513,11 @@ def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
         buffer = F32 * m.num_experts * rows * (T // group) * slots * D
         out += _t(
-            "all-to-all", L * 3 * 2 * buffer, c, "expert", what="tokens to experts and back"
+            "all-to-all",
+            L * 3 * 2 * buffer,
+            c,
+            "expert",
+            what="tokens to experts and back",
         )
     return out
 
@@ -508,7 +540,9 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
     """Every collective of one step on one device."""
     if c.stages > 1:
         return pipeline_transfers(run, c)
-    if c.strategy == "ZeRO-1":  # shards of the gradients, then the updated weights gathered
+    if (
+        c.strategy == "ZeRO-1"
+    ):  # shards of the gradients, then the updated weights gathered
         n, P = run.devices, param_count(run.shape)  # noqa: N806
         return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
@@ -557,7 +591,9 @@ def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
     of the model's flops), the pipeline's bubble, and the sends at each link's bandwidth, with
     no overlap."""
     chip = run.chip
-    flops = model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
+    flops = (
+        model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
+    )
     peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
     compute = flops * 4 / 3 / run.devices / peak
     if c.stages > 1:
@@ -649,7 +685,9 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
 
 # --- Checked against the compiler --------------------------------------------------------------
 
-MINOR = 0.01  # a collective kind under 1% of a program's bytes is shown, not held to 10%
+MINOR = (
+    0.01  # a collective kind under 1% of a program's bytes is shown, not held to 10%
+)
 
 
 def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
@@ -692,8 +730,12 @@ def compile_flags(
     from tqdm import tqdm
 
     runs = [line.split() for line in flag_lines]
-    program = f"from jaxdist_lessons import plan; plan.compile_worker({devices}, {runs!r})"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    program = (
+        f"from jaxdist_lessons import plan; plan.compile_worker({devices}, {runs!r})"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     worker = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
@@ -747,14 +789,17 @@ def agrees(check: dict[str, Any], tolerance: float = 0.1) -> bool:
     return all(r is not None and abs(r - 1) <= tolerance for r in ratios)
 
 
-def check_table(rows: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]]) -> Table:
+def check_table(
+    rows: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]]
+) -> Table:
     """Predicted and compiled side by side: arguments, each collective kind, temporaries."""
     cells = []
     fmt = lambda r: "-" if r is None else f"{r:.3f}"
     for r, c in zip(rows, checks):
         parts = [("arguments", c["arguments"])]
         parts += [
-            (k + (" (minor)" if v["minor"] else ""), v) for k, v in c["collectives"].items()
+            (k + (" (minor)" if v["minor"] else ""), v)
+            for k, v in c["collectives"].items()
         ]
         for name, v in parts:
             cells.append([r["mesh"], name, v["predicted"] / 1e9, v["compiled"] / 1e9,
@@ -783,7 +828,9 @@ def make_run(args: argparse.Namespace) -> Run:
     if args.experts < 0 or args.capacity_factor <= 0:
         raise PlanError("--experts must be 0 or more and --capacity-factor positive")
     if args.devices % args.nodes:
-        raise PlanError(f"--devices {args.devices} do not divide into --nodes {args.nodes}")
+        raise PlanError(
+            f"--devices {args.devices} do not divide into --nodes {args.nodes}"
+        )
     name = CHIP_NAMES.get(args.chip.lower(), args.chip)
     if name not in hardware.CHIPS:
         raise PlanError(f"unknown chip {args.chip!r}; known: {', '.join(CHIP_NAMES)}, "
@@ -822,7 +869,9 @@ def model_shape(args: argparse.Namespace) -> LMShape:
         missing = [
             f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is None
         ]
-        raise PlanError(f"give --model, or the model's shape: missing {' '.join(missing)}")
+        raise PlanError(
+            f"give --model, or the model's shape: missing {' '.join(missing)}"
+        )
     else:
         shape = LMShape(**given)
     if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
@@ -863,9 +912,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--seq-len", type=int, default=2048)
     add("--global-batch", type=int, required=True, help="sequences per step")
-    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute type")
+    add(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="compute type",
+    )
     add("--json", action="store_true", help="print the rows as JSON")
-    add("--check", action="store_true", help="compile the best rows on simulated devices")
+    add(
+        "--check",
+        action="store_true",
+        help="compile the best rows on simulated devices",
+    )
     add("--check-rows", type=int, default=3, help="how many rows --check compiles")
     return parser.parse_args(argv)
 

@@ -60,7 +60,9 @@ def memory_vs_model_size(
     }
     for label, per_param in curves.items():
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
-    by_capacity = hardware.by_memory(accelerators)  # each chip once, smallest memory first
+    by_capacity = hardware.by_memory(
+        accelerators
+    )  # each chip once, smallest memory first
     for i, (capacity, chips) in enumerate(by_capacity.items()):
         label = " / ".join(c.name for c in chips)
         ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
@@ -110,7 +112,9 @@ def memory_breakdown(
     """
     if not shares:
         raise ValueError("memory_breakdown needs at least one strategy")
-    scale = {"GB": hardware.GB, "GiB": hardware.GiB, "MB": 10**6, "MiB": 2**20}.get(unit)
+    scale = {"GB": hardware.GB, "GiB": hardware.GiB, "MB": 10**6, "MiB": 2**20}.get(
+        unit
+    )
     if scale is None:
         raise ValueError(f"unknown unit {unit!r}; allowed: GB, GiB, MB, MiB")
     parts = [f.name for f in dataclasses.fields(memory.TrainingMemory)]
@@ -268,7 +272,10 @@ def ring_all_reduce(num_devices: int = 4) -> Figure:
                 arrowprops=dict(arrowstyle="->", color="0.3"),
             )
     ring.set(
-        xlim=(-1.4, 1.4), ylim=(-1.4, 1.4), aspect="equal", title=f"{n} devices in a ring"
+        xlim=(-1.4, 1.4),
+        ylim=(-1.4, 1.4),
+        aspect="equal",
+        title=f"{n} devices in a ring",
     )
     ring.axis("off")
     for ax, (phase, steps) in zip(axes[1:], schedule.items()):
@@ -345,7 +352,9 @@ def training_curves(histories: Mapping[str, train_lib.History]) -> Figure:
     return fig
 
 
-def image_grid(images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8) -> Figure:
+def image_grid(
+    images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8
+) -> Figure:
     """A grid of images with their labels (the first channel, as grey levels)."""
     images_BHWC = np.asarray(images_BHWC)
     if images_BHWC.ndim != 4 or len(images_BHWC) != len(labels):
@@ -414,7 +423,8 @@ def profile_timeline(
     for kind, color in colors.items():
         ms = np.array(
             [
-                sum(e.duration_us for e in events if e.device == d and e.kind == kind) / 1e3
+                sum(e.duration_us for e in events if e.device == d and e.kind == kind)
+                / 1e3
                 for d in device_ids
             ]
         )
@@ -455,7 +465,10 @@ def cost_estimates(
         time_ax.set_title(name)
         time_ax.set_ylabel("ms per step")
         mem_ax.bar(
-            x, [e.state_bytes / hardware.GB for e in row], color="tab:green", label="state"
+            x,
+            [e.state_bytes / hardware.GB for e in row],
+            color="tab:green",
+            label="state",
         )
         mem_ax.bar(
             x,
@@ -465,7 +478,10 @@ def cost_estimates(
             label="activations",
         )
         mem_ax.axhline(
-            hw.memory_bytes / hardware.GB, color="red", linestyle="--", label=f"{hw.name}"
+            hw.memory_bytes / hardware.GB,
+            color="red",
+            linestyle="--",
+            label=f"{hw.name}",
         )
         mem_ax.set_ylabel("GB per device")
         for ax in (time_ax, mem_ax):
@@ -492,7 +508,9 @@ def cost_speedups(
     Solid: no overlap of compute and communication; dashed: perfect overlap.
     """
     hw = hardware.chip(hw) if isinstance(hw, str) else hw
-    fig, axes = plt.subplots(1, len(specs), figsize=(4.2 * len(specs), 3.4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(specs), figsize=(4.2 * len(specs), 3.4), squeeze=False
+    )
     per_device = [b / base.devices for b in global_batches]
     for ax, spec in zip(axes[0], specs):
         for i, other in enumerate(others):
@@ -506,11 +524,15 @@ def cost_speedups(
                     values,
                     style,
                     color=color,
-                    label=f"{other.label} over {base.label}" if not overlapped else None,
+                    label=f"{other.label} over {base.label}"
+                    if not overlapped
+                    else None,
                 )
         ax.axhline(1.0, color="gray", linewidth=0.8)
         if claim is not None:
-            ax.axhline(claim, color="red", linestyle=":", label=f"the article's {claim}x")
+            ax.axhline(
+                claim, color="red", linestyle=":", label=f"the article's {claim}x"
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(
             f"{'images' if spec.logits_per_token == 0 else 'sequences'} per device"
@@ -519,7 +541,8 @@ def cost_speedups(
         ax.set_title(spec.name)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(
-        f"{base.devices} x {hw.name} (solid: no overlap, dashed: full overlap)", fontsize=10
+        f"{base.devices} x {hw.name} (solid: no overlap, dashed: full overlap)",
+        fontsize=10,
     )
     fig.tight_layout()
     return fig
@@ -607,7 +630,9 @@ def process_collectives(
     """
     grid = np.asarray(process_grid)
     if grid.ndim != 2 or len(axis_names) != 2:
-        raise ValueError(f"process_collectives draws 2-D meshes; got shape {grid.shape}")
+        raise ValueError(
+            f"process_collectives draws 2-D meshes; got shape {grid.shape}"
+        )
     rows, cols = grid.shape
     owner = grid.reshape(-1)
     fig, axes = plt.subplots(
@@ -694,7 +719,9 @@ def memory_measured_vs_predicted(
         raise ValueError(f"unknown unit {unit!r}; allowed: B, kB, MB, GB")
     names = list(measured)
     parts = list(
-        dict.fromkeys(p for bars in (measured, predicted) for s in names for p in bars[s])
+        dict.fromkeys(
+            p for bars in (measured, predicted) for s in names for p in bars[s]
+        )
     )
     colour = {part: plt.cm.tab10(i % 10) for i, part in enumerate(parts)}
     fig, ax = plt.subplots(figsize=(1.0 + 2.2 * len(names), 4.5))

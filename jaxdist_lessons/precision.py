@@ -38,7 +38,8 @@ class Policy:
     def cast(self, tree: Any, dtype: Any) -> Any:
         """Every floating-point leaf of ``tree`` as ``dtype``; integer leaves untouched."""
         return jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            tree,
         )
 
     def to_compute(self, tree: Any) -> Any:
@@ -89,9 +90,9 @@ def data_parallel_grads(
         local_params = lax.pcast(
             params, data_axis, to="varying"
         )  # local gradients, reduced once below
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(policy.to_compute(p), batch))(
-            local_params
-        )
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(policy.to_compute(p), batch)
+        )(local_params)
         grads = lax.pmean(policy.to_reduce(grads), data_axis)
         return lax.pmean(loss, data_axis), jax.tree.map(
             lambda g, p: g.astype(p.dtype), grads, params
@@ -119,9 +120,13 @@ def wire_table(
     rows = []
     for name, policy in POLICIES.items():
         placed = jax.device_put(policy.to_param(params), NamedSharding(mesh, P()))
-        lowered = data_parallel_grads(loss_fn, policy, mesh, data_axis).lower(placed, batch)
+        lowered = data_parallel_grads(loss_fn, policy, mesh, data_axis).lower(
+            placed, batch
+        )
         asked = [
-            c for c in comms.collectives(lowered.as_text(dialect="hlo")) if c.elements > 1
+            c
+            for c in comms.collectives(lowered.as_text(dialect="hlo"))
+            if c.elements > 1
         ]
         run = comms.collectives(lowered.compile().as_text())
         rows.append(

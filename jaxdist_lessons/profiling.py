@@ -104,7 +104,11 @@ def read_trace(path: str | pathlib.Path) -> list[OpEvent]:
     for e in trace.get("traceEvents", []):
         args = e.get("args", {})
         # Complete events ('X') with an hlo_op are XLA running an instruction; the rest are host-side.
-        if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end: "):
+        if (
+            e.get("ph") == "X"
+            and "hlo_op" in args
+            and not e["name"].startswith("end: ")
+        ):
             events.append(
                 OpEvent(
                     op=args["hlo_op"],

@@ -48,7 +48,9 @@ class CompileCounter:
             else self.compiled.count(f"jit({self.name})")
         )
 
-    def _listen(self, event: str, duration: float, fun_name: str = "", **_: Any) -> None:
+    def _listen(
+        self, event: str, duration: float, fun_name: str = "", **_: Any
+    ) -> None:
         if event == TRACE_EVENT:
             self.traced.append(fun_name)
         elif event == COMPILE_EVENT:

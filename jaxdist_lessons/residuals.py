@@ -41,7 +41,9 @@ class Residual:
 
 
 # ``f32[64,256] output of ...``; on Explicit axes a sharded dimension reads ``64@data`` (still the global size).
-_RESIDUAL = re.compile(r"^(?P<dtype>[a-z][a-z0-9_]*)\[(?P<dims>[^\]]*)\]\s+(?P<source>.*)$")
+_RESIDUAL = re.compile(
+    r"^(?P<dtype>[a-z][a-z0-9_]*)\[(?P<dims>[^\]]*)\]\s+(?P<source>.*)$"
+)
 
 
 def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
@@ -55,8 +57,12 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
     found = []
     for line in filter(None, map(str.strip, out.getvalue().splitlines())):
         m = _RESIDUAL.match(line)
-        if m is None:  # every line is a residual: one we cannot read must not be dropped
-            raise ValueError(f"cannot read this line of print_saved_residuals: {line!r}")
+        if (
+            m is None
+        ):  # every line is a residual: one we cannot read must not be dropped
+            raise ValueError(
+                f"cannot read this line of print_saved_residuals: {line!r}"
+            )
         shape = tuple(int(re.match(r"\d+", d)[0]) for d in m["dims"].split(",") if d)
         nbytes = math.prod(shape) * hlo.dtype_bytes(m["dtype"])
         found.append(Residual(m["dtype"], shape, nbytes, m["source"]))
@@ -102,9 +108,7 @@ def remat_table(decoder: Any, params: Any, tokens: jax.Array) -> Table:
     headers = ["remat policy", "saved residuals (B)", "dots, lowered"]
     headers += [f"dots, compiled ({jax.default_backend()})", "flops", "temp bytes"]
     batch, length = tokens.shape[0], tokens.shape[1] - 1
-    title = (
-        f"Gradient of the decoder's loss, {batch} sequences of {length} tokens, one device"
-    )
+    title = f"Gradient of the decoder's loss, {batch} sequences of {length} tokens, one device"
     return Table(headers, rows, title=title)
 
 

@@ -61,9 +61,15 @@ class Entry:
     title: str  # the snippet or claim in a few words (Markdown)
     verdict: str  # a key of VERDICTS
     chapter: str  # a key of CHAPTERS: where the book teaches it properly
-    cells: tuple[str, ...] = ("fix",)  # the entry's code cells, from PARTS, in that order
-    shell: bool = False  # the article's code is a shell command: shown, not run as Python
-    applied: bool = False  # the article cell applies the article's prose advice: our code
+    cells: tuple[str, ...] = (
+        "fix",
+    )  # the entry's code cells, from PARTS, in that order
+    shell: bool = (
+        False  # the article's code is a shell command: shown, not run as Python
+    )
+    applied: bool = (
+        False  # the article cell applies the article's prose advice: our code
+    )
     error: tuple[str, str] | None = (
         None  # (exception class name, regex its message matches)
     )
@@ -78,7 +84,9 @@ class Entry:
                 f"{self.key}: chapter {self.chapter!r} is not one of {sorted(CHAPTERS)}"
             )
         if tuple(p for p in PARTS if p in self.cells) != self.cells:
-            raise ValueError(f"{self.key}: cells {self.cells} are not drawn from {PARTS}")
+            raise ValueError(
+                f"{self.key}: cells {self.cells} are not drawn from {PARTS}"
+            )
         if "article" in self.cells and self.shell:
             raise ValueError(f"{self.key}: a shell command is shown, not run in a cell")
         if self.error and "article" not in self.cells:
@@ -290,7 +298,9 @@ def undefined_names(
             bound_so_far.add(statement.name)
         else:
             early_reads |= (
-                _names(statement, ast.Load) - bound_so_far - _bound_before_use(statement)
+                _names(statement, ast.Load)
+                - bound_so_far
+                - _bound_before_use(statement)
             )
             bound_so_far |= _names(statement, ast.Store)
     return sorted(early_reads | (free_in_functions - bound_so_far))
@@ -304,7 +314,9 @@ def counts() -> dict[str, int]:
 def chapter_link(chapter: str, existing: Iterable[str]) -> str:
     """A Markdown link to ``chapter`` if its notebook is in ``existing``, else its title."""
     title = CHAPTERS[chapter]
-    return f"[{title}]({chapter}.md)" if chapter in set(existing) else f"{title} (to come)"
+    return (
+        f"[{title}]({chapter}.md)" if chapter in set(existing) else f"{title} (to come)"
+    )
 
 
 def verdict_markdown(existing: Iterable[str]) -> str:

@@ -70,7 +70,9 @@ def _fold_block(q, k, v, mask, carry):
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     rescale = jnp.exp(m - m_new)
     l_new = total * rescale + p.sum(-1)
-    o_new = o * rescale.transpose(0, 2, 1)[..., None] + jnp.einsum("bnqk,bknh->bqnh", p, v)
+    o_new = o * rescale.transpose(0, 2, 1)[..., None] + jnp.einsum(
+        "bnqk,bknh->bqnh", p, v
+    )
     return m_new, l_new, o_new
 
 
@@ -87,7 +89,9 @@ def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.A
     to_next = [(j, (j + 1) % n) for j in range(n)]
     k, v = k_BTNH, v_BTNH
     for step in range(n):  # unrolled: each permute can overlap the next block's compute
-        kv_pos = _positions(T, axis_name, device=(i - step) % n)  # whose K, V we hold now
+        kv_pos = _positions(
+            T, axis_name, device=(i - step) % n
+        )  # whose K, V we hold now
         carry = _fold_block(q_BTNH, k, v, q_pos[:, None] >= kv_pos[None, :], carry)
         if step < n - 1:
             k, v = (jax.lax.ppermute(x, axis_name, to_next) for x in (k, v))
@@ -95,11 +99,15 @@ def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.A
     return o / total.transpose(0, 2, 1)[..., None]
 
 
-def gathered_kv_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
+def gathered_kv_attention(
+    q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence"
+) -> jax.Array:
     """Causal attention after an all-gather of K and V over the sequence axis."""
     T = q_BTNH.shape[1]
     q_pos = _positions(T, axis_name)
-    k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k_BTNH, v_BTNH))
+    k, v = (
+        jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k_BTNH, v_BTNH)
+    )
     kv_pos = jnp.asarray(
         zigzag_order(T * jax.lax.axis_size(axis_name), jax.lax.axis_size(axis_name))
     )
@@ -156,7 +164,9 @@ def causal_work(num_devices: int, layout: str) -> list[float]:
     return [sum((c + 0.5) * size * size for c in chunks) for chunks in owned]
 
 
-def kv_bytes(batch: int, seq_len: int, heads: int, head_dim: int, itemsize: int = 4) -> int:
+def kv_bytes(
+    batch: int, seq_len: int, heads: int, head_dim: int, itemsize: int = 4
+) -> int:
     """Bytes of K and V together for the whole sequence."""
     return 2 * batch * seq_len * heads * head_dim * itemsize
 
@@ -177,7 +187,9 @@ def predicted_bytes(
         return {"collective-permute": moved, "sent": moved}
     if kind == "all-gather KV":  # the gathered K and V
         return {"all-gather": full_kv, "sent": (n - 1) / n * full_kv}
-    if kind == "Ulysses":  # q, k, v in and out back: 4 local blocks, (n-1)/n of each leaves
+    if (
+        kind == "Ulysses"
+    ):  # q, k, v in and out back: 4 local blocks, (n-1)/n of each leaves
         block = full_kv / 2 / n
         return {"all-to-all": 4 * block, "sent": 4 * (n - 1) / n * block}
     raise ValueError(f"unknown attention {kind!r}; allowed: {', '.join(ATTENTIONS)}")

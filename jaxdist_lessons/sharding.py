@@ -86,7 +86,9 @@ def replicas(mesh: Mesh, spec: P) -> int:
     return math.prod(size for axis, size in mesh.shape.items() if axis not in named)
 
 
-def expected_bytes_per_device(shape: Sequence[int], dtype: Any, mesh: Mesh, spec: P) -> int:
+def expected_bytes_per_device(
+    shape: Sequence[int], dtype: Any, mesh: Mesh, spec: P
+) -> int:
     """Bytes each device holds for an array of ``shape`` and ``dtype`` sharded by ``spec``."""
     return math.prod(shard_shape(shape, mesh, spec)) * np.dtype(dtype).itemsize
 
@@ -105,7 +107,9 @@ def bytes_per_device(tree: Any) -> dict[int, int]:
 
 def shard_shapes(array: jax.Array) -> dict[int, tuple[int, ...]]:
     """The shape of the block each device holds, keyed by device id."""
-    return {shard.device.id: tuple(shard.data.shape) for shard in array.addressable_shards}
+    return {
+        shard.device.id: tuple(shard.data.shape) for shard in array.addressable_shards
+    }
 
 
 def blocks(
@@ -176,11 +180,15 @@ def spec_for(name: str, rules: Rules, default: P | None = P()) -> P:
         if re.search(pattern, name):
             return spec
     if default is None:
-        raise ShardingError(f"no rule matches {name!r}; add one, or pass a default spec")
+        raise ShardingError(
+            f"no rule matches {name!r}; add one, or pass a default spec"
+        )
     return default
 
 
-def specs_from_rules(tree: Any, mesh: Mesh, rules: Rules, default: P | None = P()) -> Any:
+def specs_from_rules(
+    tree: Any, mesh: Mesh, rules: Rules, default: P | None = P()
+) -> Any:
     """A tree of ``PartitionSpec``s, one per leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s).
 
     Every spec is checked against its leaf's shape and the mesh, so a bad rule fails here,
@@ -202,7 +210,9 @@ def shardings_from_rules(
     """``specs_from_rules`` turned into ``NamedSharding``s, ready for ``device_put`` or ``jit(out_shardings=...)``."""
     specs = specs_from_rules(tree, mesh, rules, default)
     return jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+        lambda spec: NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
     )
 
 
@@ -299,7 +309,10 @@ def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:
     size = batch_size(batch)
     padded = -(-size // multiple) * multiple
     pad = lambda x: np.concatenate(
-        [np.asarray(x), np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype)]
+        [
+            np.asarray(x),
+            np.zeros((padded - size, *np.shape(x)[1:]), np.asarray(x).dtype),
+        ]
     )
     mask = (np.arange(padded) < size).astype(np.float32)
     return jax.tree.map(pad, batch), mask

@@ -19,7 +19,9 @@ class Table:
         self.rows = [[_cell(v) for v in row] for row in rows]
         bad = [row for row in self.rows if len(row) != len(self.headers)]
         if bad:
-            raise ValueError(f"every row needs {len(self.headers)} cells; got {bad[0]!r}")
+            raise ValueError(
+                f"every row needs {len(self.headers)} cells; got {bad[0]!r}"
+            )
         self.title = title
 
     def __str__(self) -> str:

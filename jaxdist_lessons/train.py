@@ -102,7 +102,9 @@ def abstract_state(
     input_dtype: Any = jnp.float32,
 ) -> TrainState:
     """The train state's structure, shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), computing nothing."""
-    return jax.eval_shape(init_fn(model, tx, input_shape, input_dtype), jax.random.key(0))
+    return jax.eval_shape(
+        init_fn(model, tx, input_shape, input_dtype), jax.random.key(0)
+    )
 
 
 def state_shardings(
@@ -114,7 +116,9 @@ def state_shardings(
     input_dtype: Any = jnp.float32,
 ) -> Any:
     """The ``NamedSharding`` of every leaf of the train state, from ``rules``, without building the state."""
-    return shardings_for(abstract_state(model, tx, input_shape, input_dtype), mesh, rules)
+    return shardings_for(
+        abstract_state(model, tx, input_shape, input_dtype), mesh, rules
+    )
 
 
 def create_train_state(
@@ -150,7 +154,9 @@ def _weighted_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState, batch: Batch
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One step of image classification: cross-entropy on integer labels, BatchNorm statistics updated."""
 
     def loss_fn(params):
@@ -160,7 +166,9 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, j
             train=True,
             mutable=["batch_stats"],
         )
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["labels"]
+        )
         return _weighted_mean(losses, batch["mask"]), (logits, updates["batch_stats"])
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -221,7 +229,10 @@ def make_steps(
     ``train_step(state, batch) -> (state, {loss, accuracy})`` donates ``state``;
     ``eval_step(state, batch) -> {loss_sum, correct, count}`` counts only rows whose mask is 1.
     """
-    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axis))
+    replicated, batch_sharding = (
+        NamedSharding(mesh, P()),
+        NamedSharding(mesh, P(data_axis)),
+    )
     jitted_eval = jax.jit(
         eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated
     )
@@ -350,7 +361,9 @@ def with_shardings(like: Any, shardings: Any) -> Any:
 def restore_checkpoint(path: str, like: TrainState | Any, shardings: Any) -> TrainState:
     """Read a checkpoint into the structure of ``like`` with the given ``shardings``: any mesh, any layout."""
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(os.path.abspath(path), with_shardings(like, shardings))
+        return checkpointer.restore(
+            os.path.abspath(path), with_shardings(like, shardings)
+        )
 
 
 def restore_latest(
@@ -415,7 +428,9 @@ def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
     )
     train_source = data.source(config.dataset, "train", config.data_dir)
     eval_source = data.source(
-        config.dataset, data.eval_split(config.dataset, config.data_dir), config.data_dir
+        config.dataset,
+        data.eval_split(config.dataset, config.data_dir),
+        config.data_dir,
     )
     input_shape = data.input_shape(train_source, config.preprocess)
     tx = optax.adam(config.learning_rate)
@@ -431,7 +446,9 @@ def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
             print0(f"resumed from {workdir} after epoch {first_epoch}")
     if state is None:
         rng = jax.random.key(config.seed)
-        state = create_train_state(config.model, tx, mesh, config.rules, rng, input_shape)
+        state = create_train_state(
+            config.model, tx, mesh, config.rules, rng, input_shape
+        )
 
     def train_batches(epoch: int) -> Iterable[Batch]:
         return data.batches(
@@ -454,7 +471,9 @@ def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
             preprocess=config.preprocess,
         )
 
-    manager = None if workdir is None else ocp.CheckpointManager(os.path.abspath(workdir))
+    manager = (
+        None if workdir is None else ocp.CheckpointManager(os.path.abspath(workdir))
+    )
 
     def after_epoch(epoch: int, state: TrainState, history: History) -> None:
         losses = [row["loss"] for row in history.train if row["epoch"] == epoch]
@@ -480,4 +499,6 @@ def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
-    return Result(state, history, mesh, shardings, jitted_train, jitted_eval, first_epoch)
+    return Result(
+        state, history, mesh, shardings, jitted_train, jitted_eval, first_epoch
+    )

@@ -30,9 +30,13 @@ def installed(distribution: str) -> str | None:
 
 def untested(versions: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
     """The packages whose installed version differs from the tested one: ``{name: installed}``."""
-    versions = {name: installed(name) for name in TESTED} if versions is None else versions
+    versions = (
+        {name: installed(name) for name in TESTED} if versions is None else versions
+    )
     return {
-        name: versions.get(name) for name in TESTED if versions.get(name) != TESTED[name]
+        name: versions.get(name)
+        for name in TESTED
+        if versions.get(name) != TESTED[name]
     }
 
 
@@ -41,7 +45,9 @@ def version_warning(versions: Mapping[str, str | None] | None = None) -> str | N
     differ = untested(versions)
     if not differ:
         return None
-    found = ", ".join(f"{name} {version or 'missing'}" for name, version in differ.items())
+    found = ", ".join(
+        f"{name} {version or 'missing'}" for name, version in differ.items()
+    )
     tested = ", ".join(f"{name} {TESTED[name]}" for name in differ)
     return (
         f"jaxdist: warning: this book is tested with {tested}; found {found}. Most chapters "

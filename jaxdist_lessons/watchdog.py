@@ -97,7 +97,9 @@ class StepWatchdog:
         self.last_step: int | None = None
         self.since = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="watchdog", daemon=True
+        )
 
     def start(self) -> StepWatchdog:
         """Start the watching thread, and let ``kill -USR2`` dump this process's stacks."""

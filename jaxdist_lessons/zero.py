@@ -46,13 +46,17 @@ LossFn = Callable[[Any, Any], jax.Array]
 
 def _check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+        )
 
 
 def shard_dim(shape: Sequence[int], num_shards: int) -> int | None:
     """The largest dimension of ``shape`` that ``num_shards`` divides (the first, on a tie); ``None`` if none."""
     fits = [
-        d for d, size in enumerate(shape) if size % num_shards == 0 and size >= num_shards
+        d
+        for d, size in enumerate(shape)
+        if size % num_shards == 0 and size >= num_shards
     ]
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
@@ -61,12 +65,16 @@ def fsdp_spec(shape: Sequence[int], mesh: Mesh, axis: str = "data") -> P:
     """The rule: ``axis`` on the array's largest evenly divisible dimension, else replicated (``P()``)."""
     dim = shard_dim(shape, mesh.shape[axis])
     return (
-        P() if dim is None else P(*[axis if d == dim else None for d in range(len(shape))])
+        P()
+        if dim is None
+        else P(*[axis if d == dim else None for d in range(len(shape))])
     )
 
 
 def _specs(tree: Any, mesh: Mesh, axis: str, sharded: bool) -> Any:
-    return jax.tree.map(lambda x: fsdp_spec(x.shape, mesh, axis) if sharded else P(), tree)
+    return jax.tree.map(
+        lambda x: fsdp_spec(x.shape, mesh, axis) if sharded else P(), tree
+    )
 
 
 def param_specs(strategy: str, params: Any, mesh: Mesh, axis: str = "data") -> Any:
@@ -75,7 +83,9 @@ def param_specs(strategy: str, params: Any, mesh: Mesh, axis: str = "data") -> A
     return _specs(params, mesh, axis, strategy == "fsdp")
 
 
-def opt_state_specs(strategy: str, opt_state: Any, mesh: Mesh, axis: str = "data") -> Any:
+def opt_state_specs(
+    strategy: str, opt_state: Any, mesh: Mesh, axis: str = "data"
+) -> Any:
     """Specs of the optimizer state: sharded by ``fsdp_spec`` under ``zero1`` and ``fsdp``, replicated under ``data``."""
     _check_strategy(strategy)
     return _specs(opt_state, mesh, axis, strategy != "data")
@@ -238,7 +248,10 @@ def make_step(
 
     body = {"data": data_step, "zero1": zero1_step, "fsdp": fsdp_step}[strategy]
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(pspecs, ospecs, P(axis)), out_specs=(pspecs, ospecs, P())
+        body,
+        mesh=mesh,
+        in_specs=(pspecs, ospecs, P(axis)),
+        out_specs=(pspecs, ospecs, P()),
     )
     return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
 
@@ -254,7 +267,8 @@ LAYERED_STRATEGIES = ("data", "fsdp_all_gathered", "fsdp_per_layer")
 def stacked_specs(tree: Any, mesh: Mesh, axis: str = "fsdp") -> Any:
     """Specs of stacked layers: each leaf's leading (layer) axis whole, ``fsdp_spec`` on the rest; scalars replicated."""
     return jax.tree.map(
-        lambda x: P() if x.ndim == 0 else P(None, *fsdp_spec(x.shape[1:], mesh, axis)), tree
+        lambda x: P() if x.ndim == 0 else P(None, *fsdp_spec(x.shape[1:], mesh, axis)),
+        tree,
     )
 
 
@@ -307,7 +321,9 @@ def make_layered_fsdp_step(
     pass gathers it again; without, autodiff keeps every layer's gathered copy for the backward pass.
     """
     specs = stacked_specs(layers, mesh, axis)
-    one_layer = jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P))
+    one_layer = jax.tree.map(
+        lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P)
+    )
     ospecs = stacked_specs(opt_state, mesh, axis)
 
     def step(layers, opt_state, batch):
@@ -321,7 +337,10 @@ def make_layered_fsdp_step(
         return _fsdp_update(loss_of_shards, tx, layers, opt_state, specs, axis)
 
     mapped = jax.shard_map(
-        step, mesh=mesh, in_specs=(specs, ospecs, P(axis)), out_specs=(specs, ospecs, P())
+        step,
+        mesh=mesh,
+        in_specs=(specs, ospecs, P(axis)),
+        out_specs=(specs, ospecs, P()),
     )
     return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
 
@@ -560,11 +579,16 @@ def measure_layered(
             [strategy, *held, stats.temp_bytes, stats.live_bytes, theory]
             + [stats.live_bytes / theory, in_loop, len(gathers[strategy]) - in_loop]
         )
-    headers = ["strategy", "parameters", "optimizer state", "temporaries", "live", "theory"]
+    headers = [
+        "strategy",
+        "parameters",
+        "optimizer state",
+        "temporaries",
+        "live",
+        "theory",
+    ]
     headers += ["live / theory", "all-gathers in the loop", "outside it"]
-    title = (
-        f"One Adam step on {num_layers} blocks, {num_devices} devices (bytes per device)"
-    )
+    title = f"One Adam step on {num_layers} blocks, {num_devices} devices (bytes per device)"
     return LayeredMeasurement(
         measured, predicted, gathers, Table(headers, rows, title=title)
     )

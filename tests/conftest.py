@@ -35,7 +35,10 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
     job after another: two jobs at once would find the node busy."""
     for item in items:
-        if "slurm" in getattr(item, "fixturenames", ()) or item.path.name in SLURM_CHAPTERS:
+        if (
+            "slurm" in getattr(item, "fixturenames", ())
+            or item.path.name in SLURM_CHAPTERS
+        ):
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
@@ -49,6 +52,8 @@ def slurm():
     """Skip a test that needs an idle SLURM node, or fail it under JAXDIST_REQUIRE_SLURM=1."""
     reason = multihost_demo.slurm_unavailable()
     if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
+        pytest.fail(
+            f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up"
+        )
     if reason:
         pytest.skip(reason)

@@ -74,11 +74,15 @@ def main():
             train.main(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
                         "--global-batch", global_batch, "--compilation-cache", cache,
                         "--compile-only"])  # fmt: skip
-        [line] = [x for x in printed.getvalue().splitlines() if x.startswith("per device:")]
+        [line] = [
+            x for x in printed.getvalue().splitlines() if x.startswith("per device:")
+        ]
         train.collective_bytes = collective_bytes
         out[spec] = {
             "line": line,
-            "all_gathers_by_axes": all_gathers_by_axes(texts[-1], train.make_mesh(spec)),
+            "all_gathers_by_axes": all_gathers_by_axes(
+                texts[-1], train.make_mesh(spec)
+            ),
         }
         train.collective_bytes = recording
         print(spec, json.dumps(out[spec]), file=sys.stderr, flush=True)

@@ -29,7 +29,9 @@ from jaxdist_lessons import comms, hlo  # noqa: E402
 
 AXES = ("data", "fsdp", "tensor")
 without_override = {k: v for k, v in os.environ.items() if k != multihost.NODE_OVERRIDE}
-detected = multihost.node_of_processes(without_override)  # by hostname: all on this machine
+detected = multihost.node_of_processes(
+    without_override
+)  # by hostname: all on this machine
 nodes = multihost.node_of_devices()
 mesh = multihost.hybrid_mesh(ici, dcn, AXES, nodes=nodes)
 grid = multihost.node_grid(mesh, nodes)
@@ -38,7 +40,9 @@ for position, device in np.ndenumerate(mesh.devices):
         f"device {device.id:5d} of process {device.process_index}: node {nodes[device.id]}, "
         f"mesh position {dict(zip(AXES, position, strict=True))}"
     )
-x = jax.device_put(np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P(*AXES)))
+x = jax.device_put(
+    np.ones(mesh.devices.shape, np.float32), NamedSharding(mesh, P(*AXES))
+)
 report = {"detected": detected, "node_grid": grid.tolist(), "axes": {}}
 for axis in AXES:
     psum = jax.jit(
@@ -55,7 +59,9 @@ for axis in AXES:
         if c.kind == "all-reduce"
     ]
     groups = (
-        hlo.replica_group_lists(ops[0].replica_groups, num_devices=mesh.size) if ops else []
+        hlo.replica_group_lists(ops[0].replica_groups, num_devices=mesh.size)
+        if ops
+        else []
     )
     report["axes"][axis] = {
         "groups": groups,

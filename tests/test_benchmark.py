@@ -59,7 +59,9 @@ def test_strategy_comparison_tables_agree_with_theory():
         0,
         0,
     ]
-    memory = {row[1]: row for row in benchmark.memory_table(programs, [work], tx, N).values}
+    memory = {
+        row[1]: row for row in benchmark.memory_table(programs, [work], tx, N).values
+    }
     assert all(row[2] == row[3] for row in memory.values())  # held = theory
     assert memory["fsdp"][2] < memory["zero1"][2] < memory["data"][2]
     (ring,) = benchmark.ring_table([work], N).values

@@ -4,12 +4,16 @@ import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("check_html", ROOT / ".ci" / "check_html.py")
+spec = importlib.util.spec_from_file_location(
+    "check_html", ROOT / ".ci" / "check_html.py"
+)
 check_html = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_html)
 
 CHAPTER = "# 1. A chapter\n\n```{code-cell}\nfig = plots.f()\nplots.show(fig)\n```\n"
-PAGE = '<div class="cell_output"><img alt="_images/a.png" src="../_images/a.png" /></div>'
+PAGE = (
+    '<div class="cell_output"><img alt="_images/a.png" src="../_images/a.png" /></div>'
+)
 
 
 def book(
@@ -35,14 +39,18 @@ def test_a_missing_figure_is_reported(tmp_path):
 
 
 def test_a_numbered_chapter_without_figures_is_reported(tmp_path):
-    html, chapters = book(tmp_path, "# 1. A chapter\n\n```{code-cell}\nx = 1\n```\n", "")
+    html, chapters = book(
+        tmp_path, "# 1. A chapter\n\n```{code-cell}\nx = 1\n```\n", ""
+    )
     assert check_html.problems(html, chapters) == [
         "01_chapter.md: a numbered chapter with no figure"
     ]
 
 
 def test_noise_is_reported(tmp_path):
-    noisy = PAGE + '<div class="output stderr"><pre>\x1b[31mIProgress not found</pre></div>'
+    noisy = (
+        PAGE + '<div class="output stderr"><pre>\x1b[31mIProgress not found</pre></div>'
+    )
     assert check_html.problems(*book(tmp_path, CHAPTER, noisy)) == [
         "01_chapter.html: a stderr output",
         "01_chapter.html: an ANSI escape code",
@@ -52,7 +60,9 @@ def test_noise_is_reported(tmp_path):
 
 def test_a_missing_page_is_reported(tmp_path):
     html, chapters = book(tmp_path, CHAPTER, None)
-    assert check_html.problems(html, chapters) == [f"{html}/book/01_chapter.html: missing"]
+    assert check_html.problems(html, chapters) == [
+        f"{html}/book/01_chapter.html: missing"
+    ]
 
 
 def test_the_build_machines_path_is_reported(tmp_path):

@@ -16,7 +16,9 @@ from jaxdist_lessons import colab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHAPTERS = [  # the notebooks' text sources (a plain page, the glossary, has no .ipynb)
-    md for md in sorted((ROOT / "book").glob("*.md")) if md.with_suffix(".ipynb").exists()
+    md
+    for md in sorted((ROOT / "book").glob("*.md"))
+    if md.with_suffix(".ipynb").exists()
 ]
 
 
@@ -111,14 +113,20 @@ def runtime_venv(venv: pathlib.Path) -> pathlib.Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [
+            str(python),
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
     # A path line in a .pth file adds this environment's site-packages but does not run the
     # .pth files inside it, so the editable install of jaxdist_lessons stays invisible.
-    pathlib.Path(site, "runtime.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pathlib.Path(site, "runtime.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
     return python
 
 
@@ -138,7 +146,9 @@ def test_on_simulated_colab_without_a_wheel_the_cell_says_what_to_upload(
     assert "RuntimeError: Upload jaxdist_lessons-*.whl" in proc.stderr
 
 
-def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(colab_like):
+def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
+    colab_like,
+):
     python, content = colab_like
     assert python_in(python, "import jaxdist_lessons", content).returncode == 1
     show_jax = "import jax; print(jax.__file__, jax.__version__)"
@@ -149,7 +159,9 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(c
         python, "import jaxdist_lessons; print(jaxdist_lessons.__file__)", content
     )
     assert installed.returncode == 0, installed.stderr
-    assert str(python.parent.parent) in installed.stdout  # the wheel, not the editable copy
+    assert (
+        str(python.parent.parent) in installed.stdout
+    )  # the wheel, not the editable copy
     assert python_in(python, show_jax, content).stdout == jax_before
 
 
@@ -206,7 +218,11 @@ def with_device_files(*paths: str) -> str:
             'pip install -U "jax[cuda12]==0.10.2"',
         ),
         ("0.4.38", ("/dev/accel0", "/dev/accel1"), 'pip install -U "jax[tpu]==0.10.2"'),
-        ("0.9.2", ("/dev/vfio/0", "/dev/vfio/vfio"), 'pip install -U "jax[tpu]==0.10.2"'),
+        (
+            "0.9.2",
+            ("/dev/vfio/0", "/dev/vfio/vfio"),
+            'pip install -U "jax[tpu]==0.10.2"',
+        ),
     ],
     ids=["cpu", "gpu", "tpu-v4", "tpu-v5e"],
 )

@@ -98,9 +98,14 @@ def test_hand_written_snippets_of_every_kind():
 def test_totals_and_summary():
     assert comms.total_bytes(SNIPPETS, "all-reduce") == 16 + 512 + 60 + 24 + 20
     assert (
-        comms.total_bytes(SNIPPETS) == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
+        comms.total_bytes(SNIPPETS)
+        == 16 + 512 + 60 + 24 + 20 + 2048 + 128 + 64 + 32 + 64
     )
-    assert comms.summary(SNIPPETS)["all-reduce"] == {"count": 5, "in_loop": 1, "bytes": 632}
+    assert comms.summary(SNIPPETS)["all-reduce"] == {
+        "count": 5,
+        "in_loop": 1,
+        "bytes": 632,
+    }
     assert comms.bytes_by_kind(SNIPPETS)["all-reduce"] == 632
     assert comms.summary(SNIPPETS)["all-gather"] == {
         "count": 2,
@@ -126,7 +131,9 @@ def test_unknown_element_types_are_not_counted_as_zero_bytes():
 
 def sm(f, mesh, in_specs, out_specs):
     return jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        jax.shard_map(
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
     )
 
 
@@ -143,13 +150,23 @@ def test_real_programs_of_each_kind():
             4 * 8 * 4,
         ),
         (
-            sm(lambda a: jax.lax.all_gather(a, "data", tiled=True), mesh, P("data"), P()),
+            sm(
+                lambda a: jax.lax.all_gather(a, "data", tiled=True),
+                mesh,
+                P("data"),
+                P(),
+            ),
             x,
             "all-gather",
             4 * N * 8 * 4,
         ),
         (
-            sm(lambda a: jax.lax.psum_scatter(a, "data", tiled=True), mesh, P(), P("data")),
+            sm(
+                lambda a: jax.lax.psum_scatter(a, "data", tiled=True),
+                mesh,
+                P(),
+                P("data"),
+            ),
             full,
             "reduce-scatter",
             4 * 8 * 4,
@@ -167,7 +184,9 @@ def test_real_programs_of_each_kind():
         ),
         (
             sm(
-                lambda a: jax.lax.ppermute(a, "data", [(i, (i + 1) % N) for i in range(N)]),
+                lambda a: jax.lax.ppermute(
+                    a, "data", [(i, (i + 1) % N) for i in range(N)]
+                ),
                 mesh,
                 P("data"),
                 P("data"),
@@ -181,7 +200,9 @@ def test_real_programs_of_each_kind():
         found = comms.collectives(comms.compiled_text(fn, arg))
         assert [c.kind for c in found] == [kind], kind
         assert found[0].bytes == nbytes, kind
-        assert found[0].group_size == (None if kind == "collective-permute" else N), kind
+        assert found[0].group_size == (None if kind == "collective-permute" else N), (
+            kind
+        )
 
 
 def test_all_reduce_in_a_scan_body_is_in_a_loop():
@@ -212,7 +233,9 @@ def test_analytic_bytes():
         == 600
         == comms.ring_reduce_scatter_bytes(800, 4)
     )
-    with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
+    with pytest.raises(
+        ValueError, match="num_devices must be a positive integer, got 0"
+    ):
         comms.ring_all_reduce_bytes(800, 0)
 
 

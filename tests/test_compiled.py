@@ -77,7 +77,9 @@ def test_live_bytes_count_the_temporaries_that_xla_cpu_peak_leaves_out():
         row["live"]
         == row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
     )
-    assert row["temporaries"] >= 2 * x.nbytes  # exp(x) and cos(x) at least, before the dot
+    assert (
+        row["temporaries"] >= 2 * x.nbytes
+    )  # exp(x) and cos(x) at least, before the dot
     if jax.default_backend() == "cpu":
         # What compiled.CompiledStats.peak_bytes warns of: XLA:CPU's peak is the arguments and outputs.
         assert row["XLA peak"] == row["arguments"] + row["outputs"] < row["live"]

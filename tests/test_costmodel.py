@@ -41,7 +41,9 @@ def test_bytes_sent_by_each_kind_of_collective():
     assert (
         costmodel.sent_bytes(costmodel.Transfer("reduce-scatter", 25, 4)) == 75
     )  # N-1 shards of 25
-    assert costmodel.sent_bytes(costmodel.Transfer("collective-permute", 100, None)) == 100
+    assert (
+        costmodel.sent_bytes(costmodel.Transfer("collective-permute", 100, None)) == 100
+    )
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         costmodel.sent_bytes(costmodel.Transfer("broadcast", 1, 2))
     with pytest.raises(
@@ -66,7 +68,9 @@ def test_vit_b16_data_parallel_on_8_a100_by_hand():
         + 12 * 12 * 197**2 * 768 * 256
     )
     assert e.flops == pytest.approx(flops / 8)
-    assert e.compute_s == pytest.approx(flops / 8 / 312e12)  # compute-bound: flops / peak
+    assert e.compute_s == pytest.approx(
+        flops / 8 / 312e12
+    )  # compute-bound: flops / peak
     # Memory: 16 bytes of state per parameter (mixed precision Adam); 32 images of activations.
     assert e.state_bytes == 86_567_656 * 16
     assert e.activation_bytes == 12 * 197 * 32 * 768 * (34 + 5 * 12 * 197 / 768)
@@ -106,14 +110,22 @@ def test_tensor_parallel_transfers_by_hand():
 
 def test_vocabulary_parallel_lm_by_hand():
     spec = costmodel.gpt_spec(
-        "lm", hidden=8, num_layers=3, num_heads=2, vocab_size=16, seq_len=4, global_batch=4
+        "lm",
+        hidden=8,
+        num_layers=3,
+        num_heads=2,
+        vocab_size=16,
+        seq_len=4,
+        global_batch=4,
     )
     assert spec.vocab_parallel and spec.tp_params == 3 * spec.layer_tp_params + 16 * 8
     transfers = costmodel.predict_transfers(
         spec, costmodel.Layout(tensor=2), activation_bytes=2
     )
     # 4 all-reduces per block and 2 for the embedding, each of 4 x 4 tokens x 8 hidden x 2 bytes.
-    assert [(t.kind, t.bytes) for t in transfers] == [("all-reduce", 4 * 4 * 8 * 2)] * 14
+    assert [(t.kind, t.bytes) for t in transfers] == [
+        ("all-reduce", 4 * 4 * 8 * 2)
+    ] * 14
     in_blocks, outside = costmodel.train_flops(spec)
     assert outside == 6 * 16 * 8 * 16  # the tied output projection, 16 tokens
     assert (
@@ -143,7 +155,9 @@ def test_the_precision_sets_the_width_of_the_weights_that_are_sent_and_read():
         spec, costmodel.Layout(fsdp=8), "A100 40GB", precision="fp32"
     )
     # FSDP also holds two gathered layers, at the weights' width.
-    assert fsdp_fp32.state_bytes - fsdp_mixed.state_bytes == 2 * 2 * spec.layer_tp_params
+    assert (
+        fsdp_fp32.state_bytes - fsdp_mixed.state_bytes == 2 * 2 * spec.layer_tp_params
+    )
 
 
 def test_activation_formula_reduces_to_chapter_1s_without_tensor_parallelism():
@@ -176,10 +190,19 @@ def test_layouts_checks_and_labels():
     assert costmodel.check_layout(
         costmodel.MODELS["GPT-2 medium (355M)"], costmodel.Layout(data=4, tensor=2)
     ) == ["vocabulary of 50257 does not split over tensor=2"]
-    assert [x.label for x in costmodel.article_layouts(32)][-2:] == ["(1,32)", "FSDP 32"]
-    assert [x.label for x in costmodel.article_layouts(6)] == ["(6,1)", "(3,2)", "FSDP 6"]
+    assert [x.label for x in costmodel.article_layouts(32)][-2:] == [
+        "(1,32)",
+        "FSDP 32",
+    ]
+    assert [x.label for x in costmodel.article_layouts(6)] == [
+        "(6,1)",
+        "(3,2)",
+        "FSDP 6",
+    ]
     assert costmodel.Layout(fsdp=4, tensor=2).label == "FSDP 4 x tensor 2"
-    with pytest.raises(ValueError, match="Layout.tensor must be a positive integer, got 0"):
+    with pytest.raises(
+        ValueError, match="Layout.tensor must be a positive integer, got 0"
+    ):
         costmodel.Layout(tensor=0)
 
 
@@ -214,7 +237,9 @@ def compiled_step(request):
     program = step.lower(
         state, jax.device_put(BATCH, partitioning.batch_sharding(mesh, rules))
     ).compile()
-    layout = costmodel.Layout(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
+    layout = costmodel.Layout(
+        mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
+    )
     return strategy, layout, program, state
 
 
@@ -242,7 +267,9 @@ def test_predicted_collectives_match_the_compiled_program(compiled_step):
         # instead of reduce-scattering them; each device still sends 3 (N-1)/N of the weights, as predicted.
         assert {"all-gather", "all-reduce"} <= {t.kind for t in measured}
         sent = sum(map(costmodel.sent_bytes, measured))
-        assert sent == pytest.approx(sum(map(costmodel.sent_bytes, predicted)), rel=0.01)
+        assert sent == pytest.approx(
+            sum(map(costmodel.sent_bytes, predicted)), rel=0.01
+        )
         assert sent == pytest.approx(3 * (N - 1) / N * SPEC.params * 4, rel=0.01)
     hw = hardware.chip("A100 40GB")
     assert costmodel.comm_seconds(measured, hw) == pytest.approx(
@@ -285,7 +312,9 @@ def axis_mesh(name, n):
 def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
     B, T, N, H = 1, 32, 8, 4  # 2n chunks of the sequence, n heads for Ulysses
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
-    attention = sequence.over_sequence(sequence.ATTENTIONS[kind], axis_mesh("sequence", n))
+    attention = sequence.over_sequence(
+        sequence.ATTENTIONS[kind], axis_mesh("sequence", n)
+    )
     measured = costmodel.transfers_from_hlo(comms.compiled_text(attention, q, q, q))
     predicted = costmodel.context_parallel_transfers(kind, B, T, N, H, n)
     assert records(measured) == records(predicted)
@@ -306,7 +335,9 @@ def test_expert_parallel_transfers_are_the_compiled_layer(n):
     mesh = axis_mesh("expert", n)
     layer = jax.jit(lambda p, x: experts.moe_all_to_all(p, x, top_k, factor, mesh))
     x_TD = jax.ShapeDtypeStruct((tokens * n, width), jnp.float32)
-    measured = costmodel.transfers_from_hlo(layer.lower(params, x_TD).compile().as_text())
+    measured = costmodel.transfers_from_hlo(
+        layer.lower(params, x_TD).compile().as_text()
+    )
     predicted = costmodel.expert_parallel_transfers(
         tokens, num_experts, top_k, factor, width, n
     )
@@ -332,7 +363,9 @@ def block_sp(x, w1, w2):
 
 @pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_transfers_are_the_compiled_megatron_block(sequence_parallel, n):
+def test_tensor_parallel_transfers_are_the_compiled_megatron_block(
+    sequence_parallel, n
+):
     B, T, D, F = 2, 16, 8, 32
     residual = P(None, "tensor") if sequence_parallel else P()
     block = jax.shard_map(

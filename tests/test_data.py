@@ -46,9 +46,12 @@ def test_offline_dataset_is_scikit_learns_digits_built_by_tfds_as_array_record()
         for k in range(len(source)):
             example = source[k]
             assert (
-                example["image"].shape == (32, 32, 1) and example["image"].dtype == np.uint8
+                example["image"].shape == (32, 32, 1)
+                and example["image"].dtype == np.uint8
             )
-            found.add(index[(example["image"][..., 0].tobytes(), int(example["label"]))])
+            found.add(
+                index[(example["image"][..., 0].tobytes(), int(example["label"]))]
+            )
         # every 5th digit is held out for testing; the rest train
         expected = {
             i for i in range(len(reference.images)) if (i % 5 == 0) == (split == "test")
@@ -63,7 +66,8 @@ def test_batches_are_global_arrays_sharded_over_data():
     )
     batch = next(data.batches(digits("train"), 8 * N, mesh, seed=0))
     assert (
-        batch["images"].shape == (8 * N, 32, 32, 3) and batch["images"].dtype == np.float32
+        batch["images"].shape == (8 * N, 32, 32, 3)
+        and batch["images"].dtype == np.float32
     )
     assert batch["labels"].shape == (8 * N,) and batch["labels"].dtype == np.int32
     assert batch["images"].sharding.spec == P("data")
@@ -131,7 +135,9 @@ def layout_batches(process_count, **kwargs):
     """Every global batch as the processes' local batches put side by side, process by process."""
     per_process = [
         list(
-            data.loader(INDEXED, 24, process_index=p, process_count=process_count, **kwargs)
+            data.loader(
+                INDEXED, 24, process_index=p, process_count=process_count, **kwargs
+            )
         )
         for p in range(process_count)
     ]
@@ -160,10 +166,14 @@ def by_example(batch):
 def test_every_process_layout_reads_the_same_global_batches(options):
     # 1, 2, 4 and 3 processes (24 is a multiple of each), simulated by process index and count.
     reference = layout_batches(1, **options)
-    assert len(reference) == data.num_batches(100, 24, options.get("drop_remainder", True))
+    assert len(reference) == data.num_batches(
+        100, 24, options.get("drop_remainder", True)
+    )
     seen = [label for batch in reference for label in by_example(batch)]
     assert (
-        len(seen) == len(set(seen)) == (96 if options.get("drop_remainder", True) else 100)
+        len(seen)
+        == len(set(seen))
+        == (96 if options.get("drop_remainder", True) else 100)
     )
     for process_count in (2, 4, 3):
         batches = layout_batches(process_count, **options)
@@ -182,7 +192,9 @@ def test_each_process_reads_only_its_share():
     ]
     for process_count in (2, 4, 3):
         for p in range(process_count):
-            local = data.loader(INDEXED, 24, process_index=p, process_count=process_count)
+            local = data.loader(
+                INDEXED, 24, process_index=p, process_count=process_count
+            )
             mine = [int(label) for batch in local for label in batch["labels"]]
             assert mine == order[p::process_count]
 
@@ -192,7 +204,9 @@ def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
     with pytest.raises(
         ValueError, match="global_shape should be None or equal to local_data.shape"
     ):
-        next(data.batches(digits("test"), 2 * N, mesh, process_index=0, process_count=2))
+        next(
+            data.batches(digits("test"), 2 * N, mesh, process_index=0, process_count=2)
+        )
 
 
 def test_augmentation_is_seeded_and_only_shifts():
@@ -201,7 +215,11 @@ def test_augmentation_is_seeded_and_only_shifts():
     first = lambda **kw: np.asarray(
         next(data.batches(source, 2 * N, mesh, seed=1, **kw))["images"]
     )
-    plain, shifted, again = first(augment=False), first(augment=True), first(augment=True)
+    plain, shifted, again = (
+        first(augment=False),
+        first(augment=True),
+        first(augment=True),
+    )
     np.testing.assert_array_equal(shifted, again)
     assert not np.array_equal(plain, shifted)
     background = (0 - data.Preprocess().mean) / data.Preprocess().std
@@ -210,7 +228,9 @@ def test_augmentation_is_seeded_and_only_shifts():
         padded = np.pad(image, ((s, s), (s, s), (0, 0)), constant_values=background)
         h, w = image.shape[:2]
         return [
-            padded[y : y + h, x : x + w] for y in range(2 * s + 1) for x in range(2 * s + 1)
+            padded[y : y + h, x : x + w]
+            for y in range(2 * s + 1)
+            for x in range(2 * s + 1)
         ]
 
     for p, s in zip(
@@ -225,9 +245,13 @@ def test_real_tfds_datasets_through_mock_data():
         cifar = data.source("cifar10", "train")
         batch = next(data.batches(cifar, 2 * N, mesh))
         assert batch["images"].shape == (2 * N, 32, 32, 3)
-        imagenette = data.source("imagenette/320px-v2", "train")  # images of varying sizes
+        imagenette = data.source(
+            "imagenette/320px-v2", "train"
+        )  # images of varying sizes
         batch = next(
-            data.batches(imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24))
+            data.batches(
+                imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24)
+            )
         )
         assert batch["images"].shape == (2 * N, 24, 24, 3)
 
@@ -237,7 +261,10 @@ def write_split_metadata(data_dir, name, splits):
     builder = tfds.builder(name, data_dir=str(data_dir), file_format="array_record")
     builder.info.set_splits(
         tfds.core.SplitDict(
-            [tfds.core.SplitInfo(name=s, shard_lengths=[4], num_bytes=0) for s in splits]
+            [
+                tfds.core.SplitInfo(name=s, shard_lengths=[4], num_bytes=0)
+                for s in splits
+            ]
         )
     )
     os.makedirs(builder.data_dir, exist_ok=True)
@@ -285,7 +312,9 @@ def test_errors_name_the_fix(tmp_path):
             match=f"global batch: a batch of {N + 1} does not split over the {N} devices of mesh axes 'data'",
         ):
             next(data.batches(digits("test"), N + 1, mesh))
-    with pytest.raises(ValueError, match="global_batch must be a positive integer, got 0"):
+    with pytest.raises(
+        ValueError, match="global_batch must be a positive integer, got 0"
+    ):
         next(data.batches(digits("test"), 0, mesh))
     with pytest.raises(ValueError, match=r"mesh \{'data': \d+\} has no axis 'batch'"):
         next(data.batches(digits("test"), N, mesh, data_axis="batch"))

@@ -16,7 +16,12 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
         k: v
         for k, v in os.environ.items()
         if k
-        not in ("JAXDIST_NUM_DEVICES", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")
+        not in (
+            "JAXDIST_NUM_DEVICES",
+            "JAX_NUM_CPU_DEVICES",
+            "XLA_FLAGS",
+            "JAX_PLATFORMS",
+        )
     }
     clean["JAX_PLATFORMS"] = (
         "cpu"  # the suite is about simulated devices, even on a GPU box

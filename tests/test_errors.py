@@ -102,9 +102,9 @@ def test_indivisible_batch_under_shard_map(auto):
 @pytest.mark.skipif(N == 1, reason="one device divides every batch")
 def test_pmap_takes_at_most_one_row_per_device():
     exc = raised(jax.pmap(lambda x: x), odd_batch())
-    assert type(exc).__name__ == "IndivisibleError" and "_internal_pmap_axis_name" in str(
+    assert type(
         exc
-    )
+    ).__name__ == "IndivisibleError" and "_internal_pmap_axis_name" in str(exc)
     explanation = assert_explained(exc, "pmap: more rows than devices")
     assert explanation.cause.endswith(
         f"it takes at most {N} rows (fewer run on the first devices); this "
@@ -125,14 +125,17 @@ def test_pmap_runs_fewer_rows_than_devices_on_the_first_devices():
     out = jax.pmap(lambda x: x.sum())(
         np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
     )
-    assert out.shape == (rows,) and np.array_equal(out, [4 * i + 1 for i in range(rows)])
+    assert out.shape == (rows,) and np.array_equal(
+        out, [4 * i + 1 for i in range(rows)]
+    )
     assert out.sharding.device_set == set(jax.devices()[:rows])
 
 
 def test_spec_with_an_axis_the_mesh_lacks(auto):
     exc = raised(NamedSharding, auto, P("tensor"))  # the constructor checks the names
     assert (
-        str(exc) == "Resource axis: tensor of P('tensor',) is not found in mesh: ('data',)."
+        str(exc)
+        == "Resource axis: tensor of P('tensor',) is not found in mesh: ('data',)."
     )
     assert assert_explained(exc, "spec names an axis the mesh does not have").cause == (
         "the spec P('tensor',) names mesh axis 'tensor', but the mesh's axes are ('data',)"
@@ -180,7 +183,9 @@ def test_explicit_axes_ask_for_out_sharding():
     x = jax.device_put(
         np.ones((N, 4), np.float32), NamedSharding(mesh, P("data", "tensor"))
     )
-    w = jax.device_put(np.ones((4, 6), np.float32), NamedSharding(mesh, P("tensor", None)))
+    w = jax.device_put(
+        np.ones((4, 6), np.float32), NamedSharding(mesh, P("tensor", None))
+    )
     exc = raised(jax.jit(lambda x, w: x @ w), x, w)
     assert type(exc).__name__ == "ShardingTypeError" and not isinstance(exc, ValueError)
     assert str(exc).startswith(
@@ -190,14 +195,18 @@ def test_explicit_axes_ask_for_out_sharding():
     assert_explained(exc, "Explicit axes: output sharding is ambiguous")
     # The fix the explanation names works:
     with jax.set_mesh(mesh):
-        fixed = jax.jit(lambda x, w: jnp.matmul(x, w, out_sharding=P("data", None)))(x, w)
+        fixed = jax.jit(lambda x, w: jnp.matmul(x, w, out_sharding=P("data", None)))(
+            x, w
+        )
     assert fixed.sharding.spec == P("data", None) and np.asarray(fixed)[0, 0] == 4.0
 
 
 def test_with_sharding_constraint_on_explicit_axes(explicit):
     x = jax.device_put(np.ones((N, 4), np.float32), NamedSharding(explicit, P("data")))
     constrain = jax.jit(
-        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(explicit, P("data")))
+        lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(explicit, P("data"))
+        )
     )
     exc = raised(constrain, x)
     assert (
@@ -215,7 +224,9 @@ def test_with_sharding_constraint_on_explicit_axes(explicit):
 def test_with_sharding_constraint_under_set_mesh_is_an_assertion(explicit):
     x = jax.device_put(np.ones((N, N), np.float32), NamedSharding(explicit, P("data")))
     same = jax.jit(
-        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(explicit, P("data")))
+        lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(explicit, P("data"))
+        )
     )
     other = jax.jit(
         lambda x: jax.lax.with_sharding_constraint(
@@ -305,10 +316,14 @@ def test_device_count_chosen_too_late():
 
 def test_out_of_memory_on_the_host():
     # 2**47 bytes (128 TiB) is more than any host can map, so this fails at once, even with overcommit.
-    exc = raised(lambda: jnp.zeros((2**15, 2**15, 2**15), jnp.float32).block_until_ready())
+    exc = raised(
+        lambda: jnp.zeros((2**15, 2**15, 2**15), jnp.float32).block_until_ready()
+    )
     assert isinstance(exc, jax.errors.JaxRuntimeError)
     if jax.default_backend() == "cpu":
-        assert str(exc) == f"RESOURCE_EXHAUSTED: Out of memory allocating {2**47} bytes."
+        assert (
+            str(exc) == f"RESOURCE_EXHAUSTED: Out of memory allocating {2**47} bytes."
+        )
     assert str(2**47) in assert_explained(exc, "out of memory").cause
 
 
@@ -329,7 +344,8 @@ def test_out_of_memory_on_the_host():
 def test_explain_knows_the_gpu_wording_of_out_of_memory(message, size):
     explanation = assert_explained(jax.errors.JaxRuntimeError(message), "out of memory")
     assert (
-        explanation.cause == f"one device was asked for {size} bytes more than it had free"
+        explanation.cause
+        == f"one device was asked for {size} bytes more than it had free"
     )
 
 
@@ -390,7 +406,10 @@ def test_catalogue_raises_each_known_error():
             "ValueError",
             "spec names an axis the mesh does not have",
         ),
-        "spec longer than the rank": ("ValueError", "spec longer than the array's rank"),
+        "spec longer than the rank": (
+            "ValueError",
+            "spec longer than the array's rank",
+        ),
         "pmap without axis_name": ("NameError", "unbound axis name"),
         "BatchNorm axis_name under jit": ("NameError", "unbound axis name"),
         "Explicit matmul, no out_sharding": (

@@ -27,7 +27,9 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 def run(command, devices, timeout=180, **variables):
     """``command`` from the repository root, with ``devices`` simulated CPU devices per process
     and environment ``variables``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))
+    }
     env.update(ROOT_OK, JAX_NUM_CPU_DEVICES=str(devices), PATH=f"{BIN}:{env['PATH']}")
     env.update(variables)
     result = subprocess.run(
@@ -44,7 +46,15 @@ def losses(stdout):
 @pytest.fixture(scope="module")
 def three_by_two():
     return run(
-        ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", "3", "python", "examples/train.py"],
+        [
+            "mpirun",
+            "--map-by",
+            ":OVERSUBSCRIBE",
+            "-np",
+            "3",
+            "python",
+            "examples/train.py",
+        ],
         2,
     )
 
@@ -99,7 +109,9 @@ def manifest():
 
 @pytest.fixture(scope="module")
 def jax_k8s_source():
-    from jax._src.clusters import k8s_cluster  # JAX's Kubernetes detection, as installed
+    from jax._src.clusters import (
+        k8s_cluster,
+    )  # JAX's Kubernetes detection, as installed
 
     return inspect.getsource(k8s_cluster)
 
@@ -139,7 +151,9 @@ def test_the_service_account_may_read_what_jax_asks_for(manifest, jax_k8s_source
     }
     for call in needs:
         assert f"{call}(" in jax_k8s_source
-    pod = manifest["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    pod = manifest["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"
+    ]
     account = pod["spec"]["serviceAccountName"]
     assert manifest["ServiceAccount"]["metadata"]["name"] == account
     binding = manifest["RoleBinding"]
@@ -254,7 +268,9 @@ def test_smoke_exits_1_saying_what_is_wrong():
         cwd=ROOT, env={**env, "JAX_NUM_CPU_DEVICES": "2"}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "no cluster detected (coordinator_address should be defined.)" in result.stdout
+    assert (
+        "no cluster detected (coordinator_address should be defined.)" in result.stdout
+    )
     assert result.stderr.strip().endswith(
         "smoke test FAILED on process 0: the job has 2 devices, not 3: check the tasks per node, "
         "the GPUs each task sees (CUDA_VISIBLE_DEVICES) and local_device_ids"

@@ -63,7 +63,9 @@ def test_every_exercise_has_a_check(path):
     ]
     assert visible == numbers
     for k in numbers:  # the hidden answer runs through the same check
-        assert re.search(rf"check\(\s*{k},", section.split(f"check({k}, answer_{k})")[1])
+        assert re.search(
+            rf"check\(\s*{k},", section.split(f"check({k}, answer_{k})")[1]
+        )
     hidden = re.findall(r"assert check\(\s*(\d+),", section) + re.findall(
         r"and check\((\d+),", section
     )
@@ -115,7 +117,9 @@ def _ch09():
         num_classes=10, patch_size=4, hidden=64, num_layers=2, num_heads=8, mlp_dim=256
     )
     return {
-        "abstract": jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 16, 16, 3)))
+        "abstract": jax.eval_shape(
+            model.init, jax.random.key(0), jnp.ones((1, 16, 16, 3))
+        )
     }
 
 
@@ -206,7 +210,9 @@ def giveaways(value: Any) -> list[str]:
         }
     if 0 < x < 1:
         forms |= {f"{x:.1%}", f"{x:.0%}", f"1/{1 / x:.0f}"}
-    return [rf"(?<![\d.,]){re.escape(f)}(?![\d])" for f in forms if f not in ("0", "0.00")]
+    return [
+        rf"(?<![\d.,]){re.escape(f)}(?![\d])" for f in forms if f not in ("0", "0.00")
+    ]
 
 
 def assert_gives_nothing_away(ex: exercises.Exercise, message: str) -> None:
@@ -344,7 +350,9 @@ def test_answers_in_other_forms():
     check = checker_for("01_why_distribute")
     held, saved = (p.expected for p in check.exercises[2].parts)
     assert check(2, (f"{held / 1e9:g} GB", f"{saved / 2**30:.4f} GiB")).right
-    assert check(3, check.exercises[3].expected == "yes").right  # True / False for yes / no
+    assert check(
+        3, check.exercises[3].expected == "yes"
+    ).right  # True / False for yes / no
     sharded = checker_for("03_sharding")
     block = sharded.exercises[1].parts[1].expected
     assert sharded(1, ("P(None, 'tensor')", list(block))).right

@@ -41,7 +41,9 @@ def test_route_drops_beyond_capacity_first_choices_first():
 def test_balance_loss_is_one_when_uniform_and_z_loss_is_mean_squared_logsumexp():
     assert float(experts.balance_loss(jnp.full(4, 0.25), jnp.full(4, 0.25))) == 1.0
     assert (
-        float(experts.balance_loss(jnp.array([1.0, 0, 0, 0]), jnp.array([1.0, 0, 0, 0])))
+        float(
+            experts.balance_loss(jnp.array([1.0, 0, 0, 0]), jnp.array([1.0, 0, 0, 0]))
+        )
         == 4.0
     )
     logits_TE = jnp.array([[0.0, 0.0], [1.0, 1.0]])
@@ -82,11 +84,13 @@ def test_all_to_all_layer_equals_reference_outputs_gradients_and_bytes(shape, to
         return experts.moe_all_to_all(p, x, top_k, factor, mesh)
 
     def reference(p, x):
-        return experts.moe_reference(p, x, top_k), experts.moe_einsum(p, x, top_k, factor)[
-            1
-        ]
+        return experts.moe_reference(p, x, top_k), experts.moe_einsum(
+            p, x, top_k, factor
+        )[1]
 
-    step = jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True))
+    step = jax.jit(
+        jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True)
+    )
     compiled = step.lower(PARAMS, x_TD).compile()
     (_, (stats, y_TD)), grads = compiled(PARAMS, x_TD)
     (_, (ref_stats, ref_TD)), ref_grads = jax.jit(
@@ -122,7 +126,9 @@ def test_router_logits_skew_favours_low_experts():
 
 def test_all_to_all_buffers_in_bf16_and_the_weights_per_device_compile_only():
     # compile only: 24 experts of width 512 -> 1024 in bf16 on (4, 2), 256 tokens per device
-    mesh = jax.make_mesh((4, 2), ("expert", "data"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh(
+        (4, 2), ("expert", "data"), axis_types=(AxisType.Explicit,) * 2
+    )
     specs = {"router_DE": P(), "w_in_EDF": P("expert"), "w_out_EFD": P("expert")}
     shapes = {
         "router_DE": (512, E),
@@ -136,17 +142,23 @@ def test_all_to_all_buffers_in_bf16_and_the_weights_per_device_compile_only():
         for name in specs
     }
     x = jax.ShapeDtypeStruct(
-        (256 * 8, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P(("expert", "data")))
+        (256 * 8, 512),
+        jnp.bfloat16,
+        sharding=NamedSharding(mesh, P(("expert", "data"))),
     )
     layer = jax.jit(lambda p, x: experts.moe_all_to_all(p, x, 2, 1.25, mesh))
     lowered = layer.lower(abstract, x)
     # the program JAX writes moves bf16 buffers (a float32 one-hot would have promoted them) ...
     lines = lowered.as_text().splitlines()
-    exchanged = [line.split("->")[-1] for line in lines if "stablehlo.all_to_all" in line]
+    exchanged = [
+        line.split("->")[-1] for line in lines if "stablehlo.all_to_all" in line
+    ]
     assert len(exchanged) == 2 and all("x512xbf16>" in line for line in exchanged)
     # ... and XLA:CPU converts them to float32 around its all-to-all: twice the bytes
     program = lowered.compile()
-    buffer = experts.all_to_all_bytes(E, experts.capacity(256, E, 2, 1.25), 512, itemsize=4)
+    buffer = experts.all_to_all_bytes(
+        E, experts.capacity(256, E, 2, 1.25), 512, itemsize=4
+    )
     found = comms.summary(program.as_text())["all-to-all"]["bytes"]
     assert found == 2 * buffer == 2 * 24 * 27 * 512 * 4
     weights = 2 * E * 512 * 1024 * 2 // 4 + 512 * E * 2

@@ -23,7 +23,9 @@ def test_chapters_are_every_notebook_of_the_book_by_default():
         p for p in (ROOT / "book").glob("*.md") if p.with_suffix(".ipynb").exists()
     ]
     assert names == sorted(p.stem for p in notebooks)
-    assert [p.stem for p in gpu_report.chapters(["02_device_mesh"])] == ["02_device_mesh"]
+    assert [p.stem for p in gpu_report.chapters(["02_device_mesh"])] == [
+        "02_device_mesh"
+    ]
 
 
 def test_an_unknown_chapter_is_named_with_the_real_ones():
@@ -66,5 +68,8 @@ def test_lm_commands_train_on_every_device_with_fsdp():
     commands = gpu_report.lm_commands("python", 8, small=False)
     assert commands["train"][:2] == ["python", "examples/lm/train.py"]
     train = " ".join(commands["train"])
-    assert "--model 1b --mesh fsdp=8 --global-batch 32 --dtype bfloat16 --steps 40" in train
+    assert (
+        "--model 1b --mesh fsdp=8 --global-batch 32 --dtype bfloat16 --steps 40"
+        in train
+    )
     assert commands["compile-only"][-1] == "--compile-only"

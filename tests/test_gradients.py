@@ -37,7 +37,9 @@ TX = optax.sgd(0.1, momentum=0.9)
 
 def init_state(model):
     """The state on device 0, from where each form moves it."""
-    one = make_mesh((1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1])
+    one = make_mesh(
+        (1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1]
+    )
     return train.create_train_state(model, TX, one, [], jax.random.key(7), (8, 8, 3))
 
 
@@ -74,7 +76,9 @@ def test_every_form_matches_one_device_step_by_step(model_name, form):
     reference_state, reference_history = results["one device"]
     state, history = results[form]
     for k, (metrics, expected) in enumerate(zip(history, reference_history)):
-        assert_trees_close(metrics["grads"], expected["grads"], f"{form} grads at step {k}")
+        assert_trees_close(
+            metrics["grads"], expected["grads"], f"{form} grads at step {k}"
+        )
         np.testing.assert_allclose(
             float(metrics["loss"]), float(expected["loss"]), rtol=1e-6
         )
@@ -82,7 +86,9 @@ def test_every_form_matches_one_device_step_by_step(model_name, form):
         state.params, reference_state.params, f"{form} params after {STEPS} steps"
     )
     assert_trees_close(
-        state.opt_state, reference_state.opt_state, f"{form} momentum after {STEPS} steps"
+        state.opt_state,
+        reference_state.opt_state,
+        f"{form} momentum after {STEPS} steps",
     )
     assert_trees_close(
         state.batch_stats,
@@ -95,7 +101,8 @@ def test_the_cnn_really_has_batch_statistics_that_move():
     results, initial = runs("cnn")
     stats = results["one device"][0].batch_stats["BatchNorm_0"]
     assert not np.allclose(
-        np.asarray(stats["mean"]), np.asarray(initial.batch_stats["BatchNorm_0"]["mean"])
+        np.asarray(stats["mean"]),
+        np.asarray(initial.batch_stats["BatchNorm_0"]["mean"]),
     )
 
 
@@ -118,7 +125,9 @@ def test_shard_map_trap_gives_n_times_the_gradient(model_name):
     trapped = gradients.shard_map_trap_grads(MODELS[model_name], mesh())(
         placed_state, batch
     )
-    for t, g in zip(jax.tree.leaves(jax.device_get(trapped)), jax.tree.leaves(true_grads)):
+    for t, g in zip(
+        jax.tree.leaves(jax.device_get(trapped)), jax.tree.leaves(true_grads)
+    ):
         np.testing.assert_allclose(
             np.asarray(t), N * np.asarray(g), rtol=1e-5, atol=1e-6 * N
         )
@@ -199,9 +208,12 @@ def test_bad_input():
         match="a batch of 10 rows does not split into 4 equal device slices: "
         "make the batch a multiple of 4",
     ):
-        gradients.split_batch({"images": jnp.zeros((10, 2)), "labels": jnp.zeros(10)}, 4)
+        gradients.split_batch(
+            {"images": jnp.zeros((10, 2)), "labels": jnp.zeros(10)}, 4
+        )
     with pytest.raises(
-        ValueError, match="unknown form 'pjit'; allowed: one device, pmap, jit, shard_map"
+        ValueError,
+        match="unknown form 'pjit'; allowed: one device, pmap, jit, shard_map",
     ):
         gradients.form_step("pjit", MLP(), TX)
     with pytest.raises(ValueError, match="form 'jit' needs a mesh"):

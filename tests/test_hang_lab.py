@@ -23,8 +23,14 @@ LIMIT_S = 60
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))}
-    return {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
+    }
+    return {
+        **env,
+        **ROOT_OK,
+        "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +61,18 @@ def test_a_live_stuck_process_is_named_by_the_watchdog_with_every_stack(lab):
         "watchdog: process 1 did not reach step 2 within 3 s (process 1 at step 1); "
         "processes 0 wait at step 2"
     ) in output
-    assert "process 1's Python stacks:" in output and "process 0's Python stacks:" in output
+    assert (
+        "process 1's Python stacks:" in output
+        and "process 0's Python stacks:" in output
+    )
     assert 'hang_lab.py", line' in output and "in main" in output
 
 
 def test_a_stopped_process_is_caught_by_jaxs_heartbeat(lab):
     output = lab[0]["stop"].output
-    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in output
+    assert (
+        "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in output
+    )
 
 
 @pytest.mark.parametrize("case", ["order", "shape"])
@@ -92,7 +103,9 @@ JAXS_SLURM_VARIABLES = (
 )
 
 
-def test_one_task_per_node_drives_only_the_gpu_numbered_by_its_local_id(slurm, tmp_path):
+def test_one_task_per_node_drives_only_the_gpu_numbered_by_its_local_id(
+    slurm, tmp_path
+):
     # jax-ml/jax#16788: with --ntasks-per-node=1, JAX's SLURM detection gives the task
     # local_device_ids=[SLURM_LOCALID] = [0]: on an 8-GPU node it drives GPU 0 alone.
     result = subprocess.run(
@@ -120,6 +133,7 @@ def test_an_allocation_without_srun_lacks_the_variables_jax_detects(slurm):
     )  # fmt: skip
     assert result.returncode != 0
     assert (
-        "missing: ['SLURM_STEP_NODELIST', 'SLURM_PROCID', 'SLURM_LOCALID']" in result.stdout
+        "missing: ['SLURM_STEP_NODELIST', 'SLURM_PROCID', 'SLURM_LOCALID']"
+        in result.stdout
     )
     assert "ValueError: coordinator_address should be defined." in result.stderr

@@ -87,12 +87,16 @@ def test_by_memory_groups_equal_memories_and_lists_each_chip_once():
         name for name in hardware.CHIPS if "PCIe" not in name
     }
     assert [c.name for c in groups[80e9]] == ["A100 80GB", "H100 80GB"]
-    assert hardware.chip("H100 PCIe").family == hardware.chip("H100 80GB").family == "H100"
+    assert (
+        hardware.chip("H100 PCIe").family == hardware.chip("H100 80GB").family == "H100"
+    )
     assert hardware.chip("TPU v5e").family != hardware.chip("TPU v5p").family
     # Asked for a PCIe card alone, the card is listed.
     assert [c.name for c in hardware.by_memory(["H100 PCIe"])[80e9]] == ["H100 PCIe"]
 
 
 def test_an_unknown_chip_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown accelerator 'V100'; allowed: A100 40GB"):
+    with pytest.raises(
+        ValueError, match="unknown accelerator 'V100'; allowed: A100 40GB"
+    ):
         hardware.chip("V100")

@@ -47,7 +47,12 @@ def test_op_counts_read_every_computation_and_the_entry_alone():
         "tuple": 1,
     }
     assert hlo.instruction_count(HLO) == 7
-    assert hlo.entry_op_counts(HLO) == {"parameter": 2, "fusion": 1, "dot": 1, "tuple": 1}
+    assert hlo.entry_op_counts(HLO) == {
+        "parameter": 2,
+        "fusion": 1,
+        "dot": 1,
+        "tuple": 1,
+    }
 
 
 def test_schedule_outline_keeps_the_order_and_the_async_pairs():
@@ -74,7 +79,9 @@ def test_schedule_outline_keeps_the_order_and_the_async_pairs():
 
 def test_a_nested_jit_compiles_to_the_same_program():
     def norm(x):
-        return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)
+        return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(
+            x.var(-1, keepdims=True) + 1e-5
+        )
 
     def program(inner):
         return jax.jit(jax.grad(lambda w, x: jnp.sum(inner(x @ w) ** 2))).lower(
@@ -157,9 +164,9 @@ def test_the_groups_agree_with_group_size():
         "mesh['axis_0'=4,'axis_1'=2] {'axis_0'}",
         "mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}",
     ]:
-        assert {len(g) for g in hlo.replica_group_lists(text)} == {hlo.group_size(text)}, (
-            text
-        )
+        assert {len(g) for g in hlo.replica_group_lists(text)} == {
+            hlo.group_size(text)
+        }, text
 
 
 def test_empty_groups_mean_every_device():
@@ -189,7 +196,9 @@ def test_groups_of_a_compiled_psum_are_the_mesh_axis(axis):
     n = jax.device_count()
     if n % 2:
         pytest.skip("needs an even number of devices")
-    mesh = make_mesh((n // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = make_mesh(
+        (n // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     x = jax.device_put(
         np.ones((n // 2, 2), np.float32), NamedSharding(mesh, P("data", "tensor"))
     )

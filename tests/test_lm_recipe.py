@@ -93,18 +93,23 @@ def run_in_process(
         argv += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", "10"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train.train(train.parse_args(argv), *prepared(spec, schedule_steps, tuple(extra)))
+        train.train(
+            train.parse_args(argv), *prepared(spec, schedule_steps, tuple(extra))
+        )
     return out.getvalue()
 
 
 def losses(stdout: str) -> dict[int, float]:
     return {
-        int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([\d.]+) ", stdout, re.M)
+        int(s): float(v)
+        for s, v in re.findall(r"^step (\d+) loss ([\d.]+) ", stdout, re.M)
     }
 
 
 def environment(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))
+    }
     env.update(ROOT_OK, JAX_NUM_CPU_DEVICES=str(devices), PATH=f"{BIN}:{env['PATH']}")
     return env
 
@@ -236,7 +241,9 @@ def test_bad_meshes_and_batches_say_why():
 
     with pytest.raises(SystemExit, match=r"^--experts 6 does not split over expert=4$"):
         fits("--experts", "6", mesh="data=2,expert=4")
-    with pytest.raises(SystemExit, match=r"^--top-k 3 must be between 1 and --experts 2$"):
+    with pytest.raises(
+        SystemExit, match=r"^--top-k 3 must be between 1 and --experts 2$"
+    ):
         fits("--experts", "2", "--top-k", "3")
     with pytest.raises(
         SystemExit, match=r"^--seq-len 100 does not split into 2 x sequence"
@@ -246,7 +253,9 @@ def test_bad_meshes_and_batches_say_why():
         SystemExit, match=r"make groups of 128 tokens that split over sequence"
     ):
         fits("--experts", "4", mesh="data=4,sequence=2")
-    fits("--experts", "4", "--group-size", "64", mesh="data=4,sequence=2")  # 2 groups: fits
+    fits(
+        "--experts", "4", "--group-size", "64", mesh="data=4,sequence=2"
+    )  # 2 groups: fits
     args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
     with pytest.raises(SystemExit) as raised:
         train.check_fits(model_lib.PRESETS["tiny"], train.make_mesh("data=8"), args)
@@ -266,14 +275,18 @@ def test_each_process_reads_only_its_rows(dirs, spec_run):
     for _ in range(5):
         expected = next(whole)
         assert expected.shape == (16, 129)
-        np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected)
+        np.testing.assert_array_equal(
+            np.concatenate([next(h) for h in halves]), expected
+        )
     with pytest.raises(ValueError, match="do not tile a global batch of 16"):
         data.batches(path, 16, slice(0, 6), 0)
 
 
 def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
     """--data: a nanoGPT-style .bin of uint16 ids, or a .npy, packed into seq_len + 1 records."""
-    tokens = (np.arange(100) * 7 % 50).astype(np.uint16)  # 100 ids below a vocabulary of 50
+    tokens = (np.arange(100) * 7 % 50).astype(
+        np.uint16
+    )  # 100 ids below a vocabulary of 50
     tokens.tofile(tmp_path / "mine.bin")
     np.save(tmp_path / "mine.npy", tokens.astype(np.int32))
     rows = tokens[:99].reshape(11, 9)  # 100 // (8 + 1) = 11 records of 9 tokens
@@ -282,7 +295,9 @@ def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
         path = data.prepare(str(out), 8, 50, str(tmp_path / name))
         assert path.name == "mine-8.array_record"
         batch = next(data.batches(path, 11, slice(0, 11), seed=0))
-        assert sorted(map(tuple, batch)) == sorted(map(tuple, rows))  # shuffled, all there
+        assert sorted(map(tuple, batch)) == sorted(
+            map(tuple, rows)
+        )  # shuffled, all there
     with pytest.raises(SystemExit, match="token id 49 is outside the vocabulary 40"):
         data.prepare(str(tmp_path / "small"), 8, 40, str(tmp_path / "mine.bin"))
     with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
@@ -338,7 +353,9 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
                             r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+", line), line  # fmt: skip
         measured[spec] = {
             "arguments": float(re.search(r"arguments ([\d.]+) GB", line)[1]) * 1e9,
-            "collectives": {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)},
+            "collectives": {
+                k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)
+            },
             "all_gathers_by_axes": printed["all_gathers_by_axes"],
         }
     # Data parallelism: every device holds the weights and Adam's two moments, all fp32.
@@ -446,7 +463,9 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
                "--checkpoint-dir", str(tmp_path / "checkpoints"),
                "--compilation-cache", str(dirs["cache"])]  # fmt: skip
     scancel = ["scancel", "--signal=TERM", "--name", name]
-    stdout = signalled_run(command, tmp_path, lambda _: subprocess.run(scancel, check=True))
+    stdout = signalled_run(
+        command, tmp_path, lambda _: subprocess.run(scancel, check=True)
+    )
     [saved] = re.findall(r"^SIGTERM: saved step (\d+), exiting$", stdout, re.M)
     assert 1 <= int(saved) < 20
     expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}

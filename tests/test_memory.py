@@ -82,7 +82,9 @@ def test_transformer_layer_params_match_a_flax_layer():
     )
     counted = sum(x.size for x in jax.tree.leaves(variables))
     assert (
-        memory.transformer_layer_params(hidden) == counted == 12 * hidden**2 + 13 * hidden
+        memory.transformer_layer_params(hidden)
+        == counted
+        == 12 * hidden**2 + 13 * hidden
     )
 
 
@@ -94,11 +96,14 @@ def test_transformer_layer_activations_gpt3():
         == 2_868_903_936
     )
     assert (
-        memory.transformer_layer_activation_bytes(2048, 1, 12288, 96, flash_attention=True)
+        memory.transformer_layer_activation_bytes(
+            2048, 1, 12288, 96, flash_attention=True
+        )
         == 2048 * 12288 * 34
     )
     assert (
-        memory.transformer_layer_activation_bytes(2048, 8, 12288, 96) == 8 * 2_868_903_936
+        memory.transformer_layer_activation_bytes(2048, 8, 12288, 96)
+        == 8 * 2_868_903_936
     )
 
 
@@ -173,7 +178,9 @@ def test_devices_needed():
 
 
 def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
-    table = memory.devices_needed_table({"Adam": memory.training_state_bytes(175e9).total})
+    table = memory.devices_needed_table(
+        {"Adam": memory.training_state_bytes(175e9).total}
+    )
     names = [row[0] for row in table.values]
     assert names == [
         "TPU v5e",
@@ -183,9 +190,13 @@ def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
         "TPU v5p",
         "H200 141GB",
     ]
-    assert not any("PCIe" in name for name in names)  # a PCIe card is its SXM chip's twin
+    assert not any(
+        "PCIe" in name for name in names
+    )  # a PCIe card is its SXM chip's twin
     assert [row[2] for row in table.values] == [175, 82, 70, 35, 28, 20]
-    assert len({tuple(row[1:3]) for row in table.values}) == len(names)  # no two rows alike
+    assert len({tuple(row[1:3]) for row in table.values}) == len(
+        names
+    )  # no two rows alike
     assert table.values[3][-1] == (
         "https://www.nvidia.com/en-us/data-center/a100/, "
         "https://www.nvidia.com/en-us/data-center/h100/"

@@ -14,7 +14,9 @@ def test_mesh_shapes_lists_every_factorisation():
     assert mesh.mesh_shapes(8, ("data",)) == [(8,)]
     three = mesh.mesh_shapes(8, ("data", "fsdp", "tensor"))
     assert (
-        len(three) == 10 and all(math.prod(s) == 8 for s in three) and len(set(three)) == 10
+        len(three) == 10
+        and all(math.prod(s) == 8 for s in three)
+        and len(set(three)) == 10
     )
     assert mesh.mesh_shapes(12, ("data", "tensor")) == [
         (1, 12),

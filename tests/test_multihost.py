@@ -28,7 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, hlo, multihost, multihost_demo
 
-LAYOUTS = [(2, 4), (4, 2), (1, 8)]  # processes x devices per process: 8 devices each time
+LAYOUTS = [
+    (2, 4),
+    (4, 2),
+    (1, 8),
+]  # processes x devices per process: 8 devices each time
 TRAIN = ["--epochs", "2", "--steps-per-epoch", "2"]
 SHORT = ["--initialization-timeout", "60", "--heartbeat-timeout", "10"]
 # Open MPI refuses to run as root (CI's user) unless both are set.
@@ -69,7 +73,9 @@ def mpirun(processes, devices, out, *args, mpirun_args=(), timeout=180):
 
 
 def reports(out, num_processes):
-    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(num_processes)]
+    return [
+        json.loads((out / f"rank{i}.json").read_text()) for i in range(num_processes)
+    ]
 
 
 def test_mpirun_is_installed_with_the_requirements():
@@ -93,8 +99,12 @@ def layouts(tmp_path_factory):
 # --- Real processes under mpirun ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"{layout[0]}x{layout[1]}")
-def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(layouts, layout):
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda layout: f"{layout[0]}x{layout[1]}"
+)
+def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(
+    layouts, layout
+):
     num_processes, per_process = layout
     result, ranks = layouts[layout]
     global_ids = ranks[0]["hello"]["global_device_ids"]
@@ -109,7 +119,8 @@ def test_every_process_sees_every_device_and_the_all_reduce_crosses_them(layouts
         assert hello["cuda_visible_devices"] == str(i)
         assert hello["global_device_ids"] == global_ids
         assert (
-            hello["local_device_ids"] == global_ids[i * per_process : (i + 1) * per_process]
+            hello["local_device_ids"]
+            == global_ids[i * per_process : (i + 1) * per_process]
         )
         assert hello["contributed"] == [
             float(k + 1) for k in range(i * per_process, (i + 1) * per_process)
@@ -159,7 +170,8 @@ def test_a_killed_process_ends_the_job_and_the_checkpoint_resumes_it(layouts, tm
     assert result.returncode == 128 + 9, result.stderr[-3000:]
     assert "[1,1]<stdout>: epoch 2: process 1 fails (kill)" in result.stdout
     assert (
-        "process rank 1 with PID" in result.stderr and "signal 9 (Killed)" in result.stderr
+        "process rank 1 with PID" in result.stderr
+        and "signal 9 (Killed)" in result.stderr
     )
     assert set(demo_pids()) <= before
     assert ocp.CheckpointManager(checkpoints).latest_step() == 2  # epoch 1's two steps
@@ -184,13 +196,23 @@ def test_a_failing_or_hung_process_ends_the_job(tmp_path, how):
     # A hang sends no error: only a time limit ends it (mpirun's --timeout, the scheduler's).
     limit = ["--timeout", "12"] if how == "hang" else []
     result = mpirun(
-        2, 1, tmp_path, *FAIL, "--fail-at-epoch", "0", "--fail-how", how, mpirun_args=limit
+        2,
+        1,
+        tmp_path,
+        *FAIL,
+        "--fail-at-epoch",
+        "0",
+        "--fail-how",
+        how,
+        mpirun_args=limit,
     )
     assert result.returncode != 0
     if how == "raise":
         # The exception ends its process at once (status 1), not after the shutdown barrier.
         assert result.returncode == 1, result.stderr[-3000:]
-        assert "[1,1]<stderr>: RuntimeError: process 1 raised at epoch 1" in result.stderr
+        assert (
+            "[1,1]<stderr>: RuntimeError: process 1 raised at epoch 1" in result.stderr
+        )
         assert "exited with non-zero status" in result.stderr
         assert "Barrier timed out" not in result.stderr
     else:
@@ -284,7 +306,9 @@ def test_an_uncaught_exception_exits_at_once_without_atexit():
     result = python(program)
     assert result.returncode == 1
     assert result.stderr.rstrip().endswith("RuntimeError: boom")
-    assert "atexit ran" not in result.stdout  # jax.distributed.shutdown() is an atexit hook
+    assert (
+        "atexit ran" not in result.stdout
+    )  # jax.distributed.shutdown() is an atexit hook
 
 
 def test_mpi_launchers_are_recognised_by_their_variables():
@@ -306,7 +330,9 @@ def test_split_devices():
     assert multihost.split_devices(6) == (2, 3)
     assert multihost.split_devices(7) == (2, 3)  # the nearest: 6 of the 7
     assert multihost.split_devices(8, 4) == (4, 2)
-    with pytest.raises(multihost.MultihostError, match="1 devices cannot be shared by 2"):
+    with pytest.raises(
+        multihost.MultihostError, match="1 devices cannot be shared by 2"
+    ):
         multihost.split_devices(1)
 
 
@@ -391,9 +417,9 @@ def test_node_device_grid_keeps_a_nodes_gpus_together_for_one_process_per_gpu():
     )
     assert grid.shape == (2, 4, 2)
     ids = np.vectorize(lambda g: g.id)(grid)
-    assert ids[0].ravel().tolist() == list(range(8)) and ids[1].ravel().tolist() == list(
-        range(8, 16)
-    )
+    assert ids[0].ravel().tolist() == list(range(8)) and ids[
+        1
+    ].ravel().tolist() == list(range(8, 16))
     assert ids[1, :, 1].tolist() == [9, 11, 13, 15]  # a column of fsdp: one node's GPUs
     with pytest.raises(multihost.MultihostError, match="one entry per axis"):
         multihost.node_device_grid((8,), (2, 1), gpus, {g.id: 0 for g in gpus})
@@ -403,7 +429,9 @@ def test_nodes_are_named_by_slurm_or_the_hostname_and_numbered_in_order():
     assert multihost.node_key({"SLURM_NODEID": "3"}) == "slurm node 3"
     assert multihost.node_key({}) == socket.gethostname()
     # Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank inside a node, not a node: not used.
-    assert multihost.node_key({"OMPI_COMM_WORLD_NODE_RANK": "1"}) == socket.gethostname()
+    assert (
+        multihost.node_key({"OMPI_COMM_WORLD_NODE_RANK": "1"}) == socket.gethostname()
+    )
     assert multihost.number_nodes(["b", "a", "b", "c", "a"]) == [0, 1, 0, 2, 1]
     assert multihost.node_of_processes({}) == [0]
     assert multihost.node_of_processes({multihost.NODE_OVERRIDE: "5"}) == [5]
@@ -418,7 +446,9 @@ NODE_DRIVER = pathlib.Path(__file__).with_name("node_mesh_driver.py")
 
 def node_mesh_job(processes, per_process, nodes, ici, dcn):
     """``mpirun`` of ``tests/node_mesh_driver.py``: its printed lines and its report."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))
+    }
     env |= {
         **ROOT_OK,
         multihost.NODE_OVERRIDE: nodes,
@@ -428,10 +458,14 @@ def node_mesh_job(processes, per_process, nodes, ici, dcn):
         MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", str(processes), sys.executable,
         str(NODE_DRIVER), str(per_process), ici, dcn,
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=180
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     print(result.stdout)  # which device is on which node (pytest -s shows it)
-    [report] = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    [report] = [
+        line for line in result.stdout.splitlines() if line.startswith("REPORT ")
+    ]
     return result.stdout.splitlines(), json.loads(report.removeprefix("REPORT "))
 
 
@@ -473,11 +507,16 @@ def test_replica_groups_of_a_compiled_psum_and_their_processes():
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     fn = jax.jit(
         jax.shard_map(
-            lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+            lambda x: jax.lax.psum(x, "data"),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
         )
     )
     text = (
-        fn.lower(multihost.global_array(np.ones(n, np.float32), mesh)).compile().as_text()
+        fn.lower(multihost.global_array(np.ones(n, np.float32), mesh))
+        .compile()
+        .as_text()
     )
     [op] = [c for c in comms.collectives(text) if c.kind == "all-reduce"]
     groups = hlo.replica_group_lists(op.replica_groups, num_devices=n)

@@ -107,7 +107,9 @@ def reference():
 
 def preempted_then_resumed(launch, notify, out, checkpoints):
     """Start ``launch`` + the demo, ``notify()`` once epoch 1 is done, then rerun it to the end; both reports."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
+    }
     env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
     args = ["-m", "jaxdist_lessons.multihost_demo", "--devices", "1", "--checkpoint-dir",
             str(checkpoints), *TRAIN]  # fmt: skip
@@ -126,7 +128,10 @@ def preempted_then_resumed(launch, notify, out, checkpoints):
     rerun = subprocess.run([*launch, sys.executable, *args, "--out", str(out / "second")],
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     first, second = (
-        [json.loads((out / run / f"rank{r}.json").read_text())["train"] for r in range(2)]
+        [
+            json.loads((out / run / f"rank{r}.json").read_text())["train"]
+            for r in range(2)
+        ]
         for run in ("first", "second")
     )
     return job.returncode, "".join(lines), first, rerun, second
@@ -152,7 +157,9 @@ def check_resumed_exactly(reference, status, stdout, first, rerun, second, name)
         if line.startswith(f"{name}: saved step")
     ]
     assert 4 <= saved < 12 and first[0]["preempted"] == first[1]["preempted"] == name
-    assert rerun.returncode == 0 and "resumed from" in rerun.stdout, rerun.stderr[-2000:]
+    assert rerun.returncode == 0 and "resumed from" in rerun.stdout, rerun.stderr[
+        -2000:
+    ]
     assert second[0]["first_step"] == saved
     losses = first[0]["losses"] + second[0]["losses"]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
@@ -169,10 +176,14 @@ def test_sigusr1_to_mpirun_saves_at_the_next_step_and_a_rerun_resumes_exactly(
     assert not pids_of(tmp_path)
 
 
-def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(tmp_path, reference):
+def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(
+    tmp_path, reference
+):
     reason = multihost_demo.slurm_unavailable()
     if reason and os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":
-        pytest.fail(f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up")
+        pytest.fail(
+            f"JAXDIST_REQUIRE_SLURM=1 but {reason}; start one with .ci/slurm-up"
+        )
     if reason:
         pytest.skip(reason)
     name = f"jaxdist-preempt-{os.getpid()}"

@@ -24,7 +24,9 @@ SOURCES = sorted(p for p in (ROOT / "book").glob("*.md") if p.stem not in PAGES)
 
 
 def code_cells(path: pathlib.Path) -> list[dict]:
-    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    return [
+        c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"
+    ]
 
 
 def source(cell: dict) -> str:
@@ -42,13 +44,22 @@ def toc_files() -> list[str]:
 
 
 def test_there_are_notebooks():
-    assert {p.name for p in NOTEBOOKS} >= {"00_preface.ipynb", "01_why_distribute.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {
+        "00_preface.ipynb",
+        "01_why_distribute.ipynb",
+    }
 
 
 def cell_key(cell: dict) -> tuple[str, str, tuple[str, ...]]:
     """What must agree between the two files of a pair: each cell's type, text and tags."""
-    text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-    return cell["cell_type"], text.strip(), tuple(cell.get("metadata", {}).get("tags", []))
+    text = (
+        "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+    )
+    return (
+        cell["cell_type"],
+        text.strip(),
+        tuple(cell.get("metadata", {}).get("tags", [])),
+    )
 
 
 def test_every_chapter_is_a_text_and_notebook_pair():
@@ -128,9 +139,9 @@ def test_chapters_end_with_what_we_learned_and_hidden_answers():
         cells = json.loads(path.read_text())["cells"]
         text = "\n".join(source(c) for c in cells if c["cell_type"] == "markdown")
         assert "## What we learned" in text and "## Exercises" in text, path.name
-        assert any("hide-cell" in c.get("metadata", {}).get("tags", []) for c in cells), (
-            path.name
-        )
+        assert any(
+            "hide-cell" in c.get("metadata", {}).get("tags", []) for c in cells
+        ), path.name
 
 
 def test_book_config_executes_every_notebook_and_excludes_the_rest():
@@ -148,5 +159,9 @@ def test_book_config_executes_every_notebook_and_excludes_the_rest():
     assert not any(
         config["html"][b] for b in ("use_repository_button", "use_issues_button")
     )
-    assert not any(config["launch_buttons"].get(k) for k in ("colab_url", "binderhub_url"))
-    assert {"dollarmath", "colon_fence"} <= set(config["parse"]["myst_enable_extensions"])
+    assert not any(
+        config["launch_buttons"].get(k) for k in ("colab_url", "binderhub_url")
+    )
+    assert {"dollarmath", "colon_fence"} <= set(
+        config["parse"]["myst_enable_extensions"]
+    )

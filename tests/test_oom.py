@@ -31,7 +31,9 @@ def test_fits_uses_chapter_1_arithmetic():
     ):
         one.check()
     assert (
-        oom.fits(1e9, 8, 40e9, strategy="data", activation_bytes=8e9).parts["activations"]
+        oom.fits(1e9, 8, 40e9, strategy="data", activation_bytes=8e9).parts[
+            "activations"
+        ]
         == 1e9
     )
     with pytest.raises(ValueError, match="reports no memory limit"):
@@ -85,7 +87,9 @@ def test_each_lever_lowers_what_it_should(auto):
         sharded = oom.step_memory(lever, auto)
         # the state (params and Adam's moments) is what the step outputs; only what zero.fsdp_spec cannot
         # split (Adam's step count, and the 10-way head's bias unless N divides 10) stays whole
-        assert base.output_bytes / N < sharded.output_bytes < base.output_bytes / N * 1.01
+        assert (
+            base.output_bytes / N < sharded.output_bytes < base.output_bytes / N * 1.01
+        )
         # the arguments are the state and this device's slice of the batch: the state is what zero's theory says
         batch_bytes = comms.tree_bytes(oom.lever_batch(lever, auto)) // N
         assert sharded.argument_bytes - batch_bytes == zero.expected_state_bytes(
@@ -121,7 +125,9 @@ def test_threefry_partitionable_keeps_temporaries_flat_as_devices_grow():
     assert (
         temps[2][1] < temps[2][0]
     )  # on two devices the old scheme needs fewer temporaries
-    assert jax.config.jax_threefry_partitionable  # the context manager restored the default
+    assert (
+        jax.config.jax_threefry_partitionable
+    )  # the context manager restored the default
 
 
 def test_threefry_partitionable_changes_the_numbers():

@@ -82,7 +82,9 @@ def test_four_axis_mesh_shrinks_pipeline_then_fsdp():
     assert PT.four_axis_shape(2) == (1, 1, 2, 1)
     assert PT.four_axis_shape(1) == (1, 1, 1, 1)
     assert PT.four_axis_shape(16) == (1, 4, 2, 2)
-    with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
+    with pytest.raises(
+        ValueError, match="num_devices must be a positive integer, got 0"
+    ):
         PT.four_axis_shape(0)
     mesh = PT.four_axis_mesh()
     assert mesh.axis_names == ("data", "fsdp", "tensor", "pipeline")
@@ -142,7 +144,9 @@ def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
     assert specs["up"]["kernel"].get_value() == P(None, "tensor")
     assert specs["down"]["kernel"].get_value() == P("tensor", None)
     named = nnx.get_named_sharding(nnx.state(model), mesh)
-    assert named["up"]["kernel"].get_value() == jax.NamedSharding(mesh, P(None, "tensor"))
+    assert named["up"]["kernel"].get_value() == jax.NamedSharding(
+        mesh, P(None, "tensor")
+    )
     optimizer = PT.nnx_optimizer(model, optax.adam(1e-2), mesh)
     rows = jax.sharding.NamedSharding(mesh, P("data"))
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8)), rows)
@@ -159,11 +163,19 @@ def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
 
 
 def test_nnx_without_a_mesh_in_context_fails_with_flax_message():
-    with pytest.raises(ValueError, match="An auto mesh context or metadata is required"):
+    with pytest.raises(
+        ValueError, match="An auto mesh context or metadata is required"
+    ):
         small.NNXMLP(8, 16, 4, rngs=nnx.Rngs(0))
 
 
-LM_CONFIG = {"vocab_size": 32, "num_layers": 1, "hidden": 16, "num_heads": 8, "max_len": 8}
+LM_CONFIG = {
+    "vocab_size": 32,
+    "num_layers": 1,
+    "hidden": 16,
+    "num_heads": 8,
+    "max_len": 8,
+}
 
 
 def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
@@ -178,7 +190,9 @@ def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
             plain, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
         )
     )  # the default is unchanged
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
     tensor = PT.mesh_specs(named, PT.rules_for("tensor"))["params"]
     assert tensor["embed"]["embedding"] == P("tensor", None)  # vocabulary-parallel
@@ -199,12 +213,19 @@ def test_decoder_same_losses_data_parallel_and_fsdp_with_tensor():
 
     runs = {
         s: PT.train(
-            lm, loss, [tokens] * 3, s, sample=tokens[:1, :-1], constrain_activations=False
+            lm,
+            loss,
+            [tokens] * 3,
+            s,
+            sample=tokens[:1, :-1],
+            constrain_activations=False,
         )
         for s in ("data", "fsdp+tensor")
     }
     assert runs["data"].losses[2] < runs["data"].losses[0]
-    np.testing.assert_allclose(runs["fsdp+tensor"].losses, runs["data"].losses, rtol=2e-5)
+    np.testing.assert_allclose(
+        runs["fsdp+tensor"].losses, runs["data"].losses, rtol=2e-5
+    )
     embedding = runs["fsdp+tensor"].state.params["embed"]["embedding"].value
     tensor_size = runs["fsdp+tensor"].mesh.shape["tensor"]
     assert sharding.shard_shapes(embedding)[0] == (

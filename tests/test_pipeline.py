@@ -36,9 +36,12 @@ def pipe_mesh(stages, axis_type=AxisType.Explicit):
 
 
 @pytest.mark.parametrize(
-    "stages, micro, expected", [(1, 4, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7), (8, 32, 7 / 39)]
+    "stages, micro, expected",
+    [(1, 4, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7), (8, 32, 7 / 39)],
 )
-def test_gpipe_and_1f1b_idle_the_same_share_and_differ_in_memory(stages, micro, expected):
+def test_gpipe_and_1f1b_idle_the_same_share_and_differ_in_memory(
+    stages, micro, expected
+):
     assert pipeline.bubble_fraction(stages, micro) == pytest.approx(expected)
     gpipe = pipeline.gpipe_schedule(stages, micro)
     ofob = pipeline.one_f_one_b_schedule(stages, micro)
@@ -79,7 +82,9 @@ def test_1f1b_alternates_after_warm_up():
 )
 def test_interleaved_divides_the_bubble_by_v(stages, micro, virtual):
     table = pipeline.interleaved_schedule(stages, micro, virtual)
-    assert len(table) == 2 * (virtual * micro + stages - 1)  # ticks of one virtual stage
+    assert len(table) == 2 * (
+        virtual * micro + stages - 1
+    )  # ticks of one virtual stage
     assert pipeline.idle_fraction(table) == pytest.approx(
         pipeline.bubble_fraction(stages, micro, virtual)
     )
@@ -129,7 +134,14 @@ def test_bad_arguments():
 def interleaved(layers, batch, micro, virtual=2, mesh=None):
     x = jnp.zeros((batch, 8))
     return pipeline.interleaved_grads(
-        stage_fn, loss_fn, stage_params(layers), x, x, mesh or pipe_mesh(4), micro, virtual
+        stage_fn,
+        loss_fn,
+        stage_params(layers),
+        x,
+        x,
+        mesh or pipe_mesh(4),
+        micro,
+        virtual,
     )
 
 
@@ -162,7 +174,9 @@ def test_interleaved_rejects_what_megatron_does():
         (6, 3, AxisType.Explicit),
     ],
 )
-def test_gpipe_and_1f1b_equal_the_sequential_loss_and_gradients(stages, micro, axis_type):
+def test_gpipe_and_1f1b_equal_the_sequential_loss_and_gradients(
+    stages, micro, axis_type
+):
     mesh = pipe_mesh(stages, axis_type)
     params = stage_params(stages)
     x = jax.random.normal(jax.random.key(1), (micro * 3, 8))
@@ -256,10 +270,13 @@ def test_interleaved_compiled_memory_follows_its_in_flight_count():
         run = lambda p, x: pipeline.interleaved_grads(
             stage_fn, loss_fn, p, x, x, mesh, micro, 2
         )
-        return jax.jit(run).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        return (
+            jax.jit(run).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        )
 
     flights = {
-        m: pipeline.in_flight(pipeline.interleaved_schedule(4, m, 2))[0] for m in (4, 8, 16)
+        m: pipeline.in_flight(pipeline.interleaved_schedule(4, m, 2))[0]
+        for m in (4, 8, 16)
     }
     assert flights == {4: 8, 8: 11, 16: 11}
     temps = {m: temp_bytes(m) for m in flights}

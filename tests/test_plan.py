@@ -37,7 +37,10 @@ def test_presets_params_and_flops_are_the_recipes():
     for name, shape in plan.PRESETS.items():
         recipe = model_lib.PRESETS[name]
         for field in dataclasses.fields(shape):
-            assert getattr(shape, field.name) == getattr(recipe, field.name), (name, field)
+            assert getattr(shape, field.name) == getattr(recipe, field.name), (
+                name,
+                field,
+            )
         for experts in ({}, {"num_experts": 8, "top_k": 2}):
             ours = dataclasses.replace(shape, **experts)
             theirs = dataclasses.replace(recipe, **experts)
@@ -61,7 +64,9 @@ def test_json_has_the_tables_rows():
     for line, r in zip(table_rows, rows):
         cells = re.split(r"\s{2,}", line.strip())
         assert cells[:3] == [r["strategy"], r["mesh"], "yes" if r["fits"] else "no"]
-        assert float(cells[7]) == pytest.approx(r["memory_bytes"]["total"] / 1e9, rel=1e-3)
+        assert float(cells[7]) == pytest.approx(
+            r["memory_bytes"]["total"] / 1e9, rel=1e-3
+        )
         assert cells[-1] == f"{r['predicted_mfu']:.1%}"
     strategies = {r["strategy"] for r in rows}
     assert {
@@ -75,9 +80,9 @@ def test_json_has_the_tables_rows():
     } <= strategies
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting rows first
-    for (
-        r
-    ) in rows:  # each printed flag line is the row's, n/a where the recipe cannot run it
+    for r in (
+        rows
+    ):  # each printed flag line is the row's, n/a where the recipe cannot run it
         assert f"{r['strategy']:<22} {r['flags']}" in printed
         assert (r["flags"] == "n/a") == (
             r["strategy"] == "ZeRO-1" or "pipeline" in r["strategy"]
@@ -179,7 +184,9 @@ def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
 
     def compiled(devices, flag_lines, progress=True):
         asked.append((devices, list(flag_lines)))
-        rows = {r["flags"]: r for r in plan.plan(plan.make_run(plan.parse_args(EXAMPLE)))}
+        rows = {
+            r["flags"]: r for r in plan.plan(plan.make_run(plan.parse_args(EXAMPLE)))
+        }
         return [{"arguments": rows[f]["arguments_bytes"] * 0.9, "temporaries": 1e9,
                  "collectives": {k: v * 0.9 for k, v in rows[f]["collective_bytes"].items()}}
                 for f in flag_lines]  # fmt: skip

@@ -18,7 +18,9 @@ def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
     fig = plots.memory_vs_model_size(accelerators=["A100 80GB", "H100 80GB", "TPU v5e"])
     ax = fig.axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert len(lines) == 2 + 2 + 1  # two curves, two capacities (80 GB is shared), one mark
+    assert (
+        len(lines) == 2 + 2 + 1
+    )  # two curves, two capacities (80 GB is shared), one mark
     weights = lines["weights only, fp32 (4 B/param)"]
     adam = lines["training with Adam, fp32 (16 B/param)"]
     np.testing.assert_allclose(weights.get_ydata(), 4 * weights.get_xdata())
@@ -83,7 +85,9 @@ def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
     texts = [t.get_text() for t in fig.axes[0].texts]
     coords = mesh_lib.device_coordinates(m)
     for device_id, where in coords.items():
-        label = f"device {device_id}\n" + ", ".join(f"{k}={v}" for k, v in where.items())
+        label = f"device {device_id}\n" + ", ".join(
+            f"{k}={v}" for k, v in where.items()
+        )
         assert label in texts
     plt.close(fig)
 
@@ -119,7 +123,8 @@ def test_draw_sharding_draws_one_block_per_shard(shape, spec):
 def test_draw_sharding_rejects_3d_arrays():
     m = mesh_lib.make_mesh((N,), ("data",))
     with pytest.raises(
-        ValueError, match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)"
+        ValueError,
+        match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)",
     ):
         plots.draw_sharding((2, 2, 2), NamedSharding(m, P()))
 
@@ -154,7 +159,10 @@ def test_training_curves_one_line_per_run():
     }
     fig = plots.training_curves(runs)
     loss_ax, acc_ax = fig.axes
-    assert [line.get_label() for line in loss_ax.get_lines()] == ["data parallel", "hybrid"]
+    assert [line.get_label() for line in loss_ax.get_lines()] == [
+        "data parallel",
+        "hybrid",
+    ]
     np.testing.assert_allclose(
         loss_ax.get_lines()[0].get_ydata(), [2.0, 1.9, 1.8, 1.7, 1.6]
     )
@@ -176,7 +184,8 @@ def test_image_grid():
 def test_plot_has_a_time_and_a_memory_panel_per_model():
     specs = [costmodel.MODELS["ViT-B/16"], costmodel.MODELS["GPT-2 (124M)"]]
     fig = plots.cost_estimates(
-        costmodel.estimates(specs, costmodel.article_layouts(8), "A100 40GB"), "A100 40GB"
+        costmodel.estimates(specs, costmodel.article_layouts(8), "A100 40GB"),
+        "A100 40GB",
     )
     axes = fig.get_axes()
     assert (
@@ -215,7 +224,9 @@ def test_schedule_figure_draws_one_box_per_busy_slot():
     # a forward and a backward per microbatch and stage; (S-1)/(M+S-1) = 3/9 idle
     assert len(ax.patches) == 2 * 4 * 6 and "bubble 33%" in ax.get_title()
     assert "at most 6 in flight" in ax.get_title()
-    assert [t.get_text() for t in ax.get_yticklabels()] == [f"device {s}" for s in range(4)]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        f"device {s}" for s in range(4)
+    ]
 
 
 @pytest.mark.parametrize(

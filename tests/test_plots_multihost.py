@@ -46,13 +46,20 @@ def test_groups_across_the_process_axis_are_red_and_inside_one_are_green():
     }
     fig = plots.process_collectives(owner, m.axis_names, groups)
     data_ax, tensor_ax = fig.axes
-    red, green = matplotlib.colors.to_hex("tab:red"), matplotlib.colors.to_hex("tab:green")
-    assert (
-        lines_by_colour(data_ax) == [red] * 4 and lines_by_colour(tensor_ax) == [green] * 2
+    red, green = (
+        matplotlib.colors.to_hex("tab:red"),
+        matplotlib.colors.to_hex("tab:green"),
     )
-    assert data_ax.get_title() == "all-reduce over 'data': 4 of 4 groups cross processes"
     assert (
-        tensor_ax.get_title() == "all-reduce over 'tensor': 0 of 2 groups cross processes"
+        lines_by_colour(data_ax) == [red] * 4
+        and lines_by_colour(tensor_ax) == [green] * 2
+    )
+    assert (
+        data_ax.get_title() == "all-reduce over 'data': 4 of 4 groups cross processes"
+    )
+    assert (
+        tensor_ax.get_title()
+        == "all-reduce over 'tensor': 0 of 2 groups cross processes"
     )
     assert sum(t.get_text().startswith("process 1, ") for t in data_ax.texts) == 4
     matplotlib.pyplot.close(fig)

@@ -82,7 +82,9 @@ def test_bf16_all_reduce_halves_the_bytes_in_the_lowered_program(problem):
 
 def test_wire_table_halves_the_lowered_all_reduce_only_with_bf16_gradients(problem):
     params, x, _ = problem
-    rows = {row[0]: row for row in precision.wire_table(loss_fn, params, x, MESH).values}
+    rows = {
+        row[0]: row for row in precision.wire_table(loss_fn, params, x, MESH).values
+    }
     assert list(rows) == list(precision.POLICIES)
     fp32_bytes = comms.tree_bytes(params)
     assert rows["fp32"][1:3] == ["f32", fp32_bytes] == rows["bf16 compute"][1:3]

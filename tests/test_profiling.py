@@ -90,7 +90,9 @@ def test_op_kind_names_collectives_sync_and_async():
     ):
         assert profiling.op_kind(op) == "compute"
     # every kind comms reads from a compiled program is a collective in a trace too
-    assert all(profiling.op_kind(f"{kind}-done.2") == "collective" for kind in comms.KINDS)
+    assert all(
+        profiling.op_kind(f"{kind}-done.2") == "collective" for kind in comms.KINDS
+    )
 
 
 def test_missing_traces_are_reported_clearly(tmp_path):
@@ -101,13 +103,15 @@ def test_missing_traces_are_reported_clearly(tmp_path):
     run.mkdir(parents=True)
     (run / "host.xplane.pb").write_bytes(b"")
     with pytest.raises(
-        FileNotFoundError, match=r"has no \*\.trace\.json\.gz \(it has host\.xplane\.pb\)"
+        FileNotFoundError,
+        match=r"has no \*\.trace\.json\.gz \(it has host\.xplane\.pb\)",
     ):
         profiling.read_trace(tmp_path)
     (run / "host.xplane.pb").unlink()
     (run / "host.trace.json.gz").write_bytes(b"")
     with pytest.raises(
-        FileNotFoundError, match=r"has no \*\.xplane\.pb \(it has host\.trace\.json\.gz\)"
+        FileNotFoundError,
+        match=r"has no \*\.xplane\.pb \(it has host\.trace\.json\.gz\)",
     ):
         profiling.read_xplane(tmp_path)
     with pytest.raises(ValueError, match="positive integer"):

@@ -42,7 +42,9 @@ def test_saved_residuals_of_integers_and_booleans():
         ("i32", (5, 1), 20),
     ]
     assert not any(r.is_argument for r in found)
-    assert residuals.residual_bytes(f, jnp.ones(5), jnp.arange(5, dtype=jnp.int32)) == 65
+    assert (
+        residuals.residual_bytes(f, jnp.ones(5), jnp.arange(5, dtype=jnp.int32)) == 65
+    )
 
 
 def test_saved_residuals_of_arrays_sharded_on_explicit_axes_and_of_float8():
@@ -67,7 +69,9 @@ def test_saved_residuals_of_arrays_sharded_on_explicit_axes_and_of_float8():
 
 def test_a_residual_line_that_cannot_be_read_is_an_error(monkeypatch):
     monkeypatch.setattr(
-        jax.ad_checkpoint, "print_saved_residuals", lambda *a: print("f32<4> output of sin")
+        jax.ad_checkpoint,
+        "print_saved_residuals",
+        lambda *a: print("f32<4> output of sin"),
     )
     with pytest.raises(
         ValueError,

@@ -149,7 +149,9 @@ def test_entry_rejects_unknown_verdicts_chapters_and_cells():
     with pytest.raises(ValueError, match="chapter '99_x' is not one of"):
         seed.Entry("k", "§1", "t", "runs", "99_x")
     with pytest.raises(ValueError, match="only Python article code"):
-        seed.Entry("k", "§1", "t", "fails", "01_why_distribute", error=("ValueError", "x"))
+        seed.Entry(
+            "k", "§1", "t", "fails", "01_why_distribute", error=("ValueError", "x")
+        )
     with pytest.raises(ValueError, match="are not drawn from"):
         seed.Entry("k", "§1", "t", "runs", "01_why_distribute", ("fix", "article"))
     with pytest.raises(ValueError, match="a shell command is shown"):
@@ -223,7 +225,10 @@ def test_the_notebook_reads_the_article_cells_from_its_history(run):
 
 
 def test_every_entry_has_its_cells_under_its_heading_in_order():
-    entries, parts = [], []  # keys in page order; (key, part) of each tagged cell in order
+    entries, parts = (
+        [],
+        [],
+    )  # keys in page order; (key, part) of each tagged cell in order
     current = None
     for cell in _cells():
         if cell.cell_type == "markdown":
@@ -237,7 +242,9 @@ def test_every_entry_has_its_cells_under_its_heading_in_order():
     assert entries == [e.key for e in seed.ENTRIES]
     assert parts == [(e.key, p) for e in seed.ENTRIES for p in e.cells]
     shown = [c for c in _code_from_prelude()[1:] if "hide-cell" not in _tags(c)]
-    assert [_part(c) for c in shown if not _is_check(c) and not _is_exercise(c)] == parts
+    assert [
+        _part(c) for c in shown if not _is_check(c) and not _is_exercise(c)
+    ] == parts
     assert not _is_check(shown[0]), "a hidden check follows the entry it pins"
     tagged = {_part(c) for c in _cells() if "raises-exception" in _tags(c)}
     assert tagged == {(e.key, "article") for e in seed.ENTRIES if e.error}
@@ -259,7 +266,9 @@ def test_every_entry_has_its_anchor_heading_verdict_and_article_code():
         if e.shell:  # the command is shown as the article wrote it, not run
             assert "```bash\n" in block, e.key
         if "article" in e.cells and not e.applied:
-            assert _tagged("article")[e.key].startswith(f"{seed.ARTICLE_MARK}{e.section}\n")
+            assert _tagged("article")[e.key].startswith(
+                f"{seed.ARTICLE_MARK}{e.section}\n"
+            )
 
 
 def test_the_verdicts_this_page_gives():
@@ -280,14 +289,16 @@ def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
     existing = [pathlib.Path(entry["file"]).name for entry in toc["chapters"]]
     table = seed.verdict_markdown(existing)
     markdown = "\n".join(c.source for c in _cells() if c.cell_type == "markdown")
-    assert table in markdown, "replace the appendix's table with seed.verdict_markdown(...)"
+    assert table in markdown, (
+        "replace the appendix's table with seed.verdict_markdown(...)"
+    )
     for e in seed.ENTRIES:
         assert f"({e.key})=" in markdown, e.key
     for chapter in seed.CHAPTERS:  # each entry's closing sentence points to its chapter
         pointer = f"Chapter: {seed.chapter_link(chapter, existing)}."
-        assert markdown.count(pointer) == sum(e.chapter == chapter for e in seed.ENTRIES), (
-            pointer
-        )
+        assert markdown.count(pointer) == sum(
+            e.chapter == chapter for e in seed.ENTRIES
+        ), pointer
     assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.md)"
     assert seed.chapter_link("setup", existing) == "[Setting up](setup.md)"
     assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"

@@ -78,7 +78,9 @@ def test_compiled_bytes_are_the_formula(kind):
     # chunk bytes: K and V of one device's 12 tokens, 24 heads of 4, float32 = 9,216
     assert (
         sent
-        == {"ring": 3 * 9216, "all-gather KV": 3 * 9216, "Ulysses": 4 * 3 / 4 * 4608}[kind]
+        == {"ring": 3 * 9216, "all-gather KV": 3 * 9216, "Ulysses": 4 * 3 / 4 * 4608}[
+            kind
+        ]
     )
 
 

@@ -38,11 +38,15 @@ def cases():
 
 @pytest.mark.parametrize("mesh_shape, names, spec", list(cases()), ids=str)
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-def test_predicted_shards_match_the_addressable_shards(mesh_shape, names, spec, axis_type):
+def test_predicted_shards_match_the_addressable_shards(
+    mesh_shape, names, spec, axis_type
+):
     m = mesh_lib.make_mesh(mesh_shape, names, axis_types=axis_type)
     shape, dtype = (4 * N, 2 * N), jnp.bfloat16
     x = jax.device_put(jnp.zeros(shape, dtype), NamedSharding(m, spec))
-    assert set(sharding.shard_shapes(x).values()) == {sharding.shard_shape(shape, m, spec)}
+    assert set(sharding.shard_shapes(x).values()) == {
+        sharding.shard_shape(shape, m, spec)
+    }
     assert set(sharding.bytes_per_device(x).values()) == {
         sharding.expected_bytes_per_device(shape, dtype, m, spec)
     }
@@ -127,9 +131,9 @@ def test_rules_map_paths_to_specs_first_match_wins():
     assert sharding.spec_for("params/dense/kernel", RULES) == P(None, "tensor")
     assert sharding.spec_for("params/dense/bias", RULES) == P("tensor")
     assert sharding.spec_for("step", RULES) == P()
-    assert sharding.spec_for("x/bias", [(r"bias", P("data")), (r"bias", P("tensor"))]) == P(
-        "data"
-    )
+    assert sharding.spec_for(
+        "x/bias", [(r"bias", P("data")), (r"bias", P("tensor"))]
+    ) == P("data")
     with pytest.raises(
         ShardingError, match="no rule matches 'step'; add one, or pass a default spec"
     ):
@@ -172,7 +176,9 @@ def test_bytes_per_device_sums_a_whole_tree():
         "a": jax.device_put(jnp.zeros((N, 4)), NamedSharding(m, P("data"))),
         "b": [jax.device_put(jnp.zeros(6, jnp.int8), NamedSharding(m, P()))],
     }
-    assert sharding.bytes_per_device(tree) == {d.id: 2 * 4 * 4 + 6 for d in jax.devices()}
+    assert sharding.bytes_per_device(tree) == {
+        d.id: 2 * 4 * 4 + 6 for d in jax.devices()
+    }
 
 
 # --- A batch over the devices ------------------------------------------------------------------
@@ -200,7 +206,9 @@ def test_check_batch_raises_before_jax_and_names_both_fixes(auto):
     padded, mask = sharding.pad_batch(batch, N)
     sharding.check_batch(padded, auto, P("data"))
     assert (
-        padded["images"].shape == (3 * N, 3) and mask.sum() == 2 * N + 1 and mask[-1] == 0
+        padded["images"].shape == (3 * N, 3)
+        and mask.sum() == 2 * N + 1
+        and mask[-1] == 0
     )
     assert np.array_equal(padded["labels"][: 2 * N + 1], batch["labels"])
     sharding.check_batch(sharding.drop_remainder(batch, N), auto, P("data"))
@@ -248,5 +256,7 @@ def test_one_check_for_the_input_pipeline_and_check_batch(auto):
         rf"'data' \(mesh \{{'data': {N}\}}\) and the 2 processes",
     ):
         sharding.check_batch_divides(2 * N + 1, auto, "data", process_count=2)
-    with pytest.raises(ShardingError, match="has no axis 'tensor' to shard the batch over"):
+    with pytest.raises(
+        ShardingError, match="has no axis 'tensor' to shard the batch over"
+    ):
         sharding.check_batch_divides(N, auto, "tensor")

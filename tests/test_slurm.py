@@ -26,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("slurm")  # the fixture of conftest.py
 
 def srun(*args, timeout=180):
     """``args`` from the repository root, with this environment's Python first on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_"))
+    }
     env["PATH"] = f"{BIN}:{env['PATH']}"
     return subprocess.run(
         args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout

@@ -106,7 +106,9 @@ def test_one_step_on_n_devices_equals_one_step_on_one_device(strategy):
         float(metrics["loss"]), float(one_metrics["loss"]), rtol=1e-5
     )
     for part in ("params", "batch_stats", "opt_state"):
-        for a, b in zip(host(getattr(new_state, part)), host(getattr(one_new_state, part))):
+        for a, b in zip(
+            host(getattr(new_state, part)), host(getattr(one_new_state, part))
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=part)
 
 
@@ -147,7 +149,9 @@ def test_evaluate_counts_every_example_once():
     assert 0.0 <= result["accuracy"] <= 1.0 and result["loss"] > 0
     counted = sum(
         float(eval_step(state, b)["count"])
-        for b in data.batches(test_set, 16 * N, mesh, shuffle=False, drop_remainder=False)
+        for b in data.batches(
+            test_set, 16 * N, mesh, shuffle=False, drop_remainder=False
+        )
     )
     assert counted == len(test_set)
 
@@ -219,7 +223,9 @@ SMALL = dict(
 )
 
 
-def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(tmp_path, capsys):
+def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(
+    tmp_path, capsys
+):
     config = train.Config(**SMALL, epochs=2)
     whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
     assert whole.first_epoch == 0 and len(whole.history.train) == 6
@@ -228,7 +234,9 @@ def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(tmp_path
     assert "epoch 2: mean training loss" in capsys.readouterr().out
 
     # Stopped after one epoch, then started again with the same workdir: it resumes from epoch 1.
-    train.train_and_evaluate(dataclasses.replace(config, epochs=1), str(tmp_path / "split"))
+    train.train_and_evaluate(
+        dataclasses.replace(config, epochs=1), str(tmp_path / "split")
+    )
     resumed = train.train_and_evaluate(config, str(tmp_path / "split"))
     assert resumed.first_epoch == 1 and len(resumed.history.train) == 3
     assert "resumed from" in capsys.readouterr().out

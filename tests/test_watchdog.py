@@ -73,7 +73,9 @@ def test_a_process_whose_step_stops_advancing_reports_and_the_others_follow(tmp_
         "processes 0 wait at step 3"
     )
     assert store.values["jaxdist_watchdog/fired"] == expected
-    assert expected in ended0 and expected in ended1  # process 1 read process 0's report
+    assert (
+        expected in ended0 and expected in ended1
+    )  # process 1 read process 0's report
     dog0.stop(), dog1.stop()
 
 
@@ -86,5 +88,7 @@ def test_the_deadline_starts_at_the_first_step(tmp_path):
 
 
 def test_without_jax_distributed_the_watchdog_says_what_it_needs():
-    with pytest.raises(RuntimeError, match=r"needs jax.distributed.initialize\(\) first"):
+    with pytest.raises(
+        RuntimeError, match=r"needs jax.distributed.initialize\(\) first"
+    ):
         watchdog.StepWatchdog(5)

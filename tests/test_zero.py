@@ -18,8 +18,14 @@ def mlp_case():
     """A 2-layer MLP; its output bias (10 classes) cannot be split over 4 or 8 devices."""
     key = jax.random.key(0)
     params = {
-        "hidden": {"kernel": 0.1 * jax.random.normal(key, (16, 64)), "bias": jnp.zeros(64)},
-        "out": {"kernel": 0.1 * jax.random.normal(key, (64, 10)), "bias": jnp.zeros(10)},
+        "hidden": {
+            "kernel": 0.1 * jax.random.normal(key, (16, 64)),
+            "bias": jnp.zeros(64),
+        },
+        "out": {
+            "kernel": 0.1 * jax.random.normal(key, (64, 10)),
+            "bias": jnp.zeros(10),
+        },
     }
 
     def loss_fn(p, batch):
@@ -43,7 +49,11 @@ def block_case():
     block = Block(num_heads=4)
     x = jax.random.normal(jax.random.key(1), (2 * N, 8, 32))
     params = jax.jit(block.init)(jax.random.key(0), x[:1])["params"]
-    return (lambda p, batch: jnp.mean(block.apply({"params": p}, batch) ** 2)), params, x
+    return (
+        (lambda p, batch: jnp.mean(block.apply({"params": p}, batch) ** 2)),
+        params,
+        x,
+    )
 
 
 CASES = {"MLP": mlp_case, "Transformer block": block_case}
@@ -116,7 +126,9 @@ def test_zero1_shards_only_the_optimizer_state():
     p, o = zero.place("zero1", params, tx.init(params), MESH)
     assert set(sharding.bytes_per_device(p).values()) == {comms.tree_bytes(params)}
     opt = zero.split(tx.init(params), N)
-    assert set(sharding.bytes_per_device(o).values()) == {opt.sharded // N + opt.replicated}
+    assert set(sharding.bytes_per_device(o).values()) == {
+        opt.sharded // N + opt.replicated
+    }
 
 
 def test_the_rule():
@@ -166,7 +178,9 @@ def test_ring_bytes_sent_are_those_of_the_compiled_collectives(case, strategy):
 
 
 def test_regathering_fsdp_sends_half_as_much_again_as_data_parallelism():
-    _, params, _ = block_case()  # every array splits on 2, 4 and 8 devices: no remainder
+    _, params, _ = (
+        block_case()
+    )  # every array splits on 2, 4 and 8 devices: no remainder
     assert zero.split(params, N).replicated == 0
     data = zero.ring_bytes_sent("data", params, N)
     assert zero.regathering_fsdp_ring_bytes(params, N) == pytest.approx(1.5 * data)
@@ -290,7 +304,10 @@ def test_layer_gathers_stay_inside_the_loop_and_regather_in_the_backward_pass():
 
 
 def test_expected_layered_bytes():
-    layer = {"kernel": jnp.zeros((16, 8)), "bias": jnp.zeros(3)}  # 512 B sharded, 12 B not
+    layer = {
+        "kernel": jnp.zeros((16, 8)),
+        "bias": jnp.zeros(3),
+    }  # 512 B sharded, 12 B not
     assert zero.expected_layered_bytes("data", layer, 2, 4) == {
         "parameters": 1048,
         "optimizer state": 2096,
@@ -299,10 +316,13 @@ def test_expected_layered_bytes():
     }
     per_layer = zero.expected_layered_bytes("fsdp_per_layer", layer, 2, 4)
     assert (
-        per_layer["parameters"] == 2 * (128 + 12) and per_layer["gathered weights"] == 512
+        per_layer["parameters"] == 2 * (128 + 12)
+        and per_layer["gathered weights"] == 512
     )
     assert (
-        zero.expected_layered_bytes("fsdp_all_gathered", layer, 2, 4)["gathered weights"]
+        zero.expected_layered_bytes("fsdp_all_gathered", layer, 2, 4)[
+            "gathered weights"
+        ]
         == 1024
     )
     with pytest.raises(ValueError, match="unknown strategy 'zero3'"):

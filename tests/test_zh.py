@@ -84,7 +84,8 @@ def test_each_edition_links_to_the_same_page_in_the_other():
     # English at the root, Chinese under zh/: from book/03_sharding.html (in either edition),
     # the other edition's page is one folder up, then into zh/ or out of it.
     assert (
-        editions.other_edition_uri("en", "book/03_sharding") == "zh/book/03_sharding.html"
+        editions.other_edition_uri("en", "book/03_sharding")
+        == "zh/book/03_sharding.html"
     )
     assert (
         editions.other_edition_uri("zh_CN", "book/03_sharding")

@@ -55,14 +55,18 @@ def reader_tokens(path: str) -> np.ndarray:
         return np.load(path, mmap_mode="r").astype(np.int32)
     if path.endswith(".bin"):
         return np.memmap(path, dtype=np.uint16, mode="r").astype(np.int32)
-    raise SystemExit(f"--data {path}: expected a .npy or a .bin (uint16) file of token ids")
+    raise SystemExit(
+        f"--data {path}: expected a .npy or a .bin (uint16) file of token ids"
+    )
 
 
 def write_sequences(tokens: np.ndarray, seq_len: int, path: pathlib.Path) -> int:
     """Pack the stream into records of seq_len + 1 tokens (inputs, next-token targets)."""
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
-        raise SystemExit(f"{len(tokens)} tokens cannot fill one sequence of {seq_len + 1}")
+        raise SystemExit(
+            f"{len(tokens)} tokens cannot fill one sequence of {seq_len + 1}"
+        )
     partial = path.with_suffix(f".{os.getpid()}.partial")  # processes may write at once
     writer = array_record_module.ArrayRecordWriter(str(partial), "group_size:1")
     for row in tokens[: rows * (seq_len + 1)].reshape(rows, seq_len + 1):
@@ -81,7 +85,9 @@ def prepare(
     name = pathlib.Path(data).stem if data else f"pydoc-{vocab_size}"
     path = directory_path / f"{name}-{seq_len}.array_record"
     if not path.exists():
-        tokens = reader_tokens(data) if data else corpus_tokens(vocab_size, directory_path)
+        tokens = (
+            reader_tokens(data) if data else corpus_tokens(vocab_size, directory_path)
+        )
         if tokens.max() >= vocab_size:
             raise SystemExit(
                 f"token id {tokens.max()} is outside the vocabulary {vocab_size}"

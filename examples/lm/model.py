@@ -33,9 +33,13 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False  # the output projection reuses the embedding table
     norm_eps: float = 1e-5
-    num_experts: int = 0  # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
+    num_experts: int = (
+        0  # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
+    )
     top_k: int = 1  # experts per token
-    capacity_factor: float = 1.25  # an expert's slots per group: ceil(k * S * factor / E)
+    capacity_factor: float = (
+        1.25  # an expert's slots per group: ceil(k * S * factor / E)
+    )
     group_size: int = 512  # S: tokens routed together (at most the sequence)
 
     @property
@@ -95,7 +99,9 @@ def rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
     angles_TH = positions_T[:, None].astype(jnp.float32) * frequencies
     sin, cos = jnp.sin(angles_TH)[:, None, :], jnp.cos(angles_TH)[:, None, :]
     first, second = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+    rotated = jnp.concatenate(
+        [first * cos - second * sin, second * cos + first * sin], -1
+    )
     return rotated.astype(x_BTNH.dtype)
 
 
@@ -129,9 +135,9 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
         p_BKGTS = jnp.where(mask_TS, jnp.exp(s_BKGTS - new_max_BKGT[..., None]), 0.0)
         rescale_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
         sum_BKGT = sum_BKGT * rescale_BKGT + p_BKGTS.sum(-1)
-        out_BTKGH = out_BTKGH * rescale_BKGT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
-            "bkgts,bskh->btkgh", p_BKGTS, v_BSKH
-        )
+        out_BTKGH = out_BTKGH * rescale_BKGT.transpose(0, 3, 1, 2)[
+            ..., None
+        ] + jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH)
         max_BKGT = new_max_BKGT
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
@@ -143,7 +149,9 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
 class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
-    context_parallel: bool = False  # the sequence is split over the 'sequence' mesh axis
+    context_parallel: bool = (
+        False  # the sequence is split over the 'sequence' mesh axis
+    )
 
     def project(
         self, name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int
@@ -158,9 +166,12 @@ class Attention(nn.Module):
         # Column-parallel: each 'tensor' device computes its own heads, whole.
         w_DNH = self.project("query", (D, N, H), ("embed", "heads", "head_dim"), D)
         w_kv = [
-            self.project(n, (D, K, H), ("embed", "kv_heads", "head_dim"), D) for n in "kv"
+            self.project(n, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+            for n in "kv"
         ]
-        q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, w_DNH), positions_T, c.rope_theta)
+        q_BTNH = rope(
+            jnp.einsum("btd,dnh->btnh", x_BTD, w_DNH), positions_T, c.rope_theta
+        )
         k_BTKH = rope(
             jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[0]), positions_T, c.rope_theta
         )
@@ -175,7 +186,9 @@ class Attention(nn.Module):
             )
             out_BTNH = ring(q_BTNH, k_BTKH, v_BTKH, positions_T)
         else:  # positions in order: the causal mask is the lower triangle
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+            out_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTKH, v_BTKH, is_causal=True
+            )
         out_BTNH = constrain(out_BTNH, ("batch", "act_seq", "act_heads", None))
         # Row-parallel: each device's heads give a partial sum, which the layout after the
         # block reduces (an all-reduce, or a reduce-scatter under sequence parallelism).
@@ -240,17 +253,23 @@ class Experts(nn.Module):
         logits_BGSE = jnp.einsum("bgsd,de->bgse", x_BGSD.astype(jnp.float32), router_DE)
         probs_BGSE = jax.nn.softmax(logits_BGSE, axis=-1)
         gates_BGSK, experts_BGSK = jax.lax.top_k(probs_BGSE, K)
-        gates_BGSK /= gates_BGSK.sum(-1, keepdims=True)  # k > 1: a token's gates sum to 1
+        gates_BGSK /= gates_BGSK.sum(
+            -1, keepdims=True
+        )  # k > 1: a token's gates sum to 1
         # A slot for each (choice, token): how many earlier pairs chose the same expert.
         choice_BGKSE = jax.nn.one_hot(experts_BGSK.swapaxes(2, 3), E)
         flat = choice_BGKSE.reshape(B, T // S, K * S, E)
-        slot_BGKS = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, T // S, K, S)
+        slot_BGKS = (
+            ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, T // S, K, S)
+        )
         slot_BGKSC = jax.nn.one_hot(slot_BGKS.astype(jnp.int32), C)  # all zero: dropped
         dispatch_BGSEC = jnp.einsum("bgkse,bgksc->bgsec", choice_BGKSE, slot_BGKSC)
         combine_BGSEC = jnp.einsum(
             "bgkse,bgksc,bgsk->bgsec", choice_BGKSE, slot_BGKSC, gates_BGSK
         )
-        balance = E * jnp.sum(choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2)))
+        balance = E * jnp.sum(
+            choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2))
+        )
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BGSE, axis=-1) ** 2)
         # Each device fills its rows' slots, then the slots go to their experts' devices:
         # split by expert instead of by batch row (an all-to-all over 'expert').
@@ -268,16 +287,18 @@ class Experts(nn.Module):
             for n in ("gate", "up")
         )
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
-        h_EBGCF = nn.silu(jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)) * jnp.einsum(
-            "ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF
-        )
+        h_EBGCF = nn.silu(
+            jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)
+        ) * jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF)
         h_EBGCF = constrain(h_EBGCF, (*routed, "act_mlp"))
         y_EBGCD = constrain(
             jnp.einsum("ebgcf,efd->ebgcd", h_EBGCF, w_down_EFD), (*routed, None)
         )
         # And back to their batch rows (the second all-to-all), weighted by their gates.
         y_EBGCD = constrain(y_EBGCD, (*local, None))
-        y_BGSD = jnp.einsum("bgsec,ebgcd->bgsd", combine_BGSEC.astype(self.dtype), y_EBGCD)
+        y_BGSD = jnp.einsum(
+            "bgsec,ebgcd->bgsd", combine_BGSEC.astype(self.dtype), y_EBGCD
+        )
         return y_BGSD.reshape(B, T, D), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
 
 
@@ -301,7 +322,9 @@ class Block(nn.Module):
         c = self.config
         # Each block's input is gathered whole along the sequence (an all-gather where the
         # residual is split over 'tensor'), then split by heads or MLP columns.
-        h = constrain(RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE)
+        h = constrain(
+            RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE
+        )
         attention = Attention(c, self.dtype, self.context_parallel, name="attention")
         x_BTD = constrain(x_BTD + attention(h, positions_T), RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, self.dtype, name="mlp_norm")(x_BTD), WHOLE)
@@ -343,7 +366,9 @@ class Transformer(nn.Module):
             positions_T = jnp.arange(tokens_BT.shape[1])
         block = Block
         if self.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            block = nn.remat(
+                Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False
+            )
         layers = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -371,7 +396,9 @@ class Transformer(nn.Module):
                 ),
             )(x_BTD)
         # Vocabulary-parallel logits: no device holds a row of all V logits.
-        return constrain(logits_BTV, ("batch", "act_seq", "act_vocab")), aux_loss_L.sum()
+        return constrain(
+            logits_BTV, ("batch", "act_seq", "act_vocab")
+        ), aux_loss_L.sum()
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -393,7 +420,9 @@ def count_params(config: ModelConfig) -> int:
         c.width * c.head_width * (c.num_heads * 2 + c.num_kv_heads * 2)
     )  # q, out, k, v
     experts = max(c.num_experts, 1)
-    per_layer += experts * 3 * c.width * c.mlp_width + 2 * c.width  # gate, up, down; norms
+    per_layer += (
+        experts * 3 * c.width * c.mlp_width + 2 * c.width
+    )  # gate, up, down; norms
     per_layer += c.width * c.num_experts  # the router
     embeddings = c.vocab_size * c.width * (1 if c.tie_embeddings else 2)
     return c.num_layers * per_layer + embeddings + c.width
@@ -413,7 +442,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     matmul_params = count_params(c) - c.vocab_size * c.width * (
         0 if c.tie_embeddings else 1
     )
-    matmul_params -= c.width * (2 * c.num_layers + 1)  # norms' scales multiply, no matmul
+    matmul_params -= c.width * (
+        2 * c.num_layers + 1
+    )  # norms' scales multiply, no matmul
     if (
         c.num_experts
     ):  # a token passes through top_k experts of the E (dispatch not counted)

@@ -104,23 +104,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--steps", type=int, default=200)
     add("--global-batch", type=int, default=16, help="sequences per step, all devices")
     add("--seq-len", type=int, default=128)
-    add("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute type")
+    add(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute type",
+    )
     add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
     add("--learning-rate", type=float, default=3e-3)
     add("--warmup-steps", type=int, default=20)
     add("--weight-decay", type=float, default=0.1)
     add("--clip-norm", type=float, default=1.0)
     add("--seed", type=int, default=0)
-    add("--data", help="your own token ids (.npy, or .bin of uint16) instead of the corpus")
     add(
-        "--data-dir", default="/tmp/jaxdist_lm/data", help="where packed sequences are kept"
+        "--data",
+        help="your own token ids (.npy, or .bin of uint16) instead of the corpus",
     )
-    add("--checkpoint-dir", help="save here, and resume from the latest step found here")
+    add(
+        "--data-dir",
+        default="/tmp/jaxdist_lm/data",
+        help="where packed sequences are kept",
+    )
+    add(
+        "--checkpoint-dir", help="save here, and resume from the latest step found here"
+    )
     add("--checkpoint-every", type=int, default=100)
     add("--keep", type=int, default=3, help="checkpoints to keep")
-    add("--num-devices", type=int, help="simulated CPU devices (ignored on accelerators)")
-    add("--compile-only", action="store_true", help="compile one step, print memory, stop")
-    add("--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR")
+    add(
+        "--num-devices",
+        type=int,
+        help="simulated CPU devices (ignored on accelerators)",
+    )
+    add(
+        "--compile-only",
+        action="store_true",
+        help="compile one step, print memory, stop",
+    )
+    add(
+        "--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR"
+    )
     add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
     add(
         "--step-timeout",
@@ -182,7 +204,10 @@ def model_config(args) -> model_lib.ModelConfig:
 
 def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
     """Say what does not divide, before JAX says it less clearly."""
-    tensor, batch_ways = mesh.shape["tensor"], int(np.prod([mesh.shape[a] for a in BATCH]))
+    tensor, batch_ways = (
+        mesh.shape["tensor"],
+        int(np.prod([mesh.shape[a] for a in BATCH])),
+    )
     expert, sequence = mesh.shape["expert"], mesh.shape["sequence"]
     if expert > 1 and config.num_experts % expert:
         raise SystemExit(
@@ -194,7 +219,9 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             f" x tensor={tensor} chunks (the zigzag layout)"
         )
     group = min(config.group_size, args.seq_len)
-    if config.num_experts and (args.seq_len % group or (args.seq_len // group) % sequence):
+    if config.num_experts and (
+        args.seq_len % group or (args.seq_len // group) % sequence
+    ):
         raise SystemExit(
             f"--seq-len {args.seq_len} does not make groups of {group} tokens "
             f"that split over sequence={sequence}"
@@ -210,7 +237,9 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             f"x expert = {batch_ways} devices"
         )
     if tensor > 1 and args.seq_len % tensor:
-        raise SystemExit(f"--seq-len {args.seq_len} does not split over tensor={tensor}")
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not split over tensor={tensor}"
+        )
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -232,7 +261,9 @@ def make_optimizer(args) -> optax.GradientTransformation:
     # the clipping sees the whole model's norm, whatever the mesh.
     return optax.chain(
         optax.clip_by_global_norm(args.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay),
+        optax.adamw(
+            schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
+        ),
     )
 
 
@@ -276,7 +307,10 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
         positions_T = np.arange(inputs_BT.shape[1])
         if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
             positions_T = zigzag(inputs_BT.shape[1], sequence)
-            inputs_BT, targets_BT = inputs_BT[:, positions_T], targets_BT[:, positions_T]
+            inputs_BT, targets_BT = (
+                inputs_BT[:, positions_T],
+                targets_BT[:, positions_T],
+            )
 
         def loss_fn(params):
             # Float32 master weights, cast to the compute type here, on each device's shard:
@@ -318,7 +352,16 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         "all-to-all",
         "collective-permute",
     )
-    sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
+    sizes = {
+        "f32": 4,
+        "bf16": 2,
+        "s32": 4,
+        "u32": 4,
+        "f16": 2,
+        "pred": 1,
+        "s8": 1,
+        "u8": 1,
+    }
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     for line in hlo_text.splitlines():
         if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
@@ -330,7 +373,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             shape, opcode = match.groups()
             if opcode in kinds:
                 own[name][opcode] += sum(
-                    sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                    sizes[t]
+                    * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
                     for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
                     if t in sizes
                 )
@@ -362,7 +406,9 @@ def compile_only(step, shapes, args, mesh) -> None:
         compiled = step.lower(shapes, tokens).compile()
     memory = compiled.memory_analysis()
     arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
-    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes  # donated: reused
+    outputs = (
+        memory.output_size_in_bytes - memory.alias_size_in_bytes
+    )  # donated: reused
     sent = collective_bytes(compiled.as_text())
     seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
     print(
@@ -390,7 +436,9 @@ class Preemption:
 
     def agreed(self) -> bool:
         stop = np.int32(self.signal is not None)
-        if jax.process_count() > 1:  # one process may see the signal a step before another
+        if (
+            jax.process_count() > 1
+        ):  # one process may see the signal a step before another
             stop = multihost_utils.process_allgather(stop).max()
         return bool(stop)
 
@@ -403,7 +451,9 @@ class StepDeadline:
     its Python stacks (faulthandler; ``kill -USR2 <pid>`` does it by hand) and exits 124."""
 
     def __init__(self, seconds: float):
-        from jax._src import distributed  # private: JAX 0.10.2 exports no key-value store
+        from jax._src import (
+            distributed,
+        )  # private: JAX 0.10.2 exports no key-value store
 
         self.client, self.seconds = distributed.global_state.client, seconds
         self.step, self.since = None, time.monotonic()
@@ -413,14 +463,18 @@ class StepDeadline:
     def reached(self, step: int) -> None:
         if self.client is not None:
             self.client.key_value_set(
-                f"lm_deadline/step/{jax.process_index()}", str(step), allow_overwrite=True
+                f"lm_deadline/step/{jax.process_index()}",
+                str(step),
+                allow_overwrite=True,
             )
         self.step, self.since = step, time.monotonic()
 
     def _fired(self):
         try:
             return (
-                self.client.key_value_try_get("lm_deadline/fired") if self.client else None
+                self.client.key_value_try_get("lm_deadline/fired")
+                if self.client
+                else None
             )
         except Exception:  # NOT_FOUND
             return None
@@ -429,7 +483,9 @@ class StepDeadline:
         while True:
             time.sleep(0.5)
             message = self._fired()
-            late = self.step is not None and time.monotonic() - self.since > self.seconds
+            late = (
+                self.step is not None and time.monotonic() - self.since > self.seconds
+            )
             if message is None and late:
                 entries = (
                     self.client.key_value_dir_get("lm_deadline/step/")
@@ -440,7 +496,9 @@ class StepDeadline:
                     0: self.step
                 }
                 ahead = max(steps.values())
-                behind = [p for p in range(jax.process_count()) if steps.get(p, -1) < ahead]
+                behind = [
+                    p for p in range(jax.process_count()) if steps.get(p, -1) < ahead
+                ]
                 message = (
                     f"step timeout: processes {behind} did not finish step {ahead} within "
                     f"{self.seconds:g} s"
@@ -448,8 +506,12 @@ class StepDeadline:
                     else f"step timeout: step {ahead + 1} "
                     f"did not finish within {self.seconds:g} s on any process"
                 )
-                with contextlib.suppress(Exception):  # another process may have fired first
-                    self.client and self.client.key_value_set("lm_deadline/fired", message)
+                with contextlib.suppress(
+                    Exception
+                ):  # another process may have fired first
+                    self.client and self.client.key_value_set(
+                        "lm_deadline/fired", message
+                    )
             if message is not None:
                 print(
                     f"{message}; process {jax.process_index()}'s stacks:",
@@ -478,7 +540,9 @@ def checkpoint_manager(args) -> ocp.CheckpointManager:
 def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
     """The rows of each global batch that this process's devices hold."""
     sharding = NamedSharding(mesh, P(BATCH))
-    index = sharding.addressable_devices_indices_map((global_batch, seq_len + 1)).values()
+    index = sharding.addressable_devices_indices_map(
+        (global_batch, seq_len + 1)
+    ).values()
     starts = [i[0].start or 0 for i in index]
     stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
     return slice(min(starts), max(stops))
@@ -491,14 +555,20 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
     try:
         restored = manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes), data=data_item),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(shapes), data=data_item
+            ),
         )
         return restored.state, restored.data
-    except ValueError:  # Grain keeps one file per process: saved with another process count
+    except (
+        ValueError
+    ):  # Grain keeps one file per process: saved with another process count
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
         )
-        batches.set_state({"next_index": step})  # global batch s is the same on any layout
+        batches.set_state(
+            {"next_index": step}
+        )  # global batch s is the same on any layout
         return restored.state, batches
 
 
@@ -536,13 +606,17 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         )
         if args.profile and int(state.step) in (5, 8):  # trace steps 6 to 8
             profiler = jax.profiler
-            profiler.start_trace(args.profile) if state.step == 5 else profiler.stop_trace()
+            profiler.start_trace(
+                args.profile
+            ) if state.step == 5 else profiler.stop_trace()
         start = time.perf_counter()
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             state, metrics = step(state, tokens)
         loss = float(metrics["loss"])  # on every process: it waits, so none runs ahead
         seconds, now = time.perf_counter() - start, int(state.step)
-        mfu = f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
+        mfu = (
+            f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
+        )
         print0(
             f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
             f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"

@@ -18,12 +18,19 @@ Dtype = Any
 def head_dim(hidden: int, num_heads: int) -> int:
     """The size of each head when ``hidden`` features are split over ``num_heads`` heads."""
     if hidden % num_heads:
-        raise ValueError(f"hidden size {hidden} is not divisible by num_heads={num_heads}")
+        raise ValueError(
+            f"hidden size {hidden} is not divisible by num_heads={num_heads}"
+        )
     return hidden // num_heads
 
 
 def attend(
-    q_BTNK: jax.Array, k_BSNK: jax.Array, v_BSNK: jax.Array, *, causal: bool, dtype: Dtype
+    q_BTNK: jax.Array,
+    k_BSNK: jax.Array,
+    v_BSNK: jax.Array,
+    *,
+    causal: bool,
+    dtype: Dtype,
 ) -> jax.Array:
     """``softmax(q k^T / sqrt(head_dim)) v`` per head: ``(B, T, N, K)`` queries to ``(B, T, N, K)``.
 
@@ -31,12 +38,16 @@ def attend(
     ``dtype`` is: bf16's 7 explicit mantissa bits are too coarse for its sums.
     """
     head_dim = q_BTNK.shape[-1]
-    scores_BNTS = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BSNK) / jnp.sqrt(head_dim).astype(
-        dtype
-    )
+    scores_BNTS = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BSNK) / jnp.sqrt(
+        head_dim
+    ).astype(dtype)
     if causal:
         t, s = scores_BNTS.shape[-2:]
         visible_TS = jnp.tril(jnp.ones((t, s), bool))
-        scores_BNTS = jnp.where(visible_TS, scores_BNTS, jnp.finfo(scores_BNTS.dtype).min)
-    weights_BNTS = jax.nn.softmax(scores_BNTS.astype(jnp.float32), axis=-1).astype(dtype)
+        scores_BNTS = jnp.where(
+            visible_TS, scores_BNTS, jnp.finfo(scores_BNTS.dtype).min
+        )
+    weights_BNTS = jax.nn.softmax(scores_BNTS.astype(jnp.float32), axis=-1).astype(
+        dtype
+    )
     return jnp.einsum("bnts,bsnk->btnk", weights_BNTS, v_BSNK)

@@ -41,7 +41,9 @@ def named(init: Callable, *names: str | None, enabled: bool = True) -> Callable:
     return nn.with_logical_partitioning(init, names) if enabled else init
 
 
-def dense_inits(kernel: Names, bias: Names, enabled: bool = True) -> dict[str, Callable]:
+def dense_inits(
+    kernel: Names, bias: Names, enabled: bool = True
+) -> dict[str, Callable]:
     """A dense layer's ``kernel_init`` and ``bias_init`` (Flax's defaults: LeCun normal, zeros), named."""
     return {
         "kernel_init": named(nn.initializers.lecun_normal(), *kernel, enabled=enabled),

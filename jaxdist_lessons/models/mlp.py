@@ -17,7 +17,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.gelu(nn.Dense(self.width, dtype=self.dtype, param_dtype=self.dtype)(x))
+        return nn.gelu(
+            nn.Dense(self.width, dtype=self.dtype, param_dtype=self.dtype)(x)
+        )
 
 
 class DeepMLP(nn.Module):

@@ -61,9 +61,9 @@ class BottleneckBlock(_Block):
         y = self.conv(self.filters * 4, (1, 1))(y)
         y = self.norm(scale_init=nn.initializers.zeros_init())(y)
         if residual.shape != y.shape:
-            residual = self.conv(self.filters * 4, (1, 1), self.strides, name="proj_conv")(
-                residual
-            )
+            residual = self.conv(
+                self.filters * 4, (1, 1), self.strides, name="proj_conv"
+            )(residual)
             residual = self.norm(name="proj_bn")(residual)
         return nn.relu(residual + y)
 
@@ -98,15 +98,17 @@ class ResNet(nn.Module):
         for stage, blocks in enumerate(self.stage_sizes):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = self.block_cls(base * 2**stage, conv=conv, norm=norm, strides=strides)(
-                    x
-                )
+                x = self.block_cls(
+                    base * 2**stage, conv=conv, norm=norm, strides=strides
+                )(x)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 
 
 def _family(stage_sizes: Sequence[int], block_cls: ModuleDef) -> Callable[..., ResNet]:
-    return functools.partial(ResNet, stage_sizes=tuple(stage_sizes), block_cls=block_cls)
+    return functools.partial(
+        ResNet, stage_sizes=tuple(stage_sizes), block_cls=block_cls
+    )
 
 
 ResNet18 = _family((2, 2, 2, 2), BasicBlock)

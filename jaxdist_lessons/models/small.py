@@ -62,7 +62,10 @@ class NNXMLP(nnx.Module):
             bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axis,)),
         )
         self.down = nnx.Linear(
-            hidden, dout, rngs=rngs, kernel_init=nnx.with_partitioning(init, (axis, None))
+            hidden,
+            dout,
+            rngs=rngs,
+            kernel_init=nnx.with_partitioning(init, (axis, None)),
         )
 
     def __call__(self, x: jax.Array, out_sharding: P | None = None) -> jax.Array:

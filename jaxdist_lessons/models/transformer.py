@@ -65,7 +65,9 @@ class CausalSelfAttention(nn.Module):
             ),
         )(x_BTH)
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype)
+        out_BTNK = attention.attend(
+            q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype
+        )
         return nn.DenseGeneral(
             hidden,
             axis=(-2, -1),
@@ -87,7 +89,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
         hidden = x_BTH.shape[-1]
-        names = {"up": (("embed", "mlp"), ("mlp",)), "down": (("mlp", "embed"), ("embed",))}
+        names = {
+            "up": (("embed", "mlp"), ("mlp",)),
+            "down": (("mlp", "embed"), ("embed",)),
+        }
         dense = lambda features, name: nn.Dense(
             features,
             dtype=self.dtype,
@@ -95,7 +100,9 @@ class MLP(nn.Module):
             name=name,
             **axes.dense_inits(*names[name], self.logical_axes),
         )
-        return dense(hidden, "down")(nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTH)))
+        return dense(hidden, "down")(
+            nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTH))
+        )
 
 
 class Block(nn.Module):
@@ -195,6 +202,8 @@ def next_token_loss(model: nn.Module, params: Any, tokens_BT: jax.Array) -> jax.
     ).mean()
 
 
-def random_tokens(rng: jax.Array, batch: int, length: int, vocab_size: int) -> jax.Array:
+def random_tokens(
+    rng: jax.Array, batch: int, length: int, vocab_size: int
+) -> jax.Array:
     """A batch of uniformly random token ids, ``(batch, length)`` int32: enough to measure a step."""
     return jax.random.randint(rng, (batch, length), 0, vocab_size, dtype=jnp.int32)

@@ -72,7 +72,10 @@ class HeadsDense(nn.Module):
             self.param_dtype,
         )
         bias = self.param(
-            "bias", axes.named(zeros, *self.bias_names), self.bias_shape, self.param_dtype
+            "bias",
+            axes.named(zeros, *self.bias_names),
+            self.bias_shape,
+            self.param_dtype,
         )
         return jnp.einsum(
             self.equation, x.astype(self.dtype), kernel.astype(self.dtype)
@@ -105,7 +108,9 @@ class Attention(nn.Module):
             return axes.constrain(y, "batch", "seq", "act_heads", None)
 
         q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype)
+        out_BTNK = attention.attend(
+            q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype
+        )
         out_BTD = HeadsDense(
             "btnk,nkd->btd",
             (self.num_heads, head_dim, hidden),
@@ -242,7 +247,9 @@ def vit_params(
         + hidden
         + 4 * hidden
     )
-    embed = patch_size * patch_size * channels * hidden + hidden + hidden + tokens * hidden
+    embed = (
+        patch_size * patch_size * channels * hidden + hidden + hidden + tokens * hidden
+    )
     return num_layers * block + embed + 2 * hidden + hidden * num_classes + num_classes
 
 
@@ -251,4 +258,6 @@ def classification_loss(
 ) -> jax.Array:
     """Mean cross-entropy of the model's logits for ``batch['images']`` against integer ``batch['labels']``."""
     logits = model.apply({"params": params}, batch["images"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["labels"]
+    ).mean()

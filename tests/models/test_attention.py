@@ -18,7 +18,10 @@ def test_attend_matches_flax_dot_product_attention(causal):
     mask = nn.make_causal_mask(jnp.ones(q.shape[:2])) if causal else None
     expected = nn.dot_product_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(
-        attend(q, k, v, causal=causal, dtype=jnp.float32), expected, rtol=1e-5, atol=1e-6
+        attend(q, k, v, causal=causal, dtype=jnp.float32),
+        expected,
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 

@@ -11,7 +11,9 @@ from jaxdist_lessons.models import resnet
 
 def abstract_variables(model, image_size=32):
     init = functools.partial(model.init, train=False)
-    return jax.eval_shape(init, jax.random.key(0), jnp.ones((1, image_size, image_size, 3)))
+    return jax.eval_shape(
+        init, jax.random.key(0), jnp.ones((1, image_size, image_size, 3))
+    )
 
 
 @pytest.mark.parametrize(
@@ -59,5 +61,9 @@ def test_partition_rules_cover_resnet50_on_a_tensor_axis():
     assert specs["params"]["conv_init"]["kernel"] == jax.sharding.PartitionSpec(
         None, None, None, "tensor"
     )
-    assert specs["params"]["head"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor")
-    assert specs["batch_stats"]["bn_init"]["mean"] == jax.sharding.PartitionSpec("tensor")
+    assert specs["params"]["head"]["kernel"] == jax.sharding.PartitionSpec(
+        None, "tensor"
+    )
+    assert specs["batch_stats"]["bn_init"]["mean"] == jax.sharding.PartitionSpec(
+        "tensor"
+    )

@@ -6,7 +6,13 @@ import pytest
 from jaxdist_lessons import comms, memory, residuals
 from jaxdist_lessons.models import transformer as T
 
-CONFIG = {"vocab_size": 64, "num_layers": 2, "hidden": 32, "num_heads": 4, "max_len": 16}
+CONFIG = {
+    "vocab_size": 64,
+    "num_layers": 2,
+    "hidden": 32,
+    "num_heads": 4,
+    "max_len": 16,
+}
 
 
 def init(model, tokens):

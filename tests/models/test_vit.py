@@ -42,8 +42,12 @@ def test_every_parameter_carries_logical_names():
     assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
     specs = nn.get_partition_spec(variables)["params"]
     assert specs["Block_0"]["mlp"]["up"]["kernel"] == jax.P("embed", "mlp")
-    assert specs["Block_1"]["attention"]["query"]["kernel"] == jax.P("embed", "heads", "kv")
-    assert specs["Block_1"]["attention"]["out"]["kernel"] == jax.P("heads", "kv", "embed")
+    assert specs["Block_1"]["attention"]["query"]["kernel"] == jax.P(
+        "embed", "heads", "kv"
+    )
+    assert specs["Block_1"]["attention"]["out"]["kernel"] == jax.P(
+        "heads", "kv", "embed"
+    )
     assert specs["head"]["bias"] == jax.P("classes")
 
 
