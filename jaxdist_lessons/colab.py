@@ -49,7 +49,9 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     have = importlib.metadata.version("jax")
     if tuple(int(n) for n in have.split(".")[:2]) < (0, 10):
         tpu = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-        extra = "[cuda12]" if os.path.exists("/dev/nvidiactl") else "[tpu]" if tpu else ""
+        extra = (
+            "[cuda12]" if os.path.exists("/dev/nvidiactl") else "[tpu]" if tpu else ""
+        )
         raise RuntimeError(
             f"This book needs jax {JAX}; this runtime has jax {have}. Upgrade it with\\n"
             f'    !pip install -U "jax{extra}=={JAX}"\\n'
@@ -69,9 +71,8 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     subprocess.run([*pip, source, *keep], check=True)
 """
 
-TAGS = (
-    "hide-cell",
-)  # in the HTML book the cell is folded away; on Colab it runs like any other
+# In the HTML book the cell is folded away; on Colab it runs like any other.
+TAGS = ("hide-cell",)
 
 _FIRST_CELL = re.compile(
     r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S
@@ -81,14 +82,6 @@ _FIRST_CELL = re.compile(
 def cell_markdown() -> str:
     """The cell as it stands in a MyST Markdown notebook."""
     return f"```{{code-cell}}\n:tags: [{', '.join(TAGS)}]\n\n{INSTALL_CELL}```\n"
-
-
-def first_code_cell(text: str) -> str:
-    """The code of the first code cell of a MyST Markdown notebook."""
-    match = _FIRST_CELL.search(text)
-    if match is None:
-        raise ValueError("no code cell found")
-    return match.group("code")
 
 
 def with_install_cell(text: str) -> str:

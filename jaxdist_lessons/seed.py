@@ -309,26 +309,3 @@ def undefined_names(
 def counts() -> dict[str, int]:
     """How many entries have each verdict."""
     return {v: sum(e.verdict == v for e in ENTRIES) for v in VERDICTS}
-
-
-def chapter_link(chapter: str, existing: Iterable[str]) -> str:
-    """A Markdown link to ``chapter`` if its notebook is in ``existing``, else its title."""
-    title = CHAPTERS[chapter]
-    return (
-        f"[{title}]({chapter}.md)" if chapter in set(existing) else f"{title} (to come)"
-    )
-
-
-def verdict_markdown(existing: Iterable[str]) -> str:
-    """The appendix's opening table: section, snippet or claim, verdict, where the book fixes it."""
-    existing = set(existing)
-    rows = [
-        "| § | snippet or claim | verdict | where the book fixes it |",
-        "|---|---|---|---|",
-    ]
-    for e in ENTRIES:
-        rows.append(
-            f"| {e.section} | [{e.title}](#{e.key}) | **{e.verdict}** | "
-            f"{chapter_link(e.chapter, existing)} |"
-        )
-    return "\n".join(rows)

@@ -15,6 +15,7 @@ import functools
 import pathlib
 import re
 import traceback
+from collections.abc import Iterable
 
 import jupytext
 import pytest
@@ -284,24 +285,47 @@ def test_the_verdicts_this_page_gives():
     assert seed.entry("pip-cuda11").chapter == "setup"
 
 
+def chapter_link(chapter: str, existing: Iterable[str]) -> str:
+    """A Markdown link to ``chapter`` if its notebook is in ``existing``, else its title."""
+    title = seed.CHAPTERS[chapter]
+    return (
+        f"[{title}]({chapter}.md)" if chapter in set(existing) else f"{title} (to come)"
+    )
+
+
+def verdict_markdown(existing: Iterable[str]) -> str:
+    """The appendix's opening table: section, snippet or claim, verdict, where the book fixes it."""
+    existing = set(existing)
+    rows = [
+        "| § | snippet or claim | verdict | where the book fixes it |",
+        "|---|---|---|---|",
+    ]
+    for e in seed.ENTRIES:
+        rows.append(
+            f"| {e.section} | [{e.title}](#{e.key}) | **{e.verdict}** | "
+            f"{chapter_link(e.chapter, existing)} |"
+        )
+    return "\n".join(rows)
+
+
 def test_appendix_opens_with_the_verdict_table_linking_existing_chapters():
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     existing = [pathlib.Path(entry["file"]).name for entry in toc["chapters"]]
-    table = seed.verdict_markdown(existing)
+    table = verdict_markdown(existing)
     markdown = "\n".join(c.source for c in _cells() if c.cell_type == "markdown")
     assert table in markdown, (
-        "replace the appendix's table with seed.verdict_markdown(...)"
+        "replace the appendix's table with this file's verdict_markdown(...)"
     )
     for e in seed.ENTRIES:
         assert f"({e.key})=" in markdown, e.key
     for chapter in seed.CHAPTERS:  # each entry's closing sentence points to its chapter
-        pointer = f"Chapter: {seed.chapter_link(chapter, existing)}."
+        pointer = f"Chapter: {chapter_link(chapter, existing)}."
         assert markdown.count(pointer) == sum(
             e.chapter == chapter for e in seed.ENTRIES
         ), pointer
-    assert seed.chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.md)"
-    assert seed.chapter_link("setup", existing) == "[Setting up](setup.md)"
-    assert seed.chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"
+    assert chapter_link("05_resnet50", existing) == "[5. ResNet50](05_resnet50.md)"
+    assert chapter_link("setup", existing) == "[Setting up](setup.md)"
+    assert chapter_link("05_resnet50", []) == "5. ResNet50 (to come)"
     for chapter in seed.CHAPTERS:  # every page the appendix links to exists
         assert (ROOT / "book" / f"{chapter}.md").exists(), chapter
 
