@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 import jax
 import jax.extend.backend
@@ -34,6 +35,13 @@ from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.versions import version_warning
 
 ENV_VAR = "JAXDIST_NUM_DEVICES"
+# In a checkout of the book, compiled programs are kept in _build/jax_cache (JAX's persistent
+# compilation cache): running a chapter again, or the tests after the build, reads them back
+# instead of compiling again. JAX_COMPILATION_CACHE_DIR chooses another folder;
+# JAXDIST_COMPILATION_CACHE=0 turns it off.
+CACHE_ENV_VAR = "JAXDIST_COMPILATION_CACHE"
+MIN_CACHED_SECONDS = 0.2
+CACHE_MAX_BYTES = 4 * 1024**3
 DEFAULT_NUM_DEVICES = 8
 MAX_SIMULATED_DEVICES = (
     1024  # more would take minutes to start (see the module docstring)
@@ -181,6 +189,13 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
     """
     requested = requested_num_devices(num_devices)
     requested_by = "num_devices" if num_devices is not None else ENV_VAR
+    cache = compilation_cache_dir(os.environ)
+    if cache is not None and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+        # JAX keeps only programs that took a second or more; a chapter's take less.
+        jax.config.update(
+            "jax_persistent_cache_min_compile_time_secs", MIN_CACHED_SECONDS
+        )
     _within_bound("min_devices", positive_int("min_devices", min_devices))
     if requested is not None and requested < min_devices:
         choose(DeviceInfo("cpu", "cpu", 0, True), requested, min_devices, requested_by)
@@ -199,6 +214,25 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
     if warning:
         print(warning)
     return info
+
+
+def compilation_cache_dir(
+    environ: dict[str, str] | os._Environ, root: pathlib.Path | None = None
+) -> pathlib.Path | None:
+    """Where ``setup`` keeps compiled programs: ``_build/jax_cache`` of the book's checkout.
+
+    None when the package runs outside a checkout (installed from a wheel, as on Colab), when
+    ``$JAX_COMPILATION_CACHE_DIR`` already tells JAX where, or when
+    ``$JAXDIST_COMPILATION_CACHE`` is ``0``.
+    """
+    if environ.get(CACHE_ENV_VAR, "1") == "0" or environ.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ):
+        return None
+    root = root or pathlib.Path(__file__).resolve().parents[1]
+    if not ((root / "_config.yml").is_file() and (root / "book").is_dir()):
+        return None
+    return root / "_build" / "jax_cache"
 
 
 def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> bool:

@@ -9,10 +9,22 @@ process.
 """
 
 import os
+import pathlib
 
 import pytest
 
-from jaxdist_lessons import devices
+# Compiled programs are kept in _build/jax_cache, as the chapters keep theirs (devices.setup):
+# the tests' subprocesses (mpirun and srun jobs, the LM recipe) read the variable too.
+if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR",
+        str(pathlib.Path(__file__).resolve().parents[1] / "_build" / "jax_cache"),
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    # A size limit makes JAX lock the folder: workers, kernels and jobs share it.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 1024**3))
+
+from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
 DEVICES = devices.setup(num_devices=8)
 

@@ -289,3 +289,29 @@ def test_setup_meets_the_minimum_by_default():
         "True",
         "12",
     ]
+
+
+def test_compiled_programs_are_kept_in_the_checkouts_build_folder(tmp_path):
+    checkout = tmp_path / "book_checkout"
+    (checkout / "book").mkdir(parents=True)
+    (checkout / "_config.yml").write_text("title: x\n")
+    cache = devices.compilation_cache_dir({}, root=checkout)
+    assert cache == checkout / "_build" / "jax_cache"
+    # JAX's own variable wins, 0 turns it off, and outside a checkout there is none.
+    assert (
+        devices.compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/x"}, checkout)
+        is None
+    )
+    assert (
+        devices.compilation_cache_dir({"JAXDIST_COMPILATION_CACHE": "0"}, checkout)
+        is None
+    )
+    assert devices.compilation_cache_dir({}, root=tmp_path) is None
+
+
+def test_the_tests_compile_through_the_persistent_cache():
+    import jax
+
+    assert (
+        jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    )
