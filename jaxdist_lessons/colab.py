@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # (built with `pip wheel --no-deps . -w dist`) uploaded to the notebook's files (Colab) or added
 # as a dataset (Kaggle). Change these lines when the package gets a public home.
 INSTALL_CELL = """\
-# Colab or Kaggle: install the book's companion package (elsewhere this cell does nothing).
+# Colab or Kaggle: install the book's companion package (elsewhere it does nothing).
 import glob
 import importlib.metadata
 import importlib.util
