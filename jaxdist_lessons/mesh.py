@@ -116,6 +116,8 @@ def make_mesh(
     """``jax.make_mesh`` with its inputs checked first, and ``axis_types`` always stated.
 
     One ``AxisType`` applies to every axis. ``devices`` defaults to all of ``jax.devices()``.
+    Chapters 2, 3 and 13 call ``jax.make_mesh`` itself; this stays while other chapters and
+    package modules still use it.
     """
     names = _check_names(axis_names)
     shape = tuple(shape)

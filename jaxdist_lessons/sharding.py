@@ -71,17 +71,19 @@ def check_spec(shape: Sequence[int], mesh: Mesh, spec: P, name: str = "array") -
 
 
 def shard_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...]:
-    """The shape of the block each device holds, computed from the spec alone."""
+    """``NamedSharding(mesh, spec).shard_shape(shape)``, after ``check_spec``'s clearer errors.
+
+    Kept for ``exercises.py``; pages call ``NamedSharding.shard_shape`` themselves.
+    """
     check_spec(shape, mesh, spec)
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    return tuple(
-        size // math.prod(mesh.shape[a] for a in _entry_axes(e))
-        for size, e in zip(shape, entries)
-    )
+    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
 
 
 def replicas(mesh: Mesh, spec: P) -> int:
-    """How many devices hold each block: the product of the mesh axes the spec does not name."""
+    """How many devices hold each block: the product of the mesh axes the spec does not name.
+
+    Kept for chapter 9; chapter 3 reads the copies from ``addressable_shards``.
+    """
     named = {a for entry in spec for a in _entry_axes(entry)}
     return math.prod(size for axis, size in mesh.shape.items() if axis not in named)
 
@@ -90,7 +92,9 @@ def expected_bytes_per_device(
     shape: Sequence[int], dtype: Any, mesh: Mesh, spec: P
 ) -> int:
     """Bytes each device holds for an array of ``shape`` and ``dtype`` sharded by ``spec``."""
-    return math.prod(shard_shape(shape, mesh, spec)) * np.dtype(dtype).itemsize
+    check_spec(shape, mesh, spec)
+    block = NamedSharding(mesh, spec).shard_shape(tuple(shape))
+    return math.prod(block) * np.dtype(dtype).itemsize
 
 
 def bytes_per_device(tree: Any) -> dict[int, int]:
@@ -106,7 +110,7 @@ def bytes_per_device(tree: Any) -> dict[int, int]:
 
 
 def shard_shapes(array: jax.Array) -> dict[int, tuple[int, ...]]:
-    """The shape of the block each device holds, keyed by device id."""
+    """The shape of the block each device holds, keyed by device id (chapters 1 and 5)."""
     return {
         shard.device.id: tuple(shard.data.shape) for shard in array.addressable_shards
     }
@@ -139,14 +143,14 @@ def placement_rows(arrays: Iterable[jax.Array]) -> list[list[Any]]:
     """Rows under ``PLACEMENT_HEADERS``, read from arrays placed with ``NamedSharding``s."""
     rows = []
     for array in arrays:
-        mesh, spec = array.sharding.mesh, array.sharding.spec
+        held = blocks(array.shape, array.sharding)
         rows.append(
             [
-                str(spec),
-                next(iter(shard_shapes(array).values())),
-                replicas(mesh, spec),
+                str(array.sharding.spec),
+                array.sharding.shard_shape(array.shape),
+                max(len(ids) for ids in held.values()),
                 max(bytes_per_device(array).values()),
-                len(blocks(array.shape, array.sharding)),
+                len(held),
             ]
         )
     return rows
@@ -159,16 +163,12 @@ Rules = Sequence[tuple[str, P]]
 
 
 def path_name(path: Sequence[Any]) -> str:
-    """A tree path as ``'params/conv_init/kernel'``, the string rules match against."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+    """A tree path as ``'params/conv_init/kernel'``, the string rules match against.
+
+    ``jax.tree_util.keystr(path, simple=True, separator="/")``; kept for ``partitioning.py``
+    and ``tests/test_train.py``.
+    """
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def spec_for(name: str, rules: Rules, default: P | None = P()) -> P:
@@ -196,7 +196,7 @@ def specs_from_rules(
     """
 
     def leaf_spec(path, leaf):
-        name = path_name(path)
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
         spec = spec_for(name, rules, default)
         check_spec(leaf.shape, mesh, spec, name=name)
         return spec
@@ -260,13 +260,17 @@ def check_batch_divides(
     return ways
 
 
+def _name(path: Any) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/") or "batch"
+
+
 def batch_size(batch: Any) -> int:
     """The leading (batch) size that every array of ``batch`` shares; ``BatchError`` if they differ or there are none."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise BatchError("the batch has no arrays in it")
     sizes = {
-        path_name(path) or "batch": np.shape(leaf)[0] if np.ndim(leaf) else None
+        _name(path): np.shape(leaf)[0] if np.ndim(leaf) else None
         for path, leaf in leaves
     }
     scalars = [name for name, size in sizes.items() if size is None]
@@ -293,10 +297,10 @@ def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
     if len(spec):  # a replicated batch (P()) may hold scalars
         size = batch_size(batch)
         if all(axis in mesh.shape for axis in _entry_axes(spec[0])):
-            first = path_name(leaves[0][0]) or "batch"
+            first = _name(leaves[0][0])
             check_batch_divides(size, mesh, spec[0], name=first)
     for path, leaf in leaves:
-        check_spec(np.shape(leaf), mesh, spec, name=path_name(path) or "batch")
+        check_spec(np.shape(leaf), mesh, spec, name=_name(path))
 
 
 def pad_batch(batch: Any, multiple: int) -> tuple[Any, np.ndarray]:

@@ -1,3 +1,4 @@
+import collections
 import itertools
 
 import jax
@@ -47,6 +48,10 @@ def test_predicted_shards_match_the_addressable_shards(
     assert set(sharding.shard_shapes(x).values()) == {
         sharding.shard_shape(shape, m, spec)
     }
+    assert sharding.shard_shape(shape, m, spec) == x.sharding.shard_shape(shape)
+    # the copies of a block, counted from the shards, are the axes the spec does not name
+    copies = collections.Counter(str(s.index) for s in x.addressable_shards)
+    assert set(copies.values()) == {sharding.replicas(m, spec)}
     assert set(sharding.bytes_per_device(x).values()) == {
         sharding.expected_bytes_per_device(shape, dtype, m, spec)
     }
@@ -162,12 +167,29 @@ def test_a_bad_rule_fails_with_the_leaf_path():
         sharding.specs_from_rules(TREE, m, [(r"bias", P("tensor", None))])
 
 
-def test_path_name():
-    paths = [
-        sharding.path_name(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1, (2,)]})[0]
+def test_path_name_is_keystr_with_slashes():
+    Pair = collections.namedtuple("Pair", "kernel bias")
+    tree = {"a": [1, (2,)], "dense": Pair(3, 4)}
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [sharding.path_name(p) for p, _ in flat]
+    assert paths == ["a/0", "a/1/0", "dense/kernel", "dense/bias"]
+    assert paths == [
+        jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat
     ]
-    assert paths == ["a/0", "a/1/0"]
+
+
+def test_placement_rows_read_the_placed_arrays():
+    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    x = jnp.zeros((2 * N, 8))
+    specs = [P("data"), P(None, "tensor"), P()]
+    rows = sharding.placement_rows(
+        jax.device_put(x, NamedSharding(m, s)) for s in specs
+    )
+    assert rows == [
+        [str(P("data")), (4, 8), 2, 4 * 8 * 4, N // 2],
+        [str(P(None, "tensor")), (2 * N, 4), N // 2, 2 * N * 4 * 4, 2],
+        [str(P()), (2 * N, 8), N, 2 * N * 8 * 4, 1],
+    ]
 
 
 def test_bytes_per_device_sums_a_whole_tree():
