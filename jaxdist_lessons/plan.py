@@ -46,6 +46,7 @@ TRAIN = ROOT / "examples" / "lm" / "train.py"
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")  # train.AXES, in its order
 F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
 USABLE = 0.9  # of a chip's memory a layout may fill (the rest: runtime, fragmentation)
+MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
 
 # --- Models --------------------------------------------------------------------------------------
 
@@ -833,6 +834,10 @@ def make_run(args: argparse.Namespace) -> Run:
             raise PlanError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
+    if args.devices > MAX_DEVICES:  # crosses_nodes walks every device of every mesh
+        raise PlanError(
+            f"--devices {args.devices}: the planner plans up to {MAX_DEVICES:,}"
+        )
     if args.experts < 0 or args.capacity_factor <= 0:
         raise PlanError("--experts must be 0 or more and --capacity-factor positive")
     if args.devices % args.nodes:

@@ -103,6 +103,7 @@ def test_json_has_the_tables_rows():
         (["--model", None, "--layers", "2"], "missing --width --heads --kv-heads"),
         (["--chip", "TPU v4"], "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS"),
         (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
+        (["--devices", "131072"], "--devices 131072: the planner plans up to 65,536"),
         (["--chip", "v5p", "--dtype", "float32"],
          "TPU v5p has no float32 peak in hardware.CHIPS"),
         (["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],

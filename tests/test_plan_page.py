@@ -78,17 +78,21 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+# The form's select boxes: each of their options comes up among the 100 requests.
+CHOICES = {"model": [*plan.PRESETS, ""], "chip": list(plan.CHIP_NAMES),
+                          "dtype": ["bfloat16", "float32"]}  # fmt: skip
+
+
 def random_request(rng: random.Random) -> dict[str, str]:
     """Form values: a preset or a shape, experts or not, devices, nodes, chip, tokens."""
     devices = rng.choice([1, 2, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256])
-    values = {"model": rng.choice(["tiny", "125m", "1b", "8b", "70b", ""]),
-              "devices": devices,
+    choose = lambda field: rng.choice(CHOICES[field])
+    values = {"model": choose("model"), "devices": devices,
               "nodes": rng.choice([n for n in (1, 2, 3, 4, 8, 16) if devices % n == 0]),
-              "chip": rng.choice(list(plan.CHIP_NAMES)),
+              "chip": choose("chip"),
               "seq-len": rng.choice([256, 512, 1024, 2048, 4096, 8192]),
               "global-batch": rng.choice([8, 16, 32, 64, 128, 256, 512]),
-              "dtype": rng.choice(["bfloat16", "float32"]),
-              "experts": 0, "top-k": 1}  # fmt: skip
+              "dtype": choose("dtype"), "experts": 0, "top-k": 1}  # fmt: skip
     if rng.random() < 0.25:
         values["experts"] = rng.choice([4, 8])
         values["top-k"] = rng.choice([1, 2])
@@ -112,6 +116,8 @@ INVALID = [
     {"model": "70b", "devices": "2", "global-batch": "64"},
     {"global-batch": "-8"},
     {"experts": "4", "top-k": "5"},
+    {"devices": "1000000"},
+    {"chip": "v5p", "dtype": "float32"},
 ]  # fmt: skip
 
 
@@ -156,18 +162,25 @@ READ = """() => {
 }"""
 
 
+# Types each value into its field (as typing would, with input and change events) in one
+# round trip to the browser: Playwright's page.fill per field costs 10 round trips a request.
+TYPE = """(values) => {
+  const form = document.getElementById("planner-form");
+  for (const [name, value] of Object.entries(values)) {
+    const field = form.elements[name];
+    field.value = value;
+    field.dispatchEvent(new Event("input", {bubbles: true}));
+    field.dispatchEvent(new Event("change", {bubbles: true}));
+  }
+}"""
+
+
 def fill(page, values: dict[str, str]) -> None:
-    """Type the request into the form, as a reader would, and press Plan."""
+    """Enter the request into the form, as a reader would, and press Plan."""
     form = {**DEFAULTS, **values}
-    page.select_option("select[name=model]", form["model"])
-    if not form["model"]:  # the shape's fields show for a custom shape only
-        for name in SHAPE:
-            page.fill(f"input[name={name}]", form.get(name, ""))
-    for name in list(DEFAULTS)[1:]:
-        if name in ("chip", "dtype"):
-            page.select_option(f"select[name={name}]", form[name])
-        else:
-            page.fill(f"input[name={name}]", form[name])
+    if not form["model"]:  # the shape's fields count for a custom shape only
+        form.update({name: form.get(name, "") for name in SHAPE})
+    page.evaluate(TYPE, form)
     page.click("#planner-submit")
 
 
@@ -181,6 +194,12 @@ def test_the_page_gives_the_planners_tables_and_errors(site):
         if "error" not in expected(flags(values)):
             valid += 1
             requests.append(values)
+    # every preset and a custom shape, every chip, both dtypes, experts, several nodes
+    for field in ("model", "chip", "dtype"):
+        assert len({v[field] for v in requests}) == len(CHOICES[field])
+    assert {v["experts"] for v in requests} > {"0"} and {
+        v["nodes"] for v in requests
+    } > {"1"}
     requests += INVALID
     start = time.perf_counter()
     with sync_playwright() as p:
