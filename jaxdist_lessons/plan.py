@@ -949,7 +949,7 @@ def fitting_plan(run: Run) -> list[dict[str, Any]]:
     """``plan(run)`` when some layout fits; otherwise ``PlanError`` says why none does."""
     rows = plan(run)
     if not rows:  # every layout's split fails; the first family's reasons say why
-        reasons = next(p for p in map(lambda c: problems(run, c), candidates(run)) if p)
+        reasons = next(p for c in candidates(run) if (p := problems(run, c)))
         raise PlanError(f"no layout splits {run.model} on {run.devices} devices: "
                         f"{'; '.join(reasons)}")  # fmt: skip
     if not any(r["fits"] for r in rows):
