@@ -14,7 +14,7 @@ Which op names count:
 
 ``bytes`` is the size of the op's *result* on one device: the reduced array for all-reduce,
 the gathered array for all-gather, the scattered shard for reduce-scatter. The analytic
-companions at the end say how much a ring algorithm sends for each.
+companions (``ring_*``, from ``traffic``) say how much a ring algorithm sends for each.
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ from jaxdist_lessons import hlo
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.compiled import compile_fn
 
-KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
+# The ring arithmetic lives in traffic.py (JAX-free, for the planner page); comms re-exports it.
+from jaxdist_lessons.traffic import KINDS
+from jaxdist_lessons.traffic import (
+    ring_all_gather_bytes as ring_all_gather_bytes,
+)
+from jaxdist_lessons.traffic import (
+    ring_all_reduce_bytes as ring_all_reduce_bytes,
+)
+from jaxdist_lessons.traffic import (
+    ring_reduce_scatter_bytes as ring_reduce_scatter_bytes,
 )
 
 
@@ -146,26 +150,6 @@ def tree_bytes(tree: Any) -> int:
 def data_parallel_bytes(params: Any) -> int:
     """What a data-parallel step must all-reduce: one gradient per parameter, so the parameters' bytes."""
     return tree_bytes(params)
-
-
-def ring_all_reduce_bytes(nbytes: float, num_devices: int) -> float:
-    """Bytes each device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N`` of it.
-
-    A reduce-scatter (N-1 steps of 1/N) then an all-gather (N-1 steps of 1/N).
-    """
-    positive_int("num_devices", num_devices)
-    return 2 * (num_devices - 1) / num_devices * nbytes
-
-
-def ring_all_gather_bytes(full_bytes: float, num_devices: int) -> float:
-    """Bytes each device sends to gather an array of ``full_bytes`` around a ring: ``(N-1)/N`` of it."""
-    positive_int("num_devices", num_devices)
-    return (num_devices - 1) / num_devices * full_bytes
-
-
-def ring_reduce_scatter_bytes(full_bytes: float, num_devices: int) -> float:
-    """Bytes each device sends to reduce-scatter an array of ``full_bytes`` around a ring: ``(N-1)/N``."""
-    return ring_all_gather_bytes(full_bytes, num_devices)
 
 
 def ring_all_reduce_schedule(

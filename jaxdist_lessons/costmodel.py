@@ -32,12 +32,17 @@ communication, ``overlapped_s`` takes the larger), latency per collective, and p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jaxdist_lessons import comms, experts, hardware, memory, sequence
 from jaxdist_lessons._checks import positive_int
+
+# JAX-free arithmetic (traffic.py, activations.py), re-exported: the planner page imports it.
+from jaxdist_lessons.activations import layer_activation_bytes as layer_activation_bytes
 from jaxdist_lessons.models.vit import vit_params
+from jaxdist_lessons.traffic import Transfer, comm_seconds
+from jaxdist_lessons.traffic import sent_bytes as sent_bytes
 
 
 def _chip(hw: hardware.Chip | str) -> hardware.Chip:
@@ -241,44 +246,6 @@ def params_per_device(spec: TransformerSpec, layout: Layout) -> float:
 # --- Communication ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """One collective as ``comms`` reports it: kind, bytes of its result on one device, devices in its group."""
-
-    kind: str
-    bytes: float
-    group_size: int | None
-    what: str = ""
-    axes: tuple[str, ...] = ()  # the mesh axes its groups span, where known
-
-
-def sent_bytes(transfer: Transfer) -> float:
-    """Bytes one device sends for a collective, with ring algorithms (``comms.ring_*``)."""
-    g, b = transfer.group_size, transfer.bytes
-    if transfer.kind not in comms.KINDS:
-        raise ValueError(
-            f"unknown collective kind {transfer.kind!r}; allowed: {', '.join(comms.KINDS)}"
-        )
-    if transfer.kind == "collective-permute" or g is None:
-        return b  # a permute sends its whole buffer once
-    if transfer.kind == "all-reduce":
-        return comms.ring_all_reduce_bytes(b, g)
-    if transfer.kind == "all-gather":
-        return comms.ring_all_gather_bytes(b, g)
-    if (
-        transfer.kind == "reduce-scatter"
-    ):  # its result is one shard of the reduced array
-        return comms.ring_reduce_scatter_bytes(b * g, g)
-    return (
-        (g - 1) / g * b
-    )  # all-to-all: each device keeps 1/g of its buffer and sends the rest
-
-
-def comm_seconds(transfers: Iterable[Transfer], hw: hardware.Chip) -> float:
-    """Seconds to send every transfer at the interconnect's bandwidth, one after another."""
-    return sum(sent_bytes(t) for t in transfers) / hw.link_bytes_per_s
-
-
 def transfers_from_hlo(hlo_text: str) -> list[Transfer]:
     """The collectives of a compiled program (``comms.collectives``) as ``Transfer`` records."""
     return [
@@ -445,23 +412,6 @@ def flops_per_device(spec: TransformerSpec, layout: Layout) -> float:
     if spec.vocab_parallel:
         return (in_blocks + outside) / layout.devices
     return in_blocks / layout.devices + outside / (layout.data * layout.fsdp)
-
-
-def layer_activation_bytes(
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
-    tensor: int = 1,
-    flash_attention: bool = False,
-) -> float:
-    """Activation bytes one block keeps under ``tensor``-way tensor parallelism, 16-bit activations.
-
-    Korthikanti et al. 2022, eq. (2): ``s b h (10 + 24/t + 5 a s / (h t))``; with ``t = 1`` it is
-    eq. (1), ``memory.transformer_layer_activation_bytes``.
-    """
-    attention = 0 if flash_attention else 5 * heads * seq_len / (hidden * tensor)
-    return seq_len * batch * hidden * (10 + 24 / tensor + attention)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons._checks import positive_int
 
+# JAX-free (bubble.py, for the planner page), re-exported here
+from jaxdist_lessons.bubble import bubble_fraction as bubble_fraction
+
 StageFn = Callable[[Any, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -47,14 +50,6 @@ class Op(NamedTuple):
 
 
 Table = list[list[Op | None]]  # [tick][device]
-
-
-def bubble_fraction(num_stages: int, num_microbatches: int, virtual: int = 1) -> float:
-    """The idle share of a GPipe or 1F1B step, ``(S - 1) / (v M + S - 1)`` (``v = 1``: ``(S - 1) / (M + S - 1)``)."""
-    positive_int("num_stages", num_stages)
-    positive_int("num_microbatches", num_microbatches)
-    positive_int("virtual", virtual)
-    return (num_stages - 1) / (virtual * num_microbatches + num_stages - 1)
 
 
 def _simulate(orders: list[list[Op]], num_virtual_stages: int) -> Table:

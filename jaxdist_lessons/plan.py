@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -32,15 +33,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxdist_lessons import costmodel, hardware, pipeline
-from jaxdist_lessons.costmodel import Transfer
+# Standard library only below (no JAX, no NumPy): the "Plan your run" page runs this module
+# in the browser, in Pyodide (tests/test_plan.py imports it with JAX made unimportable).
+from jaxdist_lessons import hardware
+from jaxdist_lessons.activations import layer_activation_bytes
+from jaxdist_lessons.bubble import bubble_fraction
 from jaxdist_lessons.tables import Table
+from jaxdist_lessons.traffic import Transfer, sent_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "lm" / "train.py"
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")  # train.AXES, in its order
 F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
 USABLE = 0.9  # of a chip's memory a layout may fill (the rest: runtime, fragmentation)
+MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
 
 # --- Models --------------------------------------------------------------------------------------
 
@@ -298,9 +304,7 @@ def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
     tokens = run.seq_len // s
     kept = in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
     # XLA's attention on a CPU keeps the T x T scores; cuDNN's fused kernel (GPUs) does not.
-    layer = costmodel.layer_activation_bytes(
-        tokens, micro, m.width, m.num_heads, t, flash
-    )
+    layer = layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
     layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * m.capacity_factor)
     logits = micro * tokens * m.vocab_size / t * (4 + 4)
     return kept + layer + logits
@@ -567,10 +571,15 @@ def crosses_nodes(run: Run, c: Candidate, axes: Sequence[str]) -> bool:
     stages are outermost, a node or more each."""
     if "pipeline" in axes:
         return run.nodes > 1
+    return _crosses(c.mesh, run.per_node, tuple(axes))
+
+
+@functools.cache  # a step has a dozen collectives over the same few groups
+def _crosses(mesh: tuple[int, ...], per_node: int, axes: tuple[str, ...]) -> bool:
     nodes: dict[tuple[int, ...], set[int]] = {}
-    for device, coords in enumerate(itertools.product(*(range(n) for n in c.mesh))):
+    for device, coords in enumerate(itertools.product(*(range(n) for n in mesh))):
         group = tuple(i for a, i in zip(AXES, coords) if a not in axes)
-        nodes.setdefault(group, set()).add(device // run.per_node)
+        nodes.setdefault(group, set()).add(device // per_node)
     return any(len(found) > 1 for found in nodes.values())
 
 
@@ -579,7 +588,7 @@ def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
     out = {"inside": 0.0, "across": 0.0}
     for move in transfers(run, c):
         link = "across" if crosses_nodes(run, c, move.axes) else "inside"
-        out[link] += costmodel.sent_bytes(move)
+        out[link] += sent_bytes(move)
     return out
 
 
@@ -598,7 +607,7 @@ def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
     compute = flops * 4 / 3 / run.devices / peak
     if c.stages > 1:
         micro = run.global_batch // c.batch_ways
-        compute /= 1 - pipeline.bubble_fraction(c.stages, micro, c.virtual)
+        compute /= 1 - bubble_fraction(c.stages, micro, c.virtual)
     links = link_bytes(run, c)
     comm = links["inside"] / chip.link_bytes_per_s
     if links["across"]:
@@ -825,6 +834,10 @@ def make_run(args: argparse.Namespace) -> Run:
             raise PlanError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
+    if args.devices > MAX_DEVICES:  # crosses_nodes walks every device of every mesh
+        raise PlanError(
+            f"--devices {args.devices}: the planner plans up to {MAX_DEVICES:,}"
+        )
     if args.experts < 0 or args.capacity_factor <= 0:
         raise PlanError("--experts must be 0 or more and --capacity-factor positive")
     if args.devices % args.nodes:
@@ -841,6 +854,10 @@ def make_run(args: argparse.Namespace) -> Run:
     ):
         raise PlanError(f"{chip.name} has no {'network' if chip.link_bytes_per_s else 'chip-to-chip'}"
                         " bandwidth in hardware.CHIPS; pick another --chip")  # fmt: skip
+    peak = chip.peak_bf16_flops if args.dtype == "bfloat16" else chip.peak_fp32_flops
+    if peak is None:
+        raise PlanError(f"{chip.name} has no {args.dtype} peak in hardware.CHIPS; pick another "
+                        "--dtype or --chip")  # fmt: skip
     shape = model_shape(args)
     if not 1 <= args.top_k <= max(shape.num_experts, 1):
         raise PlanError(
@@ -928,18 +945,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def fitting_plan(run: Run) -> list[dict[str, Any]]:
+    """``plan(run)`` when some layout fits; otherwise ``PlanError`` says why none does."""
+    rows = plan(run)
+    if not rows:  # every layout's split fails; the first family's reasons say why
+        reasons = next(p for c in candidates(run) if (p := problems(run, c)))
+        raise PlanError(f"no layout splits {run.model} on {run.devices} devices: "
+                        f"{'; '.join(reasons)}")  # fmt: skip
+    if not any(r["fits"] for r in rows):
+        smallest = min(r["memory_bytes"]["total"] for r in rows)
+        raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
+                        f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
+                        f"{USABLE:.0%} of {run.chip.memory_label} (the recipe has no gradient "
+                        "accumulation: fewer --global-batch or more --devices)")  # fmt: skip
+    return rows
+
+
+def page_json(argv: Sequence[str]) -> str:
+    """What the "Plan your run" page shows for its form's flags, as JSON: the table (title,
+    headers, cells as printed) and the rows, or ``{"error": ...}``, the line ``main`` prints."""
+    try:
+        run = make_run(parse_args(argv))
+        rows = fitting_plan(run)
+    except PlanError as error:
+        return json.dumps({"error": f"plan: {error}"})
+    shown = table(run, rows)
+    return json.dumps({"run": run_summary(run), "rows": rows, "title": shown.title,
+                       "headers": shown.headers, "cells": shown.rows,
+                       "usable_bytes": USABLE * run.chip.memory_bytes})  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: the table (or JSON), and with --check the compiled comparison."""
     try:
         args = parse_args(argv)
         run = make_run(args)
-        rows = plan(run)
-        if not any(r["fits"] for r in rows):
-            smallest = min((r["memory_bytes"]["total"] for r in rows), default=math.inf)
-            raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
-                            f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
-                            f"{USABLE:.0%} of {run.chip.memory_label} (the recipe has no gradient "
-                            "accumulation: fewer --global-batch or more --devices)")  # fmt: skip
+        rows = fitting_plan(run)
         if args.check and all(r["flags"].startswith("n/a") for r in rows):
             raise PlanError(
                 "--check compiles the recipe, which runs its presets only: use --model"

@@ -103,6 +103,11 @@ def test_json_has_the_tables_rows():
         (["--model", None, "--layers", "2"], "missing --width --heads --kv-heads"),
         (["--chip", "TPU v4"], "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS"),
         (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
+        (["--devices", "131072"], "--devices 131072: the planner plans up to 65,536"),
+        (["--chip", "v5p", "--dtype", "float32"],
+         "TPU v5p has no float32 peak in hardware.CHIPS"),
+        (["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
+         "no layout splits 8b on 6 devices: global batch 7 does not split over 6"),
     ],
 )  # fmt: skip
 def test_bad_input_gives_one_line_and_status_2(argv, message):
@@ -219,3 +224,39 @@ def test_a_model_given_by_its_shape():
     assert status == 2 and "--check compiles the recipe" in error
     status, _, error = run_main([*shape[:-2], "--global-batch", "16", "--heads", "0"])
     assert status == 2 and error == "plan: the model's sizes must be positive\n"
+
+
+def test_the_planner_imports_without_jax_or_numpy():
+    """The "Plan your run" page runs plan.py in Pyodide, which has neither: its modules are
+    standard library only, and they are the ones _ext/planner.py ships with the page."""
+    program = ("import sys\nfor name in ('jax', 'jaxlib', 'numpy', 'flax', 'optax'):\n"
+               "    sys.modules[name] = None  # importing it raises ImportError\n"
+               "from jaxdist_lessons import plan\n"
+               "print(plan.page_json(['--model', 'tiny', '--devices', '4', '--global-batch', '8'])[:9])\n"
+               "print(' '.join(sorted(m.split('.')[-1] for m in sys.modules"
+               " if m.startswith('jaxdist_lessons.'))))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)  # fmt: skip
+    shown, modules = done.stdout.splitlines()
+    assert shown == '{"run": {'
+    sys.path.insert(0, str(ROOT / "_ext"))
+    import planner
+
+    assert ["__init__", *modules.split()] == planner.planner_modules()
+
+
+def test_page_json_is_the_tables_cells_or_the_error_line():
+    """What the page draws: the table as the command line prints it, the rows, or main's line."""
+    shown = json.loads(plan.page_json(EXAMPLE))
+    run = plan.make_run(plan.parse_args(EXAMPLE))
+    rows = plan.plan(run)
+    table = plan.table(run, rows)
+    assert (shown["title"], shown["headers"], shown["cells"]) == (
+        table.title,
+        table.headers,
+        table.rows,
+    )
+    assert shown["rows"] == json.loads(json.dumps(rows))
+    assert shown["usable_bytes"] == plan.USABLE * run.chip.memory_bytes
+    bad = [*EXAMPLE[:-1], "0"]
+    assert json.loads(plan.page_json(bad)) == {"error": run_main(bad)[2].strip()}

@@ -1,0 +1,100 @@
+"""The "Plan your run" page's files: the planner's Python, Pyodide to run it, the page's script.
+
+The page (``book/plan_your_run.md``) runs ``jaxdist_lessons.plan`` itself in the reader's
+browser, in Pyodide (CPython compiled to WebAssembly), offline from the built book: one source
+for the arithmetic. ``ship`` copies into the built book's ``_static/planner/``:
+
+- ``book/_static/planner/`` (the page's script and style);
+- Pyodide's runtime from ``node_modules/pyodide`` (``npm ci`` installs the version that
+  ``package-lock.json`` pins);
+- ``py/jaxdist_lessons/``: ``plan.py`` and the package modules it imports (standard library
+  only), found by reading its imports.
+
+``tests/test_plan_page.py`` serves what ``ship`` writes, drives the page in headless Chromium
+and compares it with the planner run here.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import shutil
+
+from sphinx.util import logging
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGE = "book/plan_your_run"
+PAGE_FILES = ROOT / "book" / "_static" / "planner"
+PYODIDE = ROOT / "node_modules" / "pyodide"
+PYODIDE_FILES = (
+    "pyodide.js",
+    "pyodide.asm.mjs",
+    "pyodide.asm.wasm",
+    "python_stdlib.zip",
+    "pyodide-lock.json",
+)
+PACKAGE = ROOT / "jaxdist_lessons"
+
+logger = logging.getLogger(__name__)
+
+
+def planner_modules(name: str = "plan") -> list[str]:
+    """``name`` and every ``jaxdist_lessons`` module it imports, directly or not, by file name."""
+    found, todo = {"__init__"}, [name]
+    while todo:
+        module = todo.pop()
+        if module in found:
+            continue
+        found.add(module)
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "jaxdist_lessons":
+                todo += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "jaxdist_lessons."
+            ):
+                todo.append(node.module.split(".")[1])
+    return sorted(found)
+
+
+def ship(dest: pathlib.Path) -> list[pathlib.Path]:
+    """Copy the page's script, Pyodide and the planner's modules into ``dest``."""
+    missing = [f for f in PYODIDE_FILES if not (PYODIDE / f).exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"{PYODIDE} lacks {', '.join(missing)}: run `npm ci` in {ROOT.name}/ "
+            "(the Plan your run page runs the planner in Pyodide)"
+        )
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(PAGE_FILES, dest)
+    (dest / "pyodide").mkdir()
+    (dest / "py" / "jaxdist_lessons").mkdir(parents=True)
+    copied = [shutil.copy2(PYODIDE / f, dest / "pyodide") for f in PYODIDE_FILES]
+    copied += [
+        shutil.copy2(PACKAGE / f"{m}.py", dest / "py" / "jaxdist_lessons")
+        for m in planner_modules()
+    ]
+    (dest / "py" / "modules.txt").write_text(
+        "".join(f"{m}\n" for m in planner_modules())
+    )
+    return [pathlib.Path(p) for p in copied]
+
+
+def add_script(app, pagename: str, templatename: str, context: dict, doctree) -> None:
+    if pagename == PAGE:
+        app.add_js_file("planner/planner.js", defer="defer")
+        app.add_css_file("planner/planner.css")
+
+
+def copy_files(app, exception: Exception | None) -> None:
+    if exception is None and app.builder.format == "html":
+        try:
+            ship(pathlib.Path(app.outdir) / "_static" / "planner")
+        except FileNotFoundError as error:
+            logger.warning(str(error))
+
+
+def setup(app):
+    app.connect("html-page-context", add_script)
+    app.connect("build-finished", copy_files)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
