@@ -14,9 +14,9 @@ All four compute the gradient of the *global* mean loss, so they agree with each
    ``lax.pmean`` and let autodiff do the rest. (``shard_map_trap_grads`` shows what happens
    if you average the gradients instead: N times the true gradient.)
 
-Each ``*_step`` returns ``step(state, batch) -> (state, {"loss", "grads"})`` for a
-``train.TrainState`` (made by ``train.create_train_state``) and a ``data.Batch``. The models are
-``models.small.MLP`` and ``models.small.SmallCNN``.
+Each ``*_step`` returns a ``DataParallelStep``, ``step(state, batch) -> (state, {"loss", "grads"})``,
+for a ``train.TrainState`` (made by ``train.create_train_state``) and a ``data.Batch``. The models
+are ``models.small.MLP`` and ``models.small.SmallCNN``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import data, train
-from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons import data
 from jaxdist_lessons.train import TrainState
 
 Batch = data.Batch
-Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]
+DataParallelStep = Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]
+"""``step(state, batch) -> (state, {"loss", "grads"})``."""
 
 
 # --- Loss and update ----------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def loss_fn(
 def apply_gradients(
     tx: optax.GradientTransformation, state: TrainState, grads: Any, batch_stats: Any
 ) -> TrainState:
-    """One optimizer update, as ``jit_step`` writes it out, for the per-device forms."""
+    """One optimizer update, as ``jit_data_parallel_step`` writes it out, for the per-device forms."""
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     return state.replace(
         step=state.step + 1,
@@ -101,19 +101,21 @@ def loss_and_grads(
 
 def one_device_mesh() -> Mesh:
     """A mesh of one device, the first: form 1 is form 3 on it."""
-    return mesh_lib.make_mesh(
-        (1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1]
+    return jax.make_mesh(
+        (1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
     )
 
 
-def single_device_step(model: nn.Module, tx: optax.GradientTransformation) -> Step:
-    """Form 1: the whole batch on one device, the reference for the others: ``jit_step`` on one device."""
-    return jit_step(model, tx, one_device_mesh())
+def single_device_step(
+    model: nn.Module, tx: optax.GradientTransformation
+) -> DataParallelStep:
+    """Form 1: the whole batch on one device, the reference for the others: ``jit_data_parallel_step`` on one device."""
+    return jit_data_parallel_step(model, tx, one_device_mesh())
 
 
 def pmap_step(
     model: nn.Module, tx: optax.GradientTransformation, axis_name: str = "data"
-) -> Step:
+) -> DataParallelStep:
     """Form 2, legacy: ``jax.pmap`` over a leading device axis; ``pmean`` the gradients over ``axis_name``.
 
     Call it on ``replicate(state)`` and ``split_batch(batch)``; ``unreplicate`` the result.
@@ -132,12 +134,12 @@ def pmap_step(
     return jax.pmap(step, axis_name=axis_name)
 
 
-def jit_step(
+def jit_data_parallel_step(
     model: nn.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh,
     data_axis: str = "data",
-) -> Step:
+) -> DataParallelStep:
     """Form 3, the data-parallel step: ``jax.jit`` over the global batch, sharded over ``data_axis``.
 
     The step is written as for one device. The compiler sees a mean over a sharded dimension
@@ -179,7 +181,7 @@ def shard_map_step(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     data_axis: str = "data",
-) -> Step:
+) -> DataParallelStep:
     """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean`` the *loss*.
 
     Autodiff of ``pmean`` gives each device the gradient of the global mean loss: the
@@ -248,16 +250,6 @@ def split_batch(batch: Batch, num_devices: int | None = None) -> Batch:
     return data.split_rows(batch, n, what="device slices")
 
 
-def place(
-    state: TrainState, batch: Batch, mesh: Mesh, data_axis: str = "data"
-) -> tuple[TrainState, Batch]:
-    """The state replicated and the batch sharded over ``data_axis``, as forms 3 and 4 take them."""
-    return (
-        jax.device_put(state, NamedSharding(mesh, P())),
-        jax.device_put(batch, NamedSharding(mesh, P(data_axis))),
-    )
-
-
 # --- Each form as a step on ordinary arrays ---------------------------------------------------
 
 FORMS = ("one device", "pmap", "jit", "shard_map")
@@ -268,7 +260,7 @@ def form_step(
     model: nn.Module,
     tx: optax.GradientTransformation,
     mesh: Mesh | None = None,
-) -> Step:
+) -> DataParallelStep:
     """One form's step, taking and returning ordinary (global) arrays: it moves them where the form wants them.
 
     Run K steps with a plain loop: ``for batch in batches: state, metrics = step(state, batch)``.
@@ -279,37 +271,33 @@ def form_step(
         raise ValueError(f"form {form!r} needs a mesh with a 'data' axis")
     if form == "one device":
         step, one = single_device_step(model, tx), one_device_mesh()
-        return lambda state, batch: step(*place(state, batch, one))
+        return lambda state, batch: step(*_place(state, batch, one))
     if form == "pmap":
         step = pmap_step(model, tx)
         return lambda state, batch: unreplicate(
             step(replicate(state), split_batch(batch))
         )
     step = (
-        jit_step(model, tx, mesh) if form == "jit" else shard_map_step(model, tx, mesh)
+        jit_data_parallel_step(model, tx, mesh)
+        if form == "jit"
+        else shard_map_step(model, tx, mesh)
     )
-    return lambda state, batch: step(*place(state, batch, mesh))
+    return lambda state, batch: step(*_place(state, batch, mesh))
 
 
-# --- Transitional: what chapter 7 still uses -----------------------------------------------------
-# They take the models from models.small, a state from train.create_train_state and a data.Batch
-# dict; delete this block once they do.
+def _place(state: TrainState, batch: Batch, mesh: Mesh) -> tuple[TrainState, Batch]:
+    """The state replicated and the batch split by rows over ``data``, as forms 3 and 4 take them."""
+    return (
+        jax.device_put(state, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P("data"))),
+    )
+
+
+# The models, for the modules that still import them from here (``benchmark``, ``multihost_demo``).
 from jaxdist_lessons.models.small import MLP, SmallCNN  # noqa: E402, F401
 
 
-def init_state(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    rng: jax.Array,
-    images_BHWC: jax.Array,
-) -> TrainState:
-    """Transitional: ``train.init_fn``'s state on the default device."""
-    return jax.jit(train.init_fn(model, tx, images_BHWC.shape[1:], images_BHWC.dtype))(
-        rng
-    )
-
-
 def _images_labels(batch: Any) -> tuple[jax.Array, jax.Array]:
-    if isinstance(batch, tuple):  # transitional: an (images, labels) pair
+    if isinstance(batch, tuple):  # an (images, labels) pair, as ``benchmark`` passes it
         return batch
     return batch["images"], batch["labels"]

@@ -1,7 +1,9 @@
-"""Data parallelism, ZeRO-1 and FSDP (ZeRO-3) as training steps, with the bytes theory says they move (chapter 6).
+"""Data parallelism, ZeRO-1 and FSDP (ZeRO-3): the sharding rule, the bytes theory says they move (chapter 6).
 
-Three ways to spread one Adam step over the ``data`` axis, written with ``shard_map`` so that every
-collective is one we asked for:
+Chapter 6 writes FSDP the way a reader would, as ``jax.jit`` of the one-device step with the state
+sharded by ``fsdp_spec``: the compiler inserts the collectives. This module holds the rule, the
+arithmetic, and the same three strategies written with ``shard_map`` (``make_step``), so that every
+collective is one we asked for (``gather_shards``, ``mean_scatter``):
 
 - ``data``: parameters and optimizer state replicated; the gradients are all-reduced.
 - ``zero1``: parameters replicated, optimizer state sharded. The gradients are reduce-scattered,
@@ -39,15 +41,18 @@ from jax.sharding import PartitionSpec as P
 from jaxdist_lessons import comms, compiled, sharding
 from jaxdist_lessons.tables import Table
 
-STRATEGIES = ("data", "zero1", "fsdp")
+ZERO_STAGES = ("data", "zero1", "fsdp")
+"""The ``shard_map`` steps of ``make_step``: data parallel, ZeRO-1 and FSDP (ZeRO-3)."""
+
+STRATEGIES = ZERO_STAGES  # the old name, for pages not yet moved to ZERO_STAGES
 
 LossFn = Callable[[Any, Any], jax.Array]
 
 
 def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
+    if strategy not in ZERO_STAGES:
         raise ValueError(
-            f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+            f"unknown strategy {strategy!r}; allowed: {', '.join(ZERO_STAGES)}"
         )
 
 
@@ -91,6 +96,12 @@ def opt_state_specs(
     return _specs(opt_state, mesh, axis, strategy != "data")
 
 
+def _named(specs: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+
+
 def place(
     strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
 ) -> tuple[Any, Any]:
@@ -99,16 +110,17 @@ def place(
     Always new buffers: the steps donate their inputs, which must not delete yours (``device_put``
     may reuse a buffer that is already on a device, even with ``may_alias=False``).
     """
-    named = lambda specs: jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    specs = (
+        param_specs(strategy, params, mesh, axis),
+        opt_state_specs(strategy, opt_state, mesh, axis),
     )
-    shardings = (
-        named(param_specs(strategy, params, mesh, axis)),
-        named(opt_state_specs(strategy, opt_state, mesh, axis)),
-    )
-    return jax.jit(
-        lambda tree: jax.tree.map(lambda x: x.copy(), tree), out_shardings=shardings
-    )((params, opt_state))
+    return _copy_to((params, opt_state), specs, mesh)
+
+
+def _copy_to(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """New buffers holding ``tree``, each leaf sharded on ``mesh`` as ``specs`` says."""
+    copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+    return jax.jit(copy, out_shardings=_named(specs, mesh))(tree)
 
 
 # --- The collectives, leaf by leaf ------------------------------------------------------------
@@ -137,7 +149,7 @@ def _unchanged(x: Any, *_: Any) -> Any:
     return x
 
 
-def _gather(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
+def gather_shards(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
     """Each sharded leaf all-gathered to its full shape; replicated leaves as they are.
 
     ``to="invarying"`` says the result is the same on every device (it may then leave ``shard_map``
@@ -151,7 +163,7 @@ def _gather(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
     )
 
 
-def _mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
+def mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
     """The mean over devices of each gradient: reduce-scattered where sharded, all-reduced where not."""
     n = lax.axis_size(axis)
     return _by_spec(
@@ -167,7 +179,7 @@ def _vary_replicated(tree: Any, specs: Any, axis: str) -> Any:
     return _by_spec(tree, specs, lambda x: lax.pcast(x, axis, to="varying"), _unchanged)
 
 
-def _own_shard(tree: Any, specs: Any, axis: str) -> Any:
+def own_shard(tree: Any, specs: Any, axis: str) -> Any:
     """This device's block of each sharded leaf (no communication: the leaf is already here)."""
     index = lax.axis_index(axis)
 
@@ -178,7 +190,7 @@ def _own_shard(tree: Any, specs: Any, axis: str) -> Any:
     return _by_spec(tree, specs, _unchanged, take)
 
 
-def _fsdp_update(
+def fsdp_update(
     loss_of_shards: Callable[[Any], jax.Array],
     tx: optax.GradientTransformation,
     params: Any,
@@ -233,18 +245,18 @@ def make_step(
         loss, grads = jax.value_and_grad(loss_fn)(
             lax.pcast(params, axis, to="varying"), batch
         )
-        grads = _mean_scatter(grads, shard_specs, axis)
-        mine = _own_shard(params, shard_specs, axis)
+        grads = mean_scatter(grads, shard_specs, axis)
+        mine = own_shard(params, shard_specs, axis)
         updates, opt_state = tx.update(grads, opt_state, mine)
-        new_params = _gather(
+        new_params = gather_shards(
             optax.apply_updates(mine, updates), shard_specs, axis, to="invarying"
         )
         return new_params, opt_state, lax.pmean(loss, axis)
 
     def fsdp_step(params, opt_state, batch):
         # The all-gather's transpose is a reduce-scatter (a sum): autodiff writes FSDP's backward pass.
-        loss_of_shards = lambda p: loss_fn(_gather(p, pspecs, axis), batch)
-        return _fsdp_update(loss_of_shards, tx, params, opt_state, pspecs, axis)
+        loss_of_shards = lambda p: loss_fn(gather_shards(p, pspecs, axis), batch)
+        return fsdp_update(loss_of_shards, tx, params, opt_state, pspecs, axis)
 
     body = {"data": data_step, "zero1": zero1_step, "fsdp": fsdp_step}[strategy]
     mapped = jax.shard_map(
@@ -316,7 +328,7 @@ def make_layered_fsdp_step(
     """FSDP that gathers one layer at a time: ``step(layers, opt_state, (inputs, targets))``, jitted.
 
     ``layers`` (and the optimizer state) are stacked on a leading layer axis and sharded by
-    ``stacked_specs``; ``place_layers`` puts them there. Inside the scan each layer all-gathers its own
+    ``stacked_specs`` (``jax.device_put`` puts them there). Inside the scan each layer all-gathers its own
     parameters. With ``remat`` (ZeRO-3) only that layer's gathered copy is alive, and the backward
     pass gathers it again; without, autodiff keeps every layer's gathered copy for the backward pass.
     """
@@ -328,13 +340,13 @@ def make_layered_fsdp_step(
 
     def step(layers, opt_state, batch):
         inputs, targets = batch
-        gather = lambda layer: _gather(layer, one_layer, axis)
+        gather = lambda layer: gather_shards(layer, one_layer, axis)
 
         def loss_of_shards(shards):
             outputs = scan_layers(layer_fn, shards, inputs, gather, remat)
             return jnp.mean((outputs - targets) ** 2)
 
-        return _fsdp_update(loss_of_shards, tx, layers, opt_state, specs, axis)
+        return fsdp_update(loss_of_shards, tx, layers, opt_state, specs, axis)
 
     mapped = jax.shard_map(
         step,
@@ -343,21 +355,6 @@ def make_layered_fsdp_step(
         out_specs=(specs, ospecs, P()),
     )
     return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
-
-
-def place_layers(
-    layers: Any, opt_state: Any, mesh: Mesh, axis: str = "fsdp"
-) -> tuple[Any, Any]:
-    """Copies of stacked layers and their optimizer state, sharded by ``stacked_specs`` (new buffers, as ``place``)."""
-    named = lambda tree: jax.tree.map(
-        lambda s: NamedSharding(mesh, s),
-        stacked_specs(tree, mesh, axis),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    return jax.jit(
-        lambda tree: jax.tree.map(lambda x: x.copy(), tree),
-        out_shardings=(named(layers), named(opt_state)),
-    )((layers, opt_state))
 
 
 # --- What theory says ------------------------------------------------------------------------
@@ -540,7 +537,11 @@ def layered_steps(
     for strategy, remat in [("fsdp_all_gathered", False), ("fsdp_per_layer", True)]:
         steps[strategy] = (
             make_layered_fsdp_step(layer_fn, tx, mesh, layers, opt_state, axis, remat),
-            place_layers(layers, opt_state, mesh, axis),
+            _copy_to(
+                (layers, opt_state),
+                stacked_specs((layers, opt_state), mesh, axis),
+                mesh,
+            ),
         )
     return steps
 

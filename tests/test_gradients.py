@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, gradients, train
 from jaxdist_lessons.mesh import make_mesh
@@ -29,6 +30,14 @@ def make_batches(k=STEPS, per_device=4):
         labels = jax.random.randint(jax.random.key(100 + i), (per_device * N,), 0, 10)
         batches.append({"images": images, "labels": labels})
     return batches
+
+
+def place(state, batch):
+    """The state replicated and the batch split by rows over ``data``."""
+    return (
+        jax.device_put(state, NamedSharding(mesh(), P())),
+        jax.device_put(batch, NamedSharding(mesh(), P("data"))),
+    )
 
 
 MODELS = {"mlp": MLP(), "cnn": SmallCNN()}
@@ -121,7 +130,7 @@ def test_batchnorm_without_axis_name_under_pmap_gives_local_statistics():
 def test_shard_map_trap_gives_n_times_the_gradient(model_name):
     (results, state) = runs(model_name)
     true_grads = results["one device"][1][0]["grads"]
-    placed_state, batch = gradients.place(state, make_batches(1)[0], mesh())
+    placed_state, batch = place(state, make_batches(1)[0])
     trapped = gradients.shard_map_trap_grads(MODELS[model_name], mesh())(
         placed_state, batch
     )
@@ -136,10 +145,12 @@ def test_shard_map_trap_gives_n_times_the_gradient(model_name):
 def compiled_steps(model):
     batch = make_batches(1)[0]
     state = init_state(model)
-    placed_state, placed_batch = gradients.place(state, batch, mesh())
+    placed_state, placed_batch = place(state, batch)
     texts = {
         "jit": comms.compiled_text(
-            gradients.jit_step(model, TX, mesh()), placed_state, placed_batch
+            gradients.jit_data_parallel_step(model, TX, mesh()),
+            placed_state,
+            placed_batch,
         ),
         "shard_map": comms.compiled_text(
             gradients.shard_map_step(model, TX, mesh()), placed_state, placed_batch
@@ -170,7 +181,7 @@ def test_mlp_all_reduce_bytes_are_the_parameter_bytes(features):
 def test_gradient_only_program_all_reduces_exactly_the_parameter_bytes():
     model, batch = MLP(), make_batches(1)[0]
     state = init_state(model)
-    placed_state, placed_batch = gradients.place(state, batch, mesh())
+    placed_state, placed_batch = place(state, batch)
     grad_fn = jax.jit(jax.grad(lambda p, b: gradients.loss_fn(model, p, {}, b)[0]))
     text = comms.compiled_text(grad_fn, placed_state.params, placed_batch)
     assert (

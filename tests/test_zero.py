@@ -3,15 +3,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, compiled, sharding, zero
+from jaxdist_lessons import benchmark, comms, compiled, sharding, zero
 from jaxdist_lessons.mesh import make_mesh
 from jaxdist_lessons.models.transformer import Block
 
 N = jax.device_count()
 MESH = make_mesh((N,), ("data",))
+AUTO_MESH = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))  # jit's FSDP
 
 
 def mlp_case():
@@ -71,7 +72,7 @@ def compiled_collectives(strategy, loss_fn, params, batch, tx):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("strategy", zero.STRATEGIES)
+@pytest.mark.parametrize("strategy", zero.ZERO_STAGES)
 def test_measured_collective_bytes_equal_theory(case, strategy):
     loss_fn, params, batch = CASES[case]()
     measured = compiled_collectives(strategy, loss_fn, params, batch, optax.adam(1e-3))
@@ -86,7 +87,7 @@ def test_the_three_strategies_train_identically(case):
     )  # Adam would magnify rounding noise in gradients that are exactly zero
     batch = jax.device_put(batch, NamedSharding(MESH, P("data")))
     finals = {}
-    for strategy in zero.STRATEGIES:
+    for strategy in zero.ZERO_STAGES:
         step = zero.make_step(
             strategy, loss_fn, tx, MESH, params, jax.eval_shape(tx.init, params)
         )
@@ -100,6 +101,70 @@ def test_the_three_strategies_train_identically(case):
             jax.tree.leaves(finals[strategy][0]), jax.tree.leaves(finals["data"][0])
         ):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def jit_fsdp_step(loss_fn, tx, params, mesh):
+    """Chapter 6's FSDP: the one-device step under ``jax.jit``, the state sharded by ``fsdp_spec``."""
+
+    def shardings(tree):
+        return jax.tree.map(
+            lambda x: NamedSharding(mesh, zero.fsdp_spec(x.shape, mesh)), tree
+        )
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    state = (shardings(params), shardings(jax.eval_shape(tx.init, params)))
+    step = jax.jit(
+        train_step,
+        in_shardings=(*state, NamedSharding(mesh, P("data"))),
+        out_shardings=(*state, NamedSharding(mesh, P())),
+    )
+    init = jax.jit(lambda p: (p, tx.init(p)), out_shardings=state)
+    return step, init(params)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_by_jit_with_the_rule_trains_as_the_shard_map_step(case):
+    loss_fn, params, batch = CASES[case]()
+    tx = optax.sgd(0.1, momentum=0.9)
+    step, (p, o) = jit_fsdp_step(loss_fn, tx, params, AUTO_MESH)
+    mapped = zero.make_step("fsdp", loss_fn, tx, MESH, params, tx.init(params))
+    q, r = zero.place("fsdp", params, tx.init(params), MESH)
+    for _ in range(3):
+        p, o, loss = step(
+            p, o, jax.device_put(batch, NamedSharding(AUTO_MESH, P("data")))
+        )
+        q, r, mapped_loss = mapped(
+            q, r, jax.device_put(batch, NamedSharding(MESH, P("data")))
+        )
+    assert float(loss) == pytest.approx(float(mapped_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        assert a.sharding.shard_shape(a.shape) == b.sharding.shard_shape(b.shape)
+        np.testing.assert_allclose(jax.device_get(a), jax.device_get(b), atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or N == 1, reason="XLA:CPU's choice")
+def test_fsdp_by_jit_gathers_the_sharded_bytes_and_all_reduces_every_gradient():
+    """On chapter 6's MLP, XLA:CPU gathers each sharded parameter once and all-reduces the whole gradient.
+
+    (On tiny arrays it may move activations instead: the compiler chooses.) If a new jaxlib
+    turns the all-reduce into a reduce-scatter, update chapter 6's prose (section "FSDP: jit
+    with a sharding rule") and this test to ``expected_collectives``.
+    """
+    work = benchmark.mlp_workload(N, width=32 * N)
+    loss_fn, params, batch = work.loss_fn, work.params, work.batch
+    tx = optax.adam(1e-3)
+    step, state = jit_fsdp_step(loss_fn, tx, params, AUTO_MESH)
+    batch = jax.device_put(batch, NamedSharding(AUTO_MESH, P("data")))
+    found = comms.bytes_by_kind(comms.compiled_text(step, *state, batch))
+    parts = zero.split(params, N)
+    assert found == {
+        "all-gather": parts.sharded,
+        "all-reduce": comms.tree_bytes(params) + 4,
+    }
 
 
 def test_fsdp_state_per_device_is_total_over_n_plus_the_named_remainder():
@@ -158,7 +223,7 @@ def ring_bytes_of_program(text):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("strategy", zero.STRATEGIES)
+@pytest.mark.parametrize("strategy", zero.ZERO_STAGES)
 def test_ring_bytes_sent_are_those_of_the_compiled_collectives(case, strategy):
     loss_fn, params, batch = CASES[case]()
     tx = optax.adam(1e-3)
@@ -229,7 +294,7 @@ def test_layered_fsdp_gradients_equal_the_unsharded_reference(num_devices, remat
     step = zero.make_layered_fsdp_step(
         layer_fn, tx, mesh, layers, tx.init(layers), remat=remat
     )
-    placed = zero.place_layers(layers, tx.init(layers), mesh)
+    placed = place_stacked((layers, tx.init(layers)), mesh)
     assert all(
         s.spec[0] is None and "fsdp" in s.spec
         for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, placed[0]))
@@ -239,6 +304,16 @@ def test_layered_fsdp_gradients_equal_the_unsharded_reference(num_devices, remat
     grads = jax.tree.map(lambda old, new: old - new, layers, jax.device_get(new))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def place_stacked(tree, mesh):
+    """A copy of ``tree`` sharded by ``zero.stacked_specs`` (new buffers: the steps donate them)."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        zero.stacked_specs(tree, mesh),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
 
 
 def compiled_layered(layer_fn, layers, batch, mesh, strategy):
@@ -255,7 +330,7 @@ def compiled_layered(layer_fn, layers, batch, mesh, strategy):
         step = zero.make_layered_fsdp_step(
             layer_fn, tx, mesh, layers, opt_state, remat=remat
         )
-        placed = zero.place_layers(layers, opt_state, mesh)
+        placed = place_stacked((layers, opt_state), mesh)
     batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
     return step.lower(*placed, batch).compile()
 
