@@ -88,7 +88,8 @@ def hands_mechanics(cell: str, modules: set[str], names: set[str]) -> bool:
     )
     code = re.sub(r"^\s*(from|import) [^\n]*$", "", code, flags=re.M)
     for module in modules:
-        for attr in re.findall(rf"(?<![\w.]){re.escape(module)}\.(\w+)", code):
+        # Not a file name: `examples/train.py` is no call into the `train` module.
+        for attr in re.findall(rf"(?<![\w./]){re.escape(module)}\.(\w+)", code):
             if not ARITHMETIC.match(attr):
                 return True
     for name in names - {"run", "run_where"}:

@@ -981,12 +981,13 @@ def _ch07(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 
 def _demo_all_reduce_bytes(n: int) -> tuple[int, int]:
     """(bytes the demo's data-parallel step all-reduces, its parameters' bytes) on ``n`` devices."""
+    import jax
     import optax
     from jax.sharding import AxisType
 
-    from jaxdist_lessons import comms, data, multihost, multihost_demo, train
+    from jaxdist_lessons import comms, data, multihost_demo, train
 
-    mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Auto)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
     tx = optax.adam(3e-3)
     shape = multihost_demo.IMAGE_SHAPE
     shardings = train.state_shardings(multihost_demo.MODEL, tx, mesh, [], shape)
@@ -1101,16 +1102,14 @@ def _ch08(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 
 
 def _ch09(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
-    from jaxdist_lessons import partitioning
+    import flax.linen as nn
 
     rules = (("batch", "data"), ("embed", ("data", "tensor")), ("mlp", "data"))
-    spec = partitioning.mesh_specs(ctx["abstract"], rules)["params"]["Block_0"]["mlp"][
-        "up"
-    ]
+    up = nn.get_partition_spec(ctx["abstract"])["params"]["Block_0"]["mlp"]["up"]
     return {
         1: Exercise(
             asks="a PartitionSpec",
-            expected=spec["kernel"],
+            expected=nn.logical_to_mesh_axes(up["kernel"], rules),
             kind="spec",
             why="the kernel's logical axes are ('embed', 'mlp'): the rules translate each to "
             "mesh axes, and an axis already used by an earlier dimension is left out.",

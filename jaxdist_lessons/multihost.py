@@ -198,15 +198,6 @@ def native_stdout_to_stderr() -> None:
     sys.stdout = open(original, "w", buffering=1, encoding=encoding, errors=errors)  # noqa: SIM115
 
 
-def split_devices(total: int, processes: int = 2) -> tuple[int, int]:
-    """``(processes, devices per process)`` for ``total`` devices, or the nearest smaller total that splits evenly."""
-    if total < processes:
-        raise MultihostError(
-            f"{total} devices cannot be shared by {processes} processes"
-        )
-    return processes, total // processes
-
-
 # --- Meshes and arrays across processes ---------------------------------------------------------
 
 
@@ -263,7 +254,8 @@ def node_of_processes(environ: Mapping[str, str] | None = None) -> list[int]:
     key = np.zeros(_KEY_BYTES, np.uint8)
     encoded = node_key(environ).encode()[:_KEY_BYTES]
     key[: len(encoded)] = np.frombuffer(encoded, np.uint8)
-    gathered = allgather(key)  # (processes, _KEY_BYTES), in process order
+    # (processes, _KEY_BYTES), in process order
+    gathered = multihost_utils.process_allgather(key)
     return number_nodes([bytes(row).rstrip(b"\0").decode() for row in gathered])
 
 
@@ -377,19 +369,6 @@ def global_array(local: np.ndarray, mesh: Mesh, spec: P | None = None) -> jax.Ar
     return jax.make_array_from_process_local_data(
         NamedSharding(mesh, spec), local, global_shape
     )
-
-
-def allgather(tree: Any, tiled: bool = False) -> Any:
-    """Every process's value of ``tree`` on every process as NumPy, stacked (or concatenated if ``tiled``).
-
-    An array that spans processes comes back whole, on every process.
-    """
-    return multihost_utils.process_allgather(tree, tiled=tiled)
-
-
-def sync(name: str) -> None:
-    """Wait until every process reaches the barrier ``name``."""
-    multihost_utils.sync_global_devices(name)
 
 
 def is_primary() -> bool:

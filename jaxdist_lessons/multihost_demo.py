@@ -35,6 +35,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,53 +57,48 @@ ENVIRONMENT = (
 def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
     """What this process sees, and an all-reduce over every device of every process."""
     info = multihost.process_info() if info is None else info
-    n, m = jax.device_count(), jax.local_device_count()
-    mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
-    # Device k of the mesh holds the number k + 1; each process supplies its own devices' numbers.
-    mine = (
-        np.arange(
-            jax.process_index() * m, (jax.process_index() + 1) * m, dtype=np.float32
-        )
-        + 1
+    n, m, me = jax.device_count(), jax.local_device_count(), jax.process_index()
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    # Device k of the mesh holds the number k + 1: each process supplies only its own
+    # devices' numbers, and JAX assembles the global array of n numbers from them.
+    mine = np.arange(me * m, (me + 1) * m, dtype=np.float32) + 1
+    numbers = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), mine, (n,)
     )
-    numbers = multihost.global_array(mine, mesh)
     psum = jax.jit(
         jax.shard_map(
             lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
         )
     )
-    total = psum(numbers)
-    [all_reduce] = [
-        c
-        for c in comms.collectives(psum.lower(numbers).compile().as_text())
-        if c.kind == "all-reduce"
-    ]
-    report = {
-        "process_index": jax.process_index(),
+    total = psum(numbers)  # the same sum on every device of every process
+    on_my_devices = [float(shard.data[0]) for shard in total.addressable_shards]
+    # Every process's index, on every process, as NumPy.
+    gathered = multihost_utils.process_allgather(np.int32(me)).tolist()
+    hlo_text = psum.lower(numbers).compile().as_text()
+    [all_reduce] = [c for c in comms.collectives(hlo_text) if c.kind == "all-reduce"]
+    local_ids = [d.id for d in jax.local_devices()]
+    global_ids = [d.id for d in jax.devices()]
+    print(f"{info}; device ids {local_ids} of {global_ids}")
+    print(
+        f"contributed {mine.tolist()}; all-reduce over {all_reduce.group_size} devices "
+        f"gives {on_my_devices} on my devices; allgather of process indices: {gathered}"
+    )
+    return {
+        "process_index": me,
         "process_count": jax.process_count(),
-        "local_device_ids": [d.id for d in jax.local_devices()],
-        "global_device_ids": [d.id for d in jax.devices()],
+        "local_device_ids": local_ids,
+        "global_device_ids": global_ids,
         "contributed": mine.tolist(),
-        "psum_on_my_devices": [float(s.data[0]) for s in total.addressable_shards],
+        "psum_on_my_devices": on_my_devices,
         "all_reduce_group_size": all_reduce.group_size,
-        "process_indices_gathered": multihost.allgather(
-            np.int32(jax.process_index())
-        ).tolist(),
+        "process_indices_gathered": gathered,
         "joined_by": info.joined_by,
         "jax_version": jax.__version__,
-        # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU process would drive.
+        # What jax.distributed.initialize set from local_device_ids: the GPUs a GPU
+        # process would drive.
         "cuda_visible_devices": jax.config.values["jax_cuda_visible_devices"],
         "environment": {k: os.environ.get(k) for k in ENVIRONMENT},
     }
-    print(
-        f"{info}; device ids {report['local_device_ids']} of {report['global_device_ids']}"
-    )
-    print(
-        f"contributed {report['contributed']}; all-reduce over {all_reduce.group_size} devices gives "
-        f"{report['psum_on_my_devices']} on my devices; allgather of process indices: "
-        f"{report['process_indices_gathered']}"
-    )
-    return report
 
 
 def hybrid() -> dict[str, Any]:
@@ -176,7 +172,7 @@ class Preemption:
         """Whether any process got a notice (the same answer on every process)."""
         stop = np.int32(self.signal is not None)
         if jax.process_count() > 1:
-            stop = multihost.allgather(stop).max()
+            stop = multihost_utils.process_allgather(stop).max()
         return bool(stop)
 
 

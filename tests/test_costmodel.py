@@ -21,6 +21,7 @@ from jaxdist_lessons import (
     partitioning,
     sequence,
     sharding,
+    train,
 )
 from jaxdist_lessons.models import vit
 
@@ -228,15 +229,18 @@ BATCH = {"images": jnp.ones((8, 16, 16, 3)), "labels": jnp.zeros((8,), jnp.int32
 def compiled_step(request):
     strategy = request.param
     mesh, rules = partitioning.strategy_mesh(strategy), partitioning.rules_for(strategy)
-    state, shardings = partitioning.create_state(
-        MODEL, optax.sgd(0.1), BATCH["images"][:1], mesh, rules, jax.random.key(0)
+    state = train.create_train_state(
+        MODEL, optax.sgd(0.1), mesh, rules, jax.random.key(0), BATCH["images"].shape[1:]
     )
     step = partitioning.make_train_step(
-        lambda p, b: vit.classification_loss(MODEL, p, b), mesh, rules, shardings
+        lambda p, b: vit.classification_loss(MODEL, p, b),
+        mesh,
+        rules,
+        train.shardings_of(state),
     )
-    program = step.lower(
-        state, jax.device_put(BATCH, partitioning.batch_sharding(mesh, rules))
-    ).compile()
+    batch = jax.device_put(BATCH, partitioning.batch_sharding(mesh, rules))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        program = step.lower(state, batch).compile()
     layout = costmodel.Layout(
         mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
     )

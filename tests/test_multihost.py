@@ -325,17 +325,6 @@ def test_initialize_after_jax_started_says_how_to_fix_it():
         multihost.initialize()
 
 
-def test_split_devices():
-    assert multihost.split_devices(8) == (2, 4)
-    assert multihost.split_devices(6) == (2, 3)
-    assert multihost.split_devices(7) == (2, 3)  # the nearest: 6 of the 7
-    assert multihost.split_devices(8, 4) == (4, 2)
-    with pytest.raises(
-        multihost.MultihostError, match="1 devices cannot be shared by 2"
-    ):
-        multihost.split_devices(1)
-
-
 def test_single_process_helpers():
     n = jax.device_count()
     info = multihost.process_info()
@@ -347,9 +336,6 @@ def test_single_process_helpers():
     mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
     x = multihost.global_array(np.arange(2 * n, dtype=np.float32), mesh)
     assert x.shape == (2 * n,) and x.sharding.spec == P("data")
-    np.testing.assert_array_equal(multihost.allgather(x, tiled=True), np.arange(2 * n))
-    assert multihost.allgather(np.int32(5)).tolist() == [5]
-    multihost.sync("test barrier")
     assert multihost.is_primary()
 
 

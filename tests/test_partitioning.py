@@ -29,8 +29,17 @@ def variables():
     return jax.eval_shape(MODEL.init, jax.random.key(0), IMAGES)
 
 
+def mesh_specs(variables, rules):
+    """Every leaf's mesh spec under ``rules``, as the chapter takes it with Flax."""
+    return jax.tree.map(
+        lambda spec: nn.logical_to_mesh_axes(spec, rules),
+        nn.get_partition_spec(variables),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
 def spec(variables, strategy, *path):
-    specs = PT.mesh_specs(variables, PT.rules_for(strategy))["params"]
+    specs = mesh_specs(variables, PT.rules_for(strategy))["params"]
     for key in path:
         specs = specs[key]
     return specs
@@ -53,19 +62,6 @@ def test_rules_give_each_strategy_its_specs(variables):
     assert nn.logical_to_mesh_axes(("batch",), PT.rules_for("hybrid")) == P("data")
 
 
-def test_describe_lists_every_leaf_with_its_block(variables):
-    mesh = PT.strategy_mesh("tensor")
-    rows = PT.describe(variables, mesh, PT.rules_for("tensor"))
-    assert len(rows) == len(jax.tree.leaves(nn.unbox(variables)))
-    row = next(r for r in rows if r[0] == "params/Block_0/mlp/up/kernel")
-    assert row[1:] == [
-        (32, 64),
-        str(P("embed", "mlp")),
-        str(P(None, "tensor")),
-        (32, 64 // N),
-    ]
-
-
 def test_mesh_shapes_and_unknown_strategy():
     assert PT.mesh_shape_for("data", N) == (N, 1, 1)
     assert PT.mesh_shape_for("fsdp", N) == (1, N, 1)
@@ -74,21 +70,6 @@ def test_mesh_shapes_and_unknown_strategy():
     assert PT.mesh_shape_for("fsdp+tensor", 8, tensor=4) == (1, 2, 4)
     with pytest.raises(ValueError, match="unknown strategy 'zero'; known: data, fsdp"):
         PT.rules_for("zero")
-
-
-def test_four_axis_mesh_shrinks_pipeline_then_fsdp():
-    assert PT.four_axis_shape(8) == (1, 2, 2, 2)
-    assert PT.four_axis_shape(4) == (1, 2, 2, 1)
-    assert PT.four_axis_shape(2) == (1, 1, 2, 1)
-    assert PT.four_axis_shape(1) == (1, 1, 1, 1)
-    assert PT.four_axis_shape(16) == (1, 4, 2, 2)
-    with pytest.raises(
-        ValueError, match="num_devices must be a positive integer, got 0"
-    ):
-        PT.four_axis_shape(0)
-    mesh = PT.four_axis_mesh()
-    assert mesh.axis_names == ("data", "fsdp", "tensor", "pipeline")
-    assert tuple(mesh.shape.values()) == PT.four_axis_shape(N)
 
 
 def test_four_axis_rules_split_the_batch_over_data_and_fsdp_first():
@@ -110,7 +91,9 @@ def test_same_losses_under_every_strategy_and_state_born_sharded():
     }
     losses, states = {}, {}
     for strategy in ("data", "fsdp", "tensor", "hybrid"):
-        run = PT.train(MODEL, loss_fn, [batch] * 3, strategy)
+        mesh, rules = PT.strategy_mesh(strategy), PT.rules_for(strategy)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            run = PT.train_strategy(MODEL, loss_fn, [batch] * 3, mesh, rules)
         losses[strategy], states[strategy] = run.losses, run.state
     reference = losses["data"]
     assert reference[2] < reference[0]  # it learns the batch
@@ -135,11 +118,29 @@ def test_same_losses_under_every_strategy_and_state_born_sharded():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
+    # Chapter 9's NNX cells: created under nnx.jit in the mesh, one nnx.value_and_grad step.
     tensor_size = min(2, N)
     mesh = make_mesh(
         (N // tensor_size, tensor_size), ("data", "tensor"), axis_types=axis_type
     )
-    model = PT.nnx_sharded_mlp(mesh, din=8, hidden=16, dout=4)
+
+    @nnx.jit
+    def create():
+        return small.NNXMLP(8, 16, 4, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            prediction = model(x, out_sharding=jax.typeof(y).sharding.spec)
+            return jnp.mean((prediction - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with jax.set_mesh(mesh):
+        model = create()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     specs = nnx.get_partition_spec(nnx.state(model))
     assert specs["up"]["kernel"].get_value() == P(None, "tensor")
     assert specs["down"]["kernel"].get_value() == P("tensor", None)
@@ -147,12 +148,11 @@ def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
     assert named["up"]["kernel"].get_value() == jax.NamedSharding(
         mesh, P(None, "tensor")
     )
-    optimizer = PT.nnx_optimizer(model, optax.adam(1e-2), mesh)
     rows = jax.sharding.NamedSharding(mesh, P("data"))
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8)), rows)
     y = jax.device_put(jnp.ones((8, 4)), rows)
     with jax.set_mesh(mesh):
-        losses = [float(PT.nnx_train_step(model, optimizer, x, y)) for _ in range(3)]
+        losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
     assert losses[2] < losses[0]
     kernel = model.up.kernel.get_value()
     assert sharding.shard_shapes(kernel)[0] == (8, 16 // tensor_size)
@@ -194,12 +194,12 @@ def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
         jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True
     ):
         np.testing.assert_array_equal(a, b)
-    tensor = PT.mesh_specs(named, PT.rules_for("tensor"))["params"]
+    tensor = mesh_specs(named, PT.rules_for("tensor"))["params"]
     assert tensor["embed"]["embedding"] == P("tensor", None)  # vocabulary-parallel
     assert tensor["Block_0"]["attention"]["query"]["kernel"] == P(None, "tensor", None)
     assert tensor["Block_0"]["attention"]["out"]["kernel"] == P("tensor", None, None)
     assert tensor["Block_0"]["mlp"]["down"]["kernel"] == P("tensor", None)
-    assert PT.mesh_specs(named, PT.rules_for("fsdp"))["params"]["position"] == P(
+    assert mesh_specs(named, PT.rules_for("fsdp"))["params"]["position"] == P(
         None, "fsdp"
     )
 
@@ -211,14 +211,14 @@ def test_decoder_same_losses_data_parallel_and_fsdp_with_tensor():
     def loss(params, batch):
         return transformer.next_token_loss(lm, params, batch)
 
-    runs = {
-        s: PT.train(
+    runs = {  # no rules in context: the decoder's DenseGeneral kernels (make_train_step)
+        s: PT.train_strategy(
             lm,
             loss,
             [tokens] * 3,
-            s,
+            PT.strategy_mesh(s),
+            PT.rules_for(s),
             sample=tokens[:1, :-1],
-            constrain_activations=False,
         )
         for s in ("data", "fsdp+tensor")
     }
