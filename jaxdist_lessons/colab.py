@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # (built with `pip wheel --no-deps . -w dist`) uploaded to the notebook's files (Colab) or added
 # as a dataset (Kaggle). Change these lines when the package gets a public home.
 INSTALL_CELL = """\
-# Colab or Kaggle: install the book's companion package (elsewhere this cell does nothing).
+# On Colab or Kaggle, install the book's companion package; elsewhere, do nothing.
 import glob
 import importlib.metadata
 import importlib.util
@@ -49,7 +49,9 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     have = importlib.metadata.version("jax")
     if tuple(int(n) for n in have.split(".")[:2]) < (0, 10):
         tpu = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-        extra = "[cuda12]" if os.path.exists("/dev/nvidiactl") else "[tpu]" if tpu else ""
+        extra = (
+            "[cuda12]" if os.path.exists("/dev/nvidiactl") else "[tpu]" if tpu else ""
+        )
         raise RuntimeError(
             f"This book needs jax {JAX}; this runtime has jax {have}. Upgrade it with\\n"
             f'    !pip install -U "jax{extra}=={JAX}"\\n'
@@ -96,7 +98,8 @@ def with_install_cell(text: str) -> str:
     match = _FIRST_CELL.search(text)
     if match is None:
         raise ValueError("no code cell found: every chapter starts with its setup cell")
-    if match.group("code").startswith(INSTALL_CELL.splitlines()[0]):
+    # An install cell, this one or an older wording: it tests for a hosted runtime.
+    if "KAGGLE_KERNEL_RUN_TYPE" in match.group("code"):
         return text[: match.start()] + cell_markdown() + text[match.end() :]
     return text[: match.start()] + cell_markdown() + "\n" + text[match.start() :]
 
