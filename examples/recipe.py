@@ -1,9 +1,9 @@
-"""A complete sharded training script to copy: JAX, Flax, Optax, Orbax, sklearn's digits.
+"""A sharded training script to copy whole: JAX, Flax, Optax, Orbax, sklearn's digits.
 
 One process:      JAX_NUM_CPU_DEVICES=8 python examples/recipe.py
 Several (MPI):    JAX_NUM_CPU_DEVICES=2 mpirun -np 4 python examples/recipe.py
 On GPUs or TPUs the same file uses the accelerators (leave JAX_NUM_CPU_DEVICES unset).
-STEPS (default 100) and CHECKPOINT_DIR (default /tmp/recipe) may be set in the environment.
+The environment may set STEPS (default 100) and CHECKPOINT_DIR (default /tmp/recipe).
 """
 
 import os
@@ -20,9 +20,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
-# Sharding rules: the first parameter path (a regex) that matches gives the spec; the rest
-# are replicated. Megatron's MLP split: the hidden units over 'tensor', the batch over
-# 'data'.
+# Sharding rules: the first parameter path (a regex) that matches gives the spec, and
+# the rest are replicated. Megatron's MLP split: hidden units over 'tensor', the batch
+# over 'data'.
 RULES = [(r"Dense_0/kernel", P(None, "tensor")), (r"Dense_0/bias", P("tensor")),
          (r"Dense_1/kernel", P("tensor", None))]  # fmt: skip
 
@@ -48,7 +48,7 @@ def spec_for(path, rules=RULES) -> P:
 
 
 def create_state(mesh, learning_rate: float) -> train_state.TrainState:
-    """Parameters and Adam's moments, born sharded: no device holds more than its shards."""
+    """Parameters and Adam's moments, born sharded: a device holds only its shards."""
     model, tx = MLP(), optax.adam(learning_rate)
 
     def init(
@@ -86,7 +86,7 @@ def make_train_step(state, mesh):
 
 
 def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
-    """Each process loads only its rows of each batch; JAX assembles the global array."""
+    """Each process loads only its rows of a batch; JAX assembles the global array."""
     digits = load_digits()
     images, labels = (
         (digits.data / 16.0).astype(np.float32),

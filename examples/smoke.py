@@ -1,6 +1,6 @@
-"""Run this first on a new cluster: do the processes join, does a psum cross all of them?
+"""Run this first on a new cluster: do the processes join, does a psum reach them all?
 
-    srun python examples/smoke.py --expect-devices 16            # SLURM, 2 nodes x 8 GPUs
+    srun python examples/smoke.py --expect-devices 16            # SLURM, 2 x 8 GPUs
     mpirun -np 16 python examples/smoke.py --expect-devices 16   # Open MPI 5
     JAX_NUM_CPU_DEVICES=2 mpirun -np 2 python examples/smoke.py  # here, on CPU devices
 
@@ -45,7 +45,8 @@ def main() -> None:
     local = ", ".join(str(d) for d in jax.local_devices())
     print(
         f"process {jax.process_index()} of {jax.process_count()} "
-        f"on {socket.gethostname()}: {jax.local_device_count()} local devices [{local}], "
+        f"on {socket.gethostname()}: "
+        f"{jax.local_device_count()} local devices [{local}], "
         f"{jax.device_count()} in all",
         flush=True,
     )
@@ -56,7 +57,7 @@ def main() -> None:
             "check the tasks per node, the GPUs each task sees (CUDA_VISIBLE_DEVICES) "
             "and local_device_ids"
         )
-    # Device k of the mesh holds k + 1; a psum over all of them gives 1 + 2 + ... + total.
+    # Device k of the mesh holds k + 1; a psum over them all gives 1 + 2 + ... + total.
     mesh = jax.make_mesh((total,), ("all",), axis_types=(AxisType.Explicit,))
     values = np.arange(1, total + 1, dtype=np.float32)
     x = jax.make_array_from_callback(

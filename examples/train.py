@@ -5,7 +5,7 @@ Start one copy per process with the cluster's own tool; JAX finds the others:
     JAX_NUM_CPU_DEVICES=2 mpirun -np 3 python examples/train.py
     JAX_NUM_CPU_DEVICES=2 srun -n 3 python examples/train.py
 
-JAX_NUM_CPU_DEVICES gives each process 2 simulated CPU devices; leave it out on GPUs, TPUs.
+JAX_NUM_CPU_DEVICES gives each process 2 simulated CPU devices; leave it out on GPUs.
 """
 
 import os
@@ -16,8 +16,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# First, before anything else touches JAX. Under Open MPI's mpirun JAX joins through mpi4py;
-# under SLURM, Kubernetes and Cloud TPU it reads the cluster's own variables.
+# First, before anything else touches JAX. Under Open MPI's mpirun JAX joins through
+# mpi4py; under SLURM, Kubernetes and Cloud TPU it reads the cluster's own variables.
 jax.distributed.initialize(
     cluster_detection_method="mpi4py" if "OMPI_COMM_WORLD_SIZE" in os.environ else None
 )
@@ -46,7 +46,7 @@ def global_array(local: np.ndarray, spec: P) -> jax.Array:
 
 @jax.jit
 def train_step(w: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One step of gradient descent on mean squared error; XLA all-reduces the gradient."""
+    """One step of gradient descent on mean squared error; XLA all-reduces gradients."""
     loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
     return w - 0.1 * grad, loss
 

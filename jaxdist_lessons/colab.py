@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # (built with `pip wheel --no-deps . -w dist`) uploaded to the notebook's files (Colab) or added
 # as a dataset (Kaggle). Change these lines when the package gets a public home.
 INSTALL_CELL = """\
-# Colab or Kaggle: install the book's companion package (elsewhere it does nothing).
+# On Colab or Kaggle, install the book's companion package; elsewhere, do nothing.
 import glob
 import importlib.metadata
 import importlib.util
@@ -71,8 +71,9 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     subprocess.run([*pip, source, *keep], check=True)
 """
 
-# In the HTML book the cell is folded away; on Colab it runs like any other.
-TAGS = ("hide-cell",)
+TAGS = (
+    "hide-cell",
+)  # in the HTML book the cell is folded away; on Colab it runs like any other
 
 _FIRST_CELL = re.compile(
     r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S
@@ -84,12 +85,21 @@ def cell_markdown() -> str:
     return f"```{{code-cell}}\n:tags: [{', '.join(TAGS)}]\n\n{INSTALL_CELL}```\n"
 
 
+def first_code_cell(text: str) -> str:
+    """The code of the first code cell of a MyST Markdown notebook."""
+    match = _FIRST_CELL.search(text)
+    if match is None:
+        raise ValueError("no code cell found")
+    return match.group("code")
+
+
 def with_install_cell(text: str) -> str:
     """``text`` (a MyST Markdown chapter) with the install cell first: replaced, or inserted."""
     match = _FIRST_CELL.search(text)
     if match is None:
         raise ValueError("no code cell found: every chapter starts with its setup cell")
-    if match.group("code").startswith(INSTALL_CELL.splitlines()[0]):
+    # An install cell, this one or an older wording: it tests for a hosted runtime.
+    if "KAGGLE_KERNEL_RUN_TYPE" in match.group("code"):
         return text[: match.start()] + cell_markdown() + text[match.end() :]
     return text[: match.start()] + cell_markdown() + "\n" + text[match.start() :]
 

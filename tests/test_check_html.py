@@ -70,3 +70,71 @@ def test_the_build_machines_path_is_reported(tmp_path):
     assert check_html.problems(*book(tmp_path, CHAPTER, page)) == [
         f"01_chapter.html: the build machine's path {tmp_path}"
     ]
+
+
+def code_block(code: str, kind: str = "ipython3") -> str:
+    """A block of code as the book's HTML shows it (Pygments' spans left out)."""
+    return (
+        f'<div class="highlight-{kind} notranslate"><div class="highlight">'
+        f"<pre><span></span>{code}</pre></div></div>"
+    )
+
+
+def cell(code: str, output: str = "") -> str:
+    """A code cell: its input and, if any, its output, which may scroll."""
+    shown = (
+        '<div class="cell_output docutils container">'
+        '<div class="output stream highlight-myst-ansi notranslate">'
+        f'<div class="highlight"><pre><span></span>{output}</pre></div></div></div>'
+    )
+    return (
+        '<div class="cell docutils container"><div class="cell_input docutils container">'
+        + code_block(code)
+        + "</div>"
+        + (shown if output else "")
+        + "</div>"
+    )
+
+
+FITS = "x = " + "1 + " * 20 + "1000"  # 88 columns
+WIDE = f'print("{"a" * 82}")'  # 91 columns
+
+
+def test_code_that_fits_passes_and_outputs_may_be_wider(tmp_path):
+    assert len(FITS) == check_html.CODE_WIDTH
+    chapter = CHAPTER + f"\n```{{code-cell}}\n{FITS}\n{WIDE}\n```\n"
+    page = PAGE + cell(FITS, output="b" * 120) + cell("y = 1", output=WIDE)
+    assert check_html.problems(*book(tmp_path, chapter, page)) == []
+
+
+def test_a_wide_line_of_a_cell_is_reported_with_its_line_in_the_chapter(tmp_path):
+    chapter = CHAPTER + f"\n```{{code-cell}}\ny = 2\n{WIDE}\n```\n"
+    page = PAGE + cell("y = 2\n" + WIDE.replace('"', "&quot;"))
+    assert check_html.problems(*book(tmp_path, chapter, page)) == [
+        "01_chapter.html: code block 1, line 2: 91 columns (over 88), "
+        f"from 01_chapter.md:10: {WIDE[:60]}"
+    ]
+
+
+def test_a_wide_line_that_a_page_includes_names_its_file_and_function(tmp_path):
+    (tmp_path / "lessons.py").write_text(
+        f'def short():\n    return 1\n\n\ndef helper():\n    """{"d" * 86}."""\n'
+    )
+    chapter = CHAPTER + "\n```{literalinclude} ../lessons.py\n:pyobject: helper\n```\n"
+    docstring = f'    """{"d" * 86}."""'
+    page = PAGE + code_block(f"def helper():\n{docstring}\n", kind="python")
+    found = check_html.problems(*book(tmp_path, chapter, page))
+    assert found == [
+        "01_chapter.html: code block 1, line 2: 97 columns (over 88), "
+        f"from lessons.py:6 (helper): {docstring.strip()[:60]}"
+    ]
+    assert check_html.included_summary(found + found) == ["lessons.py: helper line 6"]
+
+
+def test_the_code_only_check_leaves_the_figures_out(tmp_path):
+    chapter = CHAPTER + f"\n```{{code-cell}}\n{WIDE}\n```\n"
+    html, chapters = book(tmp_path, chapter, cell(WIDE))
+    assert check_html.problems(html, chapters, code_only=True) == [
+        "01_chapter.html: code block 1, line 1: 91 columns (over 88), "
+        f"from 01_chapter.md:9: {WIDE[:60]}"
+    ]

@@ -1,9 +1,10 @@
 """Text to packed token sequences in ArrayRecord files, read per process with Grain.
 
-The default corpus is real English prose that every Python installation carries offline: the
-Python language reference's topics (the stdlib's pydoc_data, about 460 kB). A byte-level BPE
-tokenizer (Hugging Face `tokenizers`) is trained on it once. `--data FILE` points at a
-reader's own tokens instead: a `.npy` array or a nanoGPT-style `.bin` of uint16 token ids.
+The default corpus is real English prose that every Python installation carries
+offline: the Python language reference's topics (the stdlib's pydoc_data, about 460
+kB). A byte-level BPE tokenizer (Hugging Face `tokenizers`) is trained on it once.
+`--data FILE` points at a reader's own tokens instead: a `.npy` array or a nanoGPT-style
+`.bin` of uint16 token ids.
 """
 
 import os
@@ -22,7 +23,7 @@ def corpus() -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
-    """A byte-level BPE tokenizer like GPT-2's, trained on ``texts`` and saved as JSON."""
+    """A byte-level BPE tokenizer like GPT-2's, trained on ``texts``, saved as JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -40,7 +41,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
 
 
 def corpus_tokens(vocab_size: int, directory: pathlib.Path) -> np.ndarray:
-    """The default corpus as one stream of token ids, documents joined by <|endoftext|>."""
+    """The default corpus as one token stream, documents joined by <|endoftext|>."""
     tokenizer = train_tokenizer(
         corpus(), vocab_size, directory / f"tokenizer-{vocab_size}.json"
     )
@@ -50,7 +51,7 @@ def corpus_tokens(vocab_size: int, directory: pathlib.Path) -> np.ndarray:
 
 
 def reader_tokens(path: str) -> np.ndarray:
-    """A reader's own token ids: a .npy array, or a .bin of uint16 (nanoGPT's format)."""
+    """A reader's own token ids: a .npy array, or a .bin of uint16 (nanoGPT's)."""
     if path.endswith(".npy"):
         return np.load(path, mmap_mode="r").astype(np.int32)
     if path.endswith(".bin"):
@@ -61,7 +62,7 @@ def reader_tokens(path: str) -> np.ndarray:
 
 
 def write_sequences(tokens: np.ndarray, seq_len: int, path: pathlib.Path) -> int:
-    """Pack the stream into records of seq_len + 1 tokens (inputs, next-token targets)."""
+    """Pack the stream into records of seq_len + 1 tokens (inputs, then targets)."""
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise SystemExit(
@@ -79,7 +80,7 @@ def write_sequences(tokens: np.ndarray, seq_len: int, path: pathlib.Path) -> int
 def prepare(
     directory: str, seq_len: int, vocab_size: int, data: str | None
 ) -> pathlib.Path:
-    """The packed sequences' file, written on the first call (call it on one process)."""
+    """The packed sequences' file, written on the first call (call on one process)."""
     directory_path = pathlib.Path(directory).absolute()
     directory_path.mkdir(parents=True, exist_ok=True)
     name = pathlib.Path(data).stem if data else f"pydoc-{vocab_size}"
@@ -99,9 +100,9 @@ def prepare(
 def batches(path: pathlib.Path, global_batch: int, rows: slice, seed: int):
     """A checkpointable iterator over this process's rows of each global batch.
 
-    Global batch s is records s*B to (s+1)*B of one shuffled, repeated stream, the same on
-    every process; a process reads only ``rows`` of it (the rows its devices hold), so the
-    batches do not depend on how many processes there are.
+    Global batch s is records s*B to (s+1)*B of one shuffled, repeated stream, the same
+    on every process; a process reads only ``rows`` of it (the rows its devices hold),
+    so the batches do not depend on how many processes there are.
     """
     block = rows.stop - rows.start
     if global_batch % block or rows.start % block:

@@ -1,15 +1,15 @@
-"""A Llama-style decoder in Flax Linen, a logical axis name on every weight and activation.
+"""A Llama-style decoder in Flax Linen; each weight and activation names its axes.
 
 RMSNorm, rotary positions (RoPE), grouped-query attention through
 jax.nn.dot_product_attention (which can take cuDNN's fused kernel on GPUs) or, with the
-sequence split over devices, ring attention; a SwiGLU MLP or a mixture of SwiGLU experts;
-and a scan over the layers with a rematerialisation policy. The names ("embed", "mlp",
-"heads", ...) say what an axis means; the rules in train.py say which mesh axis, if any,
-splits it.
+sequence split over devices, ring attention; a SwiGLU MLP or a mixture of SwiGLU
+experts; and a scan over the layers with a rematerialisation policy. The names ("embed",
+"mlp", "heads", ...) say what an axis means; the rules in train.py say which mesh axis,
+if any, splits it.
 
 Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, G
-query heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S tokens
-routed together (a group), C an expert's slots per group.
+query heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S
+tokens routed together (a group), C an expert's slots per group.
 """
 
 import dataclasses
@@ -48,10 +48,10 @@ class ModelConfig:
 
 
 # Published shapes: Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, width
-# 2048, 32 heads, 8 KV heads, MLP 8192, tied embeddings) and Llama 3 8B and 70B ("The Llama
-# 3 Herd of Models", arXiv:2407.21783, Table 3). All three use a 128,256-token vocabulary
-# and RoPE base 500,000. "tiny" and "125m" are ours: tiny trains on a CPU in minutes; 125m
-# has GPT-3 Small's depth and width.
+# 2048, 32 heads, 8 KV heads, MLP 8192, tied embeddings) and Llama 3 8B and 70B ("The
+# Llama 3 Herd of Models", arXiv:2407.21783, Table 3). All three use a 128,256-token
+# vocabulary and RoPE base 500,000. "tiny" and "125m" are ours: tiny trains on a CPU in
+# minutes; 125m has GPT-3 Small's depth and width.
 PRESETS = {
     "tiny": ModelConfig(2048, 4, 128, 4, 2, 384),
     "125m": ModelConfig(32_768, 12, 768, 12, 4, 2048),
@@ -63,12 +63,13 @@ PRESETS = {
 REMAT_POLICIES = {
     "none": None,  # keep every activation for the backward pass
     "full": jax.checkpoint_policies.nothing_saveable,  # keep each layer's input only
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    # keep the matmuls' outputs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Pin an activation's layout by its logical axes (no-op outside the rules' context)."""
+    """Pin an activation's layout by its logical axes (no-op outside the rules)."""
     return nn.with_logical_constraint(x, names)
 
 
@@ -111,12 +112,11 @@ MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
 def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
-    ring, one ppermute per step, and each block is folded into an online softmax (a running
-    maximum and sum), so no device holds the whole sequence's keys (ring attention: Liu et
-    al. 2023, arXiv:2310.01889). ``positions_T``, whole on every device, gives each column's
-    position in the text; the mask compares positions, so any order of the tokens works,
-    such as
-    train.py's load-balanced zigzag."""
+    ring, one ppermute per step, and each block is folded into an online softmax (a
+    running maximum and sum), so no device holds the whole sequence's keys (ring
+    attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
+    device, gives each column's position in the text; the mask compares positions, so
+    any order of the tokens works, such as train.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     B, T, N, H = q_BTNH.shape  # noqa: N806
     K = k_BTKH.shape[2]  # noqa: N806
@@ -190,8 +190,9 @@ class Attention(nn.Module):
                 q_BTNH, k_BTKH, v_BTKH, is_causal=True
             )
         out_BTNH = constrain(out_BTNH, ("batch", "act_seq", "act_heads", None))
-        # Row-parallel: each device's heads give a partial sum, which the layout after the
-        # block reduces (an all-reduce, or a reduce-scatter under sequence parallelism).
+        # Row-parallel: each device's heads give a partial sum, which the layout after
+        # the block reduces (an all-reduce, or under sequence parallelism a
+        # reduce-scatter).
         w_NHD = self.project("out", (N, H, D), ("heads", "head_dim", "embed"), N * H)
         return jnp.einsum("btnh,nhd->btd", out_BTNH, w_NHD)
 
@@ -218,15 +219,16 @@ BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coef
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine (einsum).
+    """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine.
 
-    Each group of S tokens is routed on its own: a token's choices take the next free slot
-    of their experts, first choices before second ones, and a choice that finds its expert
-    full is dropped (the token keeps its residual). Weights and the routed tokens are split
-    over the 'expert' mesh axis; between the two, XLA moves tokens to their experts' devices
-    and back (all-to-alls). Returns the output and the auxiliary loss: Switch's load balance
-    E * sum_e f_e P_e (Fedus et al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss (Zoph
-    et al. 2022, arXiv:2202.08906).
+    Each group of S tokens is routed on its own: a token's choices take the next free
+    slot of their experts, first choices before second ones, and a choice that finds its
+    expert full is dropped (the token keeps its residual). Weights and the routed tokens
+    are split over the 'expert' mesh axis; between the two, XLA moves tokens to their
+    experts' devices and back (all-to-alls). Dispatch and combine are einsums. Returns
+    the output and the auxiliary loss: Switch's load balance E * sum_e f_e P_e (Fedus et
+    al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss (Zoph et al. 2022,
+    arXiv:2202.08906).
     """
 
     config: ModelConfig
@@ -271,8 +273,8 @@ class Experts(nn.Module):
             choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2))
         )
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BGSE, axis=-1) ** 2)
-        # Each device fills its rows' slots, then the slots go to their experts' devices:
-        # split by expert instead of by batch row (an all-to-all over 'expert').
+        # Each device fills its rows' slots, then the slots move to their experts'
+        # devices: split by expert instead of by batch row (an all-to-all on 'expert').
         local, routed = (
             (None, "batch", "act_seq", None),
             ("act_experts", "expert_batch", "act_seq", None),
@@ -303,9 +305,9 @@ class Experts(nn.Module):
 
 
 # Between blocks the residual stream is split over the batch and, where the rules map
-# "act_seq_residual" to 'tensor', over the sequence too (Megatron's sequence parallelism:
-# the norms work on T/tensor tokens, and the all-reduces become all-gathers and
-# reduce-scatters).
+# "act_seq_residual" to 'tensor', over the sequence too (Megatron's sequence
+# parallelism: the norms work on T/tensor tokens, and the all-reduces become all-gathers
+# and reduce-scatters).
 RESIDUAL = ("batch", "act_seq_residual", "act_embed")
 WHOLE = ("batch", "act_seq", "act_embed")
 
@@ -320,8 +322,8 @@ class Block(nn.Module):
         self, x_BTD: jax.Array, positions_T: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         c = self.config
-        # Each block's input is gathered whole along the sequence (an all-gather where the
-        # residual is split over 'tensor'), then split by heads or MLP columns.
+        # Each block's input is gathered whole along the sequence (an all-gather where
+        # the residual is split over 'tensor'), then split by heads or MLP columns.
         h = constrain(
             RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE
         )
@@ -336,10 +338,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids -> (logits, the experts' auxiliary loss summed over layers; 0 if dense).
+    """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense).
 
-    ``positions_T``: each column's position in the text, if the tokens come in another order
-    (train.py's zigzag for ring attention); by default 0, 1, ..., T-1.
+    ``positions_T``: each column's position in the text, if the tokens come in another
+    order (train.py's zigzag for ring attention); by default 0, 1, ..., T-1.
     """
 
     config: ModelConfig
@@ -404,8 +406,9 @@ class Transformer(nn.Module):
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token loss in float32, written so that a split vocabulary stays split.
 
-    logsumexp reduces over V with partial maxima and sums; the target's logit is picked by a
-    one-hot product rather than an index, which would gather all V logits onto each device.
+    logsumexp reduces over V with partial maxima and sums; the target's logit is picked
+    by a one-hot product rather than an index, which would gather all V logits onto each
+    device.
     """
     logits_BTV = logits_BTV.astype(jnp.float32)
     one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
@@ -432,11 +435,11 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """Training flops per token: 6 per weight used in a matmul, plus attention's scores.
 
     The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
-    arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the two
-    backward matmuls. The embedding lookup is no matmul; with tied embeddings the table is
-    used once, as the output projection. Attention adds 12·L·T·(N·H) per token (the causal
-    mask is not subtracted). With experts, the weights a token uses: the router and its
-    top_k experts.
+    arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the
+    two backward matmuls. The embedding lookup is no matmul; with tied embeddings the
+    table is used once, as the output projection. Attention adds 12·L·T·(N·H) per token
+    (the causal mask is not subtracted). With experts, the weights a token uses: the
+    router and its top_k experts.
     """
     c = config
     matmul_params = count_params(c) - c.vocab_size * c.width * (

@@ -1,21 +1,21 @@
-"""Train a Llama-style language model on a mesh of data/fsdp/expert/sequence/tensor axes.
+"""Train a Llama-style language model on a mesh of data, fsdp, expert, sequence, tensor.
 
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
     JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python examples/lm/train.py --model tiny ...
-    srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b ...
+    srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b
     python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
-        --global-batch 16 --num-devices 16 --compile-only   # memory and bytes, no hardware
-    python examples/lm/train.py --model tiny --mesh data=2,sequence=4 ...  # ring attention
+        --global-batch 16 --num-devices 16 --compile-only  # memory, bytes: no hardware
+    python examples/lm/train.py --model tiny --mesh data=2,sequence=4  # ring attention
     python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
 
-JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints its
-loss, tokens per second, step time and model-flops utilisation; checkpoints hold the model,
-the optimizer and the data iterator, so a rerun on the same --checkpoint-dir continues with
-the exact next batch. SIGTERM or SIGUSR1 (preemption notices) save at the next step boundary
-and exit 0. --step-timeout S ends a job whose step has not advanced on some process for S
-seconds (a process alive but stuck, which JAX's heartbeat does not catch), naming the
-processes behind and printing every process's stack.
+JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
+its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
+model, the optimizer and the data iterator, so a rerun on the same --checkpoint-dir
+continues with the exact next batch. SIGTERM or SIGUSR1 (preemption notices) save at the
+next step boundary and exit 0. --step-timeout S ends a job whose step has not advanced
+on some process for S seconds (a process alive but stuck, which JAX's heartbeat does not
+catch), naming the processes behind and printing every process's stack.
 """
 
 import argparse
@@ -46,15 +46,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
 
-# 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of K, V).
+# 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
+# keys and values).
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 
-# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism splits
-# heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits the
-# experts. Activations: the batch over data, fsdp and expert (experts aside, 'expert' is one
-# more data axis); the sequence over 'sequence' (context parallelism) and, between blocks,
-# over 'tensor' too (Megatron's sequence parallelism); routed tokens by expert, not by row.
+# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
+# splits heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits
+# the experts. Activations: the batch over data, fsdp and expert (experts aside,
+# 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
+# and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
+# tokens by expert, not by row.
 RULES = (
     ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
     ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
@@ -162,7 +164,7 @@ def join_processes() -> None:
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
-    """'data=2,tensor=2' -> a mesh over all of AXES; one axis may be -1, the others 1."""
+    """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1."""
     sizes = {axis: 1 for axis in AXES}
     for item in spec.split(","):
         axis, _, size = item.partition("=")
@@ -243,7 +245,7 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
-    """AdamW, warmup + cosine decay, global-norm clipping; no decay of norms, embeddings."""
+    """AdamW, warmup + cosine decay, global-norm clipping; only the kernels decay."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         args.learning_rate,
@@ -257,8 +259,8 @@ def make_optimizer(args) -> optax.GradientTransformation:
             lambda p, _: "kernel" in jax.tree_util.keystr(p), params
         )
 
-    # Under jit the gradients are sharded arrays, and global_norm's sum is over all of them:
-    # the clipping sees the whole model's norm, whatever the mesh.
+    # Under jit the gradients are sharded arrays, and global_norm's sum is over all of
+    # them: the clipping sees the whole model's norm, whatever the mesh.
     return optax.chain(
         optax.clip_by_global_norm(args.clip_norm),
         optax.adamw(
@@ -268,8 +270,9 @@ def make_optimizer(args) -> optax.GradientTransformation:
 
 
 def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
-    """Token positions in the order that balances causal attention over a ring of devices:
-    cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late tokens alike)."""
+    """Token positions in the order that balances causal attention over a ring of
+    devices: cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late
+    tokens alike)."""
     chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
     return np.concatenate(
         [chunks[[i, 2 * num_devices - 1 - i]].ravel() for i in range(num_devices)]
@@ -277,7 +280,7 @@ def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
 
 
 def abstract_state(model, tx, mesh, seq_len: int):
-    """The train state's shapes and shardings, from one trace of init under the rules."""
+    """The train state's shapes and shardings, from tracing init under the rules."""
 
     def init(rng):  # the weights are the same with or without ring attention
         params = model.clone(context_parallel=False).init(
@@ -313,8 +316,9 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
             )
 
         def loss_fn(params):
-            # Float32 master weights, cast to the compute type here, on each device's shard:
-            # FSDP then gathers bfloat16 weights, half the bytes (FSDP2's param_dtype).
+            # Float32 master weights, cast to the compute type here, on each device's
+            # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
+            # param_dtype does).
             params = jax.tree.map(
                 lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
                 params,
@@ -340,10 +344,10 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Bytes per collective kind in a compiled program, loops counted by their trip counts.
+    """Bytes per collective kind in a compiled program, loops times their trip counts.
 
-    All-gather: its output; the others: their operand (here, its output too). On a ring of n
-    devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
+    All-gather: its output; the others: their operand (here, its output too). On a ring
+    of n devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
     """
     kinds = (
         "all-gather",
@@ -395,7 +399,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 
 def compile_only(step, shapes, args, mesh) -> None:
-    """Compile one step for the requested sizes, allocating nothing, and print its costs."""
+    """Compile one step for the requested sizes, allocating nothing; print its costs."""
     tokens = jax.ShapeDtypeStruct(
         (args.global_batch, args.seq_len + 1),
         jnp.int32,
@@ -418,7 +422,8 @@ def compile_only(step, shapes, args, mesh) -> None:
     total = arguments + temporaries + outputs
     print(
         f"per device: arguments {arguments / 1e9:.3f} GB, "
-        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB; collectives "
+        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB; "
+        "collectives "
         + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
         flush=True,
     )
@@ -444,11 +449,11 @@ class Preemption:
 
 
 class StepDeadline:
-    """--step-timeout: a thread ends the job when this process's step has not advanced for
-    ``seconds``. Each process writes its step into the key-value store of JAX's coordination
-    service; the first to pass its deadline names the processes behind, and every process
-    prints
-    its Python stacks (faulthandler; ``kill -USR2 <pid>`` does it by hand) and exits 124."""
+    """--step-timeout: a thread ends the job when this process's step has not advanced
+    for ``seconds``. Each process writes its step into the key-value store of JAX's
+    coordination service; the first to pass its deadline names the processes behind,
+    and every process prints its Python stacks (faulthandler; ``kill -USR2 <pid>`` does
+    it by hand) and exits 124."""
 
     def __init__(self, seconds: float):
         from jax._src import (
@@ -500,8 +505,8 @@ class StepDeadline:
                     p for p in range(jax.process_count()) if steps.get(p, -1) < ahead
                 ]
                 message = (
-                    f"step timeout: processes {behind} did not finish step {ahead} within "
-                    f"{self.seconds:g} s"
+                    f"step timeout: processes {behind} did not finish step {ahead} "
+                    f"within {self.seconds:g} s"
                     if behind
                     else f"step timeout: step {ahead + 1} "
                     f"did not finish within {self.seconds:g} s on any process"
@@ -573,8 +578,8 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
 
 
 def prepare_data(args, vocab_size: int):
-    """Process 0 packs the sequences first; the others then find them, or (on a node with
-    its own disk) pack their own copy."""
+    """Process 0 packs the sequences first; the others then find them, or (on a node
+    with its own disk) pack their own copy."""
     if jax.process_index() == 0:
         data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
     multihost_utils.sync_global_devices("data prepared")
@@ -619,8 +624,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         )
         print0(
             f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
-            f"tokens/s {tokens_per_step / seconds:,.0f} step_time {seconds * 1e3:.0f} ms"
-            f"{mfu}",
+            f"tokens/s {tokens_per_step / seconds:,.0f} "
+            f"step_time {seconds * 1e3:.0f} ms{mfu}",
             flush=True,
         )
         if deadline:  # after the step: the first step's compilation does not count
