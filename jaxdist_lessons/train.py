@@ -1,18 +1,20 @@
 """Training a Flax model across devices: a born-sharded state, donated steps, one loop, one orchestrator.
 
-The recipe (big_vision's, and the JAX docs'):
+The recipe (big_vision's, nanodo's, and the JAX docs'), all in ``create_train_state``:
 
-1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything;
-2. rules give each leaf a ``PartitionSpec``: regex rules on the leaves' paths
-   (``sharding.shardings_from_rules``, chapter 5), or Flax's logical rules on the names a model gives
-   its parameters (``nn.logical_to_mesh_sharding``, chapter 9);
+1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything (once);
+2. a ``shardings_fn`` gives each leaf a ``NamedSharding``: ``rule_shardings(mesh, rules)`` speaks
+   regex rules on the leaves' paths (``sharding.shardings_from_rules``, chapter 5) or Flax's
+   logical rules on the names a model gives its parameters (``nn.logical_to_mesh_sharding``,
+   chapter 9);
 3. ``jax.jit(init, out_shardings=...)`` creates the state *already sharded*: no device ever holds
-   the whole thing.
+   the whole thing (or, with ``abstract=True``, the placed shapes: a restore or compile target).
 
 ``train_step`` donates the old state, so its buffers are reused for the new one. ``fit`` is the
-training loop; ``train_and_evaluate(config, workdir)`` puts data, model, mesh, state, steps, loop and
-Orbax checkpoints together, in the spirit of flax's ImageNet example. Every process of a
-multi-process job calls it the same way; only process 0 prints.
+one training loop, with Orbax checkpoints keyed by the steps done, so that a run can stop and
+resume mid-epoch; ``train_and_evaluate(config, workdir)`` puts data, model, mesh, state, steps,
+loop and checkpoints together, in the spirit of flax's ImageNet example, from a ``Config`` of
+plain values. Every process of a multi-process job calls it the same way; only process 0 prints.
 """
 
 from __future__ import annotations

@@ -306,8 +306,12 @@ def test_a_stop_mid_epoch_saves_that_step_and_resumes_there(tmp_path):
 
 def test_train_and_evaluate_under_rules_shards_the_state():
     config = train.Config(
-        **{**SMALL, "model": "ResNet18", "preprocess": data.Preprocess()},
-        model_kwargs={"num_classes": 10, "width": 0.125},
+        **{
+            **SMALL,
+            "model": "ResNet18",
+            "model_kwargs": {"num_classes": 10, "width": 0.125},
+            "preprocess": data.Preprocess(),
+        },
         mesh={"data": -1, "tensor": min(2, N)},
         rules=resnet.partition_rules(),
         epochs=1,
