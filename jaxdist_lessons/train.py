@@ -162,6 +162,11 @@ def shardings_of(state: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """Transitional (chapter 9 includes it; ``rule_shardings`` replaces it): ``tree``'s shardings under ``rules``."""
+    return rule_shardings(mesh, rules)(tree)
+
+
 def abstract_state(
     model: nn.Module,
     tx: optax.GradientTransformation,
