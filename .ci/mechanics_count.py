@@ -95,7 +95,10 @@ def shown(text: str) -> set[str]:
 
 
 def hands_mechanics(
-    cell: str, modules: set[str], names: set[str], included: frozenset[str] = frozenset()
+    cell: str,
+    modules: set[str],
+    names: set[str],
+    included: frozenset[str] = frozenset(),
 ) -> bool:
     code = "\n".join(
         line for line in cell.splitlines() if not line.lstrip().startswith(("#", ":"))
