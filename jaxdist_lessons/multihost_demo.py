@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -32,8 +31,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
 from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
@@ -198,112 +195,52 @@ def train_digits(
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits over every process's devices; returns the losses.
 
-    ``devices`` (default: all) takes the first devices of ``jax.devices()``. Checkpoints after
-    every epoch into ``checkpoint_dir`` and starts from its latest checkpoint. Process
+    Chapter 5's loop (``train.train_and_evaluate``) does the work. ``devices`` (default: all)
+    takes the first devices of ``jax.devices()``. Checkpoints after every epoch into
+    ``checkpoint_dir``, keyed by step, and starts from its latest checkpoint. Process
     ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill``
     (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever).
     With ``checkpoint_dir``, SIGTERM or SIGUSR1 saves the state before the next step and returns
     (``preempted`` names the signal); a rerun resumes at that step, mid-epoch, with the same
-    batches. ``pause_s`` sleeps after each step (time to send a signal in a test).
+    batches. ``pause_s`` sleeps before each step (time to send a signal in a test).
     """
     if fail_how not in FAILURES:
         raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")
-    used = jax.devices()[: devices or jax.device_count()]
-    mesh = multihost.global_mesh((len(used),), ("data",), AxisType.Auto, devices=used)
-    global_batch = per_device_batch * len(used)
-    tx = optax.adam(learning_rate)
-    shardings = train.state_shardings(MODEL, tx, mesh, [], IMAGE_SHAPE)
-    train_step, eval_step = train.make_steps(shardings, mesh)
-    source = data.digits_source("train")  # process 0 writes the files, the others wait
-
-    restored = None
-    if checkpoint_dir is not None:
-        restored = train.restore_latest(
-            checkpoint_dir, train.abstract_state(MODEL, tx, IMAGE_SHAPE), shardings
-        )
-    if restored is None:
-        state, first_step = (
-            train.create_train_state(
-                MODEL, tx, mesh, [], jax.random.key(0), IMAGE_SHAPE
-            ),
-            0,
-        )
-    else:
-        state, first_step = restored
-        multihost.print0(
-            f"resumed from {os.path.join(checkpoint_dir, str(first_step))}"
-        )
-    history = train.History()
-    manager = (
-        None
-        if checkpoint_dir is None
-        else ocp.CheckpointManager(os.path.abspath(checkpoint_dir))
+    used = devices or jax.device_count()
+    config = train.Config(
+        model="SmallCNN",
+        model_kwargs={"channels": MODEL.channels},
+        preprocess=PREPROCESS,
+        devices=used,
+        global_batch=per_device_batch * used,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        learning_rate=learning_rate,
+        augment=False,
+        evaluate=False,
+        progress=False,
     )
-    preemption = None if manager is None else Preemption()
+    preemption = None if checkpoint_dir is None else Preemption()
 
-    def step_unless_preempted(state, batch):
-        if preemption is not None and preemption.agreed():
-            raise Preempted(state)
-        state, metrics = train_step(state, batch)
-        time.sleep(pause_s)
-        return state, metrics
-
-    preempted = None
-    for epoch in range(first_step // steps_per_epoch, epochs):
+    def before_step(step: int) -> bool:
+        epoch = step // steps_per_epoch
         if epoch == fail_at_epoch and jax.process_index() == fail_rank:
             _fail(fail_how, epoch)
-        done = (
-            first_step - epoch * steps_per_epoch
-            if epoch * steps_per_epoch < first_step
-            else 0
-        )
-        try:
-            state, history = train.fit(
-                state,
-                step_unless_preempted,
-                eval_step,
-                lambda e, done=done: itertools.islice(
-                    data.batches(
-                        source,
-                        global_batch,
-                        mesh,
-                        seed=0,
-                        epoch=e,
-                        preprocess=PREPROCESS,
-                    ),
-                    done,
-                    None,
-                ),  # a resumed epoch skips the batches it had trained on
-                eval_batches=None,
-                epochs=1,
-                history=history,
-                first_epoch=epoch,
-                steps_per_epoch=steps_per_epoch - done,
-                progress=False,
-            )
-        except Preempted as stop:
-            state, preempted = stop.state, preemption.signal
-            if int(state.step) not in manager.all_steps():  # not at an epoch's end
-                manager.save(int(state.step), args=ocp.args.StandardSave(state))
-            manager.wait_until_finished()
-            multihost.print0(
-                f"{preempted}: saved step {int(state.step)}, exiting", flush=True
-            )
-            break
-        losses = [r["loss"] for r in history.train if r["epoch"] == epoch]
-        multihost.print0(f"epoch {epoch + 1}: losses {np.round(losses, 4).tolist()}")
-        if manager is not None:  # every process saves its shards, named by the step
-            manager.save(int(state.step), args=ocp.args.StandardSave(state))
-            manager.wait_until_finished()  # complete before an epoch that may fail on purpose
-    if manager is not None:
-        manager.close()
+        time.sleep(pause_s)
+        return preemption is not None and preemption.agreed()
+
+    result = train.train_and_evaluate(config, checkpoint_dir, before_step)
+    preempted = preemption.signal if result.history.stopped else None
+    if preempted:
+        step = int(result.state.step)
+        multihost.print0(f"{preempted}: saved step {step}, exiting", flush=True)
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "devices": jax.device_count(),
-        "first_step": first_step,
+        "first_step": result.first_step,
         "preempted": preempted,
-        "losses": [r["loss"] for r in history.train],
+        "losses": [r["loss"] for r in result.history.train],
     }
 
 

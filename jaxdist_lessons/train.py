@@ -1,22 +1,25 @@
 """Training a Flax model across devices: a born-sharded state, donated steps, one loop, one orchestrator.
 
-The recipe (big_vision's, and the JAX docs'):
+The recipe (big_vision's, nanodo's, and the JAX docs'), all in ``create_train_state``:
 
-1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything;
-2. rules give each leaf a ``PartitionSpec``: regex rules on the leaves' paths
-   (``sharding.shardings_from_rules``, chapter 5), or Flax's logical rules on the names a model gives
-   its parameters (``nn.logical_to_mesh_sharding``, chapter 9);
+1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything (once);
+2. a ``shardings_fn`` gives each leaf a ``NamedSharding``: ``rule_shardings(mesh, rules)`` speaks
+   regex rules on the leaves' paths (``sharding.shardings_from_rules``, chapter 5) or Flax's
+   logical rules on the names a model gives its parameters (``nn.logical_to_mesh_sharding``,
+   chapter 9);
 3. ``jax.jit(init, out_shardings=...)`` creates the state *already sharded*: no device ever holds
-   the whole thing.
+   the whole thing (or, with ``abstract=True``, the placed shapes: a restore or compile target).
 
 ``train_step`` donates the old state, so its buffers are reused for the new one. ``fit`` is the
-training loop; ``train_and_evaluate(config, workdir)`` puts data, model, mesh, state, steps, loop and
-Orbax checkpoints together, in the spirit of flax's ImageNet example. Every process of a
-multi-process job calls it the same way; only process 0 prints.
+one training loop, with Orbax checkpoints keyed by the steps done, so that a run can stop and
+resume mid-epoch; ``train_and_evaluate(config, workdir)`` puts data, model, mesh, state, steps,
+loop and checkpoints together, in the spirit of flax's ImageNet example, from a ``Config`` of
+plain values. Every process of a multi-process job calls it the same way; only process 0 prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -36,6 +39,7 @@ from tqdm import tqdm
 
 from jaxdist_lessons import data, sharding
 from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons.models import resnet, small
 from jaxdist_lessons.multihost import print0
 
 Batch = data.Batch
@@ -77,22 +81,90 @@ def init_fn(
     return init
 
 
-def is_logical(rules: Rules) -> bool:
-    """Whether ``rules`` are Flax logical rules (name to mesh axes) rather than regex rules (path to ``P``)."""
+def rule_shardings(mesh: Mesh, rules: Rules) -> Callable[[Any], Any]:
+    """``shardings_fn(tree)`` for ``create_train_state``: regex rules on paths, or Flax logical rules.
+
+    Regex rules map a leaf's path to a ``PartitionSpec`` (``sharding.shardings_from_rules``);
+    logical rules map the names a model gives its parameters to mesh axes
+    (``nn.logical_to_mesh_sharding``). No rules: every leaf replicated.
+    """
     kinds = {isinstance(target, P) for _, target in rules}
     if len(kinds) > 1:
         raise ValueError(
             "rules mix regex rules (path, PartitionSpec) with logical rules (name, mesh axes): "
             "use one kind"
         )
-    return kinds == {False}
+    if kinds == {False}:
+        return lambda tree: nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(tree), mesh, rules
+        )
+    return lambda tree: sharding.shardings_from_rules(tree, mesh, rules)
+
+
+def create_train_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    input_shape: Sequence[int] | Mesh,
+    shardings_fn: Callable[[Any], Any] | Rules,
+    rng: jax.Array | None = None,
+    *legacy: Any,
+    input_dtype: Any = jnp.float32,
+    abstract: bool = False,
+) -> TrainState:
+    """Parameters, batch statistics and optimizer state, born sharded by ``shardings_fn``.
+
+    ``jax.eval_shape`` traces ``init`` once for the state's shapes; ``shardings_fn(shapes)`` gives
+    each leaf its ``NamedSharding`` (``rule_shardings(mesh, rules)``, or your own); then
+    ``jax.jit(init, out_shardings=...)`` builds every array in its shards. With ``abstract=True``
+    nothing is built: the shapes come back placed by their shardings (``jax.ShapeDtypeStruct``s),
+    a target to restore a checkpoint into or to compile for. Adam's moments are built by mapping
+    over the parameters, so path rules match them too (``opt_state/.../kernel``).
+    """
+    if isinstance(input_shape, Mesh):
+        # Transitional: the old form (model, tx, mesh, rules, rng, input_shape[, input_dtype]),
+        # still called by chapter 4, the appendix, partitioning.py, benchmarks and
+        # tests/test_gradients.py.
+        mesh, rules, (input_shape, *dtype) = input_shape, shardings_fn, legacy
+        shardings_fn = rule_shardings(mesh, rules)
+        input_dtype = dtype[0] if dtype else input_dtype
+    rng = jax.random.key(0) if rng is None else rng
+    init = init_fn(model, tx, input_shape, input_dtype)
+    shapes = jax.eval_shape(init, rng)
+    shardings = shardings_fn(shapes)
+    if abstract:
+        return with_shardings(shapes, shardings)
+    # Outside any rule context: ``out_shardings`` places the state, and Flax's DenseGeneral builds a
+    # named kernel flat then reshapes it, which logical rules in context would reject.
+    return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def with_shardings(like: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s shaped like ``like``'s leaves and placed by ``shardings``: a state that is never built.
+
+    Leaf by leaf, in order: ``shardings`` may come from a state built with another model or
+    optimizer object of the same structure.
+    """
+    placements = jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    leaves, structure = jax.tree.flatten(like)
+    return jax.tree.unflatten(
+        structure,
+        [
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+            for x, s in zip(leaves, placements, strict=True)
+        ],
+    )
+
+
+def shardings_of(state: Any) -> Any:
+    """The sharding of every leaf of a state (arrays, or shapes with shardings)."""
+    return jax.tree.map(lambda x: x.sharding, state)
 
 
 def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
-    """The ``NamedSharding`` of every leaf of ``tree`` (arrays or shapes) under regex or logical ``rules``."""
-    if is_logical(rules):
-        return nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)
-    return sharding.shardings_from_rules(tree, mesh, rules)
+    """Transitional (chapter 9 includes it; ``rule_shardings`` replaces it): ``tree``'s shardings under ``rules``."""
+    return rule_shardings(mesh, rules)(tree)
 
 
 def abstract_state(
@@ -101,7 +173,7 @@ def abstract_state(
     input_shape: Sequence[int],
     input_dtype: Any = jnp.float32,
 ) -> TrainState:
-    """The train state's structure, shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), computing nothing."""
+    """Transitional (chapter 8, exercises.py): the state's shapes, ``jax.eval_shape(init_fn(...))``."""
     return jax.eval_shape(
         init_fn(model, tx, input_shape, input_dtype), jax.random.key(0)
     )
@@ -115,36 +187,17 @@ def state_shardings(
     input_shape: Sequence[int],
     input_dtype: Any = jnp.float32,
 ) -> Any:
-    """The ``NamedSharding`` of every leaf of the train state, from ``rules``, without building the state."""
-    return shardings_for(
-        abstract_state(model, tx, input_shape, input_dtype), mesh, rules
+    """Transitional (chapter 8, the appendix, exercises.py, benchmarks): the state's shardings under ``rules``."""
+    return shardings_of(
+        create_train_state(
+            model,
+            tx,
+            input_shape,
+            rule_shardings(mesh, rules),
+            input_dtype=input_dtype,
+            abstract=True,
+        )
     )
-
-
-def create_train_state(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    mesh: Mesh,
-    rules: Rules,
-    rng: jax.Array,
-    input_shape: Sequence[int],
-    input_dtype: Any = jnp.float32,
-) -> TrainState:
-    """Parameters, batch statistics and optimizer state, born sharded by ``rules`` on ``mesh``.
-
-    Adam's moments are built by mapping over the parameters, so path rules match them too
-    (``opt_state/.../kernel``) and logical names stay on them: they are sharded like their parameters.
-    """
-    init = init_fn(model, tx, input_shape, input_dtype)
-    shardings = shardings_for(jax.eval_shape(init, rng), mesh, rules)
-    # Outside any rule context: ``out_shardings`` places the state, and Flax's DenseGeneral builds a
-    # named kernel flat then reshapes it, which logical rules in context would reject.
-    return jax.jit(init, out_shardings=shardings)(rng)
-
-
-def shardings_of(state: Any) -> Any:
-    """The sharding of every leaf of a state (arrays, or shapes with shardings)."""
-    return jax.tree.map(lambda x: x.sharding, state)
 
 
 # --- The steps ----------------------------------------------------------------------------------
@@ -267,6 +320,7 @@ class History:
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     eval: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    stopped: bool = False  # ``before_step`` asked to stop before the last step
 
 
 def fit(
@@ -276,17 +330,20 @@ def fit(
     train_batches: Callable[[int], Iterable[Any]],
     eval_batches: Callable[[], Iterable[Batch]] | None,
     epochs: int,
-    history: History | None = None,
-    first_epoch: int = 0,
+    *,
     steps_per_epoch: int | None = None,
+    first_step: int = 0,
+    checkpoints: ocp.CheckpointManager | None = None,
+    before_step: Callable[[int], bool] | None = None,
     progress: bool = True,
-    after_epoch: Callable[[int, Any, History], None] | None = None,
 ) -> tuple[Any, History]:
-    """Train for ``epochs`` epochs, evaluating after each; ``train_batches(epoch)`` yields that epoch's batches.
+    """The training loop: from ``first_step`` steps done to the end of epoch ``epochs``.
 
-    ``steps_per_epoch`` cuts every epoch short (for quick runs on large datasets); ``progress``
-    shows a tqdm bar (on process 0 only); ``after_epoch(epoch, state, history)`` runs after each
-    epoch's evaluation (to checkpoint, or print).
+    ``train_batches(epoch)`` yields an epoch's batches; a run resumed mid-epoch skips those it
+    trained on. After each epoch: an evaluation (with ``eval_batches``), a line on process 0, and
+    a save into ``checkpoints`` keyed by the steps done. ``steps_per_epoch`` cuts epochs short
+    (needed to resume mid-epoch); ``before_step(step)`` returning True stops the loop there,
+    saving that step (a preemption); ``progress`` shows a tqdm bar on process 0.
     """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
@@ -294,112 +351,104 @@ def fit(
         raise ValueError(
             f"steps_per_epoch must be a positive integer or None, got {steps_per_epoch}"
         )
-    history = History() if history is None else history
-    for epoch in range(first_epoch, first_epoch + epochs):
+    if first_step and steps_per_epoch is None:
+        raise ValueError("resuming at a step needs steps_per_epoch")
+    history, step = History(), first_step
+    for epoch in range(first_step // (steps_per_epoch or 1), epochs):
+        skip = step - epoch * (steps_per_epoch or 0)
         bar = tqdm(
-            itertools.islice(train_batches(epoch), steps_per_epoch),
+            itertools.islice(train_batches(epoch), skip, steps_per_epoch),
             desc=f"epoch {epoch + 1}",
-            total=steps_per_epoch,
+            total=None if steps_per_epoch is None else steps_per_epoch - skip,
             disable=not progress or jax.process_index() != 0,
             leave=False,
         )
         for batch in bar:
+            if before_step is not None and before_step(step):
+                history.stopped = True
+                break
             state, metrics = train_step(state, batch)
-            row = {
-                "epoch": epoch,
-                "step": len(history.train),
-                **{k: float(v) for k, v in metrics.items()},
-            }
-            history.train.append(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}")
-        if eval_batches is not None:
-            history.eval.append(
-                {
-                    "epoch": epoch,
-                    "step": len(history.train),
-                    **evaluate(eval_step, state, eval_batches()),
-                }
+            history.train.append(
+                {"epoch": epoch, "step": step}
+                | {k: float(v) for k, v in metrics.items()}
             )
-        if after_epoch is not None:
-            after_epoch(epoch, state, history)
+            step += 1
+            bar.set_postfix(loss=f"{history.train[-1]['loss']:.3f}")
+        if history.stopped:
+            if checkpoints is not None and step not in checkpoints.all_steps():
+                checkpoints.save(step, args=ocp.args.StandardSave(state))
+                checkpoints.wait_until_finished()
+            break
+        losses = [row["loss"] for row in history.train if row["epoch"] == epoch]
+        line = f"epoch {epoch + 1}: losses {losses[0]:.4f} .. {losses[-1]:.4f}"
+        if eval_batches is not None:
+            metrics = evaluate(eval_step, state, eval_batches())
+            history.eval.append({"epoch": epoch, "step": step} | metrics)
+            line += f", held-out accuracy {metrics['accuracy']:.1%}"
+        if losses:
+            print0(line)
+        if checkpoints is not None:  # each process writes its shards
+            checkpoints.save(step, args=ocp.args.StandardSave(state))
+            checkpoints.wait_until_finished()  # complete before anything may fail
     return state, history
-
-
-# --- Checkpoints ------------------------------------------------------------------------------
-
-
-def save_checkpoint(path: str, state: TrainState) -> None:
-    """Write ``state`` (sharded or not) to ``path`` with Orbax, replacing what is there.
-
-    Each process writes the shards its devices hold, one copy of each replicated array between them.
-    """
-    with ocp.StandardCheckpointer() as checkpointer:
-        # force: re-running a cell overwrites
-        checkpointer.save(os.path.abspath(path), state, force=True)
-        checkpointer.wait_until_finished()
-
-
-def with_shardings(like: Any, shardings: Any) -> Any:
-    """``jax.ShapeDtypeStruct``s shaped like ``like``'s leaves and placed by ``shardings``: a state that is never built.
-
-    Leaf by leaf, in order: ``shardings`` may come from a state built with another model or
-    optimizer object of the same structure.
-    """
-    placements = jax.tree.leaves(
-        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-    )
-    leaves, structure = jax.tree.flatten(like)
-    return jax.tree.unflatten(
-        structure,
-        [
-            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-            for x, s in zip(leaves, placements, strict=True)
-        ],
-    )
-
-
-def restore_checkpoint(path: str, like: TrainState | Any, shardings: Any) -> TrainState:
-    """Read a checkpoint into the structure of ``like`` with the given ``shardings``: any mesh, any layout."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(
-            os.path.abspath(path), with_shardings(like, shardings)
-        )
 
 
 def restore_latest(
     workdir: str, like: TrainState | Any, shardings: Any
 ) -> tuple[TrainState, int] | None:
-    """``(state, epochs done)`` from the latest checkpoint ``train_and_evaluate`` saved in ``workdir``, or ``None``."""
+    """``(state, steps done)`` from the latest checkpoint ``fit`` saved in ``workdir``, or ``None``."""
     with ocp.CheckpointManager(os.path.abspath(workdir)) as manager:
-        epoch = manager.latest_step()
-        if epoch is None:
+        step = manager.latest_step()
+        if step is None:
             return None
         target = with_shardings(like, shardings)
-        return manager.restore(epoch, args=ocp.args.StandardRestore(target)), epoch
+        return manager.restore(step, args=ocp.args.StandardRestore(target)), step
 
 
 # --- The orchestrator ---------------------------------------------------------------------------
 
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "ResNet18": resnet.ResNet18,
+    "ResNet34": resnet.ResNet34,
+    "ResNet50": resnet.ResNet50,
+    "ResNet101": resnet.ResNet101,
+    "ResNet152": resnet.ResNet152,
+    "SmallCNN": small.SmallCNN,
+}
+
+
+def build_model(name: str, **kwargs: Any) -> nn.Module:
+    """The model ``MODELS[name]`` with ``kwargs`` (``build_model('ResNet50', width=0.125)``)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: one of {sorted(MODELS)}")
+    return MODELS[name](**kwargs)
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything ``train_and_evaluate`` needs: data, model, mesh and rules, optimisation, schedule."""
+    """Everything ``train_and_evaluate`` needs, as plain values: data, model, mesh and rules, optimisation, schedule."""
 
-    model: nn.Module
+    model: str = "ResNet50"  # a name in MODELS
+    model_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dataset: str = data.DIGITS
     data_dir: str | None = None
     preprocess: data.Preprocess = data.Preprocess()
     # Mesh axis sizes; -1 takes the devices left over (``mesh.mesh_shape``). Auto axes.
     mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
+    devices: int | None = None  # the first devices of jax.devices(); None: all
     rules: Rules = ()
     global_batch: int = 64
     epochs: int = 2
-    steps_per_epoch: int | None = None
+    steps_per_epoch: int | None = None  # None: one pass over the training split
     learning_rate: float = 3e-3
     seed: int = 0
     augment: bool = True
     evaluate: bool = True
     progress: bool = True
+
+    def make_model(self) -> nn.Module:
+        """The model this config names."""
+        return build_model(self.model, **self.model_kwargs)
 
 
 @dataclasses.dataclass
@@ -412,43 +461,44 @@ class Result:
     shardings: Any
     train_step: Callable
     eval_step: Callable
-    first_epoch: int  # 0, or the epochs done by the checkpoint it resumed from
+    first_step: int  # 0, or the steps done by the checkpoint it resumed from
 
 
-def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
-    """Train ``config.model`` on ``config.dataset``; checkpoint each epoch into ``workdir`` and resume from its latest.
+def train_and_evaluate(
+    config: Config,
+    workdir: str | None = None,
+    before_step: Callable[[int], bool] | None = None,
+) -> Result:
+    """Train as ``config`` says; checkpoint each epoch into ``workdir`` (by step), resuming from its latest.
 
     Every process of a job calls it alike: each reads its own rows of every batch, and Orbax
-    writes each process's shards. Only process 0 prints.
+    writes each process's shards. Only process 0 prints. ``before_step``: see ``fit``.
     """
+    used = jax.devices()[: config.devices or jax.device_count()]
     mesh = mesh_lib.make_mesh(
-        mesh_lib.mesh_shape(jax.device_count(), **config.mesh),
+        mesh_lib.mesh_shape(len(used), **config.mesh),
         tuple(config.mesh),
         axis_types=AxisType.Auto,
+        devices=used,
     )
     train_source = data.source(config.dataset, "train", config.data_dir)
-    eval_source = data.source(
-        config.dataset,
-        data.eval_split(config.dataset, config.data_dir),
-        config.data_dir,
-    )
     input_shape = data.input_shape(train_source, config.preprocess)
-    tx = optax.adam(config.learning_rate)
-    shardings = state_shardings(config.model, tx, mesh, config.rules, input_shape)
+    model, tx = config.make_model(), optax.adam(config.learning_rate)
+    shapes = create_train_state(
+        model, tx, input_shape, rule_shardings(mesh, config.rules), abstract=True
+    )
+    shardings = shardings_of(shapes)
     jitted_train, jitted_eval = make_steps(shardings, mesh)
 
-    state, first_epoch = None, 0
+    state, first_step = None, 0
     if workdir is not None:
-        like = abstract_state(config.model, tx, input_shape)
-        restored = restore_latest(workdir, like, shardings)
+        restored = restore_latest(workdir, shapes, shardings)
         if restored is not None:
-            state, first_epoch = restored
-            print0(f"resumed from {workdir} after epoch {first_epoch}")
+            state, first_step = restored
+            print0(f"resumed from {os.path.join(workdir, str(first_step))}")
     if state is None:
         rng = jax.random.key(config.seed)
-        state = create_train_state(
-            config.model, tx, mesh, config.rules, rng, input_shape
-        )
+        state = jax.jit(init_fn(model, tx, input_shape), out_shardings=shardings)(rng)
 
     def train_batches(epoch: int) -> Iterable[Batch]:
         return data.batches(
@@ -461,44 +511,41 @@ def train_and_evaluate(config: Config, workdir: str | None = None) -> Result:
             preprocess=config.preprocess,
         )
 
-    def eval_batches() -> Iterable[Batch]:
-        return data.batches(
-            eval_source,
-            config.global_batch,
-            mesh,
-            shuffle=False,
-            drop_remainder=False,
-            preprocess=config.preprocess,
-        )
+    eval_batches = None
+    if config.evaluate:
+        split = data.eval_split(config.dataset, config.data_dir)
+        eval_source = data.source(config.dataset, split, config.data_dir)
 
+        def eval_batches() -> Iterable[Batch]:
+            return data.batches(
+                eval_source,
+                config.global_batch,
+                mesh,
+                shuffle=False,
+                drop_remainder=False,
+                preprocess=config.preprocess,
+            )
+
+    per_epoch = data.num_batches(len(train_source), config.global_batch, True)
     manager = (
-        None if workdir is None else ocp.CheckpointManager(os.path.abspath(workdir))
+        contextlib.nullcontext()
+        if workdir is None
+        else ocp.CheckpointManager(os.path.abspath(workdir))
     )
-
-    def after_epoch(epoch: int, state: TrainState, history: History) -> None:
-        losses = [row["loss"] for row in history.train if row["epoch"] == epoch]
-        line = f"epoch {epoch + 1}: mean training loss {np.mean(losses):.4f}"
-        if history.eval:
-            line += f", held-out accuracy {history.eval[-1]['accuracy']:.1%}"
-        print0(line)
-        if manager is not None:
-            manager.save(epoch + 1, args=ocp.args.StandardSave(state))
-
-    state, history = fit(
-        state,
-        jitted_train,
-        jitted_eval,
-        train_batches,
-        eval_batches if config.evaluate else None,
-        epochs=max(0, config.epochs - first_epoch),
-        first_epoch=first_epoch,
-        steps_per_epoch=config.steps_per_epoch,
-        progress=config.progress,
-        after_epoch=after_epoch,
-    )
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+    with manager as checkpoints:
+        state, history = fit(
+            state,
+            jitted_train,
+            jitted_eval,
+            train_batches,
+            eval_batches,
+            config.epochs,
+            steps_per_epoch=min(config.steps_per_epoch or per_epoch, per_epoch),
+            first_step=first_step,
+            checkpoints=checkpoints,
+            before_step=before_step,
+            progress=config.progress,
+        )
     return Result(
-        state, history, mesh, shardings, jitted_train, jitted_eval, first_epoch
+        state, history, mesh, shardings, jitted_train, jitted_eval, first_step
     )

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -39,9 +40,10 @@ def build(strategy, devices=None, tx=TX):
     devices = jax.devices() if devices is None else devices
     shape_names, rules = STRATEGIES[strategy]
     mesh = make_mesh(*shape_names(devices), axis_types=AxisType.Auto, devices=devices)
-    shardings = train.state_shardings(MODEL, tx, mesh, rules, IMAGE)
-    state = train.create_train_state(MODEL, tx, mesh, rules, jax.random.key(0), IMAGE)
-    return mesh, shardings, state
+    state = train.create_train_state(
+        MODEL, tx, IMAGE, train.rule_shardings(mesh, rules), jax.random.key(0)
+    )
+    return mesh, train.shardings_of(state), state
 
 
 @functools.cache
@@ -160,13 +162,25 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
     tmp_path,
 ):
     mesh, shardings, state, (train_step, _) = fresh("data parallel")
-    state, _ = train_step(state, first_batch(mesh))
-    train.save_checkpoint(str(tmp_path / "ckpt"), state)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as checkpoints:
+        state, _ = train.fit(
+            state,
+            train_step,
+            None,
+            lambda epoch: [first_batch(mesh)],
+            None,
+            epochs=1,
+            checkpoints=checkpoints,
+            progress=False,
+        )
     saved = host(state)
 
     hybrid_mesh, hybrid_shardings, _, (hybrid_step, _) = fresh("hybrid")
-    restored = train.restore_checkpoint(
-        str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), hybrid_shardings
+    target = train.create_train_state(
+        MODEL, TX, IMAGE, lambda shapes: hybrid_shardings, abstract=True
+    )
+    restored, step = train.restore_latest(
+        str(tmp_path / "ckpt"), target, hybrid_shardings
     )
     for a, b in zip(host(restored), saved):
         np.testing.assert_array_equal(a, b)
@@ -174,7 +188,7 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
         restored.params["conv_init"]["kernel"].sharding
         == hybrid_shardings.params["conv_init"]["kernel"]
     )
-    assert int(restored.step) == 1
+    assert step == int(restored.step) == 1  # checkpoints are keyed by step
     signature = lambda tree: [
         (x.shape, x.dtype, x.weak_type)
         for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))
@@ -184,9 +198,7 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
     )  # so the jitted steps do not compile again for it
 
     # Back on the original mesh, the restored state continues exactly like the original.
-    again = train.restore_checkpoint(
-        str(tmp_path / "ckpt"), train.abstract_state(MODEL, TX, IMAGE), shardings
-    )
+    again, _ = train.restore_latest(str(tmp_path / "ckpt"), target, shardings)
     batch = next(data.batches(source("train"), 4 * N, mesh, seed=0, epoch=1))
     _, from_original = train_step(state, batch)
     _, from_restored = train_step(again, batch)
@@ -203,6 +215,26 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
     )
 
 
+def test_create_train_state_traces_init_once(monkeypatch):
+    traced = []
+    original = train.init_fn
+
+    def counting(*args, **kwargs):
+        init = original(*args, **kwargs)
+
+        def init_and_count(rng):
+            traced.append(1)
+            return init(rng)
+
+        return init_and_count
+
+    monkeypatch.setattr(train, "init_fn", counting)
+    mesh = make_mesh((N,), ("data",), axis_types=AxisType.Auto)
+    train.create_train_state(MODEL, TX, IMAGE, train.rule_shardings(mesh, []))
+    # jax.jit reuses the trace jax.eval_shape made: init is traced once.
+    assert len(traced) == 1
+
+
 def test_fit_rejects_bad_lengths():
     with pytest.raises(ValueError, match="epochs must be >= 0, got -1"):
         train.fit(None, None, None, lambda e: [], None, epochs=-1)
@@ -210,12 +242,15 @@ def test_fit_rejects_bad_lengths():
         ValueError, match="steps_per_epoch must be a positive integer or None, got 0"
     ):
         train.fit(None, None, None, lambda e: [], None, epochs=1, steps_per_epoch=0)
+    with pytest.raises(ValueError, match="resuming at a step needs steps_per_epoch"):
+        train.fit(None, None, None, lambda e: [], None, epochs=1, first_step=3)
 
 
 # --- The orchestrator -------------------------------------------------------------------------
 
 SMALL = dict(
-    model=SmallCNN(channels=4),
+    model="SmallCNN",
+    model_kwargs={"channels": 4},
     preprocess=data.Preprocess(channels=1),
     global_batch=4 * N,
     steps_per_epoch=3,
@@ -223,33 +258,60 @@ SMALL = dict(
 )
 
 
-def test_train_and_evaluate_checkpoints_every_epoch_and_resumes_exactly(
+def test_config_is_plain_values():
+    config = train.Config(**SMALL)
+    assert "model='SmallCNN', model_kwargs={'channels': 4}" in repr(config)
+    assert config.make_model() == SmallCNN(channels=4)
+    with pytest.raises(ValueError, match="unknown model 'ResNet51'"):
+        train.build_model("ResNet51")
+
+
+def test_train_and_evaluate_checkpoints_every_epoch_by_step_and_resumes_exactly(
     tmp_path, capsys
 ):
     config = train.Config(**SMALL, epochs=2)
     whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
-    assert whole.first_epoch == 0 and len(whole.history.train) == 6
+    assert whole.first_step == 0 and len(whole.history.train) == 6
     assert [row["epoch"] for row in whole.history.eval] == [0, 1]
-    assert sorted(os.listdir(tmp_path / "whole")) == ["1", "2"]
-    assert "epoch 2: mean training loss" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "whole")) == ["3", "6"]  # steps done
+    assert "epoch 2: losses" in capsys.readouterr().out
 
-    # Stopped after one epoch, then started again with the same workdir: it resumes from epoch 1.
+    # Stopped after one epoch, then started again with the same workdir: it resumes at step 3.
     train.train_and_evaluate(
         dataclasses.replace(config, epochs=1), str(tmp_path / "split")
     )
     resumed = train.train_and_evaluate(config, str(tmp_path / "split"))
-    assert resumed.first_epoch == 1 and len(resumed.history.train) == 3
-    assert "resumed from" in capsys.readouterr().out
+    assert resumed.first_step == 3 and len(resumed.history.train) == 3
+    assert f"resumed from {tmp_path / 'split' / '3'}" in capsys.readouterr().out
+    losses = [row["loss"] for row in resumed.history.train]
+    assert losses == [row["loss"] for row in whole.history.train[3:]]
     for a, b in zip(host(resumed.state), host(whole.state)):
         np.testing.assert_array_equal(a, b)
     # Done already: a third call trains nothing.
     again = train.train_and_evaluate(config, str(tmp_path / "split"))
-    assert again.first_epoch == 2 and again.history.train == []
+    assert again.first_step == 6 and again.history.train == []
+
+
+def test_a_stop_mid_epoch_saves_that_step_and_resumes_there(tmp_path):
+    config = train.Config(**SMALL, epochs=2, evaluate=False)
+    whole = train.train_and_evaluate(config)
+    stopped = train.train_and_evaluate(config, str(tmp_path), lambda step: step == 4)
+    assert stopped.history.stopped and len(stopped.history.train) == 4
+    assert sorted(os.listdir(tmp_path)) == ["3", "4"]
+    rest = train.train_and_evaluate(config, str(tmp_path))
+    assert rest.first_step == 4
+    losses = [r["loss"] for r in stopped.history.train + rest.history.train]
+    assert losses == [r["loss"] for r in whole.history.train]
 
 
 def test_train_and_evaluate_under_rules_shards_the_state():
     config = train.Config(
-        **{**SMALL, "model": MODEL, "preprocess": data.Preprocess()},
+        **{
+            **SMALL,
+            "model": "ResNet18",
+            "model_kwargs": {"num_classes": 10, "width": 0.125},
+            "preprocess": data.Preprocess(),
+        },
         mesh={"data": -1, "tensor": min(2, N)},
         rules=resnet.partition_rules(),
         epochs=1,
@@ -264,7 +326,6 @@ def test_train_and_evaluate_under_rules_shards_the_state():
 
 
 def test_rules_are_one_kind():
-    assert train.is_logical((("mlp", "tensor"), ("batch", None)))
-    assert not train.is_logical([("kernel$", P("tensor"))]) and not train.is_logical([])
+    mesh = make_mesh((N,), ("data",), axis_types=AxisType.Auto)
     with pytest.raises(ValueError, match="rules mix regex rules"):
-        train.is_logical([("kernel$", P("tensor")), ("mlp", "tensor")])
+        train.rule_shardings(mesh, [("kernel$", P("tensor")), ("mlp", "tensor")])
