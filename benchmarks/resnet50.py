@@ -74,12 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     model = ResNet50(num_classes=1000, width=args.width, dtype=jnp.dtype(args.dtype))
     tx = optax.sgd(0.1, momentum=0.9)
     image_shape = (args.image_size, args.image_size, 3)
-    shardings = train.state_shardings(
-        model, tx, mesh, [], image_shape
-    )  # no rules: replicated state
+    # No rules: a replicated state.
     state = train.create_train_state(
-        model, tx, mesh, [], jax.random.key(0), image_shape
+        model, tx, image_shape, train.rule_shardings(mesh, []), jax.random.key(0)
     )
+    shardings = train.shardings_of(state)
     train_step, _ = train.make_steps(shardings, mesh)
     batch_size = args.per_device_batch * n
     rng = np.random.default_rng(0)

@@ -26,8 +26,8 @@ def main() -> None:
     parser.add_argument(
         "--strategies",
         nargs="+",
-        choices=zero.STRATEGIES,
-        default=list(zero.STRATEGIES),
+        choices=zero.ZERO_STAGES,
+        default=list(zero.ZERO_STAGES),
     )
     parser.add_argument("--width", type=int, default=256, help="MLP hidden width")
     parser.add_argument(

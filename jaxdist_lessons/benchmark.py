@@ -232,7 +232,7 @@ def compiled_strategy_table(
 def compile_strategies(
     works: Sequence[Workload], tx: optax.GradientTransformation, mesh: Mesh
 ) -> dict[tuple[str, str], tuple[jax.stages.Compiled, tuple[Any, Any]]]:
-    """Each workload's step under each of ``zero.STRATEGIES``, compiled, with its placed state.
+    """Each workload's step under each of ``zero.ZERO_STAGES``, compiled, with its placed state.
 
     Keys are ``(work.name, strategy)``; the state is what the donating program consumes when it runs.
     """
@@ -240,7 +240,7 @@ def compile_strategies(
     for work in works:
         batch = jax.device_put(work.batch, NamedSharding(mesh, P("data")))
         opt_shape = jax.eval_shape(tx.init, work.params)
-        for strategy in zero.STRATEGIES:
+        for strategy in zero.ZERO_STAGES:
             step = zero.make_step(
                 strategy, work.loss_fn, tx, mesh, work.params, opt_shape
             )

@@ -990,11 +990,11 @@ def _demo_all_reduce_bytes(n: int) -> tuple[int, int]:
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
     tx = optax.adam(3e-3)
     shape = multihost_demo.IMAGE_SHAPE
-    shardings = train.state_shardings(multihost_demo.MODEL, tx, mesh, [], shape)
-    step, _ = train.make_steps(shardings, mesh)
-    state = train.with_shardings(
-        train.abstract_state(multihost_demo.MODEL, tx, shape), shardings
+    no_rules = train.rule_shardings(mesh, [])
+    state = train.create_train_state(
+        multihost_demo.MODEL, tx, shape, no_rules, abstract=True
     )
+    step, _ = train.make_steps(train.shardings_of(state), mesh)
     source = data.digits_source("train")
     batch = next(
         data.batches(source, 4 * n, mesh, preprocess=multihost_demo.PREPROCESS)

@@ -178,7 +178,12 @@ def train_strategy(
     tx = optax.adam(1e-3) if tx is None else tx
     sample = jax.tree.leaves(batches[0])[0][:1] if sample is None else sample
     state = train_lib.create_train_state(
-        model, tx, mesh, rules, jax.random.key(seed), sample.shape[1:], sample.dtype
+        model,
+        tx,
+        sample.shape[1:],
+        train_lib.rule_shardings(mesh, rules),
+        jax.random.key(seed),
+        input_dtype=sample.dtype,
     )
     placed = [jax.device_put(batch, batch_sharding(mesh, rules)) for batch in batches]
     step = make_train_step(loss_fn, mesh, rules, train_lib.shardings_of(state))

@@ -104,10 +104,10 @@ def rule_shardings(mesh: Mesh, rules: Rules) -> Callable[[Any], Any]:
 def create_train_state(
     model: nn.Module,
     tx: optax.GradientTransformation,
-    input_shape: Sequence[int] | Mesh,
-    shardings_fn: Callable[[Any], Any] | Rules,
+    input_shape: Sequence[int],
+    shardings_fn: Callable[[Any], Any],
     rng: jax.Array | None = None,
-    *legacy: Any,
+    *,
     input_dtype: Any = jnp.float32,
     abstract: bool = False,
 ) -> TrainState:
@@ -120,13 +120,6 @@ def create_train_state(
     a target to restore a checkpoint into or to compile for. Adam's moments are built by mapping
     over the parameters, so path rules match them too (``opt_state/.../kernel``).
     """
-    if isinstance(input_shape, Mesh):
-        # Transitional: the old form (model, tx, mesh, rules, rng, input_shape[, input_dtype]),
-        # still called by chapter 4, the appendix, partitioning.py, benchmarks and
-        # tests/test_gradients.py.
-        mesh, rules, (input_shape, *dtype) = input_shape, shardings_fn, legacy
-        shardings_fn = rule_shardings(mesh, rules)
-        input_dtype = dtype[0] if dtype else input_dtype
     rng = jax.random.key(0) if rng is None else rng
     init = init_fn(model, tx, input_shape, input_dtype)
     shapes = jax.eval_shape(init, rng)
@@ -160,44 +153,6 @@ def with_shardings(like: Any, shardings: Any) -> Any:
 def shardings_of(state: Any) -> Any:
     """The sharding of every leaf of a state (arrays, or shapes with shardings)."""
     return jax.tree.map(lambda x: x.sharding, state)
-
-
-def shardings_for(tree: Any, mesh: Mesh, rules: Rules) -> Any:
-    """Transitional (chapter 9 includes it; ``rule_shardings`` replaces it): ``tree``'s shardings under ``rules``."""
-    return rule_shardings(mesh, rules)(tree)
-
-
-def abstract_state(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    input_shape: Sequence[int],
-    input_dtype: Any = jnp.float32,
-) -> TrainState:
-    """Transitional (chapter 8, exercises.py): the state's shapes, ``jax.eval_shape(init_fn(...))``."""
-    return jax.eval_shape(
-        init_fn(model, tx, input_shape, input_dtype), jax.random.key(0)
-    )
-
-
-def state_shardings(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    mesh: Mesh,
-    rules: Rules,
-    input_shape: Sequence[int],
-    input_dtype: Any = jnp.float32,
-) -> Any:
-    """Transitional (chapter 8, the appendix, exercises.py, benchmarks): the state's shardings under ``rules``."""
-    return shardings_of(
-        create_train_state(
-            model,
-            tx,
-            input_shape,
-            rule_shardings(mesh, rules),
-            input_dtype=input_dtype,
-            abstract=True,
-        )
-    )
 
 
 # --- The steps ----------------------------------------------------------------------------------

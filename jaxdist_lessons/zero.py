@@ -44,7 +44,6 @@ from jaxdist_lessons.tables import Table
 ZERO_STAGES = ("data", "zero1", "fsdp")
 """The ``shard_map`` steps of ``make_step``: data parallel, ZeRO-1 and FSDP (ZeRO-3)."""
 
-STRATEGIES = ZERO_STAGES  # the old name, for pages not yet moved to ZERO_STAGES
 
 LossFn = Callable[[Any, Any], jax.Array]
 

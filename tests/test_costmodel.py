@@ -230,7 +230,11 @@ def compiled_step(request):
     strategy = request.param
     mesh, rules = partitioning.strategy_mesh(strategy), partitioning.rules_for(strategy)
     state = train.create_train_state(
-        MODEL, optax.sgd(0.1), mesh, rules, jax.random.key(0), BATCH["images"].shape[1:]
+        MODEL,
+        optax.sgd(0.1),
+        BATCH["images"].shape[1:],
+        train.rule_shardings(mesh, rules),
+        jax.random.key(0),
     )
     step = partitioning.make_train_step(
         lambda p, b: vit.classification_loss(MODEL, p, b),

@@ -49,7 +49,8 @@ def init_state(model):
     one = make_mesh(
         (1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1]
     )
-    return train.create_train_state(model, TX, one, [], jax.random.key(7), (8, 8, 3))
+    no_rules = train.rule_shardings(one, [])
+    return train.create_train_state(model, TX, (8, 8, 3), no_rules, jax.random.key(7))
 
 
 def run(form, model, state, batches):
