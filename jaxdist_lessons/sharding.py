@@ -79,15 +79,6 @@ def shard_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...]:
     return NamedSharding(mesh, spec).shard_shape(tuple(shape))
 
 
-def replicas(mesh: Mesh, spec: P) -> int:
-    """How many devices hold each block: the product of the mesh axes the spec does not name.
-
-    Kept for chapter 9; chapter 3 reads the copies from ``addressable_shards``.
-    """
-    named = {a for entry in spec for a in _entry_axes(entry)}
-    return math.prod(size for axis, size in mesh.shape.items() if axis not in named)
-
-
 def expected_bytes_per_device(
     shape: Sequence[int], dtype: Any, mesh: Mesh, spec: P
 ) -> int:
@@ -107,13 +98,6 @@ def bytes_per_device(tree: Any) -> dict[int, int]:
         for shard in array.addressable_shards:
             held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
     return held
-
-
-def shard_shapes(array: jax.Array) -> dict[int, tuple[int, ...]]:
-    """The shape of the block each device holds, keyed by device id (chapters 1 and 5)."""
-    return {
-        shard.device.id: tuple(shard.data.shape) for shard in array.addressable_shards
-    }
 
 
 def blocks(
@@ -160,15 +144,6 @@ def placement_rows(arrays: Iterable[jax.Array]) -> list[list[Any]]:
 
 
 Rules = Sequence[tuple[str, P]]
-
-
-def path_name(path: Sequence[Any]) -> str:
-    """A tree path as ``'params/conv_init/kernel'``, the string rules match against.
-
-    ``jax.tree_util.keystr(path, simple=True, separator="/")``; kept for ``partitioning.py``
-    and ``tests/test_train.py``.
-    """
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def spec_for(name: str, rules: Rules, default: P | None = P()) -> P:

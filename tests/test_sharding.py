@@ -1,5 +1,6 @@
 import collections
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,32 +46,31 @@ def test_predicted_shards_match_the_addressable_shards(
     m = mesh_lib.make_mesh(mesh_shape, names, axis_types=axis_type)
     shape, dtype = (4 * N, 2 * N), jnp.bfloat16
     x = jax.device_put(jnp.zeros(shape, dtype), NamedSharding(m, spec))
-    assert set(sharding.shard_shapes(x).values()) == {
+    assert {s.data.shape for s in x.addressable_shards} == {
         sharding.shard_shape(shape, m, spec)
     }
     assert sharding.shard_shape(shape, m, spec) == x.sharding.shard_shape(shape)
     # the copies of a block, counted from the shards, are the axes the spec does not name
+    named = {
+        a
+        for entry in spec
+        if entry
+        for a in (entry if isinstance(entry, tuple) else (entry,))
+    }
+    replicas = math.prod(size for axis, size in m.shape.items() if axis not in named)
     copies = collections.Counter(str(s.index) for s in x.addressable_shards)
-    assert set(copies.values()) == {sharding.replicas(m, spec)}
+    assert set(copies.values()) == {replicas}
     assert set(sharding.bytes_per_device(x).values()) == {
         sharding.expected_bytes_per_device(shape, dtype, m, spec)
     }
     held = sharding.blocks(shape, x.sharding)
-    assert len(held) == N // sharding.replicas(m, spec)
-    assert all(len(ids) == sharding.replicas(m, spec) for ids in held.values())
+    assert len(held) == N // replicas
+    assert all(len(ids) == replicas for ids in held.values())
     # the blocks tile the array exactly once
     cover = np.zeros(shape, int)
     for block in held:
         cover[tuple(slice(a, b) for a, b in block)] += 1
     assert (cover == 1).all()
-
-
-def test_replicas_counts_unnamed_axes():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
-    assert sharding.replicas(m, P()) == N
-    assert sharding.replicas(m, P("data")) == 2
-    assert sharding.replicas(m, P(None, "tensor")) == N // 2
-    assert sharding.replicas(m, P(("data", "tensor"))) == 1
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,9 @@ def test_bytes_and_shapes_per_device_for_a_batch_sharded_array():
     m = mesh_lib.make_mesh((N,), ("data",))
     x = jax.device_put(jnp.zeros((N * 4, 6), jnp.float32), NamedSharding(m, P("data")))
     assert sharding.bytes_per_device(x) == {d.id: 4 * 6 * 4 for d in jax.devices()}
-    assert sharding.shard_shapes(x) == {d.id: (4, 6) for d in jax.devices()}
+    assert {s.device.id: s.data.shape for s in x.addressable_shards} == {
+        d.id: (4, 6) for d in jax.devices()
+    }
 
 
 TREE = {
@@ -152,7 +154,7 @@ def test_shardings_from_rules_place_a_tree():
     assert placed["dense"]["kernel"].sharding.spec == P(None, "tensor")
     assert placed["norm"]["scale"].sharding.spec == P("tensor")
     assert placed["step"].sharding.spec == P()
-    assert sharding.shard_shapes(placed["dense"]["kernel"])[0] == (8, 8)
+    assert placed["dense"]["kernel"].addressable_shards[0].data.shape == (8, 8)
     abstract = jax.eval_shape(lambda: TREE)
     assert sharding.specs_from_rules(abstract, m, RULES) == sharding.specs_from_rules(
         TREE, m, RULES
@@ -165,17 +167,6 @@ def test_a_bad_rule_fails_with_the_leaf_path():
         ShardingError, match=r"^dense/bias: spec P\('tensor', None\) has 2 entries"
     ):
         sharding.specs_from_rules(TREE, m, [(r"bias", P("tensor", None))])
-
-
-def test_path_name_is_keystr_with_slashes():
-    Pair = collections.namedtuple("Pair", "kernel bias")
-    tree = {"a": [1, (2,)], "dense": Pair(3, 4)}
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    paths = [sharding.path_name(p) for p, _ in flat]
-    assert paths == ["a/0", "a/1/0", "dense/kernel", "dense/bias"]
-    assert paths == [
-        jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat
-    ]
 
 
 def test_placement_rows_read_the_placed_arrays():

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import data, sharding, train
+from jaxdist_lessons import data, train
 from jaxdist_lessons.mesh import make_mesh, mesh_shape
 from jaxdist_lessons.models import resnet
 from jaxdist_lessons.models.small import SmallCNN
@@ -80,7 +80,7 @@ def test_state_is_born_sharded_by_the_rules():
     for (path, leaf), expected in zip(
         jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings)
     ):
-        assert leaf.sharding == expected, sharding.path_name(path)
+        assert leaf.sharding == expected, jax.tree_util.keystr(path)
     assert state.params["conv_init"]["kernel"].sharding.spec == P(
         None, None, None, "tensor"
     )
