@@ -62,7 +62,8 @@ def _accumulate(
 def naive_grads(
     loss_fn: LossFn, mesh: Mesh, num_micro: int, data_axis: str = "data"
 ) -> GradsFn:
-    """Accumulation under plain ``jit``: the compiler all-reduces each micro-batch's gradient, in the loop."""
+    """Accumulation under plain ``jit``: the compiler all-reduces each micro-batch's
+    gradient, in the loop."""
     positive_int("num_micro", num_micro)
 
     def grads_fn(params, batch):
@@ -79,12 +80,13 @@ def naive_grads(
 def local_grads(
     loss_fn: LossFn, mesh: Mesh, num_micro: int, data_axis: str = "data"
 ) -> GradsFn:
-    """Accumulation in ``shard_map``: local gradients summed on each device, then one ``pmean``."""
+    """Accumulation in ``shard_map``: local gradients summed on each device, then one
+    ``pmean``."""
     positive_int("num_micro", num_micro)
 
     def grads_fn(params, batch):
-        # Differentiate a per-device ("varying") copy: the gradient of a replicated input would be
-        # summed over devices by autodiff, at every micro-step.
+        # Differentiate a per-device ("varying") copy: the gradient of a replicated
+        # input would be summed over devices by autodiff, at every micro-step.
         local_params = lax.pcast(params, data_axis, to="varying")
         micro = split_micro(batch, num_micro, devices=mesh.shape[data_axis])
         loss, grads = _accumulate(loss_fn, local_params, micro, num_micro)

@@ -348,18 +348,21 @@ def predict_transfers(
     fsdp_gathers: int = 2,
     sequence_parallel: bool = False,
 ) -> list[Transfer]:
-    """The collectives one training step needs on ``layout``, per device, as ``comms`` would report them.
+    """The collectives one training step needs on ``layout``, per device, as ``comms``
+    would report them.
 
-    - Tensor parallelism (Megatron): per block, an all-reduce of the activations after attention
-      and after the MLP going forward, and two for their input gradients going back:
-      ``tp_allreduces_per_layer=4`` (6 where Q, K and V are separate matmuls whose input gradients
-      are all-reduced one by one). A vocabulary-parallel LM adds two more: the embedding lookup
-      going forward, and the gradient of the output projection's input going back (the softmax's
-      per-token maximum and sum, 8 bytes a token, are left out).
-      ``sequence_parallel`` (Megatron's, Korthikanti et al. 2022): each all-reduce becomes an
-      all-gather and a reduce-scatter (``tensor_parallel_transfers``), the same bytes on a ring.
-    - FSDP: every weight gathered ``fsdp_gathers`` times (forward, and again for the backward pass),
-      and the gradients reduce-scattered.
+    - Tensor parallelism (Megatron): per block, an all-reduce of the activations after
+      attention and after the MLP going forward, and two for their input gradients going
+      back: ``tp_allreduces_per_layer=4`` (6 where Q, K and V are separate matmuls whose
+      input gradients are all-reduced one by one). A vocabulary-parallel LM adds two
+      more: the embedding lookup going forward, and the gradient of the output
+      projection's input going back (the softmax's per-token maximum and sum, 8 bytes a
+      token, are left out).
+      ``sequence_parallel`` (Megatron's, Korthikanti et al. 2022): each all-reduce
+      becomes an all-gather and a reduce-scatter (``tensor_parallel_transfers``), the
+      same bytes on a ring.
+    - FSDP: every weight gathered ``fsdp_gathers`` times (forward, and again for the
+      backward pass), and the gradients reduce-scattered.
     - Data parallelism: the (sharded) gradients all-reduced over ``data``.
     """
     out = []

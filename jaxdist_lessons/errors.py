@@ -234,7 +234,8 @@ def caught(fn: Callable, *args: Any, **kwargs: Any) -> BaseException:
 
 
 def explain(exc: BaseException) -> Explanation:
-    """The cause and fix of a known distributed-JAX error; ``known=False`` and a plain "I don't know" otherwise."""
+    """The cause and fix of a known distributed-JAX error; ``known=False`` and a plain
+    "I don't know" otherwise."""
     if not isinstance(exc, BaseException):
         raise TypeError(f"explain() takes an exception, got {type(exc).__name__}")
     message = str(exc)
@@ -250,9 +251,10 @@ def explain(exc: BaseException) -> Explanation:
     first_line = message.strip().splitlines()[0] if message.strip() else "(no message)"
     return Explanation(
         f"unknown {type(exc).__name__}",
-        f"explain() has no entry for this error, so it cannot say the cause: {first_line}",
-        "read the message from its last line up; search it in the JAX GitHub issues and the JAX docs' "
-        "'Errors' page (docs.jax.dev/en/latest/errors.html)",
+        "explain() has no entry for this error, so it cannot say the cause: "
+        f"{first_line}",
+        "read the message from its last line up; search it in the JAX GitHub issues "
+        "and the JAX docs' 'Errors' page (docs.jax.dev/en/latest/errors.html)",
         known=False,
     )
 

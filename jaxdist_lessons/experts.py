@@ -74,7 +74,8 @@ def top_k_gates(logits_TE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]
 
 
 def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
-    """Top-k routing with ``capacity`` slots per expert; first choices take slots before second ones."""
+    """Top-k routing with ``capacity`` slots per expert; first choices take slots before
+    second ones."""
     num_tokens, num_experts = logits_TE.shape
     gates_TK, experts_TK = top_k_gates(logits_TE, top_k)
     choice_KTE = jax.nn.one_hot(experts_TK.T, num_experts)
@@ -141,10 +142,12 @@ def moe_reference(params: dict, x_TD: jax.Array, top_k: int) -> jax.Array:
 def moe_all_to_all(
     params: dict, x_TD: jax.Array, top_k: int, capacity_factor: float, mesh: Mesh
 ) -> tuple[jax.Array, MoeStats]:
-    """The layer over an ``expert`` mesh axis: tokens go to their expert's device and come back.
+    """The layer over an ``expert`` mesh axis: tokens go to their expert's device and
+    come back.
 
-    Tokens are split over every axis of ``mesh`` (``expert``, and ``data`` if there is one);
-    each device routes its own tokens, with a capacity computed from its own token count.
+    Tokens are split over every axis of ``mesh`` (``expert``, and ``data`` if there is
+    one); each device routes its own tokens, with a capacity computed from its own token
+    count.
     """
     token_axes = tuple(mesh.axis_names)
     n = mesh.shape["expert"]

@@ -46,7 +46,8 @@ DataParallelStep = Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any
 def loss_fn(
     model: nn.Module, params: Any, batch_stats: Any, batch: Batch
 ) -> tuple[jax.Array, Any]:
-    """Mean cross-entropy over the batch this code sees, and the updated batch statistics."""
+    """Mean cross-entropy over the batch this code sees, and the updated batch
+    statistics."""
     images, labels = _images_labels(batch)
     if batch_stats:
         logits, updates = model.apply(
@@ -116,9 +117,11 @@ def single_device_step(
 def pmap_step(
     model: nn.Module, tx: optax.GradientTransformation, axis_name: str = "data"
 ) -> DataParallelStep:
-    """Form 2, legacy: ``jax.pmap`` over a leading device axis; ``pmean`` the gradients over ``axis_name``.
+    """Form 2, legacy: ``jax.pmap`` over a leading device axis; ``pmean`` the gradients
+    over ``axis_name``.
 
-    Call it on ``replicate(state)`` and ``split_batch(batch)``; ``unreplicate`` the result.
+    Call it on ``replicate(state)`` and ``split_batch(batch)``; ``unreplicate`` the
+    result.
     """
     model = with_axis_name(model, axis_name)
 
@@ -140,10 +143,11 @@ def jit_data_parallel_step(
     mesh: Mesh,
     data_axis: str = "data",
 ) -> DataParallelStep:
-    """Form 3, the data-parallel step: ``jax.jit`` over the global batch, sharded over ``data_axis``.
+    """Form 3, the data-parallel step: ``jax.jit`` over the global batch, sharded over
+    ``data_axis``.
 
-    The step is written as for one device. The compiler sees a mean over a sharded dimension
-    and inserts the all-reduce of the gradients itself.
+    The step is written as for one device. The compiler sees a mean over a sharded
+    dimension and inserts the all-reduce of the gradients itself.
     """
     model = with_axis_name(
         model, None
@@ -182,7 +186,8 @@ def shard_map_step(
     mesh: Mesh,
     data_axis: str = "data",
 ) -> DataParallelStep:
-    """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean`` the *loss*.
+    """Form 4: ``jax.shard_map``; each device computes its local loss and we ``pmean``
+    the *loss*.
 
     Autodiff of ``pmean`` gives each device the gradient of the global mean loss: the
     all-reduce of the gradients comes from transposing it.

@@ -88,7 +88,8 @@ class TrainingMemory:
 def training_state_bytes(
     num_params: float, optimizer: str = "adam", precision: str = "fp32"
 ) -> TrainingMemory:
-    """Bytes of weights, gradients, optimizer state and master weights for one model copy."""
+    """Bytes of weights, gradients, optimizer state and master weights for one model
+    copy."""
     _check_count("num_params", num_params)
     slots = _lookup(OPTIMIZER_SLOTS, optimizer, "optimizer")
     p = _lookup(PRECISIONS, precision, "precision")
@@ -144,7 +145,8 @@ _SPLIT = {
 
 
 def transformer_layer_params(hidden: int, mlp_ratio: int = 4) -> int:
-    """Parameters of one GPT-style layer: QKV and output projections, a 2-layer MLP, two LayerNorms.
+    """Parameters of one GPT-style layer: QKV and output projections, a 2-layer MLP, two
+    LayerNorms.
 
     With ``mlp_ratio=4`` this is ``12 h^2 + 13 h``.
     """

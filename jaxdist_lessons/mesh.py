@@ -113,18 +113,19 @@ def make_mesh(
     axis_types: AxisType | Sequence[AxisType] = AxisType.Explicit,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """``jax.make_mesh`` with its inputs checked first, and ``axis_types`` always stated.
+    """``jax.make_mesh`` with its inputs checked first, and ``axis_types`` always
+    stated.
 
-    One ``AxisType`` applies to every axis. ``devices`` defaults to all of ``jax.devices()``.
-    Chapters 2, 3 and 13 call ``jax.make_mesh`` itself; this stays while other chapters and
-    package modules still use it.
+    One ``AxisType`` applies to every axis. ``devices`` defaults to all of
+    ``jax.devices()``. Chapters 2, 3 and 13 call ``jax.make_mesh`` itself; this stays
+    while other chapters and package modules still use it.
     """
     names = _check_names(axis_names)
     shape = tuple(shape)
     if len(shape) != len(names):
         raise MeshError(
-            f"shape {shape} has {len(shape)} axes but axis_names {names} has {len(names)}: "
-            "give one size per name"
+            f"shape {shape} has {len(shape)} axes but axis_names {names} has "
+            f"{len(names)}: give one size per name"
         )
     if any(not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
         raise MeshError(f"mesh sizes must be positive integers, got {shape}")
@@ -132,8 +133,9 @@ def make_mesh(
     if math.prod(shape) != len(devices):
         options = mesh_shapes(len(devices), names)
         raise MeshError(
-            f"mesh shape {shape} needs {math.prod(shape)} devices, but there are {len(devices)}: use a shape "
-            f"whose product is {len(devices)}, one of {options}"
+            f"mesh shape {shape} needs {math.prod(shape)} devices, but there are "
+            f"{len(devices)}: use a shape whose product is {len(devices)}, one of "
+            f"{options}"
         )
     types = (
         (axis_types,) * len(names)
@@ -142,8 +144,8 @@ def make_mesh(
     )
     if len(types) != len(names):
         raise MeshError(
-            f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType for all "
-            "axes, or one per axis"
+            f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType "
+            "for all axes, or one per axis"
         )
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
 

@@ -103,23 +103,24 @@ def initialize(
 ) -> ProcessInfo:
     """Join this process to the others through JAX's cluster detection, then start JAX.
 
-    ``num_devices`` (else ``$JAXDIST_NUM_DEVICES``, else 8) is the number of simulated CPU
-    devices *per process*. Under an MPI launcher JAX uses mpi4py; otherwise it detects SLURM,
-    Kubernetes or Cloud TPU, or takes the explicit arguments; with none of them this is a
-    single process. ``local_device_ids`` (the GPUs this process drives) goes to
-    ``jax.distributed.initialize``. ``exit_on_error`` ends the process at once on an uncaught
-    exception (``exit_at_once_on_error``).
+    ``num_devices`` (else ``$JAXDIST_NUM_DEVICES``, else 8) is the number of simulated
+    CPU devices *per process*. Under an MPI launcher JAX uses mpi4py; otherwise it
+    detects SLURM, Kubernetes or Cloud TPU, or takes the explicit arguments; with none
+    of them this is a single process. ``local_device_ids`` (the GPUs this process
+    drives) goes to ``jax.distributed.initialize``. ``exit_on_error`` ends the process
+    at once on an uncaught exception (``exit_at_once_on_error``).
     """
     started = MultihostError(
-        "JAX has already started in this process, and processes can only be joined before "
-        "JAX's first operation: call multihost.initialize() first thing in the script "
-        "(instead of devices.setup()), and start one copy per process (mpirun -np N, srun -n N)"
+        "JAX has already started in this process, and processes can only be joined "
+        "before JAX's first operation: call multihost.initialize() first thing in the "
+        "script (instead of devices.setup()), and start one copy per process "
+        "(mpirun -np N, srun -n N)"
     )
     if jax.distributed.is_initialized():
         raise started
-    # The CPU client is created once, after initialize(): the device count must be set before
-    # it. JAX refuses the setting (RuntimeError) once its backends have started: the public way
-    # to ask whether they have.
+    # The CPU client is created once, after initialize(): the device count must be set
+    # before it. JAX refuses the setting (RuntimeError) once its backends have started:
+    # the public way to ask whether they have.
     count = devices.requested_num_devices(num_devices) or devices.DEFAULT_NUM_DEVICES
     try:
         jax.config.update("jax_num_cpu_devices", count)
@@ -164,12 +165,14 @@ def process_info(joined_by: str = "single process") -> ProcessInfo:
 
 
 def exit_at_once_on_error() -> None:
-    """Make an uncaught exception print its traceback and end the process at once, with status 1.
+    """Make an uncaught exception print its traceback and end the process at once, with
+    status 1.
 
-    Otherwise Python exits through ``jax.distributed.shutdown()`` (registered with ``atexit``),
-    whose barrier waits up to the shutdown timeout for the other processes, while they wait for
-    this one in their next collective. Exiting at once lets ``mpirun`` or ``srun
-    --kill-on-bad-exit=1`` stop the job, and the others' broken collectives end them too.
+    Otherwise Python exits through ``jax.distributed.shutdown()`` (registered with
+    ``atexit``), whose barrier waits up to the shutdown timeout for the other processes,
+    while they wait for this one in their next collective. Exiting at once lets
+    ``mpirun`` or ``srun --kill-on-bad-exit=1`` stop the job, and the others' broken
+    collectives end them too.
     """
     previous = sys.excepthook
 
@@ -316,17 +319,19 @@ def hybrid_mesh(
     devices: Sequence[jax.Device] | None = None,
     nodes: Mapping[int, int] | None = None,
 ) -> Mesh:
-    """A mesh whose axis ``i`` has ``ici_shape[i]`` devices inside a node times ``dcn_shape[i]`` nodes.
+    """A mesh whose axis ``i`` has ``ici_shape[i]`` devices inside a node times
+    ``dcn_shape[i]`` nodes.
 
-    Collectives along an axis with ``dcn_shape[i] == 1`` never leave a node (NVLink on GPUs): put
-    ``tensor`` there, and ``data`` across nodes. ``nodes`` (device id to node) defaults to
-    ``node_of_devices()``. It works for one process per GPU as for one process per node:
-    JAX's ``mesh_utils.create_hybrid_device_mesh`` groups by TPU slice or by process, and with
-    one process per GPU a process is one GPU, not a node.
+    Collectives along an axis with ``dcn_shape[i] == 1`` never leave a node (NVLink on
+    GPUs): put ``tensor`` there, and ``data`` across nodes. ``nodes`` (device id to
+    node) defaults to ``node_of_devices()``. It works for one process per GPU as for one
+    process per node: JAX's ``mesh_utils.create_hybrid_device_mesh`` groups by TPU slice
+    or by process, and with one process per GPU a process is one GPU, not a node.
     """
     if len(axis_names) != len(ici_shape):
         raise MultihostError(
-            f"ici_shape {tuple(ici_shape)} and axis_names {tuple(axis_names)} need one entry per axis each"
+            f"ici_shape {tuple(ici_shape)} and axis_names {tuple(axis_names)} need one "
+            "entry per axis each"
         )
     devices = jax.devices() if devices is None else devices
     nodes = node_of_devices(devices) if nodes is None else nodes

@@ -99,7 +99,8 @@ def hello(info: multihost.ProcessInfo | None = None) -> dict[str, Any]:
 
 
 def hybrid() -> dict[str, Any]:
-    """A hybrid mesh: ``tensor`` inside each process (ICI), ``data`` across processes (DCN); whose collectives go where."""
+    """A hybrid mesh: ``tensor`` inside each process (ICI), ``data`` across processes
+    (DCN); whose collectives go where."""
     mesh = multihost.hybrid_mesh(
         (1, jax.local_device_count()),
         (jax.process_count(), 1),
@@ -129,7 +130,8 @@ def hybrid() -> dict[str, Any]:
         report[f"{axis}_groups"] = groups
         report[f"{axis}_group_processes"] = multihost.processes_per_group(mesh, groups)
     multihost.print0(
-        f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n{multihost.process_grid(mesh)}"
+        f"hybrid mesh {dict(mesh.shape)}; the process owning each device:\n"
+        f"{multihost.process_grid(mesh)}"
     )
     for axis in mesh.axis_names:
         multihost.print0(
@@ -396,7 +398,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Join the processes, run the commands, write ``--out``."""
     args = parser().parse_args(argv)
-    multihost.native_stdout_to_stderr()  # gloo's connection messages must not break our lines
+    # gloo's connection messages must not break our lines
+    multihost.native_stdout_to_stderr()
     info = multihost.initialize(
         args.devices,
         timeouts=multihost.Timeouts(

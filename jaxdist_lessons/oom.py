@@ -209,7 +209,8 @@ def lever_batch(
 def step_program(
     lever: Lever, mesh: Mesh, axis: str = "data", width: int = 128, depth: int = 8
 ) -> jax.stages.Compiled:
-    """Compile (never run) one Adam step of ``DeepMLP`` set up as ``lever`` says, with ``zero.make_step``."""
+    """Compile (never run) one Adam step of ``DeepMLP`` set up as ``lever`` says, with
+    ``zero.make_step``."""
     model = mlp.DeepMLP(width, depth, lever.remat, jnp.dtype(lever.dtype))
     params, opt_state = lever_state(lever, width, depth)
     step = zero.make_step(

@@ -38,8 +38,9 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 MESH_AXES = ("data", "fsdp", "tensor")
 
 _DATA: LogicalRules = (("batch", "data"),)
-# Priority order matters: a mesh axis goes to the first listed name a parameter has, so a kernel
-# ('embed', 'mlp') is split on 'embed', and a bias ('mlp',) still finds 'fsdp' through 'mlp'.
+# Priority order matters: a mesh axis goes to the first listed name a parameter has, so
+# a kernel ('embed', 'mlp') is split on 'embed', and a bias ('mlp',) still finds 'fsdp'
+# through 'mlp'.
 _FSDP_PARAMS: LogicalRules = (
     ("embed", "fsdp"),
     ("mlp", "fsdp"),
@@ -165,13 +166,15 @@ def train_strategy(
     seed: int = 0,
     sample: Any = None,
 ) -> Run:
-    """Train ``model`` on ``batches`` (one step each) on ``mesh`` under the logical ``rules``.
+    """Train ``model`` on ``batches`` (one step each) on ``mesh`` under the logical
+    ``rules``.
 
-    Chapter 9's training cell as a function. ``loss_fn(params, batch)``; ``sample`` is what
-    ``model.init`` is called on (by default the first example of the first batch's first
-    array). The state is ``train.create_train_state``'s, the step ``make_train_step``'s,
-    compiled once, ahead of time, and ``train.fit`` runs it. Call it inside
-    ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)`` (see ``make_train_step``).
+    Chapter 9's training cell as a function. ``loss_fn(params, batch)``; ``sample`` is
+    what ``model.init`` is called on (by default the first example of the first batch's
+    first array). The state is ``train.create_train_state``'s, the step
+    ``make_train_step``'s, compiled once, ahead of time, and ``train.fit`` runs it. Call
+    it inside ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)`` (see
+    ``make_train_step``).
     """
     if not batches:
         raise ValueError("train_strategy needs at least one batch")

@@ -226,11 +226,13 @@ def gpipe_loss(
     num_microbatches: int,
     axis: str = "pipeline",
 ) -> jax.Array:
-    """The sum over microbatches of ``loss_fn(model(x_m), y_m)``, run as a GPipe forward; ``jax.grad`` it.
+    """The sum over microbatches of ``loss_fn(model(x_m), y_m)``, run as a GPipe
+    forward; ``jax.grad`` it.
 
-    Stage 0 alone reads ``x``; each later stage gets one microbatch per tick from the one before
-    (``ppermute``); the last stage alone computes the loss. ``stage_params`` has a leading
-    dimension of ``mesh.shape[axis]``; ``stage_fn(params, x)`` returns an array shaped like ``x``.
+    Stage 0 alone reads ``x``; each later stage gets one microbatch per tick from the
+    one before (``ppermute``); the last stage alone computes the loss. ``stage_params``
+    has a leading dimension of ``mesh.shape[axis]``; ``stage_fn(params, x)`` returns an
+    array shaped like ``x``.
     """
     S = _check(stage_params, x, mesh, num_microbatches, axis)
     M = num_microbatches
@@ -311,11 +313,13 @@ def one_f_one_b_grads(
     num_microbatches: int,
     axis: str = "pipeline",
 ) -> tuple[jax.Array, Any]:
-    """The loss of ``gpipe_loss`` and its gradient, run on the 1F1B schedule; ``S`` slots of inputs per stage.
+    """The loss of ``gpipe_loss`` and its gradient, run on the 1F1B schedule; ``S``
+    slots of inputs per stage.
 
-    Each tick every stage runs what ``one_f_one_b_schedule`` says: a forward, or a backward by
-    ``jax.vjp`` that recomputes the stage from its saved input. Activations go to the next stage and
-    input gradients to the previous one by ``ppermute``, into slots ``micro % S``.
+    Each tick every stage runs what ``one_f_one_b_schedule`` says: a forward, or a
+    backward by ``jax.vjp`` that recomputes the stage from its saved input. Activations
+    go to the next stage and input gradients to the previous one by ``ppermute``, into
+    slots ``micro % S``.
     """
     S = _check(stage_params, x, mesh, num_microbatches, axis)
     M = num_microbatches
@@ -438,20 +442,22 @@ def interleaved_grads(
     virtual: int,
     axis: str = "pipeline",
 ) -> tuple[jax.Array, Any]:
-    """The loss and gradient of the model of ``stage_params``' layers, run on interleaved 1F1B.
+    """The loss and gradient of the model of ``stage_params``' layers, run on
+    interleaved 1F1B.
 
-    ``stage_params`` has one leading slice per layer (``stage_fn`` applies one), ``S * virtual``
-    chunks of equal size: device ``d`` holds chunks ``d, d + S, ...``. Each tick every device runs
-    what ``interleaved_schedule`` says, as ``one_f_one_b_grads`` does; the last device's chunk
-    sends on to device 0's next chunk (a ring ``ppermute``), and inputs and gradients wait in
-    pools of slots sized by the schedule. Gradients come back in ``stage_params``' layout.
+    ``stage_params`` has one leading slice per layer (``stage_fn`` applies one),
+    ``S * virtual`` chunks of equal size: device ``d`` holds chunks ``d, d + S, ...``.
+    Each tick every device runs what ``interleaved_schedule`` says, as
+    ``one_f_one_b_grads`` does; the last device's chunk sends on to device 0's next
+    chunk (a ring ``ppermute``), and inputs and gradients wait in pools of slots sized
+    by the schedule. Gradients come back in ``stage_params``' layout.
     """
     S, v, M = mesh.shape[axis], positive_int("virtual", virtual), num_microbatches
     layers = {p.shape[0] for p in jax.tree.leaves(stage_params)}
     if len(layers) != 1 or next(iter(layers)) % (S * v):
         raise ValueError(
-            f"stage_params' leading dimensions {sorted(layers)} (layers) must be one number "
-            f"that {S} stages x {v} virtual stages = {S * v} chunks divide"
+            f"stage_params' leading dimensions {sorted(layers)} (layers) must be one "
+            f"number that {S} stages x {v} virtual stages = {S * v} chunks divide"
         )
     _check_batch(x, M)
     table = interleaved_schedule(S, M, v)

@@ -80,10 +80,11 @@ def data_parallel_grads(
     mesh: Mesh,
     data_axis: str = "data",
 ) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
-    """``grads_fn(params, batch) -> (loss, grads)`` under ``shard_map``, all-reducing in ``policy.reduce_dtype``.
+    """``grads_fn(params, batch) -> (loss, grads)`` under ``shard_map``, all-reducing in
+    ``policy.reduce_dtype``.
 
-    The loss runs on the parameters cast to the compute dtype; the gradients come back in the
-    parameters' own dtype.
+    The loss runs on the parameters cast to the compute dtype; the gradients come back
+    in the parameters' own dtype.
     """
 
     def grads_fn(params, batch):

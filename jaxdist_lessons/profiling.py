@@ -50,9 +50,11 @@ def op_kind(op: str) -> str:
 def capture(
     fn: Callable, *args: Any, steps: int = 3, log_dir: str | None = None
 ) -> pathlib.Path:
-    """Run ``fn(*args)`` once to compile, then ``steps`` times under ``jax.profiler.trace``; the trace directory.
+    """Run ``fn(*args)`` once to compile, then ``steps`` times under
+    ``jax.profiler.trace``; the trace directory.
 
-    Each step is wrapped in a ``StepTraceAnnotation`` so that viewers can mark the steps.
+    Each step is wrapped in a ``StepTraceAnnotation`` so that viewers can mark the
+    steps.
     """
     positive_int("steps", steps)
     log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="jaxdist-trace-"))

@@ -72,12 +72,14 @@ def _function_name(fn: Callable | str | None) -> str | None:
 def count_compiles(
     fn: Callable | str | None = None, limit: int | None = None
 ) -> Iterator[CompileCounter]:
-    """Count the traces and compilations of ``fn`` (a jitted function or its name; all if None) in the block.
+    """Count the traces and compilations of ``fn`` (a jitted function or its name; all
+    if None) in the block.
 
-    Functions are matched by name, as ``jax.monitoring`` reports them: two functions called
-    ``step`` count together.
+    Functions are matched by name, as ``jax.monitoring`` reports them: two functions
+    called ``step`` count together.
 
-    With ``limit``, raise ``RecompileError`` on leaving the block if ``fn`` compiled more often.
+    With ``limit``, raise ``RecompileError`` on leaving the block if ``fn`` compiled
+    more often.
     """
     if limit is not None:
         positive_int("limit", limit)
@@ -89,8 +91,9 @@ def count_compiles(
         jax.monitoring.unregister_event_duration_listener(counter._listen)
     if limit is not None and counter.compiles > limit:
         raise RecompileError(
-            f"{counter.name or 'the block'} compiled {counter.compiles} times (limit {limit}): its arguments "
-            "changed shape, dtype or sharding between calls, or a static argument changed value. Fix: keep "
-            "shapes fixed (pad or drop the last batch); run under jax.explain_cache_misses(True) to see "
+            f"{counter.name or 'the block'} compiled {counter.compiles} times "
+            f"(limit {limit}): its arguments changed shape, dtype or sharding between "
+            "calls, or a static argument changed value. Fix: keep shapes fixed (pad or "
+            "drop the last batch); run under jax.explain_cache_misses(True) to see "
             "what changed"
         )

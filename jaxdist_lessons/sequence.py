@@ -38,9 +38,11 @@ MASKED = -1e30  # finite, so that a row with nothing unmasked yet gives no NaN
 
 
 def zigzag_order(seq_len: int, num_devices: int) -> np.ndarray:
-    """Token positions in zigzag order: device ``i``'s share is chunks ``i`` and ``2n-1-i``.
+    """Token positions in zigzag order: device ``i``'s share is chunks ``i`` and
+    ``2n-1-i``.
 
-    ``x[:, zigzag_order(T, n)]`` puts a sequence in this layout; ``np.argsort`` of it undoes it.
+    ``x[:, zigzag_order(T, n)]`` puts a sequence in this layout; ``np.argsort`` of it
+    undoes it.
     """
     positive_int("num_devices", num_devices)
     if seq_len % (2 * num_devices):
@@ -62,7 +64,8 @@ def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:
 
 
 def _fold_block(q, k, v, mask, carry):
-    """Fold one block of keys and values into the online softmax (running max, sum, output)."""
+    """Fold one block of keys and values into the online softmax (running max, sum,
+    output)."""
     m, total, o = carry  # m, total: (B, N, Tq); o: (B, Tq, N, H)
     s = jnp.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(q.shape[-1])
     s = jnp.where(mask, s, MASKED)
@@ -77,7 +80,8 @@ def _fold_block(q, k, v, mask, carry):
 
 
 def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
-    """Causal attention with K, V passed around the ring: n blocks, n-1 ``ppermute``s of K and V."""
+    """Causal attention with K, V passed around the ring: n blocks, n-1 ``ppermute``s of
+    K and V."""
     n, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     B, T, N, H = q_BTNH.shape
     q_pos = _positions(T, axis_name)
@@ -116,8 +120,9 @@ def gathered_kv_attention(
 
 
 def ulysses_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
-    """Causal attention with heads split, not the sequence: all-to-all in (q, k, v), and out."""
-    to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)  # noqa: E731
+    """Causal attention with heads split, not the sequence: all-to-all in (q, k, v), and
+    out."""
+    to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
     q, k, v = to_heads(q_BTNH), to_heads(k_BTNH), to_heads(v_BTNH)  # (B, T_all, N/n, H)
     n = jax.lax.axis_size(axis_name)
     pos = jnp.asarray(
@@ -136,7 +141,8 @@ ATTENTIONS: dict[str, Callable] = {
 
 
 def over_sequence(attention: Callable, mesh: Mesh, axis: str = "sequence") -> Callable:
-    """``attention`` of one device's shards, as a function of whole (zigzag-ordered) arrays."""
+    """``attention`` of one device's shards, as a function of whole (zigzag-ordered)
+    arrays."""
     spec = P(None, axis)
     return jax.shard_map(
         lambda q, k, v: attention(q, k, v, axis),

@@ -262,11 +262,13 @@ def batch_size(batch: Any) -> int:
 
 
 def check_batch(batch: Any, mesh: Mesh, spec: P) -> None:
-    """Raise ``BatchError`` unless every array in ``batch`` can be sharded with ``spec`` on ``mesh``.
+    """Raise ``BatchError`` unless every array in ``batch`` can be sharded with ``spec``
+    on ``mesh``.
 
-    Every leaf must share one leading (batch) size (``batch_size``), and the mesh axes in
-    ``spec[0]`` must divide it (``check_batch_divides``). Other problems (an axis name not in the
-    mesh, a spec longer than an array's rank) raise ``ShardingError`` naming the leaf.
+    Every leaf must share one leading (batch) size (``batch_size``), and the mesh axes
+    in ``spec[0]`` must divide it (``check_batch_divides``). Other problems (an axis
+    name not in the mesh, a spec longer than an array's rank) raise ``ShardingError``
+    naming the leaf.
     """
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if len(spec):  # a replicated batch (P()) may hold scalars

@@ -42,14 +42,16 @@ def coordination_client() -> Any:
 
 
 def report(steps: dict[int, int], num_processes: int, timeout_s: float) -> str:
-    """Which processes did not reach the furthest step, from every process's last step."""
+    """Which processes did not reach the furthest step, from every process's last
+    step."""
     ahead = max(steps.values(), default=0)
     behind = [p for p in range(num_processes) if steps.get(p, -1) < ahead]
     if not behind:
         return (
             f"watchdog: every process reached step {ahead} but none finished it within "
-            f"{timeout_s:g} s: step {ahead} is stuck on all of them (a collective whose order or "
-            "shape differs between processes, or a deadlock inside the step)"
+            f"{timeout_s:g} s: step {ahead} is stuck on all of them (a collective "
+            "whose order or shape differs between processes, or a deadlock inside the "
+            "step)"
         )
     where = ", ".join(
         f"process {p} at step {steps[p]}" if p in steps else f"process {p} at no step"
@@ -57,8 +59,9 @@ def report(steps: dict[int, int], num_processes: int, timeout_s: float) -> str:
     )
     waiting = [p for p in range(num_processes) if p not in behind]
     return (
-        f"watchdog: process{'es' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did "
-        f"not reach step {ahead} within {timeout_s:g} s ({where}); processes "
+        f"watchdog: process{'es' if len(behind) > 1 else ''} "
+        f"{', '.join(map(str, behind))} did not reach step {ahead} within "
+        f"{timeout_s:g} s ({where}); processes "
         f"{', '.join(map(str, waiting))} wait at step {ahead}"
     )
 

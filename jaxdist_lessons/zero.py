@@ -66,7 +66,8 @@ def shard_dim(shape: Sequence[int], num_shards: int) -> int | None:
 
 
 def fsdp_spec(shape: Sequence[int], mesh: Mesh, axis: str = "data") -> P:
-    """The rule: ``axis`` on the array's largest evenly divisible dimension, else replicated (``P()``)."""
+    """The rule: ``axis`` on the array's largest evenly divisible dimension, else
+    replicated (``P()``)."""
     dim = shard_dim(shape, mesh.shape[axis])
     return (
         P()
@@ -151,8 +152,9 @@ def _unchanged(x: Any, *_: Any) -> Any:
 def gather_shards(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
     """Each sharded leaf all-gathered to its full shape; replicated leaves as they are.
 
-    ``to="invarying"`` says the result is the same on every device (it may then leave ``shard_map``
-    as ``P()``); the default keeps it per-device, which is what autodiff needs to reduce-scatter.
+    ``to="invarying"`` says the result is the same on every device (it may then leave
+    ``shard_map`` as ``P()``); the default keeps it per-device, which is what autodiff
+    needs to reduce-scatter.
     """
     return _by_spec(
         tree,
@@ -163,7 +165,8 @@ def gather_shards(tree: Any, specs: Any, axis: str, to: str = "varying") -> Any:
 
 
 def mean_scatter(grads: Any, specs: Any, axis: str) -> Any:
-    """The mean over devices of each gradient: reduce-scattered where sharded, all-reduced where not."""
+    """The mean over devices of each gradient: reduce-scattered where sharded,
+    all-reduced where not."""
     n = lax.axis_size(axis)
     return _by_spec(
         grads,
@@ -197,7 +200,8 @@ def fsdp_update(
     specs: Any,
     axis: str,
 ) -> tuple[Any, Any, jax.Array]:
-    """One FSDP update inside ``shard_map``: the loss of this device's shards differentiated, each gradient reduced once."""
+    """One FSDP update inside ``shard_map``: the loss of this device's shards
+    differentiated, each gradient reduced once."""
     local = _vary_replicated(params, specs, axis)
     loss, grads = jax.value_and_grad(loss_of_shards)(local)
     n = lax.axis_size(axis)  # the sharded gradients are already reduce-scattered sums
@@ -219,19 +223,22 @@ def make_step(
     axis: str = "data",
     donate: bool = True,
 ) -> Callable:
-    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``strategy``, jitted.
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``strategy``,
+    jitted.
 
-    ``params`` and ``opt_state`` (arrays or ``ShapeDtypeStruct``s) give the shapes the specs come
-    from; pass them to the step placed by ``place``. The batch is sharded over ``axis``.
+    ``params`` and ``opt_state`` (arrays or ``ShapeDtypeStruct``s) give the shapes the
+    specs come from; pass them to the step placed by ``place``. The batch is sharded
+    over ``axis``.
     """
     _check_strategy(strategy)
     pspecs = param_specs(strategy, params, mesh, axis)
     ospecs = opt_state_specs(strategy, opt_state, mesh, axis)
     shard_specs = param_specs("fsdp", params, mesh, axis)  # how zero1 splits the update
 
-    # Every step differentiates the *local* loss with respect to per-device ("varying") parameters and
-    # then reduces each gradient once. (Differentiating a pmean'd loss with respect to replicated
-    # parameters also works, but all-reduces a parameter once per use: twice for a tied embedding.)
+    # Every step differentiates the *local* loss with respect to per-device ("varying")
+    # parameters and then reduces each gradient once. (Differentiating a pmean'd loss
+    # with respect to replicated parameters also works, but all-reduces a parameter once
+    # per use: twice for a tied embedding.)
     def data_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(
             lax.pcast(params, axis, to="varying"), batch
@@ -253,7 +260,8 @@ def make_step(
         return new_params, opt_state, lax.pmean(loss, axis)
 
     def fsdp_step(params, opt_state, batch):
-        # The all-gather's transpose is a reduce-scatter (a sum): autodiff writes FSDP's backward pass.
+        # The all-gather's transpose is a reduce-scatter (a sum): autodiff writes FSDP's
+        # backward pass.
         loss_of_shards = lambda p: loss_fn(gather_shards(p, pspecs, axis), batch)
         return fsdp_update(loss_of_shards, tx, params, opt_state, pspecs, axis)
 
@@ -290,12 +298,13 @@ def scan_layers(
     gather: Callable[[Any], Any] = _unchanged,
     remat: bool = False,
 ) -> jax.Array:
-    """``x`` through each layer of the stack in turn: a ``lax.scan`` over the leaves' leading axis.
+    """``x`` through each layer of the stack in turn: a ``lax.scan`` over the leaves'
+    leading axis.
 
-    ``gather(layer)`` makes one layer's stored parameters whole before ``layer_fn`` uses them. With
-    ``remat`` the body is under ``jax.checkpoint``: autodiff saves only each layer's input (and its
-    stored parameters, which are an argument anyway), and the backward pass runs the body again,
-    gather included.
+    ``gather(layer)`` makes one layer's stored parameters whole before ``layer_fn`` uses
+    them. With ``remat`` the body is under ``jax.checkpoint``: autodiff saves only each
+    layer's input (and its stored parameters, which are an argument anyway), and the
+    backward pass runs the body again, gather included.
     """
 
     def body(x, layer):
@@ -324,12 +333,14 @@ def make_layered_fsdp_step(
     remat: bool = True,
     donate: bool = True,
 ) -> Callable:
-    """FSDP that gathers one layer at a time: ``step(layers, opt_state, (inputs, targets))``, jitted.
+    """FSDP that gathers one layer at a time:
+    ``step(layers, opt_state, (inputs, targets))``, jitted.
 
-    ``layers`` (and the optimizer state) are stacked on a leading layer axis and sharded by
-    ``stacked_specs`` (``jax.device_put`` puts them there). Inside the scan each layer all-gathers its own
-    parameters. With ``remat`` (ZeRO-3) only that layer's gathered copy is alive, and the backward
-    pass gathers it again; without, autodiff keeps every layer's gathered copy for the backward pass.
+    ``layers`` (and the optimizer state) are stacked on a leading layer axis and sharded
+    by ``stacked_specs`` (``jax.device_put`` puts them there). Inside the scan each
+    layer all-gathers its own parameters. With ``remat`` (ZeRO-3) only that layer's
+    gathered copy is alive, and the backward pass gathers it again; without, autodiff
+    keeps every layer's gathered copy for the backward pass.
     """
     specs = stacked_specs(layers, mesh, axis)
     one_layer = jax.tree.map(

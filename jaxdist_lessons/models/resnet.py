@@ -119,11 +119,13 @@ ResNet152 = _family((3, 8, 36, 3), BottleneckBlock)
 
 
 def partition_rules(tensor_axis: str = "tensor") -> list[tuple[str, P]]:
-    """Tensor-parallel rules for a ResNet's variables: output channels over ``tensor_axis``.
+    """Tensor-parallel rules for a ResNet's variables: output channels over
+    ``tensor_axis``.
 
-    Convolution kernels are ``(kh, kw, in, out)`` and the head is ``(features, classes)``:
-    both split their last dimension. BatchNorm's per-channel scale, bias and statistics
-    follow the channels they normalise. Every other leaf is replicated.
+    Convolution kernels are ``(kh, kw, in, out)`` and the head is
+    ``(features, classes)``: both split their last dimension. BatchNorm's per-channel
+    scale, bias and statistics follow the channels they normalise. Every other leaf is
+    replicated.
     """
     return [
         (r"(conv_init|Conv_\d+|proj_conv)/kernel$", P(None, None, None, tensor_axis)),

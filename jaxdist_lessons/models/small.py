@@ -48,7 +48,8 @@ class SmallCNN(nn.Module):
 
 
 class NNXMLP(nnx.Module):
-    """A two-layer MLP in NNX, split Megatron-style: the first kernel by columns, the second by rows."""
+    """A two-layer MLP in NNX, split Megatron-style: the first kernel by columns, the
+    second by rows."""
 
     def __init__(
         self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, axis: str = "tensor"
@@ -69,6 +70,6 @@ class NNXMLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, out_sharding: P | None = None) -> jax.Array:
-        # On Explicit axes the row-split matmul must be told where its sum goes (``out_sharding``);
-        # on Auto axes XLA chooses.
+        # On Explicit axes the row-split matmul must be told where its sum goes
+        # (``out_sharding``); on Auto axes XLA chooses.
         return self.down(nnx.gelu(self.up(x)), out_sharding=out_sharding)

@@ -106,7 +106,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm Transformer block: ``x + attention(ln(x))``, then ``x + mlp(ln(x))``."""
+    """One pre-LayerNorm Transformer block: ``x + attention(ln(x))``, then
+    ``x + mlp(ln(x))``."""
 
     num_heads: int
     mlp_ratio: int = 4
