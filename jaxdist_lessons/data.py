@@ -288,18 +288,20 @@ def loader(
     process_index: int | None = None,
     process_count: int | None = None,
 ) -> grain.DataLoader:
-    """One epoch of this process's share of every global batch: a Grain pipeline of numpy ``Batch``es.
+    """One epoch of this process's share of every global batch, as numpy ``Batch``es.
 
-    The order depends only on ``(seed, epoch)``. With ``drop_remainder=False`` zero examples whose
-    ``mask`` is 0 pad the data to whole batches, so that no example is lost (use it for evaluation:
-    padded rows would bias BatchNorm's batch statistics in training).
+    A Grain pipeline. The order depends only on ``(seed, epoch)``. With
+    ``drop_remainder=False`` zero examples whose ``mask`` is 0 pad the data to whole
+    batches, so that no example is lost (use it for evaluation: padded rows would bias
+    BatchNorm's batch statistics in training).
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     positive_int("global_batch", global_batch)
     if global_batch % process_count:
         raise ValueError(
-            f"global batch {global_batch} must be a multiple of the {process_count} processes"
+            f"global batch {global_batch} must be a multiple of the "
+            f"{process_count} processes"
         )
     records = data
     if not drop_remainder:

@@ -64,7 +64,10 @@ def init_fn(
     input_shape: Sequence[int],
     input_dtype: Any = jnp.float32,
 ) -> Callable[[jax.Array], TrainState]:
-    """``init(rng) -> TrainState``: the model initialised on one example of ``input_shape``."""
+    """``init(rng) -> TrainState``: the model initialised on one example.
+
+    The example has ``input_shape`` (without the batch dimension) and ``input_dtype``.
+    """
 
     def init(rng: jax.Array) -> TrainState:
         variables = model.init(rng, jnp.zeros((1, *input_shape), input_dtype))
@@ -74,8 +77,8 @@ def init_fn(
             tx=tx,
             batch_stats=variables.get("batch_stats", {}),
         )
-        # A strongly typed step counter: a restored checkpoint then has exactly the same types, so the
-        # jitted steps do not compile again for it.
+        # A strongly typed step counter: a restored checkpoint then has exactly the
+        # same types, so the jitted steps do not compile again for it.
         return state.replace(step=jnp.zeros((), jnp.int32))
 
     return init
@@ -165,7 +168,11 @@ def _weighted_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 def train_step(
     state: TrainState, batch: Batch
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One step of image classification: cross-entropy on integer labels, BatchNorm statistics updated."""
+    """One step of image classification.
+
+    Cross-entropy on integer labels, weighted by the batch's mask; BatchNorm statistics
+    updated.
+    """
 
     def loss_fn(params):
         logits, updates = state.apply_fn(
@@ -260,8 +267,8 @@ def evaluate(
             totals[key] += float(value)
     if totals["count"] == 0:
         raise ValueError(
-            "evaluate got no examples: pass batches made with drop_remainder=False, or a global "
-            "batch no larger than the dataset"
+            "evaluate got no examples: pass batches made with drop_remainder=False, "
+            "or a global batch no larger than the dataset"
         )
     return {
         "loss": totals["loss_sum"] / totals["count"],

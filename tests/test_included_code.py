@@ -14,13 +14,7 @@ INCLUDE = re.compile(r"```\{literalinclude\}\s+(\S+\.py)\n((?::[^\n]*\n)*)")
 # Included objects of jaxdist_lessons/train.py, jaxdist_lessons/data.py and
 # multihost_demo.train_digits, which another helper was editing: they may still have
 # lines over WIDTH. The lead empties this list once they fit (an entry that fits fails).
-STILL_OVER = {
-    ("jaxdist_lessons/train.py", "init_fn"),
-    ("jaxdist_lessons/train.py", "train_step"),
-    ("jaxdist_lessons/train.py", "evaluate"),
-    ("jaxdist_lessons/data.py", "loader"),
-    ("jaxdist_lessons/multihost_demo.py", "train_digits"),
-}
+STILL_OVER: set[tuple[str, str]] = set()
 
 
 def options(block: str) -> dict[str, str]:
