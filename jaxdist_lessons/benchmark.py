@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, compiled, sharding, zero
 from jaxdist_lessons._checks import positive_int
-from jaxdist_lessons.gradients import MLP, loss_fn
+from jaxdist_lessons.gradients import loss_fn
 from jaxdist_lessons.models import transformer
+from jaxdist_lessons.models.small import MLP
 from jaxdist_lessons.tables import Table
 
 

@@ -298,10 +298,6 @@ def _place(state: TrainState, batch: Batch, mesh: Mesh) -> tuple[TrainState, Bat
     )
 
 
-# The models, for the modules that still import them from here (``benchmark``, ``multihost_demo``).
-from jaxdist_lessons.models.small import MLP, SmallCNN  # noqa: E402, F401
-
-
 def _images_labels(batch: Any) -> tuple[jax.Array, jax.Array]:
     if isinstance(batch, tuple):  # an (images, labels) pair, as ``benchmark`` passes it
         return batch

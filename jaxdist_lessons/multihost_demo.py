@@ -36,9 +36,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, data, gradients, hlo, multihost, train
+from jaxdist_lessons import comms, data, hlo, multihost, train
+from jaxdist_lessons.models.small import SmallCNN
 
-MODEL = gradients.SmallCNN(channels=8)
+MODEL = SmallCNN(channels=8)
 IMAGE_SHAPE = (32, 32, 1)
 PREPROCESS = data.Preprocess(channels=1)
 FAILURES = ("kill", "raise", "hang")

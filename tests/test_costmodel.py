@@ -93,7 +93,7 @@ def test_tensor_parallel_transfers_by_hand():
         spec, costmodel.Layout(data=3, tensor=2), param_bytes=4, activation_bytes=4
     )
     activations = [t for t in transfers if t.what.startswith("activations")]
-    # 4 per block, 2 blocks, each of (6/3 images x 5 tokens x 4 hidden) floats, over the 2 model devices.
+    # 4 per block, 2 blocks, each of (6/3 images x 5 tokens x 4 hidden) floats, over the 2 tensor devices.
     assert [(t.kind, t.bytes, t.group_size) for t in activations] == [
         ("all-reduce", 2 * 5 * 4 * 4, 2)
     ] * 8

@@ -25,7 +25,7 @@ class Block(nn.Module):
 class DeepMLP(nn.Module):
     """``depth`` Dense+GELU blocks then a 10-way head; ``remat`` recomputes each block in the backward pass.
 
-    Not ``gradients.MLP``: the remat lever needs a module per block (``nn.remat`` of a whole model
+    Not ``small.MLP``: the remat lever needs a module per block (``nn.remat`` of a whole model
     recomputes it all at once and, measured, keeps the same temporaries), GELU's backward pass needs
     its input (so remat has activations to save), and the bf16 lever needs bf16 parameters.
     """
