@@ -11,11 +11,6 @@ BOOK = ROOT / "book"
 WIDTH = 88
 INCLUDE = re.compile(r"```\{literalinclude\}\s+(\S+\.py)\n((?::[^\n]*\n)*)")
 
-# Included objects of jaxdist_lessons/train.py, jaxdist_lessons/data.py and
-# multihost_demo.train_digits, which another helper was editing: they may still have
-# lines over WIDTH. The lead empties this list once they fit (an entry that fits fails).
-STILL_OVER: set[tuple[str, str]] = set()
-
 
 def options(block: str) -> dict[str, str]:
     """The directive's ``:name: value`` options."""
@@ -111,10 +106,6 @@ def test_included_code_fits(page: str, shown: str, what: str, opts: dict) -> Non
         for number, text in included_lines(ROOT / shown, opts)
         if len(text.rstrip()) > WIDTH
     ]
-    if (shown, what) in STILL_OVER:
-        if not long:
-            pytest.fail(f"{shown} ({what}) now fits: take it off STILL_OVER")
-        pytest.skip(f"{shown} ({what}) is on STILL_OVER: {len(long)} long lines")
     assert not long, "\n".join(long)
 
 
