@@ -25,7 +25,6 @@ def load(name: str, path: pathlib.Path):
 
 
 zh_catalogs = load("zh_catalogs", ROOT / ".ci" / "zh_catalogs.py")
-executed_config = load("executed_config", ROOT / ".ci" / "executed_config.py")
 sys.path.insert(0, str(ROOT / "_ext"))
 import editions  # noqa: E402
 
@@ -66,18 +65,6 @@ def test_the_chinese_config_is_the_english_one_with_only_its_own_keys():
         == english["execute"]["cache"]
         == "_build/.jupyter_cache"
     )
-
-
-def test_the_executed_config_of_either_edition_builds_from_the_notebooks(tmp_path):
-    for name in ("_config.yml", "_config.zh.yml"):
-        config = executed_config.executed_config(ROOT, name)
-        assert config["execute"]["execute_notebooks"] == "off"
-        assert "book/03_sharding.md" in config["exclude_patterns"]
-        assert "book/*.ipynb" not in config["exclude_patterns"]
-        folder = pathlib.Path(config["sphinx"]["local_extensions"]["editions"])
-        assert folder.is_absolute() and (folder / "editions.py").exists()
-    zh = executed_config.executed_config(ROOT, "_config.zh.yml")
-    assert zh["sphinx"]["config"]["language"] == "zh_CN"
 
 
 def test_each_edition_links_to_the_same_page_in_the_other():

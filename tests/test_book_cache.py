@@ -1,0 +1,85 @@
+"""book/conftest.py files each chapter that passes under pytest in the build's jupyter-cache."""
+
+import importlib.util
+import pathlib
+
+import nbformat
+from jupyter_cache import get_cache
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location(
+    "book_conftest", ROOT / "book" / "conftest.py"
+)
+book_conftest = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(book_conftest)
+
+PAGE = """\
+---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+# A page
+
+```{code-cell} ipython3
+:tags: [hide-input]
+x = 6 * 7
+```
+
+Some text.
+
+```{code-cell} ipython3
+print(x)
+```
+"""
+
+
+def executed(sources: list[str], printed: str) -> nbformat.NotebookNode:
+    """A notebook as nbmake returns it: the code cells, the last one with an output."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.cells[-1].outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text=printed)
+    ]
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def test_the_build_finds_a_passed_chapter_and_its_outputs(tmp_path):
+    md = tmp_path / "page.md"
+    md.write_text(PAGE)
+    cache = tmp_path / "cache"
+    ran = executed(["x = 6 * 7", "print(x)"], "42\n")
+    assert book_conftest.file_for_the_build(ran, md.with_suffix(".ipynb"), cache)
+    # The build reads the page as myst-nb does and looks it up by its code cells.
+    page = book_conftest.as_the_book_reads_it(md)
+    _, merged = get_cache(str(cache)).merge_match_into_notebook(page)
+    code = [c for c in merged.cells if c.cell_type == "code"]
+    assert code[1].outputs[0]["text"] == "42\n"
+    assert code[0].metadata["tags"] == ["hide-input"]  # the page's own cell options
+
+    # A page whose code changed since is not found: the build executes it.
+    md.write_text(PAGE.replace("6 * 7", "6 * 9"))
+    changed = book_conftest.as_the_book_reads_it(md)
+    try:
+        get_cache(str(cache)).match_cache_notebook(changed)
+        raise AssertionError("a changed page matched the old outputs")
+    except KeyError:
+        pass
+
+
+def test_a_pair_out_of_sync_or_without_text_is_not_filed(tmp_path):
+    md = tmp_path / "page.md"
+    md.write_text(PAGE)
+    cache = tmp_path / "cache"
+    stale = executed(["x = 6 * 9", "print(x)"], "54\n")
+    assert not book_conftest.file_for_the_build(stale, md.with_suffix(".ipynb"), cache)
+    alone = tmp_path / "alone.ipynb"
+    assert not book_conftest.file_for_the_build(stale, alone, cache)
+    assert not cache.exists()
