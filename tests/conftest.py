@@ -24,6 +24,15 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
     # A size limit makes JAX lock the folder: workers, kernels and jobs share it.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 1024**3))
 
+# The package tests compile at XLA's backend optimisation level 0: the same HLO programs
+# (shardings, collectives, buffer sizes, all that the tests read), turned into less optimised
+# machine code in about half the time. Their jobs inherit the flag. The chapters compile at
+# the default level, as a reader's run does: book/conftest.py takes the flag out of their
+# kernels' environment, since the book shows their outputs.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
 from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
 DEVICES = devices.setup(num_devices=8)
@@ -43,15 +52,29 @@ def pytest_configure(config):
         data.digits_source("train")
 
 
+# Modules whose module-scoped fixtures run jobs or whole pages: under pytest-xdist each worker
+# that took one of their tests would build the fixture again, so each runs on one worker.
+ONE_WORKER_MODULES = {
+    "test_seed_snippets.py",  # runs the appendix's cells
+    "test_lm_recipe.py",  # trains the recipe on every mesh
+    "test_multihost.py",  # compiles a job's layouts
+    "test_hang_lab.py",  # runs the hang lab's cases
+    "test_multihost_demo.py",  # the single-process reference run
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
-    job after another: two jobs at once would find the node busy."""
+    job after another: two jobs at once would find the node busy. The modules above each run
+    on one worker too."""
     for item in items:
         if (
             "slurm" in getattr(item, "fixturenames", ())
             or item.path.name in SLURM_CHAPTERS
         ):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.path.name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def demo_pids() -> set[int]:

@@ -1,10 +1,14 @@
 """book/conftest.py files each chapter that passes under pytest in the build's jupyter-cache."""
 
 import importlib.util
+import os
 import pathlib
 
 import nbformat
+import pytest
+from conftest import FAST_COMPILE
 from jupyter_cache import get_cache
+from nbmake.nb_run import NotebookRun
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location(
@@ -83,3 +87,21 @@ def test_a_pair_out_of_sync_or_without_text_is_not_filed(tmp_path):
     alone = tmp_path / "alone.ipynb"
     assert not book_conftest.file_for_the_build(stale, alone, cache)
     assert not cache.exists()
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
+)
+def test_the_tests_compile_fast_and_the_chapters_at_the_default_level(tmp_path):
+    assert FAST_COMPILE in os.environ["XLA_FLAGS"].split()
+    page = tmp_path / "flags.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import os; print(os.environ['XLA_FLAGS'])")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(nb, page)
+    result = NotebookRun(page, 120).execute()
+    assert result.error is None
+    printed = result.nb.cells[0].outputs[0]["text"].split()
+    assert FAST_COMPILE not in printed
+    assert printed == [f for f in os.environ["XLA_FLAGS"].split() if f != FAST_COMPILE]
+    assert not (tmp_path / "cache").exists()
