@@ -3,6 +3,8 @@
 The two models differ in their projections (Flax's ``DenseGeneral`` in the decoder, one einsum
 with logically named kernels in the ViT) and in the mask (causal in the decoder, none in the
 ViT); what happens between the projections is this function.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ BatchNorm: under ``jax.jit`` with a batch sharded over devices, the model sees t
 batch, so its batch statistics are already global and ``axis_name`` stays ``None``. Under
 ``jax.pmap`` or ``jax.shard_map`` each device sees only its shard: pass the mapped axis
 name (for example ``axis_name='data'``) so the statistics are averaged across devices.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class ResNet(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
+    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
         base = max(1, int(64 * self.width))
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         norm = functools.partial(
@@ -91,7 +93,7 @@ class ResNet(nn.Module):
             axis_name=self.axis_name,
         )
         x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(
-            images_BHWC
+            images_BHWI
         )
         x = nn.relu(norm(name="bn_init")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")

@@ -4,6 +4,8 @@
 one with them, because batch statistics are where data parallelism gets subtle. Both take an
 ``axis_name`` (BatchNorm averages its statistics over it under ``pmap`` or ``shard_map``).
 ``NNXMLP`` is chapter 9's NNX example: its kernels carry partition metadata.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class MLP(nn.Module):
     axis_name: str | None = None  # unused; here so that every model takes one
 
     @nn.compact
-    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
-        x = images_BHWC.reshape(images_BHWC.shape[0], -1)
+    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
+        x = images_BHWI.reshape(images_BHWI.shape[0], -1)
         for width in self.features[:-1]:
             x = nn.relu(nn.Dense(width)(x))
         return nn.Dense(self.features[-1])(x)
@@ -38,8 +40,8 @@ class SmallCNN(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
-        x = nn.Conv(self.channels, (3, 3))(images_BHWC)
+    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(self.channels, (3, 3))(images_BHWI)
         x = nn.BatchNorm(
             use_running_average=not train, momentum=0.9, axis_name=self.axis_name
         )(x)

@@ -17,6 +17,8 @@ Parameter paths, for block ``i``::
     head/{kernel,bias}                           (embed, classes) / (classes,)
 
 ViT-B/16 is ``ViT(hidden=768, num_layers=12, num_heads=12, mlp_dim=3072, patch_size=16)``.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ Dtype = Any
 zeros = nn.initializers.zeros_init()
 
 
-def patchify(images_BHWC: jax.Array, patch_size: int) -> jax.Array:
-    """Cut images into non-overlapping square patches: ``(B, H, W, C) -> (B, H/p * W/p, p*p*C)``."""
-    b, h, w, c = images_BHWC.shape
+def patchify(images_BHWI: jax.Array, patch_size: int) -> jax.Array:
+    """Cut images into non-overlapping square patches: ``(B, H, W, I) -> (B, H/p * W/p, p*p*I)``."""
+    b, h, w, c = images_BHWI.shape
     p = patch_size
     if h % p or w % p:
         raise ValueError(f"image size {(h, w)} is not divisible by patch_size={p}")
-    x = images_BHWC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    x = images_BHWI.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
     return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
@@ -184,8 +186,8 @@ class ViT(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, images_BHWC: jax.Array) -> jax.Array:
-        patches_BTP = patchify(images_BHWC, self.patch_size)
+    def __call__(self, images_BHWI: jax.Array) -> jax.Array:
+        patches_BTP = patchify(images_BHWI, self.patch_size)
         x_BTD = nn.Dense(
             self.hidden,
             dtype=self.dtype,
@@ -218,14 +220,14 @@ class ViT(nn.Module):
                 name=f"Block_{i}",
             )(x_BTD)
         x_BD = axes.layer_norm("ln_final", self.dtype, self.param_dtype)(x_BTD)[:, 0]
-        logits_BC = nn.Dense(
+        logits_BO = nn.Dense(
             self.num_classes,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             **axes.dense_inits(("embed", "classes"), ("classes",)),
             name="head",
         )(x_BD)
-        return logits_BC.astype(jnp.float32)
+        return logits_BO.astype(jnp.float32)
 
 
 def vit_params(
