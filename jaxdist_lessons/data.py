@@ -50,7 +50,7 @@ DEFAULT_DATA_DIR = os.path.join(
 class Batch(TypedDict):
     """The one batch type of the book: a dict of arrays sharing their leading (batch) size."""
 
-    images: Any  # (B, H, W, I) float32
+    images: Any  # (B, H, W, C) float32
     labels: Any  # (B,) int32 class ids
     mask: NotRequired[Any]  # (B,) float32: 1 for a real example, 0 for padding
 
@@ -232,9 +232,9 @@ class _RandomShift(grain.transforms.RandomMap):
     def random_map(
         self, element: dict[str, np.ndarray], rng: np.random.Generator
     ) -> dict[str, np.ndarray]:
-        s, image_HWI = self.max_shift, element["images"]
-        h, w, _ = image_HWI.shape
-        padded = np.pad(image_HWI, ((s, s), (s, s), (0, 0)))
+        s, image_HWC = self.max_shift, element["images"]
+        h, w, _ = image_HWC.shape
+        padded = np.pad(image_HWC, ((s, s), (s, s), (0, 0)))
         dy, dx = rng.integers(0, 2 * s + 1, size=2)
         return {**element, "images": padded[dy : dy + h, dx : dx + w]}
 
@@ -374,7 +374,7 @@ def batches(
 def input_shape(
     data: Sequence[dict[str, Any]], preprocess: Preprocess
 ) -> tuple[int, ...]:
-    """The shape of one model input (``H, W, I``) after ``preprocess``."""
+    """The shape of one model input (``H, W, C``) after ``preprocess``."""
     return preprocess.decode(data[0])["images"].shape
 
 
@@ -418,15 +418,15 @@ def split_rows(
     )
 
 
-def fit_image(image_HWI: np.ndarray, size: int) -> np.ndarray:
+def fit_image(image_HWC: np.ndarray, size: int) -> np.ndarray:
     """Resize so the shorter side is ``size``, then crop the centre ``size x size``."""
     from PIL import Image
 
-    h, w = image_HWI.shape[:2]
+    h, w = image_HWC.shape[:2]
     scale = size / min(h, w)
     new_h, new_w = max(size, round(h * scale)), max(size, round(w * scale))
-    squeeze = image_HWI.shape[-1] == 1
-    pil = Image.fromarray(image_HWI[..., 0] if squeeze else image_HWI).resize(
+    squeeze = image_HWC.shape[-1] == 1
+    pil = Image.fromarray(image_HWC[..., 0] if squeeze else image_HWC).resize(
         (new_w, new_h), Image.BILINEAR
     )
     out = np.asarray(pil)[..., None] if squeeze else np.asarray(pil)

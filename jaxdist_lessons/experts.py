@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 class Routing(NamedTuple):
     """Where each token goes, with what weight, and the router's statistics (for one token group)."""
 
-    dispatch_TEC: jax.Array  # 1 where token t takes slot c of expert e
-    combine_TEC: jax.Array  # the token's gate at the same places
+    dispatch_TEM: jax.Array  # 1 where token t takes slot m of expert e
+    combine_TEM: jax.Array  # the token's gate at the same places
     dropped: jax.Array  # (token, choice) pairs that found their expert full
     fraction_E: (
         jax.Array
@@ -83,14 +83,14 @@ def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
         ((jnp.cumsum(flat, axis=0) - 1) * flat).sum(-1).reshape(top_k, num_tokens)
     )
     kept_RT = position_RT < capacity
-    slot_RTC = (
+    slot_RTM = (
         jax.nn.one_hot(position_RT.astype(jnp.int32), capacity) * kept_RT[..., None]
     )
-    dispatch_TEC = jnp.einsum("rte,rtc->tec", choice_RTE, slot_RTC)
-    combine_TEC = jnp.einsum("rte,rtc,tr->tec", choice_RTE, slot_RTC, gates_TR)
+    dispatch_TEM = jnp.einsum("rte,rtm->tem", choice_RTE, slot_RTM)
+    combine_TEM = jnp.einsum("rte,rtm,tr->tem", choice_RTE, slot_RTM, gates_TR)
     return Routing(
-        dispatch_TEC=dispatch_TEC,
-        combine_TEC=combine_TEC,
+        dispatch_TEM=dispatch_TEM,
+        combine_TEM=combine_TEM,
         dropped=(~kept_RT).sum(),
         fraction_E=choice_RTE.mean(axis=(0, 1)),
         mean_prob_E=jax.nn.softmax(logits_TE, axis=-1).mean(axis=0),
@@ -103,10 +103,10 @@ def balance_loss(fraction_E: jax.Array, mean_prob_E: jax.Array) -> jax.Array:
     return fraction_E.shape[0] * jnp.sum(fraction_E * mean_prob_E)
 
 
-def expert_mlp(params: dict, x_ECD: jax.Array) -> jax.Array:
+def expert_mlp(params: dict, x_EMD: jax.Array) -> jax.Array:
     """Each expert's MLP on its own slots."""
-    h_ECF = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", x_ECD, params["w_in_EDF"]))
-    return jnp.einsum("ecf,efd->ecd", h_ECF, params["w_out_EFD"])
+    h_EMF = jax.nn.gelu(jnp.einsum("emd,edf->emf", x_EMD, params["w_in_EDF"]))
+    return jnp.einsum("emf,efd->emd", h_EMF, params["w_out_EFD"])
 
 
 def moe_einsum(
@@ -118,9 +118,9 @@ def moe_einsum(
     r = route(
         logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor)
     )
-    x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
-    y_ECD = expert_mlp(params, x_ECD)
-    y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
+    x_EMD = jnp.einsum("tem,td->emd", r.dispatch_TEM.astype(x_TD.dtype), x_TD)
+    y_EMD = expert_mlp(params, x_EMD)
+    y_TD = jnp.einsum("tem,emd->td", r.combine_TEM.astype(x_TD.dtype), y_EMD)
     return y_TD, MoeStats(
         balance_loss(r.fraction_E, r.mean_prob_E), r.z_loss, r.dropped
     )
@@ -156,21 +156,21 @@ def moe_all_to_all(
         cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
         r = route(logits_TE, top_k, cap)
         # in the activations' dtype: a float32 one-hot would double a bf16 buffer
-        x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
+        x_EMD = jnp.einsum("tem,td->emd", r.dispatch_TEM.astype(x_TD.dtype), x_TD)
         # Block s of the experts goes to device s; what comes back is stacked by sender.
-        x_XLCD = jax.lax.all_to_all(
-            x_ECD.reshape(n, -1, cap, x_TD.shape[1]), "expert", 0, 0, tiled=True
+        x_XLMD = jax.lax.all_to_all(
+            x_EMD.reshape(n, -1, cap, x_TD.shape[1]), "expert", 0, 0, tiled=True
         )
-        x_LCD = x_XLCD.transpose(1, 0, 2, 3).reshape(num_experts // n, n * cap, -1)
-        y_XLCD = (
-            expert_mlp(params, x_LCD)
+        x_LMD = x_XLMD.transpose(1, 0, 2, 3).reshape(num_experts // n, n * cap, -1)
+        y_XLMD = (
+            expert_mlp(params, x_LMD)
             .reshape(-1, n, cap, x_TD.shape[1])
             .transpose(1, 0, 2, 3)
         )
-        y_ECD = jax.lax.all_to_all(y_XLCD, "expert", 0, 0, tiled=True).reshape(
-            x_ECD.shape
+        y_EMD = jax.lax.all_to_all(y_XLMD, "expert", 0, 0, tiled=True).reshape(
+            x_EMD.shape
         )
-        y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
+        y_TD = jnp.einsum("tem,emd->td", r.combine_TEM.astype(x_TD.dtype), y_EMD)
         fraction_E, mean_prob_E, z_loss = jax.lax.pmean(
             (r.fraction_E, r.mean_prob_E, r.z_loss), token_axes
         )
@@ -216,5 +216,5 @@ def router_logits(
 def all_to_all_bytes(
     num_experts: int, capacity: int, width: int, itemsize: int = 4
 ) -> int:
-    """Bytes of one all-to-all's result on each device: the local capacity buffer ``E * C * D``."""
+    """Bytes of one all-to-all's result on each device: the local capacity buffer ``E * M * D``."""
     return num_experts * capacity * width * itemsize

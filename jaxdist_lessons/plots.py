@@ -356,21 +356,21 @@ def training_curves(histories: Mapping[str, train_lib.History]) -> Figure:
 
 
 def image_grid(
-    images_BHWI: np.ndarray, labels: Sequence[int], columns: int = 8
+    images_BHWC: np.ndarray, labels: Sequence[int], columns: int = 8
 ) -> Figure:
     """A grid of images with their labels (the first channel, as grey levels)."""
-    images_BHWI = np.asarray(images_BHWI)
-    if images_BHWI.ndim != 4 or len(images_BHWI) != len(labels):
+    images_BHWC = np.asarray(images_BHWC)
+    if images_BHWC.ndim != 4 or len(images_BHWC) != len(labels):
         raise ValueError(
-            f"need images (B, H, W, I) and B labels; got {images_BHWI.shape} and {len(labels)} labels"
+            f"need images (B, H, W, C) and B labels; got {images_BHWC.shape} and {len(labels)} labels"
         )
-    rows = max(1, -(-len(images_BHWI) // columns))
+    rows = max(1, -(-len(images_BHWC) // columns))
     fig, axes = plt.subplots(
         rows, columns, figsize=(1.2 * columns, 1.35 * rows), squeeze=False
     )
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, label in zip(axes.flat, images_BHWI, labels):
+    for ax, image, label in zip(axes.flat, images_BHWC, labels):
         ax.imshow(image[..., 0], cmap="gray_r")
         ax.set_title(str(int(label)), fontsize=9)
     fig.tight_layout()

@@ -16,13 +16,13 @@ for the letters used here:
     S  key/value positions in attention, where they differ from the queries' T
     D  model width (embedding width)
     N  attention (query) heads
-    J  key/value heads, under grouped-query attention
-    Q  query heads that share one key/value head (N = J * Q)
-    K  width of one attention head
+    K  key/value heads (grouped-query attention; K = N without it)
+    Q  query heads that share one key/value head (N = K * Q)
+    A  width of one attention head
     F  MLP hidden width
     V  vocabulary
     E  experts
-    C  slots per expert (capacity)
+    M  slots per expert (its capacity)
     R  a token's routes: its top-k expert choices
     G  routing groups (tokens routed together)
 """
@@ -43,7 +43,7 @@ class ModelConfig:
     num_layers: int
     width: int  # D
     num_heads: int  # N
-    num_kv_heads: int  # J; Q = N/J query heads share each key/value head (GQA)
+    num_kv_heads: int  # K; Q = N/K query heads share each key/value head (GQA)
     mlp_width: int  # F
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False  # the output projection reuses the embedding table
@@ -58,7 +58,7 @@ class ModelConfig:
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
 
     @property
-    def head_width(self) -> int:  # K
+    def head_width(self) -> int:  # A
         return self.width // self.num_heads
 
 
@@ -108,23 +108,23 @@ class RMSNorm(nn.Module):
         return (x * scale).astype(self.dtype)
 
 
-def rope(x_BTNK: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+def rope(x_BTNA: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
     """Rotate each pair of features by an angle proportional to the token's position."""
-    half = x_BTNK.shape[-1] // 2
+    half = x_BTNA.shape[-1] // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_TK = positions_T[:, None].astype(jnp.float32) * frequencies
-    sin, cos = jnp.sin(angles_TK)[:, None, :], jnp.cos(angles_TK)[:, None, :]
-    first, second = jnp.split(x_BTNK.astype(jnp.float32), 2, axis=-1)
+    angles_TA = positions_T[:, None].astype(jnp.float32) * frequencies
+    sin, cos = jnp.sin(angles_TA)[:, None, :], jnp.cos(angles_TA)[:, None, :]
+    first, second = jnp.split(x_BTNA.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate(
         [first * cos - second * sin, second * cos + first * sin], -1
     )
-    return rotated.astype(x_BTNK.dtype)
+    return rotated.astype(x_BTNA.dtype)
 
 
 MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
 
 
-def ring_attention(q_BTNK, k_BTJK, v_BTJK, positions_T, axis: str = "sequence"):
+def ring_attention(q_BTNA, k_BTKA, v_BTKA, positions_T, axis: str = "sequence"):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
     ring, one ppermute per step, and each block is folded into an online softmax (a
@@ -133,32 +133,32 @@ def ring_attention(q_BTNK, k_BTJK, v_BTJK, positions_T, axis: str = "sequence"):
     device, gives each column's position in the text; the mask compares positions, so
     any order of the tokens works, such as train.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    B, T, N, K = q_BTNK.shape  # noqa: N806
-    J = k_BTJK.shape[2]  # noqa: N806
+    B, T, N, A = q_BTNA.shape  # noqa: N806
+    K = k_BTKA.shape[2]  # noqa: N806
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
-    q_BTJQK = q_BTNK.reshape(B, T, J, N // J, K).astype(jnp.float32) * K**-0.5
-    max_BJQT = jnp.full((B, J, N // J, T), MASKED)
-    sum_BJQT = jnp.zeros((B, J, N // J, T))
-    out_BTJQK = jnp.zeros(q_BTJQK.shape)
-    k_BSJK, v_BSJK = k_BTJK.astype(jnp.float32), v_BTJK.astype(jnp.float32)
+    q_BTKQA = q_BTNA.reshape(B, T, K, N // K, A).astype(jnp.float32) * A**-0.5
+    max_BKQT = jnp.full((B, K, N // K, T), MASKED)
+    sum_BKQT = jnp.zeros((B, K, N // K, T))
+    out_BTKQA = jnp.zeros(q_BTKQA.shape)
+    k_BSKA, v_BSKA = k_BTKA.astype(jnp.float32), v_BTKA.astype(jnp.float32)
     for step in range(n):  # at this step, the block that started on device i - step
         mask_TS = share(i)[:, None] >= share((i - step) % n)[None, :]
-        s_BJQTS = jnp.where(
-            mask_TS, jnp.einsum("btjqk,bsjk->bjqts", q_BTJQK, k_BSJK), MASKED
+        s_BKQTS = jnp.where(
+            mask_TS, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED
         )
-        new_max_BJQT = jnp.maximum(max_BJQT, s_BJQTS.max(-1))
-        p_BJQTS = jnp.where(mask_TS, jnp.exp(s_BJQTS - new_max_BJQT[..., None]), 0.0)
-        rescale_BJQT = jnp.exp(max_BJQT - new_max_BJQT)
-        sum_BJQT = sum_BJQT * rescale_BJQT + p_BJQTS.sum(-1)
-        out_BTJQK = out_BTJQK * rescale_BJQT.transpose(0, 3, 1, 2)[
+        new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
+        p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
+        rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)
+        sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
+        out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[
             ..., None
-        ] + jnp.einsum("bjqts,bsjk->btjqk", p_BJQTS, v_BSJK)
-        max_BJQT = new_max_BJQT
+        ] + jnp.einsum("bkqts,bska->btkqa", p_BKQTS, v_BSKA)
+        max_BKQT = new_max_BKQT
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
-            k_BSJK, v_BSJK = jax.lax.ppermute((k_BSJK, v_BSJK), axis, ring)
-    out_BTJQK = out_BTJQK / sum_BJQT.transpose(0, 3, 1, 2)[..., None]
-    return out_BTJQK.reshape(B, T, N, K).astype(q_BTNK.dtype)
+            k_BSKA, v_BSKA = jax.lax.ppermute((k_BSKA, v_BSKA), axis, ring)
+    out_BTKQA = out_BTKQA / sum_BKQT.transpose(0, 3, 1, 2)[..., None]
+    return out_BTKQA.reshape(B, T, N, A).astype(q_BTNA.dtype)
 
 
 class Attention(nn.Module):
@@ -177,39 +177,39 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         c = self.config
-        D, N, J, K = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
+        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
         # Column-parallel: each 'tensor' device computes its own heads, whole.
-        w_DNK = self.project("query", (D, N, K), ("embed", "heads", "head_dim"), D)
+        w_DNA = self.project("query", (D, N, A), ("embed", "heads", "head_dim"), D)
         w_kv = [
-            self.project(n, (D, J, K), ("embed", "kv_heads", "head_dim"), D)
+            self.project(n, (D, K, A), ("embed", "kv_heads", "head_dim"), D)
             for n in "kv"
         ]
-        q_BTNK = rope(
-            jnp.einsum("btd,dnk->btnk", x_BTD, w_DNK), positions_T, c.rope_theta
+        q_BTNA = rope(
+            jnp.einsum("btd,dna->btna", x_BTD, w_DNA), positions_T, c.rope_theta
         )
-        k_BTJK = rope(
-            jnp.einsum("btd,djk->btjk", x_BTD, w_kv[0]), positions_T, c.rope_theta
+        k_BTKA = rope(
+            jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]), positions_T, c.rope_theta
         )
-        v_BTJK = jnp.einsum("btd,djk->btjk", x_BTD, w_kv[1])
-        q_BTNK = constrain(q_BTNK, ("batch", "act_seq", "act_heads", None))
-        k_BTJK = constrain(k_BTJK, ("batch", "act_seq", "act_kv_heads", None))
-        v_BTJK = constrain(v_BTJK, ("batch", "act_seq", "act_kv_heads", None))
+        v_BTKA = jnp.einsum("btd,dka->btka", x_BTD, w_kv[1])
+        q_BTNA = constrain(q_BTNA, ("batch", "act_seq", "act_heads", None))
+        k_BTKA = constrain(k_BTKA, ("batch", "act_seq", "act_kv_heads", None))
+        v_BTKA = constrain(v_BTKA, ("batch", "act_seq", "act_kv_heads", None))
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             ring = jax.shard_map(
                 ring_attention, in_specs=(spec, spec, spec, P()), out_specs=spec
             )
-            out_BTNK = ring(q_BTNK, k_BTJK, v_BTJK, positions_T)
+            out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T)
         else:  # positions in order: the causal mask is the lower triangle
-            out_BTNK = jax.nn.dot_product_attention(
-                q_BTNK, k_BTJK, v_BTJK, is_causal=True
+            out_BTNA = jax.nn.dot_product_attention(
+                q_BTNA, k_BTKA, v_BTKA, is_causal=True
             )
-        out_BTNK = constrain(out_BTNK, ("batch", "act_seq", "act_heads", None))
+        out_BTNA = constrain(out_BTNA, ("batch", "act_seq", "act_heads", None))
         # Row-parallel: each device's heads give a partial sum, which the layout after
         # the block reduces (an all-reduce, or under sequence parallelism a
         # reduce-scatter).
-        w_NKD = self.project("out", (N, K, D), ("heads", "head_dim", "embed"), N * K)
-        return jnp.einsum("btnk,nkd->btd", out_BTNK, w_NKD)
+        w_NAD = self.project("out", (N, A, D), ("heads", "head_dim", "embed"), N * A)
+        return jnp.einsum("btna,nad->btd", out_BTNA, w_NAD)
 
 
 class MLP(nn.Module):
@@ -260,7 +260,7 @@ class Experts(nn.Module):
         E, R, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
         T = min(c.group_size, length)  # noqa: N806
         G = length // T  # noqa: N806
-        C = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
+        M = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
         x_BGTD = x_BTD.reshape(B, G, T, D)
         router_DE = self.param(
             "router",
@@ -278,10 +278,10 @@ class Experts(nn.Module):
         choice_BGRTE = jax.nn.one_hot(experts_BGTR.swapaxes(2, 3), E)
         flat = choice_BGRTE.reshape(B, G, R * T, E)
         slot_BGRT = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, G, R, T)
-        slot_BGRTC = jax.nn.one_hot(slot_BGRT.astype(jnp.int32), C)  # all zero: dropped
-        dispatch_BGTEC = jnp.einsum("bgrte,bgrtc->bgtec", choice_BGRTE, slot_BGRTC)
-        combine_BGTEC = jnp.einsum(
-            "bgrte,bgrtc,bgtr->bgtec", choice_BGRTE, slot_BGRTC, gates_BGTR
+        slot_BGRTM = jax.nn.one_hot(slot_BGRT.astype(jnp.int32), M)  # all zero: dropped
+        dispatch_BGTEM = jnp.einsum("bgrte,bgrtm->bgtem", choice_BGRTE, slot_BGRTM)
+        combine_BGTEM = jnp.einsum(
+            "bgrte,bgrtm,bgtr->bgtem", choice_BGRTE, slot_BGRTM, gates_BGTR
         )
         balance = E * jnp.sum(
             choice_BGRTE.mean((0, 1, 2, 3)) * probs_BGTE.mean((0, 1, 2))
@@ -293,27 +293,27 @@ class Experts(nn.Module):
             (None, "batch", "act_seq", None),
             ("act_experts", "expert_batch", "act_seq", None),
         )
-        x_EBGCD = constrain(
-            jnp.einsum("bgtec,bgtd->ebgcd", dispatch_BGTEC.astype(self.dtype), x_BGTD),
+        x_EBGMD = constrain(
+            jnp.einsum("bgtem,bgtd->ebgmd", dispatch_BGTEM.astype(self.dtype), x_BGTD),
             (*local, None),
         )
-        x_EBGCD = constrain(x_EBGCD, (*routed, None))
+        x_EBGMD = constrain(x_EBGMD, (*routed, None))
         w_gate_EDF, w_up_EDF = (
             self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
             for n in ("gate", "up")
         )
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
-        h_EBGCF = nn.silu(
-            jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)
-        ) * jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF)
-        h_EBGCF = constrain(h_EBGCF, (*routed, "act_mlp"))
-        y_EBGCD = constrain(
-            jnp.einsum("ebgcf,efd->ebgcd", h_EBGCF, w_down_EFD), (*routed, None)
+        h_EBGMF = nn.silu(
+            jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_gate_EDF)
+        ) * jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_up_EDF)
+        h_EBGMF = constrain(h_EBGMF, (*routed, "act_mlp"))
+        y_EBGMD = constrain(
+            jnp.einsum("ebgmf,efd->ebgmd", h_EBGMF, w_down_EFD), (*routed, None)
         )
         # And back to their batch rows (the second all-to-all), weighted by their gates.
-        y_EBGCD = constrain(y_EBGCD, (*local, None))
+        y_EBGMD = constrain(y_EBGMD, (*local, None))
         y_BGTD = jnp.einsum(
-            "bgtec,ebgcd->bgtd", combine_BGTEC.astype(self.dtype), y_EBGCD
+            "bgtem,ebgmd->bgtd", combine_BGTEM.astype(self.dtype), y_EBGMD
         )
         return y_BGTD.reshape(x_BTD.shape), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
 
@@ -451,7 +451,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
     arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the
     two backward matmuls. The embedding lookup is no matmul; with tied embeddings the
-    table is used once, as the output projection. Attention adds 12·layers·T·(N·K) per
+    table is used once, as the output projection. Attention adds 12·layers·T·(N·A) per
     token (the causal mask is not subtracted). With experts, the weights a token uses:
     the router and its top_k experts.
     """

@@ -10,17 +10,17 @@ meaning, here and in every module, page and example script::
     S  key/value positions in attention, where they differ from the queries' T
     D  model width (embedding width)
     N  attention (query) heads
-    J  key/value heads, under grouped-query attention
-    Q  query heads that share one key/value head (N = J * Q)
-    K  width of one attention head
+    K  key/value heads (grouped-query attention; K = N without it)
+    Q  query heads that share one key/value head (N = K * Q)
+    A  width of one attention head
     F  MLP hidden width
     V  vocabulary
     O  a classifier's outputs (classes)
     E  experts
-    C  slots per expert (capacity)
+    M  slots per expert (its capacity)
     R  a token's routes: its top-k expert choices
     G  routing groups (tokens routed together)
     X  devices along the `expert` mesh axis;  L  experts on one device (E = X * L)
-    H, W  an image's height and width, and I its colour channels (images only)
+    H, W, C  an image's height, width and colour channels (images only)
     P  pixel values of one patch (ViT)
 """

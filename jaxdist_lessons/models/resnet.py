@@ -81,7 +81,7 @@ class ResNet(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
         base = max(1, int(64 * self.width))
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         norm = functools.partial(
@@ -93,7 +93,7 @@ class ResNet(nn.Module):
             axis_name=self.axis_name,
         )
         x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(
-            images_BHWI
+            images_BHWC
         )
         x = nn.relu(norm(name="bn_init")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")

@@ -25,8 +25,8 @@ class MLP(nn.Module):
     axis_name: str | None = None  # unused; here so that every model takes one
 
     @nn.compact
-    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
-        x = images_BHWI.reshape(images_BHWI.shape[0], -1)
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
+        x = images_BHWC.reshape(images_BHWC.shape[0], -1)
         for width in self.features[:-1]:
             x = nn.relu(nn.Dense(width)(x))
         return nn.Dense(self.features[-1])(x)
@@ -40,8 +40,8 @@ class SmallCNN(nn.Module):
     axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, images_BHWI: jax.Array, train: bool = True) -> jax.Array:
-        x = nn.Conv(self.channels, (3, 3))(images_BHWI)
+    def __call__(self, images_BHWC: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(self.channels, (3, 3))(images_BHWC)
         x = nn.BatchNorm(
             use_running_average=not train, momentum=0.9, axis_name=self.axis_name
         )(x)

@@ -66,9 +66,9 @@ class CausalSelfAttention(nn.Module):
                 ("embed", "heads", "kv"), ("heads", "kv"), self.logical_axes
             ),
         )(x_BTD)
-        q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(
-            q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype
+        q_BTNA, k_BTNA, v_BTNA = project("query"), project("key"), project("value")
+        out_BTNA = attention.attend(
+            q_BTNA, k_BTNA, v_BTNA, causal=True, dtype=self.dtype
         )
         return nn.DenseGeneral(
             hidden,
@@ -77,7 +77,7 @@ class CausalSelfAttention(nn.Module):
             param_dtype=self.param_dtype,
             name="out",
             **axes.dense_inits(("heads", "kv", "embed"), ("embed",), self.logical_axes),
-        )(out_BTNK)
+        )(out_BTNA)
 
 
 class MLP(nn.Module):

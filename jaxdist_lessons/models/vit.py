@@ -37,13 +37,13 @@ Dtype = Any
 zeros = nn.initializers.zeros_init()
 
 
-def patchify(images_BHWI: jax.Array, patch_size: int) -> jax.Array:
-    """Cut images into non-overlapping square patches: ``(B, H, W, I) -> (B, H/p * W/p, p*p*I)``."""
-    b, h, w, c = images_BHWI.shape
+def patchify(images_BHWC: jax.Array, patch_size: int) -> jax.Array:
+    """Cut images into non-overlapping square patches: ``(B, H, W, C) -> (B, H/p * W/p, p*p*C)``."""
+    b, h, w, c = images_BHWC.shape
     p = patch_size
     if h % p or w % p:
         raise ValueError(f"image size {(h, w)} is not divisible by patch_size={p}")
-    x = images_BHWI.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    x = images_BHWC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
     return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
@@ -98,7 +98,7 @@ class Attention(nn.Module):
 
         def project(name: str) -> jax.Array:
             y = HeadsDense(
-                "btd,dnk->btnk",
+                "btd,dna->btna",
                 (hidden, self.num_heads, head_dim),
                 ("embed", "heads", "kv"),
                 (self.num_heads, head_dim),
@@ -109,12 +109,12 @@ class Attention(nn.Module):
             )(x_BTD)
             return axes.constrain(y, "batch", "seq", "act_heads", None)
 
-        q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(
-            q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype
+        q_BTNA, k_BTNA, v_BTNA = project("query"), project("key"), project("value")
+        out_BTNA = attention.attend(
+            q_BTNA, k_BTNA, v_BTNA, causal=False, dtype=self.dtype
         )
         out_BTD = HeadsDense(
-            "btnk,nkd->btd",
+            "btna,nad->btd",
             (self.num_heads, head_dim, hidden),
             ("heads", "kv", "embed"),
             (hidden,),
@@ -122,7 +122,7 @@ class Attention(nn.Module):
             self.dtype,
             self.param_dtype,
             name="out",
-        )(out_BTNK)
+        )(out_BTNA)
         return axes.constrain(out_BTD, "batch", "seq", "act_embed")
 
 
@@ -186,8 +186,8 @@ class ViT(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, images_BHWI: jax.Array) -> jax.Array:
-        patches_BTP = patchify(images_BHWI, self.patch_size)
+    def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+        patches_BTP = patchify(images_BHWC, self.patch_size)
         x_BTD = nn.Dense(
             self.hidden,
             dtype=self.dtype,
