@@ -18,6 +18,8 @@ the mesh's ``data`` axis. Global batch ``b`` holds examples ``b G .. (b + 1) G -
 order whatever the number of processes, and each example's augmentation is seeded by that
 position, so every process layout trains on the same examples, identically augmented; only the
 order of the rows within a batch follows the processes.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations

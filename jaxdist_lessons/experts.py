@@ -1,8 +1,6 @@
 """Mixture of experts: a top-k router with a capacity, dispatch by einsum or by all-to-all (chapter 13).
 
-Shape letters (besides the package's T tokens and D width): E experts, F an expert's MLP width,
-C capacity (slots per expert), K the router's top-k, L experts held per device, S the devices of
-the ``expert`` axis a buffer came from.
+Shape suffixes: see jaxdist_lessons.models.
 
 - ``route`` picks each token's top-k experts and a slot in each, dropping what is beyond capacity
   (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021);
@@ -27,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 class Routing(NamedTuple):
     """Where each token goes, with what weight, and the router's statistics (for one token group)."""
 
-    dispatch_TEC: jax.Array  # 1 where token t takes slot c of expert e
-    combine_TEC: jax.Array  # the token's gate at the same places
+    dispatch_TEM: jax.Array  # 1 where token t takes slot m of expert e
+    combine_TEM: jax.Array  # the token's gate at the same places
     dropped: jax.Array  # (token, choice) pairs that found their expert full
     fraction_E: (
         jax.Array
@@ -67,34 +65,34 @@ def init_params(key: jax.Array, width: int, mlp_width: int, num_experts: int) ->
 
 def top_k_gates(logits_TE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """Each token's ``top_k`` experts and their gates: softmax probabilities (renormalised for k > 1)."""
-    gates_TK, experts_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), top_k)
+    gates_TR, experts_TR = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), top_k)
     if top_k > 1:  # GShard's top-2: the two gates sum to 1
-        gates_TK = gates_TK / gates_TK.sum(axis=-1, keepdims=True)
-    return gates_TK, experts_TK
+        gates_TR = gates_TR / gates_TR.sum(axis=-1, keepdims=True)
+    return gates_TR, experts_TR
 
 
 def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
     """Top-k routing with ``capacity`` slots per expert; first choices take slots before
     second ones."""
     num_tokens, num_experts = logits_TE.shape
-    gates_TK, experts_TK = top_k_gates(logits_TE, top_k)
-    choice_KTE = jax.nn.one_hot(experts_TK.T, num_experts)
+    gates_TR, experts_TR = top_k_gates(logits_TE, top_k)
+    choice_RTE = jax.nn.one_hot(experts_TR.T, num_experts)
     # Slot = how many earlier (choice, token) pairs picked the same expert.
-    flat = choice_KTE.reshape(top_k * num_tokens, num_experts)
-    position_KT = (
+    flat = choice_RTE.reshape(top_k * num_tokens, num_experts)
+    position_RT = (
         ((jnp.cumsum(flat, axis=0) - 1) * flat).sum(-1).reshape(top_k, num_tokens)
     )
-    kept_KT = position_KT < capacity
-    slot_KTC = (
-        jax.nn.one_hot(position_KT.astype(jnp.int32), capacity) * kept_KT[..., None]
+    kept_RT = position_RT < capacity
+    slot_RTM = (
+        jax.nn.one_hot(position_RT.astype(jnp.int32), capacity) * kept_RT[..., None]
     )
-    dispatch_TEC = jnp.einsum("kte,ktc->tec", choice_KTE, slot_KTC)
-    combine_TEC = jnp.einsum("kte,ktc,tk->tec", choice_KTE, slot_KTC, gates_TK)
+    dispatch_TEM = jnp.einsum("rte,rtm->tem", choice_RTE, slot_RTM)
+    combine_TEM = jnp.einsum("rte,rtm,tr->tem", choice_RTE, slot_RTM, gates_TR)
     return Routing(
-        dispatch_TEC=dispatch_TEC,
-        combine_TEC=combine_TEC,
-        dropped=(~kept_KT).sum(),
-        fraction_E=choice_KTE.mean(axis=(0, 1)),
+        dispatch_TEM=dispatch_TEM,
+        combine_TEM=combine_TEM,
+        dropped=(~kept_RT).sum(),
+        fraction_E=choice_RTE.mean(axis=(0, 1)),
         mean_prob_E=jax.nn.softmax(logits_TE, axis=-1).mean(axis=0),
         z_loss=jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2),
     )
@@ -105,10 +103,10 @@ def balance_loss(fraction_E: jax.Array, mean_prob_E: jax.Array) -> jax.Array:
     return fraction_E.shape[0] * jnp.sum(fraction_E * mean_prob_E)
 
 
-def expert_mlp(params: dict, x_ECD: jax.Array) -> jax.Array:
+def expert_mlp(params: dict, x_EMD: jax.Array) -> jax.Array:
     """Each expert's MLP on its own slots."""
-    h_ECF = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", x_ECD, params["w_in_EDF"]))
-    return jnp.einsum("ecf,efd->ecd", h_ECF, params["w_out_EFD"])
+    h_EMF = jax.nn.gelu(jnp.einsum("emd,edf->emf", x_EMD, params["w_in_EDF"]))
+    return jnp.einsum("emf,efd->emd", h_EMF, params["w_out_EFD"])
 
 
 def moe_einsum(
@@ -120,9 +118,9 @@ def moe_einsum(
     r = route(
         logits_TE, top_k, capacity(num_tokens, num_experts, top_k, capacity_factor)
     )
-    x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
-    y_ECD = expert_mlp(params, x_ECD)
-    y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
+    x_EMD = jnp.einsum("tem,td->emd", r.dispatch_TEM.astype(x_TD.dtype), x_TD)
+    y_EMD = expert_mlp(params, x_EMD)
+    y_TD = jnp.einsum("tem,emd->td", r.combine_TEM.astype(x_TD.dtype), y_EMD)
     return y_TD, MoeStats(
         balance_loss(r.fraction_E, r.mean_prob_E), r.z_loss, r.dropped
     )
@@ -130,10 +128,10 @@ def moe_einsum(
 
 def moe_reference(params: dict, x_TD: jax.Array, top_k: int) -> jax.Array:
     """Every token through its chosen experts, weighted by its gates, with no capacity limit."""
-    gates_TK, experts_TK = top_k_gates(x_TD @ params["router_DE"], top_k)
+    gates_TR, experts_TR = top_k_gates(x_TD @ params["router_DE"], top_k)
     num_experts = params["router_DE"].shape[1]
     weights_TE = jnp.einsum(
-        "tk,tke->te", gates_TK, jax.nn.one_hot(experts_TK, num_experts)
+        "tr,tre->te", gates_TR, jax.nn.one_hot(experts_TR, num_experts)
     )
     y_ETD = expert_mlp(params, jnp.broadcast_to(x_TD, (num_experts, *x_TD.shape)))
     return jnp.einsum("te,etd->td", weights_TE, y_ETD)
@@ -158,21 +156,21 @@ def moe_all_to_all(
         cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
         r = route(logits_TE, top_k, cap)
         # in the activations' dtype: a float32 one-hot would double a bf16 buffer
-        x_ECD = jnp.einsum("tec,td->ecd", r.dispatch_TEC.astype(x_TD.dtype), x_TD)
+        x_EMD = jnp.einsum("tem,td->emd", r.dispatch_TEM.astype(x_TD.dtype), x_TD)
         # Block s of the experts goes to device s; what comes back is stacked by sender.
-        x_SLCD = jax.lax.all_to_all(
-            x_ECD.reshape(n, -1, cap, x_TD.shape[1]), "expert", 0, 0, tiled=True
+        x_XLMD = jax.lax.all_to_all(
+            x_EMD.reshape(n, -1, cap, x_TD.shape[1]), "expert", 0, 0, tiled=True
         )
-        x_LCD = x_SLCD.transpose(1, 0, 2, 3).reshape(num_experts // n, n * cap, -1)
-        y_SLCD = (
-            expert_mlp(params, x_LCD)
+        x_LMD = x_XLMD.transpose(1, 0, 2, 3).reshape(num_experts // n, n * cap, -1)
+        y_XLMD = (
+            expert_mlp(params, x_LMD)
             .reshape(-1, n, cap, x_TD.shape[1])
             .transpose(1, 0, 2, 3)
         )
-        y_ECD = jax.lax.all_to_all(y_SLCD, "expert", 0, 0, tiled=True).reshape(
-            x_ECD.shape
+        y_EMD = jax.lax.all_to_all(y_XLMD, "expert", 0, 0, tiled=True).reshape(
+            x_EMD.shape
         )
-        y_TD = jnp.einsum("tec,ecd->td", r.combine_TEC.astype(x_TD.dtype), y_ECD)
+        y_TD = jnp.einsum("tem,emd->td", r.combine_TEM.astype(x_TD.dtype), y_EMD)
         fraction_E, mean_prob_E, z_loss = jax.lax.pmean(
             (r.fraction_E, r.mean_prob_E, r.z_loss), token_axes
         )
@@ -218,5 +216,5 @@ def router_logits(
 def all_to_all_bytes(
     num_experts: int, capacity: int, width: int, itemsize: int = 4
 ) -> int:
-    """Bytes of one all-to-all's result on each device: the local capacity buffer ``E * C * D``."""
+    """Bytes of one all-to-all's result on each device: the local capacity buffer ``E * M * D``."""
     return num_experts * capacity * width * itemsize

@@ -68,7 +68,7 @@ class LMShape:
     group_size: int = 512
 
     @property
-    def head_width(self) -> int:  # H
+    def head_width(self) -> int:  # A
         return self.width // self.num_heads
 
 
@@ -108,7 +108,7 @@ def param_count(m: LMShape) -> int:
 
 def model_flops_per_token(m: LMShape, seq_len: int) -> int:
     """Training flops per token (``model.flops_per_token``): 6 per matmul weight a token uses,
-    plus attention's 12 L T N H."""
+    plus attention's 12 L T N A."""
     used = param_count(m) - m.vocab_size * m.width * (0 if m.tie_embeddings else 1)
     used -= m.width * (2 * m.num_layers + 1)
     if m.num_experts:
@@ -119,12 +119,12 @@ def model_flops_per_token(m: LMShape, seq_len: int) -> int:
 # Each weight of the recipe: its shape and the mesh axis splitting each dimension (train.RULES).
 def weight_shapes(m: LMShape) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading L."""
-    D, N, K, H, F, E, V, L = (m.width, m.num_heads, m.num_kv_heads, m.head_width,  # noqa: N806
+    D, N, K, A, F, E, V, L = (m.width, m.num_heads, m.num_kv_heads, m.head_width,  # noqa: N806
                               m.mlp_width, m.num_experts, m.vocab_size, m.num_layers)  # fmt: skip
     out = [((L, D), (None, "fsdp"))] * 2  # the two norms
-    out += [((L, D, N, H), (None, "fsdp", "tensor", None))]
-    out += [((L, D, K, H), (None, "fsdp", "tensor", None))] * 2
-    out += [((L, N, H, D), (None, "tensor", None, "fsdp"))]
+    out += [((L, D, N, A), (None, "fsdp", "tensor", None))]
+    out += [((L, D, K, A), (None, "fsdp", "tensor", None))] * 2
+    out += [((L, N, A, D), (None, "tensor", None, "fsdp"))]
     if E:
         out += [((L, D, E), (None, "fsdp", None))]
         out += [((L, E, D, F), (None, "expert", "fsdp", "tensor"))] * 2

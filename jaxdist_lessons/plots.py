@@ -1,4 +1,7 @@
-"""Figures for the book, made by functions so that tests can check what they draw."""
+"""Figures for the book, made by functions so that tests can check what they draw.
+
+Shape suffixes: see jaxdist_lessons.models.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 ``jax.ad_checkpoint.print_saved_residuals`` is JAX's only public view of the residuals, and it
 prints; ``saved_residuals`` parses what it prints into records with their bytes. Remat
 (``jax.checkpoint``) shrinks them; chapter 6 measures by how much.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations

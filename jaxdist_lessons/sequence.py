@@ -14,8 +14,8 @@ one device's shards, to be run under ``jax.shard_map`` (``over_sequence``):
 All three take the sequence in the *zigzag* layout (``zigzag_order``): cut into ``2n`` chunks,
 device ``i`` holds chunks ``i`` and ``2n-1-i``, so that under a causal mask every device has the
 same work (``causal_work``). The functions know each token's position from the layout and mask
-with it. Shapes: B batch, T sequence (a device's share of it inside ``shard_map``), N heads,
-H head size; ``q_BTNH`` is the layout of ``jax.nn.dot_product_attention``.
+with it. Inside ``shard_map``, T is a device's share of the sequence; ``q_BTNA`` is the layout
+of ``jax.nn.dot_product_attention``. Shape suffixes: see jaxdist_lessons.models.
 
 The reference computes every block and masks; a production kernel skips blocks that are wholly
 masked, which is where the balance of ``causal_work`` pays.
@@ -66,37 +66,37 @@ def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:
 def _fold_block(q, k, v, mask, carry):
     """Fold one block of keys and values into the online softmax (running max, sum,
     output)."""
-    m, total, o = carry  # m, total: (B, N, Tq); o: (B, Tq, N, H)
-    s = jnp.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(q.shape[-1])
+    m, total, o = carry  # m, total: (B, N, T); o: (B, T, N, A)
+    s = jnp.einsum("btna,bsna->bnts", q, k) / math.sqrt(q.shape[-1])
     s = jnp.where(mask, s, MASKED)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     rescale = jnp.exp(m - m_new)
     l_new = total * rescale + p.sum(-1)
     o_new = o * rescale.transpose(0, 2, 1)[..., None] + jnp.einsum(
-        "bnqk,bknh->bqnh", p, v
+        "bnts,bsna->btna", p, v
     )
     return m_new, l_new, o_new
 
 
-def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
+def ring_attention(q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence") -> jax.Array:
     """Causal attention with K, V passed around the ring: n blocks, n-1 ``ppermute``s of
     K and V."""
     n, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    B, T, N, H = q_BTNH.shape
+    B, T, N, A = q_BTNA.shape
     q_pos = _positions(T, axis_name)
     carry = (
-        jnp.full((B, N, T), MASKED, q_BTNH.dtype),
-        jnp.zeros((B, N, T), q_BTNH.dtype),
-        jnp.zeros_like(q_BTNH),
+        jnp.full((B, N, T), MASKED, q_BTNA.dtype),
+        jnp.zeros((B, N, T), q_BTNA.dtype),
+        jnp.zeros_like(q_BTNA),
     )
     to_next = [(j, (j + 1) % n) for j in range(n)]
-    k, v = k_BTNH, v_BTNH
+    k, v = k_BTNA, v_BTNA
     for step in range(n):  # unrolled: each permute can overlap the next block's compute
         kv_pos = _positions(
             T, axis_name, device=(i - step) % n
         )  # whose K, V we hold now
-        carry = _fold_block(q_BTNH, k, v, q_pos[:, None] >= kv_pos[None, :], carry)
+        carry = _fold_block(q_BTNA, k, v, q_pos[:, None] >= kv_pos[None, :], carry)
         if step < n - 1:
             k, v = (jax.lax.ppermute(x, axis_name, to_next) for x in (k, v))
     _, total, o = carry
@@ -104,33 +104,33 @@ def ring_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.A
 
 
 def gathered_kv_attention(
-    q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence"
+    q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence"
 ) -> jax.Array:
     """Causal attention after an all-gather of K and V over the sequence axis."""
-    T = q_BTNH.shape[1]
+    T = q_BTNA.shape[1]
     q_pos = _positions(T, axis_name)
     k, v = (
-        jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k_BTNH, v_BTNH)
+        jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k_BTNA, v_BTNA)
     )
     kv_pos = jnp.asarray(
         zigzag_order(T * jax.lax.axis_size(axis_name), jax.lax.axis_size(axis_name))
     )
     mask = q_pos[:, None] >= kv_pos[None, :]
-    return jax.nn.dot_product_attention(q_BTNH, k, v, mask=mask[None, None])
+    return jax.nn.dot_product_attention(q_BTNA, k, v, mask=mask[None, None])
 
 
-def ulysses_attention(q_BTNH, k_BTNH, v_BTNH, axis_name: str = "sequence") -> jax.Array:
+def ulysses_attention(q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence") -> jax.Array:
     """Causal attention with heads split, not the sequence: all-to-all in (q, k, v), and
     out."""
     to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
-    q, k, v = to_heads(q_BTNH), to_heads(k_BTNH), to_heads(v_BTNH)  # (B, T_all, N/n, H)
+    q, k, v = to_heads(q_BTNA), to_heads(k_BTNA), to_heads(v_BTNA)  # (B, T_all, N/n, A)
     n = jax.lax.axis_size(axis_name)
     pos = jnp.asarray(
-        zigzag_order(q_BTNH.shape[1] * n, n)
+        zigzag_order(q_BTNA.shape[1] * n, n)
     )  # the whole sequence, zigzag order
     mask = pos[:, None] >= pos[None, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
-    return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # back to (B, T, N, H)
+    return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # back to (B, T, N, A)
 
 
 ATTENTIONS: dict[str, Callable] = {

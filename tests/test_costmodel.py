@@ -318,17 +318,17 @@ def axis_mesh(name, n):
 @pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("kind", list(sequence.ATTENTIONS))
 def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
-    B, T, N, H = 1, 32, 8, 4  # 2n chunks of the sequence, n heads for Ulysses
-    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    B, T, N, A = 1, 32, 8, 4  # 2n chunks of the sequence, n heads for Ulysses
+    q = jax.ShapeDtypeStruct((B, T, N, A), jnp.float32)
     attention = sequence.over_sequence(
         sequence.ATTENTIONS[kind], axis_mesh("sequence", n)
     )
     measured = costmodel.transfers_from_hlo(comms.compiled_text(attention, q, q, q))
-    predicted = costmodel.context_parallel_transfers(kind, B, T, N, H, n)
+    predicted = costmodel.context_parallel_transfers(kind, B, T, N, A, n)
     assert records(measured) == records(predicted)
     # and a ring sends what chapter 12's formula says
     sent = sum(map(costmodel.sent_bytes, predicted))
-    assert sent == sequence.predicted_bytes(kind, B, T, N, H, n)["sent"]
+    assert sent == sequence.predicted_bytes(kind, B, T, N, A, n)["sent"]
 
 
 def test_context_parallel_transfers_reject_an_unknown_attention():

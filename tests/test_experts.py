@@ -29,12 +29,12 @@ def test_route_drops_beyond_capacity_first_choices_first():
     # 4 tokens all prefer expert 0, then expert 1; capacity 2.
     logits_TE = jnp.array([[3.0, 2.0, 0.0]] * 4)
     r = experts.route(logits_TE, 2, 2)
-    assert r.dispatch_TEC[:, 0].tolist() == [[1, 0], [0, 1], [0, 0], [0, 0]]
-    assert r.dispatch_TEC[:, 1].tolist() == [[1, 0], [0, 1], [0, 0], [0, 0]]
+    assert r.dispatch_TEM[:, 0].tolist() == [[1, 0], [0, 1], [0, 0], [0, 0]]
+    assert r.dispatch_TEM[:, 1].tolist() == [[1, 0], [0, 1], [0, 0], [0, 0]]
     assert int(r.dropped) == 4
     assert r.fraction_E.tolist() == [0.5, 0.5, 0.0]
     gate0 = 1 / (1 + jnp.exp(-1.0))  # renormalised top-2 gate of expert 0
-    assert jnp.allclose(r.combine_TEC[0, 0, 0], gate0)
+    assert jnp.allclose(r.combine_TEM[0, 0, 0], gate0)
     assert experts.dropped_fraction(logits_TE, 2, 0.75) == 0.5
 
 

@@ -172,15 +172,15 @@ def compiled_collectives(spec: str, extra: tuple[str, ...] = ()) -> dict[str, in
 
 def test_ring_and_expert_bytes_match_the_formulas():
     """Bytes per device in the compiled step (float32; tiny: L = 4 layers, D = 128, K = 2
-    key/value heads of H = 32; batch 16 x 128 tokens), against what the layers send. Each
+    key/value heads of A = 32; batch 16 x 128 tokens), against what the layers send. Each
     layer runs three times: forward, remat's recomputation, backward."""
     c, B, T = model_lib.PRESETS["tiny"], 16, 128  # noqa: N806
-    L, K, H = c.num_layers, c.num_kv_heads, c.head_width  # noqa: N806
+    L, K, A = c.num_layers, c.num_kv_heads, c.head_width  # noqa: N806
     # Ring attention over sequence=4, batch over data=2: each pass sends K and V of its own
     # T/4 tokens and B/2 rows n - 1 = 3 times. Measured 4,718,592 B.
     ring = compiled_collectives("data=2,sequence=4")
     n, rows, tokens = 4, B // 2, T // 4
-    assert ring["collective-permute"] == L * 3 * (n - 1) * 2 * rows * tokens * K * H * 4
+    assert ring["collective-permute"] == L * 3 * (n - 1) * 2 * rows * tokens * K * A * 4
     # XLA reduces these gradients in two all-reduces, over 'sequence' and then over 'data'
     # (measured 10,494,984 B: twice the 5,247,492 B of data=8's one all-reduce).
     assert ring["all-reduce"] == 2 * compiled_collectives("data=8")["all-reduce"]

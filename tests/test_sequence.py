@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 
 from jaxdist_lessons import comms, sequence
 
-B, T, N, H = (
+B, T, N, A = (
     1,
     48,
     24,
@@ -25,7 +25,7 @@ def mesh_of(n):
 
 def inputs():
     keys = jax.random.split(jax.random.key(0), 3)
-    return tuple(jax.random.normal(k, (B, T, N, H), jnp.float32) for k in keys)
+    return tuple(jax.random.normal(k, (B, T, N, A), jnp.float32) for k in keys)
 
 
 def out_and_grads(attention):
@@ -68,11 +68,11 @@ def test_each_attention_equals_one_device_in_outputs_and_gradients(kind, n):
 @pytest.mark.parametrize("kind", list(sequence.ATTENTIONS))
 def test_compiled_bytes_are_the_formula(kind):
     n = 4
-    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    q = jax.ShapeDtypeStruct((B, T, N, A), jnp.float32)
     text = comms.compiled_text(
         sequence.over_sequence(sequence.ATTENTIONS[kind], mesh_of(n)), q, q, q
     )
-    predicted = sequence.predicted_bytes(kind, B, T, N, H, n)
+    predicted = sequence.predicted_bytes(kind, B, T, N, A, n)
     sent = predicted.pop("sent")
     assert comms.bytes_by_kind(text) == predicted
     # chunk bytes: K and V of one device's 12 tokens, 24 heads of 4, float32 = 9,216
@@ -112,4 +112,4 @@ def test_megatron_sequence_parallel_sends_what_tensor_parallel_sends():
 
 def test_predicted_bytes_rejects_an_unknown_attention():
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
-        sequence.predicted_bytes("flash", B, T, N, H, 4)
+        sequence.predicted_bytes("flash", B, T, N, A, 4)

@@ -7,9 +7,24 @@ experts; and a scan over the layers with a rematerialisation policy. The names (
 "mlp", "heads", ...) say what an axis means; the rules in train.py say which mesh axis,
 if any, splits it.
 
-Shape suffixes: B batch, T sequence, D model width, N query heads, K key/value heads, G
-query heads per key/value head, H head width, F MLP width, V vocabulary, E experts, S
-tokens routed together (a group), C an expert's slots per group.
+Shape suffixes (one letter per axis; lowercase in einsum subscripts), the book's legend
+for the letters used here:
+
+    B  batch (examples in a batch)
+    T  tokens: positions in a sequence; also a batch's tokens flattened, or a routing
+       group's tokens
+    S  key/value positions in attention, where they differ from the queries' T
+    D  model width (embedding width)
+    N  attention (query) heads
+    K  key/value heads (grouped-query attention; K = N without it)
+    Q  query heads that share one key/value head (N = K * Q)
+    A  width of one attention head
+    F  MLP hidden width
+    V  vocabulary
+    E  experts
+    M  slots per expert (its capacity)
+    R  a token's routes: its top-k expert choices
+    G  routing groups (tokens routed together)
 """
 
 import dataclasses
@@ -28,7 +43,7 @@ class ModelConfig:
     num_layers: int
     width: int  # D
     num_heads: int  # N
-    num_kv_heads: int  # K; N/K query heads share each key/value head (GQA)
+    num_kv_heads: int  # K; Q = N/K query heads share each key/value head (GQA)
     mlp_width: int  # F
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False  # the output projection reuses the embedding table
@@ -38,12 +53,12 @@ class ModelConfig:
     )
     top_k: int = 1  # experts per token
     capacity_factor: float = (
-        1.25  # an expert's slots per group: ceil(k * S * factor / E)
+        1.25  # an expert's slots per group: ceil(top_k * group_size * factor / E)
     )
-    group_size: int = 512  # S: tokens routed together (at most the sequence)
+    group_size: int = 512  # tokens routed together, a group (at most the sequence)
 
     @property
-    def head_width(self) -> int:  # H
+    def head_width(self) -> int:  # A
         return self.width // self.num_heads
 
 
@@ -93,23 +108,23 @@ class RMSNorm(nn.Module):
         return (x * scale).astype(self.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+def rope(x_BTNA: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
     """Rotate each pair of features by an angle proportional to the token's position."""
-    half = x_BTNH.shape[-1] // 2
+    half = x_BTNA.shape[-1] // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_TH = positions_T[:, None].astype(jnp.float32) * frequencies
-    sin, cos = jnp.sin(angles_TH)[:, None, :], jnp.cos(angles_TH)[:, None, :]
-    first, second = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    angles_TA = positions_T[:, None].astype(jnp.float32) * frequencies
+    sin, cos = jnp.sin(angles_TA)[:, None, :], jnp.cos(angles_TA)[:, None, :]
+    first, second = jnp.split(x_BTNA.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate(
         [first * cos - second * sin, second * cos + first * sin], -1
     )
-    return rotated.astype(x_BTNH.dtype)
+    return rotated.astype(x_BTNA.dtype)
 
 
 MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
 
 
-def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
+def ring_attention(q_BTNA, k_BTKA, v_BTKA, positions_T, axis: str = "sequence"):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
     ring, one ppermute per step, and each block is folded into an online softmax (a
@@ -118,32 +133,32 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, axis: str = "sequence"):
     device, gives each column's position in the text; the mask compares positions, so
     any order of the tokens works, such as train.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    B, T, N, H = q_BTNH.shape  # noqa: N806
-    K = k_BTKH.shape[2]  # noqa: N806
+    B, T, N, A = q_BTNA.shape  # noqa: N806
+    K = k_BTKA.shape[2]  # noqa: N806
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H).astype(jnp.float32) * H**-0.5
-    max_BKGT = jnp.full((B, K, N // K, T), MASKED)
-    sum_BKGT = jnp.zeros((B, K, N // K, T))
-    out_BTKGH = jnp.zeros(q_BTKGH.shape)
-    k_BSKH, v_BSKH = k_BTKH.astype(jnp.float32), v_BTKH.astype(jnp.float32)
+    q_BTKQA = q_BTNA.reshape(B, T, K, N // K, A).astype(jnp.float32) * A**-0.5
+    max_BKQT = jnp.full((B, K, N // K, T), MASKED)
+    sum_BKQT = jnp.zeros((B, K, N // K, T))
+    out_BTKQA = jnp.zeros(q_BTKQA.shape)
+    k_BSKA, v_BSKA = k_BTKA.astype(jnp.float32), v_BTKA.astype(jnp.float32)
     for step in range(n):  # at this step, the block that started on device i - step
         mask_TS = share(i)[:, None] >= share((i - step) % n)[None, :]
-        s_BKGTS = jnp.where(
-            mask_TS, jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH), MASKED
+        s_BKQTS = jnp.where(
+            mask_TS, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED
         )
-        new_max_BKGT = jnp.maximum(max_BKGT, s_BKGTS.max(-1))
-        p_BKGTS = jnp.where(mask_TS, jnp.exp(s_BKGTS - new_max_BKGT[..., None]), 0.0)
-        rescale_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
-        sum_BKGT = sum_BKGT * rescale_BKGT + p_BKGTS.sum(-1)
-        out_BTKGH = out_BTKGH * rescale_BKGT.transpose(0, 3, 1, 2)[
+        new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
+        p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
+        rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)
+        sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
+        out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[
             ..., None
-        ] + jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH)
-        max_BKGT = new_max_BKGT
+        ] + jnp.einsum("bkqts,bska->btkqa", p_BKQTS, v_BSKA)
+        max_BKQT = new_max_BKQT
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
-            k_BSKH, v_BSKH = jax.lax.ppermute((k_BSKH, v_BSKH), axis, ring)
-    out_BTKGH = out_BTKGH / sum_BKGT.transpose(0, 3, 1, 2)[..., None]
-    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+            k_BSKA, v_BSKA = jax.lax.ppermute((k_BSKA, v_BSKA), axis, ring)
+    out_BTKQA = out_BTKQA / sum_BKQT.transpose(0, 3, 1, 2)[..., None]
+    return out_BTKQA.reshape(B, T, N, A).astype(q_BTNA.dtype)
 
 
 class Attention(nn.Module):
@@ -162,39 +177,39 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         c = self.config
-        D, N, K, H = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
+        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
         # Column-parallel: each 'tensor' device computes its own heads, whole.
-        w_DNH = self.project("query", (D, N, H), ("embed", "heads", "head_dim"), D)
+        w_DNA = self.project("query", (D, N, A), ("embed", "heads", "head_dim"), D)
         w_kv = [
-            self.project(n, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+            self.project(n, (D, K, A), ("embed", "kv_heads", "head_dim"), D)
             for n in "kv"
         ]
-        q_BTNH = rope(
-            jnp.einsum("btd,dnh->btnh", x_BTD, w_DNH), positions_T, c.rope_theta
+        q_BTNA = rope(
+            jnp.einsum("btd,dna->btna", x_BTD, w_DNA), positions_T, c.rope_theta
         )
-        k_BTKH = rope(
-            jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[0]), positions_T, c.rope_theta
+        k_BTKA = rope(
+            jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]), positions_T, c.rope_theta
         )
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, w_kv[1])
-        q_BTNH = constrain(q_BTNH, ("batch", "act_seq", "act_heads", None))
-        k_BTKH = constrain(k_BTKH, ("batch", "act_seq", "act_kv_heads", None))
-        v_BTKH = constrain(v_BTKH, ("batch", "act_seq", "act_kv_heads", None))
+        v_BTKA = jnp.einsum("btd,dka->btka", x_BTD, w_kv[1])
+        q_BTNA = constrain(q_BTNA, ("batch", "act_seq", "act_heads", None))
+        k_BTKA = constrain(k_BTKA, ("batch", "act_seq", "act_kv_heads", None))
+        v_BTKA = constrain(v_BTKA, ("batch", "act_seq", "act_kv_heads", None))
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             ring = jax.shard_map(
                 ring_attention, in_specs=(spec, spec, spec, P()), out_specs=spec
             )
-            out_BTNH = ring(q_BTNH, k_BTKH, v_BTKH, positions_T)
+            out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T)
         else:  # positions in order: the causal mask is the lower triangle
-            out_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, is_causal=True
+            out_BTNA = jax.nn.dot_product_attention(
+                q_BTNA, k_BTKA, v_BTKA, is_causal=True
             )
-        out_BTNH = constrain(out_BTNH, ("batch", "act_seq", "act_heads", None))
+        out_BTNA = constrain(out_BTNA, ("batch", "act_seq", "act_heads", None))
         # Row-parallel: each device's heads give a partial sum, which the layout after
         # the block reduces (an all-reduce, or under sequence parallelism a
         # reduce-scatter).
-        w_NHD = self.project("out", (N, H, D), ("heads", "head_dim", "embed"), N * H)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, w_NHD)
+        w_NAD = self.project("out", (N, A, D), ("heads", "head_dim", "embed"), N * A)
+        return jnp.einsum("btna,nad->btd", out_BTNA, w_NAD)
 
 
 class MLP(nn.Module):
@@ -221,7 +236,7 @@ BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coef
 class Experts(nn.Module):
     """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine.
 
-    Each group of S tokens is routed on its own: a token's choices take the next free
+    Each group of T tokens is routed on its own: a token's choices take the next free
     slot of their experts, first choices before second ones, and a choice that finds its
     expert full is dropped (the token keeps its residual). Weights and the routed tokens
     are split over the 'expert' mesh axis; between the two, XLA moves tokens to their
@@ -241,67 +256,66 @@ class Experts(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
-        B, T, D = x_BTD.shape  # noqa: N806
-        E, K, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
-        S = min(c.group_size, T)  # noqa: N806
-        C = math.ceil(K * S * c.capacity_factor / E)  # noqa: N806
-        x_BGSD = x_BTD.reshape(B, T // S, S, D)
+        B, length, D = x_BTD.shape  # noqa: N806
+        E, R, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
+        T = min(c.group_size, length)  # noqa: N806
+        G = length // T  # noqa: N806
+        M = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
+        x_BGTD = x_BTD.reshape(B, G, T, D)
         router_DE = self.param(
             "router",
             weight(nn.initializers.normal(D**-0.5), ("embed", None)),
             (D, E),
             jnp.float32,
         )
-        logits_BGSE = jnp.einsum("bgsd,de->bgse", x_BGSD.astype(jnp.float32), router_DE)
-        probs_BGSE = jax.nn.softmax(logits_BGSE, axis=-1)
-        gates_BGSK, experts_BGSK = jax.lax.top_k(probs_BGSE, K)
-        gates_BGSK /= gates_BGSK.sum(
+        logits_BGTE = jnp.einsum("bgtd,de->bgte", x_BGTD.astype(jnp.float32), router_DE)
+        probs_BGTE = jax.nn.softmax(logits_BGTE, axis=-1)
+        gates_BGTR, experts_BGTR = jax.lax.top_k(probs_BGTE, R)
+        gates_BGTR /= gates_BGTR.sum(
             -1, keepdims=True
         )  # k > 1: a token's gates sum to 1
         # A slot for each (choice, token): how many earlier pairs chose the same expert.
-        choice_BGKSE = jax.nn.one_hot(experts_BGSK.swapaxes(2, 3), E)
-        flat = choice_BGKSE.reshape(B, T // S, K * S, E)
-        slot_BGKS = (
-            ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, T // S, K, S)
-        )
-        slot_BGKSC = jax.nn.one_hot(slot_BGKS.astype(jnp.int32), C)  # all zero: dropped
-        dispatch_BGSEC = jnp.einsum("bgkse,bgksc->bgsec", choice_BGKSE, slot_BGKSC)
-        combine_BGSEC = jnp.einsum(
-            "bgkse,bgksc,bgsk->bgsec", choice_BGKSE, slot_BGKSC, gates_BGSK
+        choice_BGRTE = jax.nn.one_hot(experts_BGTR.swapaxes(2, 3), E)
+        flat = choice_BGRTE.reshape(B, G, R * T, E)
+        slot_BGRT = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, G, R, T)
+        slot_BGRTM = jax.nn.one_hot(slot_BGRT.astype(jnp.int32), M)  # all zero: dropped
+        dispatch_BGTEM = jnp.einsum("bgrte,bgrtm->bgtem", choice_BGRTE, slot_BGRTM)
+        combine_BGTEM = jnp.einsum(
+            "bgrte,bgrtm,bgtr->bgtem", choice_BGRTE, slot_BGRTM, gates_BGTR
         )
         balance = E * jnp.sum(
-            choice_BGKSE.mean((0, 1, 2, 3)) * probs_BGSE.mean((0, 1, 2))
+            choice_BGRTE.mean((0, 1, 2, 3)) * probs_BGTE.mean((0, 1, 2))
         )
-        z_loss = jnp.mean(jax.nn.logsumexp(logits_BGSE, axis=-1) ** 2)
+        z_loss = jnp.mean(jax.nn.logsumexp(logits_BGTE, axis=-1) ** 2)
         # Each device fills its rows' slots, then the slots move to their experts'
         # devices: split by expert instead of by batch row (an all-to-all on 'expert').
         local, routed = (
             (None, "batch", "act_seq", None),
             ("act_experts", "expert_batch", "act_seq", None),
         )
-        x_EBGCD = constrain(
-            jnp.einsum("bgsec,bgsd->ebgcd", dispatch_BGSEC.astype(self.dtype), x_BGSD),
+        x_EBGMD = constrain(
+            jnp.einsum("bgtem,bgtd->ebgmd", dispatch_BGTEM.astype(self.dtype), x_BGTD),
             (*local, None),
         )
-        x_EBGCD = constrain(x_EBGCD, (*routed, None))
+        x_EBGMD = constrain(x_EBGMD, (*routed, None))
         w_gate_EDF, w_up_EDF = (
             self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
             for n in ("gate", "up")
         )
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
-        h_EBGCF = nn.silu(
-            jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_gate_EDF)
-        ) * jnp.einsum("ebgcd,edf->ebgcf", x_EBGCD, w_up_EDF)
-        h_EBGCF = constrain(h_EBGCF, (*routed, "act_mlp"))
-        y_EBGCD = constrain(
-            jnp.einsum("ebgcf,efd->ebgcd", h_EBGCF, w_down_EFD), (*routed, None)
+        h_EBGMF = nn.silu(
+            jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_gate_EDF)
+        ) * jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_up_EDF)
+        h_EBGMF = constrain(h_EBGMF, (*routed, "act_mlp"))
+        y_EBGMD = constrain(
+            jnp.einsum("ebgmf,efd->ebgmd", h_EBGMF, w_down_EFD), (*routed, None)
         )
         # And back to their batch rows (the second all-to-all), weighted by their gates.
-        y_EBGCD = constrain(y_EBGCD, (*local, None))
-        y_BGSD = jnp.einsum(
-            "bgsec,ebgcd->bgsd", combine_BGSEC.astype(self.dtype), y_EBGCD
+        y_EBGMD = constrain(y_EBGMD, (*local, None))
+        y_BGTD = jnp.einsum(
+            "bgtem,ebgmd->bgtd", combine_BGTEM.astype(self.dtype), y_EBGMD
         )
-        return y_BGSD.reshape(B, T, D), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
+        return y_BGTD.reshape(x_BTD.shape), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
 
 
 # Between blocks the residual stream is split over the batch and, where the rules map
@@ -380,7 +394,7 @@ class Transformer(nn.Module):
             unroll=self.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BTD, aux_loss_L = layers(c, self.dtype, self.context_parallel, name="layers")(
+        x_BTD, aux_losses = layers(c, self.dtype, self.context_parallel, name="layers")(
             x_BTD, positions_T
         )
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
@@ -400,7 +414,7 @@ class Transformer(nn.Module):
         # Vocabulary-parallel logits: no device holds a row of all V logits.
         return constrain(
             logits_BTV, ("batch", "act_seq", "act_vocab")
-        ), aux_loss_L.sum()
+        ), aux_losses.sum()
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -437,9 +451,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
     arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the
     two backward matmuls. The embedding lookup is no matmul; with tied embeddings the
-    table is used once, as the output projection. Attention adds 12·L·T·(N·H) per token
-    (the causal mask is not subtracted). With experts, the weights a token uses: the
-    router and its top_k experts.
+    table is used once, as the output projection. Attention adds 12·layers·T·(N·A) per
+    token (the causal mask is not subtracted). With experts, the weights a token uses:
+    the router and its top_k experts.
     """
     c = config
     matmul_params = count_params(c) - c.vocab_size * c.width * (

@@ -3,6 +3,8 @@
 The two models differ in their projections (Flax's ``DenseGeneral`` in the decoder, one einsum
 with logically named kernels in the ViT) and in the mask (causal in the decoder, none in the
 ViT); what happens between the projections is this function.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ def head_dim(hidden: int, num_heads: int) -> int:
 
 
 def attend(
-    q_BTNK: jax.Array,
-    k_BSNK: jax.Array,
-    v_BSNK: jax.Array,
+    q_BTNA: jax.Array,
+    k_BSNA: jax.Array,
+    v_BSNA: jax.Array,
     *,
     causal: bool,
     dtype: Dtype,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(head_dim)) v`` per head: ``(B, T, N, K)`` queries to ``(B, T, N, K)``.
+    """``softmax(q k^T / sqrt(head_dim)) v`` per head: ``(B, T, N, A)`` queries to ``(B, T, N, A)``.
 
     With ``causal``, query ``t`` sees keys ``0..t`` only. The softmax runs in float32 whatever
     ``dtype`` is: bf16's 7 explicit mantissa bits are too coarse for its sums.
     """
-    head_dim = q_BTNK.shape[-1]
-    scores_BNTS = jnp.einsum("btnk,bsnk->bnts", q_BTNK, k_BSNK) / jnp.sqrt(
+    head_dim = q_BTNA.shape[-1]
+    scores_BNTS = jnp.einsum("btna,bsna->bnts", q_BTNA, k_BSNA) / jnp.sqrt(
         head_dim
     ).astype(dtype)
     if causal:
@@ -50,4 +52,4 @@ def attend(
     weights_BNTS = jax.nn.softmax(scores_BNTS.astype(jnp.float32), axis=-1).astype(
         dtype
     )
-    return jnp.einsum("bnts,bsnk->btnk", weights_BNTS, v_BSNK)
+    return jnp.einsum("bnts,bsna->btna", weights_BNTS, v_BSNA)

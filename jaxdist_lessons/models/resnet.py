@@ -7,6 +7,8 @@ BatchNorm: under ``jax.jit`` with a batch sharded over devices, the model sees t
 batch, so its batch statistics are already global and ``axis_name`` stays ``None``. Under
 ``jax.pmap`` or ``jax.shard_map`` each device sees only its shard: pass the mapped axis
 name (for example ``axis_name='data'``) so the statistics are averaged across devices.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations

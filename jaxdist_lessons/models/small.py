@@ -4,6 +4,8 @@
 one with them, because batch statistics are where data parallelism gets subtle. Both take an
 ``axis_name`` (BatchNorm averages its statistics over it under ``pmap`` or ``shard_map``).
 ``NNXMLP`` is chapter 9's NNX example: its kernels carry partition metadata.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations

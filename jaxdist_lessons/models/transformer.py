@@ -25,6 +25,8 @@ parameter through ``axes.named``, with ``models/axes.py``'s logical names, which
     out/kernel ('heads', 'kv', 'embed'), bias ('embed',)
     mlp/up/kernel ('embed', 'mlp'), bias ('mlp',); mlp/down/kernel ('mlp', 'embed'), bias ('embed',)
     every LayerNorm's scale and bias ('embed',)
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class CausalSelfAttention(nn.Module):
     logical_axes: bool = False
 
     @nn.compact
-    def __call__(self, x_BTH: jax.Array) -> jax.Array:
-        hidden = x_BTH.shape[-1]
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        hidden = x_BTD.shape[-1]
         head_dim = attention.head_dim(hidden, self.num_heads)
         project = lambda name: nn.DenseGeneral(
             (self.num_heads, head_dim),
@@ -63,10 +65,10 @@ class CausalSelfAttention(nn.Module):
             **axes.dense_inits(
                 ("embed", "heads", "kv"), ("heads", "kv"), self.logical_axes
             ),
-        )(x_BTH)
-        q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(
-            q_BTNK, k_BTNK, v_BTNK, causal=True, dtype=self.dtype
+        )(x_BTD)
+        q_BTNA, k_BTNA, v_BTNA = project("query"), project("key"), project("value")
+        out_BTNA = attention.attend(
+            q_BTNA, k_BTNA, v_BTNA, causal=True, dtype=self.dtype
         )
         return nn.DenseGeneral(
             hidden,
@@ -75,7 +77,7 @@ class CausalSelfAttention(nn.Module):
             param_dtype=self.param_dtype,
             name="out",
             **axes.dense_inits(("heads", "kv", "embed"), ("embed",), self.logical_axes),
-        )(out_BTNK)
+        )(out_BTNA)
 
 
 class MLP(nn.Module):
@@ -87,8 +89,8 @@ class MLP(nn.Module):
     logical_axes: bool = False
 
     @nn.compact
-    def __call__(self, x_BTH: jax.Array) -> jax.Array:
-        hidden = x_BTH.shape[-1]
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        hidden = x_BTD.shape[-1]
         names = {
             "up": (("embed", "mlp"), ("mlp",)),
             "down": (("mlp", "embed"), ("embed",)),
@@ -101,7 +103,7 @@ class MLP(nn.Module):
             **axes.dense_inits(*names[name], self.logical_axes),
         )
         return dense(hidden, "down")(
-            nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTH))
+            nn.gelu(dense(self.mlp_ratio * hidden, "up")(x_BTD))
         )
 
 
@@ -116,20 +118,20 @@ class Block(nn.Module):
     logical_axes: bool = False
 
     @nn.compact
-    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
         norm = lambda name: axes.layer_norm(
             name, self.dtype, self.param_dtype, self.logical_axes
         )
-        x_BTH = x_BTH + CausalSelfAttention(
+        x_BTD = x_BTD + CausalSelfAttention(
             self.num_heads,
             self.dtype,
             self.param_dtype,
             self.logical_axes,
             name="attention",
-        )(norm("ln_attention")(x_BTH))
-        return x_BTH + MLP(
+        )(norm("ln_attention")(x_BTD))
+        return x_BTD + MLP(
             self.mlp_ratio, self.dtype, self.param_dtype, self.logical_axes, name="mlp"
-        )(norm("ln_mlp")(x_BTH))
+        )(norm("ln_mlp")(x_BTD))
 
 
 class Decoder(nn.Module):
@@ -167,7 +169,7 @@ class Decoder(nn.Module):
                 default_embed_init, "vocab", "embed", enabled=self.logical_axes
             ),
         )
-        position_TH = self.param(
+        position_TD = self.param(
             "position",
             axes.named(
                 nn.initializers.normal(0.02), "posn", "embed", enabled=self.logical_axes
@@ -175,24 +177,24 @@ class Decoder(nn.Module):
             (self.max_len, self.hidden),
             self.param_dtype,
         )
-        x_BTH = embed(tokens_BT) + position_TH[:length].astype(self.dtype)
+        x_BTD = embed(tokens_BT) + position_TD[:length].astype(self.dtype)
         block = Block
         if self.remat_policy is not None:
             policy = None if self.remat_policy == "full" else self.remat_policy
             block = nn.remat(Block, policy=policy)
         for i in range(self.num_layers):
-            x_BTH = block(
+            x_BTD = block(
                 self.num_heads,
                 self.mlp_ratio,
                 self.dtype,
                 self.param_dtype,
                 logical_axes=self.logical_axes,
                 name=f"Block_{i}",
-            )(x_BTH)
-        x_BTH = axes.layer_norm(
+            )(x_BTD)
+        x_BTD = axes.layer_norm(
             "ln_final", self.dtype, self.param_dtype, self.logical_axes
-        )(x_BTH)
-        return embed.attend(x_BTH).astype(jnp.float32)
+        )(x_BTD)
+        return embed.attend(x_BTD).astype(jnp.float32)
 
 
 def next_token_loss(model: nn.Module, params: Any, tokens_BT: jax.Array) -> jax.Array:

@@ -17,6 +17,8 @@ Parameter paths, for block ``i``::
     head/{kernel,bias}                           (embed, classes) / (classes,)
 
 ViT-B/16 is ``ViT(hidden=768, num_layers=12, num_heads=12, mlp_dim=3072, patch_size=16)``.
+
+Shape suffixes: see jaxdist_lessons.models.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Attention(nn.Module):
 
         def project(name: str) -> jax.Array:
             y = HeadsDense(
-                "btd,dnk->btnk",
+                "btd,dna->btna",
                 (hidden, self.num_heads, head_dim),
                 ("embed", "heads", "kv"),
                 (self.num_heads, head_dim),
@@ -107,12 +109,12 @@ class Attention(nn.Module):
             )(x_BTD)
             return axes.constrain(y, "batch", "seq", "act_heads", None)
 
-        q_BTNK, k_BTNK, v_BTNK = project("query"), project("key"), project("value")
-        out_BTNK = attention.attend(
-            q_BTNK, k_BTNK, v_BTNK, causal=False, dtype=self.dtype
+        q_BTNA, k_BTNA, v_BTNA = project("query"), project("key"), project("value")
+        out_BTNA = attention.attend(
+            q_BTNA, k_BTNA, v_BTNA, causal=False, dtype=self.dtype
         )
         out_BTD = HeadsDense(
-            "btnk,nkd->btd",
+            "btna,nad->btd",
             (self.num_heads, head_dim, hidden),
             ("heads", "kv", "embed"),
             (hidden,),
@@ -120,7 +122,7 @@ class Attention(nn.Module):
             self.dtype,
             self.param_dtype,
             name="out",
-        )(out_BTNK)
+        )(out_BTNA)
         return axes.constrain(out_BTD, "batch", "seq", "act_embed")
 
 
@@ -218,14 +220,14 @@ class ViT(nn.Module):
                 name=f"Block_{i}",
             )(x_BTD)
         x_BD = axes.layer_norm("ln_final", self.dtype, self.param_dtype)(x_BTD)[:, 0]
-        logits_BC = nn.Dense(
+        logits_BO = nn.Dense(
             self.num_classes,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             **axes.dense_inits(("embed", "classes"), ("classes",)),
             name="head",
         )(x_BD)
-        return logits_BC.astype(jnp.float32)
+        return logits_BO.astype(jnp.float32)
 
 
 def vit_params(
