@@ -31,7 +31,9 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
 # kernels' environment, since the book shows their outputs.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    )
 
 from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
@@ -66,7 +68,10 @@ ONE_WORKER_MODULES = {
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
     job after another: two jobs at once would find the node busy. The modules above each run
-    on one worker too."""
+    on one worker too. The chapters, the longest items, start first, so that no worker is left
+    finishing one alone at the end."""
+    # A stable sort: the chapters keep their order, and so do the tests.
+    items.sort(key=lambda item: item.path.suffix != ".ipynb")
     for item in items:
         if (
             "slurm" in getattr(item, "fixturenames", ())
