@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.sharding import AxisType
 
     from jaxdist_lessons import benchmark, compiled, hardware, train
-    from jaxdist_lessons.mesh import make_mesh
     from jaxdist_lessons.models.resnet import ResNet50
     from jaxdist_lessons.tables import Table
 
     n = jax.device_count()
-    mesh = make_mesh((n,), ("data",))
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
     model = ResNet50(num_classes=1000, width=args.width, dtype=jnp.dtype(args.dtype))
     tx = optax.sgd(0.1, momentum=0.9)
     image_shape = (args.image_size, args.image_size, 3)

@@ -51,12 +51,12 @@ def main() -> None:
 
     devices.setup()
     import jax  # after setup(), which must choose the devices first
+    from jax.sharding import AxisType
 
     from jaxdist_lessons import benchmark
-    from jaxdist_lessons.mesh import make_mesh
 
     n = jax.device_count()
-    mesh = make_mesh((n,), ("data",))
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
     workloads = []
     if args.model in ("mlp", "both"):
         workloads.append(

@@ -19,6 +19,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -135,6 +136,25 @@ def transformer_workload(
     )
 
 
+def _placed(
+    strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
+) -> tuple[Any, Any]:
+    """New copies of the state, sharded as ``strategy`` keeps it.
+
+    New buffers, because the steps donate their inputs and ``device_put`` may reuse a
+    buffer already on a device: donating it would delete the workload's parameters.
+    """
+    specs = (
+        zero.param_specs(strategy, params, mesh, axis),
+        zero.opt_state_specs(strategy, opt_state, mesh, axis),
+    )
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
+    return copy((params, opt_state))
+
+
 def strategy_table(
     strategy: str,
     work: Workload,
@@ -154,9 +174,7 @@ def strategy_table(
         jax.eval_shape(tx.init, work.params),
         axis=axis,
     )
-    params, opt_state = zero.place(
-        strategy, work.params, tx.init(work.params), mesh, axis
-    )
+    params, opt_state = _placed(strategy, work.params, tx.init(work.params), mesh, axis)
     batch = jax.device_put(work.batch, NamedSharding(mesh, P(axis)))
     program = step.lower(params, opt_state, batch).compile()
     return compiled_strategy_table(
@@ -245,7 +263,7 @@ def compile_strategies(
             step = zero.make_step(
                 strategy, work.loss_fn, tx, mesh, work.params, opt_shape
             )
-            state = zero.place(strategy, work.params, tx.init(work.params), mesh)
+            state = _placed(strategy, work.params, tx.init(work.params), mesh)
             programs[work.name, strategy] = (step.lower(*state, batch).compile(), state)
     return programs
 

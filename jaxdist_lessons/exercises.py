@@ -452,11 +452,11 @@ def _ch02(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             asks="a Mesh over the even-numbered devices",
             expected=lambda m: hasattr(m, "devices") and even_mesh(m),
             kind="callable",
-            why="without devices=, make_mesh takes all of jax.devices() in an order of its "
+            why="without devices=, jax.make_mesh takes all of jax.devices() in an order of its "
             "choosing; devices= says which ones, and the shape must match their number.",
             hints=(
                 Hint(
-                    "your mesh holds odd-numbered devices: without devices=, make_mesh takes "
+                    "your mesh holds odd-numbered devices: without devices=, jax.make_mesh takes "
                     "them from all of jax.devices().",
                     lambda a, e: any(d.id % 2 for d in a.devices.flat),
                 ),

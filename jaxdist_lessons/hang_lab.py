@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import multihost, watchdog
@@ -162,8 +162,14 @@ def step(case: str, k: int, mesh: jax.sharding.Mesh) -> float:
     """Step ``k``: two all-reduces, which process 1 gets wrong from step 2 on."""
     wrong = jax.process_index() == 1 and k >= 2
     width = 3 if (case == "shape" and wrong) else 2
-    a = multihost.global_array(np.full((1, width), k, np.float32), mesh, P("data"))
-    b = multihost.global_array(np.full((1, 5), k, np.float32), mesh, P("data"))
+    rows = NamedSharding(mesh, P("data"))  # one row per process, process order
+    count = jax.process_count()
+    a = jax.make_array_from_process_local_data(
+        rows, np.full((1, width), k, np.float32), (count, width)
+    )
+    b = jax.make_array_from_process_local_data(
+        rows, np.full((1, 5), k, np.float32), (count, 5)
+    )
     total = jax.jit(
         jax.shard_map(
             lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
@@ -185,7 +191,9 @@ def main() -> None:
     args = parser.parse_args()
     multihost.native_stdout_to_stderr()
     join(args.case, args.port, multihost.Timeouts(*args.timeouts))
-    mesh = multihost.global_mesh((jax.device_count(),), ("data",), AxisType.Explicit)
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
+    )
     dog = watchdog.StepWatchdog(args.watchdog).start() if args.watchdog else None
     for k in range(4):
         if (

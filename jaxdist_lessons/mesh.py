@@ -1,4 +1,4 @@
-"""Device meshes: make them with checked shapes, list the shapes N devices allow, describe them.
+"""Device meshes: the shapes N devices allow, and where each device sits in a mesh.
 
 A mesh arranges devices in an n-dimensional grid and names each grid axis. The names are
 only labels: ``('data', 'tensor')`` does nothing until a ``PartitionSpec`` uses them.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from jaxdist_lessons._checks import positive_int
 
@@ -105,49 +105,6 @@ def mesh_shape(num_devices: int, **sizes: int) -> tuple[int, ...]:
             f"{num_devices}, or let one axis take the rest with -1"
         )
     return tuple(num_devices // fixed if n in free else sizes[n] for n in names)
-
-
-def make_mesh(
-    shape: Sequence[int],
-    axis_names: Sequence[str],
-    axis_types: AxisType | Sequence[AxisType] = AxisType.Explicit,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """``jax.make_mesh`` with its inputs checked first, and ``axis_types`` always
-    stated.
-
-    One ``AxisType`` applies to every axis. ``devices`` defaults to all of
-    ``jax.devices()``. Chapters 2, 3 and 13 call ``jax.make_mesh`` itself; this stays
-    while other chapters and package modules still use it.
-    """
-    names = _check_names(axis_names)
-    shape = tuple(shape)
-    if len(shape) != len(names):
-        raise MeshError(
-            f"shape {shape} has {len(shape)} axes but axis_names {names} has "
-            f"{len(names)}: give one size per name"
-        )
-    if any(not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
-        raise MeshError(f"mesh sizes must be positive integers, got {shape}")
-    devices = list(jax.devices() if devices is None else devices)
-    if math.prod(shape) != len(devices):
-        options = mesh_shapes(len(devices), names)
-        raise MeshError(
-            f"mesh shape {shape} needs {math.prod(shape)} devices, but there are "
-            f"{len(devices)}: use a shape whose product is {len(devices)}, one of "
-            f"{options}"
-        )
-    types = (
-        (axis_types,) * len(names)
-        if isinstance(axis_types, AxisType)
-        else tuple(axis_types)
-    )
-    if len(types) != len(names):
-        raise MeshError(
-            f"{len(types)} axis_types for {len(names)} axes {names}: pass one AxisType "
-            "for all axes, or one per axis"
-        )
-    return jax.make_mesh(shape, names, axis_types=types, devices=devices)
 
 
 def device_coordinates(mesh: Mesh) -> dict[int, dict[str, int]]:

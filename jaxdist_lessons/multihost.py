@@ -27,11 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 from jaxdist_lessons import devices
-from jaxdist_lessons import mesh as mesh_lib
 
 # Set by MPI launchers in every rank's environment: Open MPI's mpirun (4 and 5), MPICH's and
 # Intel MPI's Hydra. With one of them present, initialize() asks JAX for its mpi4py detection.
@@ -201,17 +199,7 @@ def native_stdout_to_stderr() -> None:
     sys.stdout = open(original, "w", buffering=1, encoding=encoding, errors=errors)  # noqa: SIM115
 
 
-# --- Meshes and arrays across processes ---------------------------------------------------------
-
-
-def global_mesh(
-    shape: Sequence[int],
-    axis_names: Sequence[str],
-    axis_types: AxisType = AxisType.Explicit,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """A mesh over every process's devices (``jax.devices()`` lists them all, process 0's first)."""
-    return mesh_lib.make_mesh(shape, axis_names, axis_types=axis_types, devices=devices)
+# --- Meshes across processes ---------------------------------------------------------------------
 
 
 # What the launcher says about this process's node. SLURM numbers the nodes of a job
@@ -362,18 +350,6 @@ def processes_per_group(mesh: Mesh, groups: Sequence[Sequence[int]]) -> list[lis
     """
     flat = mesh.devices.flat
     return [sorted({flat[i].process_index for i in group}) for group in groups]
-
-
-def global_array(local: np.ndarray, mesh: Mesh, spec: P | None = None) -> jax.Array:
-    """One global array from each process's rows, sharded as ``spec`` (default ``P('data')``).
-
-    The first axis is split across processes in process order.
-    """
-    spec = P("data") if spec is None else spec
-    global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
-    return jax.make_array_from_process_local_data(
-        NamedSharding(mesh, spec), local, global_shape
-    )
 
 
 def is_primary() -> bool:

@@ -110,10 +110,10 @@ def strategy_mesh(
     ``num_devices``, the mesh holds the first ``num_devices`` devices.
     """
     n = jax.device_count() if num_devices is None else num_devices
-    return mesh_lib.make_mesh(
+    return jax.make_mesh(
         mesh_shape_for(strategy, n, tensor),
         MESH_AXES,
-        axis_types=AxisType.Auto,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
         devices=jax.devices()[:n],
     )
 

@@ -437,10 +437,10 @@ def train_and_evaluate(
     writes each process's shards. Only process 0 prints. ``before_step``: see ``fit``.
     """
     used = jax.devices()[: config.devices or jax.device_count()]
-    mesh = mesh_lib.make_mesh(
+    mesh = jax.make_mesh(
         mesh_lib.mesh_shape(len(used), **config.mesh),
         tuple(config.mesh),
-        axis_types=AxisType.Auto,
+        axis_types=(AxisType.Auto,) * len(config.mesh),
         devices=used,
     )
     train_source = data.source(config.dataset, "train", config.data_dir)

@@ -102,23 +102,12 @@ def _named(specs: Any, mesh: Mesh) -> Any:
     )
 
 
-def place(
-    strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
-) -> tuple[Any, Any]:
-    """Copies of the parameters and optimizer state, put on the devices as ``strategy`` keeps them.
-
-    Always new buffers: the steps donate their inputs, which must not delete yours (``device_put``
-    may reuse a buffer that is already on a device, even with ``may_alias=False``).
-    """
-    specs = (
-        param_specs(strategy, params, mesh, axis),
-        opt_state_specs(strategy, opt_state, mesh, axis),
-    )
-    return _copy_to((params, opt_state), specs, mesh)
-
-
 def _copy_to(tree: Any, specs: Any, mesh: Mesh) -> Any:
-    """New buffers holding ``tree``, each leaf sharded on ``mesh`` as ``specs`` says."""
+    """New buffers holding ``tree``, each leaf sharded on ``mesh`` as ``specs`` says.
+
+    New, because the steps donate their inputs, which must not delete the caller's arrays
+    (``device_put`` may reuse a buffer already on a device, even with ``may_alias=False``).
+    """
     copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
     return jax.jit(copy, out_shardings=_named(specs, mesh))(tree)
 
@@ -227,8 +216,8 @@ def make_step(
     jitted.
 
     ``params`` and ``opt_state`` (arrays or ``ShapeDtypeStruct``s) give the shapes the
-    specs come from; pass them to the step placed by ``place``. The batch is sharded
-    over ``axis``.
+    specs come from; the step takes them placed as ``param_specs`` and
+    ``opt_state_specs`` say. The batch is sharded over ``axis``.
     """
     _check_strategy(strategy)
     pspecs = param_specs(strategy, params, mesh, axis)
@@ -541,7 +530,7 @@ def layered_steps(
     steps = {
         "data": (
             make_step("data", loss_fn, tx, mesh, layers, opt_state, axis=axis),
-            place("data", layers, opt_state, mesh, axis=axis),
+            _copy_to((layers, opt_state), P(), mesh),  # replicated
         )
     }
     for strategy, remat in [("fsdp_all_gathered", False), ("fsdp_per_layer", True)]:

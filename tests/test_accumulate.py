@@ -3,14 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import accumulate, comms
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
-MESH = make_mesh((N,), ("data",))
+MESH = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
 MICRO = 4
 
 

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import AxisType
 
 from jaxdist_lessons import benchmark, zero
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
 
@@ -29,7 +29,12 @@ def test_time_per_call_runs_the_call():
 
 def test_benchmark_table_agrees_with_theory():
     work = benchmark.mlp_workload(N, width=64, depth=1, per_device_batch=4)
-    table = benchmark.strategy_table("fsdp", work, make_mesh((N,), ("data",)), calls=1)
+    table = benchmark.strategy_table(
+        "fsdp",
+        work,
+        jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,)),
+        calls=1,
+    )
     equal = {row[0]: row[3] for row in table.rows if row[3]}
     assert equal and set(equal.values()) == {"yes"}
     assert zero.expected_collectives("fsdp", work.params, N).keys() <= {
@@ -46,7 +51,7 @@ def test_environment_names_versions():
 def test_strategy_comparison_tables_agree_with_theory():
     import optax
 
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     work = benchmark.mlp_workload(N, width=8 * N, depth=1, per_device_batch=2)
     tx = optax.adam(1e-3)
     programs = benchmark.compile_strategies([work], tx, mesh)

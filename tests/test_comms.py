@@ -3,11 +3,10 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
 
@@ -138,7 +137,7 @@ def sm(f, mesh, in_specs, out_specs):
 
 
 def test_real_programs_of_each_kind():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     x = jax.device_put(jnp.ones((4 * N, 8)), NamedSharding(mesh, P("data")))
     full = jax.device_put(jnp.ones((4 * N, 8)), NamedSharding(mesh, P()))
     square = jax.device_put(jnp.ones((4 * N, 4 * N)), NamedSharding(mesh, P("data")))
@@ -206,7 +205,7 @@ def test_real_programs_of_each_kind():
 
 
 def test_all_reduce_in_a_scan_body_is_in_a_loop():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     x = jax.device_put(jnp.ones((4 * N, 8)), NamedSharding(mesh, P("data")))
 
     def accumulate(a):

@@ -7,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
 from jaxdist_lessons import data
-from jaxdist_lessons.mesh import make_mesh, mesh_shape
+from jaxdist_lessons.mesh import mesh_shape
 
 N = jax.device_count()
 MAX_SHIFT = data.Preprocess().max_shift
@@ -61,8 +62,10 @@ def test_offline_dataset_is_scikit_learns_digits_built_by_tfds_as_array_record()
 
 
 def test_batches_are_global_arrays_sharded_over_data():
-    mesh = make_mesh(
-        mesh_shape(N, data=-1, tensor=2) if N > 1 else (1, 1), ("data", "tensor")
+    mesh = jax.make_mesh(
+        mesh_shape(N, data=-1, tensor=2) if N > 1 else (1, 1),
+        ("data", "tensor"),
+        axis_types=(AxisType.Explicit,) * 2,
     )
     batch = next(data.batches(digits("train"), 8 * N, mesh, seed=0))
     assert (
@@ -83,7 +86,7 @@ def labels_of(batches):
 
 
 def test_order_is_deterministic_for_a_seed_and_changes_with_the_epoch():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     source = digits("test")
     run = lambda **kw: labels_of(data.batches(source, 4 * N, mesh, **kw))
     np.testing.assert_array_equal(run(seed=3, epoch=1), run(seed=3, epoch=1))
@@ -97,7 +100,7 @@ def test_order_is_deterministic_for_a_seed_and_changes_with_the_epoch():
 
 @pytest.mark.parametrize("drop_remainder", [True, False])
 def test_remainder_is_dropped_or_padded_and_masked(drop_remainder):
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     source, global_batch = (
         digits("test"),
         16 * N,
@@ -200,7 +203,7 @@ def test_each_process_reads_only_its_share():
 
 
 def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     with pytest.raises(
         ValueError, match="global_shape should be None or equal to local_data.shape"
     ):
@@ -210,7 +213,7 @@ def test_a_process_layout_that_is_not_the_real_one_fails_loudly():
 
 
 def test_augmentation_is_seeded_and_only_shifts():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     source = digits("train")
     first = lambda **kw: np.asarray(
         next(data.batches(source, 2 * N, mesh, seed=1, **kw))["images"]
@@ -240,7 +243,7 @@ def test_augmentation_is_seeded_and_only_shifts():
 
 
 def test_real_tfds_datasets_through_mock_data():
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     with tfds.testing.mock_data(num_examples=4 * N):
         cifar = data.source("cifar10", "train")
         batch = next(data.batches(cifar, 2 * N, mesh))
@@ -305,7 +308,7 @@ def test_errors_name_the_fix(tmp_path):
         "access .*or use the offline 'jaxdist_digits'",
     ):
         data.source("cifar10", "train", data_dir=str(tmp_path))
-    mesh = make_mesh((N,), ("data",))
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     if N > 1:
         with pytest.raises(
             ValueError,

@@ -11,7 +11,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, gradients, train
-from jaxdist_lessons.mesh import make_mesh
 from jaxdist_lessons.models.small import MLP, SmallCNN
 
 N = jax.device_count()
@@ -20,7 +19,7 @@ STEPS = 3
 
 @functools.cache
 def mesh():
-    return make_mesh((N,), ("data",))
+    return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
 
 
 def make_batches(k=STEPS, per_device=4):
@@ -46,8 +45,8 @@ TX = optax.sgd(0.1, momentum=0.9)
 
 def init_state(model):
     """The state on device 0, from where each form moves it."""
-    one = make_mesh(
-        (1,), ("data",), axis_types=AxisType.Auto, devices=jax.devices()[:1]
+    one = jax.make_mesh(
+        (1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
     )
     no_rules = train.rule_shardings(one, [])
     return train.create_train_state(model, TX, (8, 8, 3), no_rules, jax.random.key(7))

@@ -8,7 +8,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, hlo
-from jaxdist_lessons.mesh import make_mesh
 
 HLO = """
 HloModule m
@@ -196,7 +195,7 @@ def test_groups_of_a_compiled_psum_are_the_mesh_axis(axis):
     n = jax.device_count()
     if n % 2:
         pytest.skip("needs an even number of devices")
-    mesh = make_mesh(
+    mesh = jax.make_mesh(
         (n // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
     )
     x = jax.device_put(

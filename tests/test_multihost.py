@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import demo_pids
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, hlo, multihost, multihost_demo
@@ -333,9 +333,6 @@ def test_single_process_helpers():
         str(info)
         == f"process 0 of 1: {n} local and {n} global CPU devices (joined by single process)"
     )
-    mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
-    x = multihost.global_array(np.arange(2 * n, dtype=np.float32), mesh)
-    assert x.shape == (2 * n,) and x.sharding.spec == P("data")
     assert multihost.is_primary()
 
 
@@ -490,7 +487,7 @@ def test_one_process_per_node_2_nodes_x_4_tensor_stays_in_a_node():
 
 def test_replica_groups_of_a_compiled_psum_and_their_processes():
     n = jax.device_count()
-    mesh = multihost.global_mesh((n,), ("data",), axis_types=AxisType.Explicit)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
     fn = jax.jit(
         jax.shard_map(
             lambda x: jax.lax.psum(x, "data"),
@@ -500,7 +497,7 @@ def test_replica_groups_of_a_compiled_psum_and_their_processes():
         )
     )
     text = (
-        fn.lower(multihost.global_array(np.ones(n, np.float32), mesh))
+        fn.lower(jax.device_put(np.ones(n, np.float32), NamedSharding(mesh, P("data"))))
         .compile()
         .as_text()
     )

@@ -2,8 +2,8 @@
 first, listed in the TOC, and in the house style.
 
 Each chapter is a jupytext pair: ``book/NAME.md`` (MyST Markdown, the source) and
-``book/NAME.ipynb`` (what nbmake, Colab and Kaggle run). JAX's own mesh constructors must get
-axis_types= (our mesh_lib.make_mesh always states them).
+``book/NAME.ipynb`` (what nbmake, Colab and Kaggle run). Every mesh a chapter makes
+(``jax.make_mesh``, ``Mesh``) states its axis_types=.
 
 (Running the notebooks is nbmake's job: `pytest` collects book/*.ipynb too.)
 """

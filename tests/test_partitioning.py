@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import partitioning as PT
 from jaxdist_lessons import sharding
-from jaxdist_lessons.mesh import make_mesh
 from jaxdist_lessons.models import small, transformer, vit
 
 N = jax.device_count()
@@ -120,8 +119,8 @@ def test_same_losses_under_every_strategy_and_state_born_sharded():
 def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
     # Chapter 9's NNX cells: created under nnx.jit in the mesh, one nnx.value_and_grad step.
     tensor_size = min(2, N)
-    mesh = make_mesh(
-        (N // tensor_size, tensor_size), ("data", "tensor"), axis_types=axis_type
+    mesh = jax.make_mesh(
+        (N // tensor_size, tensor_size), ("data", "tensor"), axis_types=(axis_type,) * 2
     )
 
     @nnx.jit

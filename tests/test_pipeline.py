@@ -5,7 +5,6 @@ import pytest
 from jax.sharding import AxisType
 
 from jaxdist_lessons import comms, pipeline
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
 
@@ -30,8 +29,11 @@ def stage_params(num_stages, width=8):
 
 
 def pipe_mesh(stages, axis_type=AxisType.Explicit):
-    return make_mesh(
-        (stages,), ("pipeline",), axis_types=axis_type, devices=jax.devices()[:stages]
+    return jax.make_mesh(
+        (stages,),
+        ("pipeline",),
+        axis_types=(axis_type,),
+        devices=jax.devices()[:stages],
     )
 
 
@@ -226,8 +228,11 @@ def test_interleaved_equals_the_sequential_loss_and_gradients(
     shape, micro, virtual, axis_type
 ):
     names = ("data", "pipeline")[-len(shape) :]
-    mesh = make_mesh(
-        shape, names, axis_types=axis_type, devices=jax.devices()[: np.prod(shape)]
+    mesh = jax.make_mesh(
+        shape,
+        names,
+        axis_types=(axis_type,) * len(names),
+        devices=jax.devices()[: np.prod(shape)],
     )
     layers = shape[-1] * virtual
     params = stage_params(layers)

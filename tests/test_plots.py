@@ -6,7 +6,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.patches import Rectangle
 
@@ -79,7 +79,7 @@ def rectangles(fig):
     "shape, names", [((N,), ("data",)), ((N // 2, 2), ("data", "tensor"))]
 )
 def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
-    m = mesh_lib.make_mesh(shape, names)
+    m = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
     fig = plots.draw_mesh(m)
     assert len(rectangles(fig)) == N
     texts = [t.get_text() for t in fig.axes[0].texts]
@@ -93,7 +93,11 @@ def test_draw_mesh_has_one_labelled_box_per_device(shape, names):
 
 
 def test_draw_mesh_rejects_more_than_two_axes():
-    m = mesh_lib.make_mesh((N // 2, 2, 1), ("data", "tensor", "pipeline"))
+    m = jax.make_mesh(
+        (N // 2, 2, 1),
+        ("data", "tensor", "pipeline"),
+        axis_types=(AxisType.Explicit,) * 3,
+    )
     with pytest.raises(ValueError, match="draw_mesh draws 1-D and 2-D meshes"):
         plots.draw_mesh(m)
 
@@ -109,7 +113,9 @@ def test_draw_mesh_rejects_more_than_two_axes():
     ],
 )
 def test_draw_sharding_draws_one_block_per_shard(shape, spec):
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     s = NamedSharding(m, spec)
     fig = plots.draw_sharding(shape, s)
     held = sharding.blocks(shape, s)
@@ -121,7 +127,7 @@ def test_draw_sharding_draws_one_block_per_shard(shape, spec):
 
 
 def test_draw_sharding_rejects_3d_arrays():
-    m = mesh_lib.make_mesh((N,), ("data",))
+    m = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     with pytest.raises(
         ValueError,
         match=r"draw_sharding draws 1-D and 2-D arrays; got shape \(2, 2, 2\)",

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, hlo, mesh, plots
+from jaxdist_lessons import comms, hlo, plots
 
 
 def psum_groups(m, axis):
@@ -36,7 +36,7 @@ def lines_by_colour(ax):
 
 
 def test_groups_across_the_process_axis_are_red_and_inside_one_are_green():
-    m = mesh.make_mesh((2, 4), ("data", "tensor"), axis_types=AxisType.Explicit)
+    m = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     # As if each row of the mesh belonged to its own process (2 processes x 4 devices).
     owner = np.array([[0, 0, 0, 0], [1, 1, 1, 1]])
     groups = {axis: psum_groups(m, axis) for axis in ("data", "tensor")}

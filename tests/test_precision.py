@@ -2,14 +2,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import comms, precision
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
-MESH = make_mesh((N,), ("data",))
+MESH = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
 
 
 def loss_fn(params, x):

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import AxisType
 
 from jaxdist_lessons import residuals
-from jaxdist_lessons.mesh import make_mesh
 
 N = jax.device_count()
 
@@ -49,7 +49,7 @@ def test_saved_residuals_of_integers_and_booleans():
 
 def test_saved_residuals_of_arrays_sharded_on_explicit_axes_and_of_float8():
     # On Explicit axes JAX prints a sharded dimension as `f32[8@data,4]`; the sizes stay global.
-    mesh = make_mesh((N,), ("data",))  # Explicit axes
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     f = lambda w: jnp.sin(jnp.cos(w)).sum()
     with jax.set_mesh(mesh):
         w = jax.device_put(jnp.ones((2 * N, 4)), jax.NamedSharding(mesh, jax.P("data")))

@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import mesh as mesh_lib
 from jaxdist_lessons import sharding
 from jaxdist_lessons.sharding import ShardingError
 
@@ -43,7 +42,7 @@ def cases():
 def test_predicted_shards_match_the_addressable_shards(
     mesh_shape, names, spec, axis_type
 ):
-    m = mesh_lib.make_mesh(mesh_shape, names, axis_types=axis_type)
+    m = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(names))
     shape, dtype = (4 * N, 2 * N), jnp.bfloat16
     x = jax.device_put(jnp.zeros(shape, dtype), NamedSharding(m, spec))
     assert {s.data.shape for s in x.addressable_shards} == {
@@ -111,14 +110,16 @@ def test_predicted_shards_match_the_addressable_shards(
     ],
 )
 def test_check_spec_errors(shape, spec, message):
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     with pytest.raises(ShardingError) as info:
         sharding.check_spec(shape, m, spec)
     assert str(info.value) == message.format(k=N // 2, n=N)
 
 
 def test_bytes_and_shapes_per_device_for_a_batch_sharded_array():
-    m = mesh_lib.make_mesh((N,), ("data",))
+    m = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
     x = jax.device_put(jnp.zeros((N * 4, 6), jnp.float32), NamedSharding(m, P("data")))
     assert sharding.bytes_per_device(x) == {d.id: 4 * 6 * 4 for d in jax.devices()}
     assert {s.device.id: s.data.shape for s in x.addressable_shards} == {
@@ -148,7 +149,9 @@ def test_rules_map_paths_to_specs_first_match_wins():
 
 
 def test_shardings_from_rules_place_a_tree():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     shardings = sharding.shardings_from_rules(TREE, m, RULES)
     placed = jax.device_put(TREE, shardings)
     assert placed["dense"]["kernel"].sharding.spec == P(None, "tensor")
@@ -162,7 +165,9 @@ def test_shardings_from_rules_place_a_tree():
 
 
 def test_a_bad_rule_fails_with_the_leaf_path():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     with pytest.raises(
         ShardingError, match=r"^dense/bias: spec P\('tensor', None\) has 2 entries"
     ):
@@ -170,7 +175,9 @@ def test_a_bad_rule_fails_with_the_leaf_path():
 
 
 def test_placement_rows_read_the_placed_arrays():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     x = jnp.zeros((2 * N, 8))
     specs = [P("data"), P(None, "tensor"), P()]
     rows = sharding.placement_rows(
@@ -184,7 +191,9 @@ def test_placement_rows_read_the_placed_arrays():
 
 
 def test_bytes_per_device_sums_a_whole_tree():
-    m = mesh_lib.make_mesh((N // 2, 2), ("data", "tensor"))
+    m = jax.make_mesh(
+        (N // 2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2
+    )
     tree = {
         "a": jax.device_put(jnp.zeros((N, 4)), NamedSharding(m, P("data"))),
         "b": [jax.device_put(jnp.zeros(6, jnp.int8), NamedSharding(m, P()))],

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import data, train
-from jaxdist_lessons.mesh import make_mesh, mesh_shape
+from jaxdist_lessons.mesh import mesh_shape
 from jaxdist_lessons.models import resnet
 from jaxdist_lessons.models.small import SmallCNN
 
@@ -39,7 +39,9 @@ STRATEGIES = {
 def build(strategy, devices=None, tx=TX):
     devices = jax.devices() if devices is None else devices
     shape_names, rules = STRATEGIES[strategy]
-    mesh = make_mesh(*shape_names(devices), axis_types=AxisType.Auto, devices=devices)
+    shape, names = shape_names(devices)
+    auto = (AxisType.Auto,) * len(names)
+    mesh = jax.make_mesh(shape, names, axis_types=auto, devices=devices)
     state = train.create_train_state(
         MODEL, tx, IMAGE, train.rule_shardings(mesh, rules), jax.random.key(0)
     )
@@ -229,7 +231,7 @@ def test_create_train_state_traces_init_once(monkeypatch):
         return init_and_count
 
     monkeypatch.setattr(train, "init_fn", counting)
-    mesh = make_mesh((N,), ("data",), axis_types=AxisType.Auto)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
     train.create_train_state(MODEL, TX, IMAGE, train.rule_shardings(mesh, []))
     # jax.jit reuses the trace jax.eval_shape made: init is traced once.
     assert len(traced) == 1
@@ -326,6 +328,6 @@ def test_train_and_evaluate_under_rules_shards_the_state():
 
 
 def test_rules_are_one_kind():
-    mesh = make_mesh((N,), ("data",), axis_types=AxisType.Auto)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
     with pytest.raises(ValueError, match="rules mix regex rules"):
         train.rule_shardings(mesh, [("kernel$", P("tensor")), ("mlp", "tensor")])

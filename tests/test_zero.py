@@ -7,11 +7,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import benchmark, comms, compiled, sharding, zero
-from jaxdist_lessons.mesh import make_mesh
 from jaxdist_lessons.models.transformer import Block
 
 N = jax.device_count()
-MESH = make_mesh((N,), ("data",))
+MESH = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
 AUTO_MESH = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))  # jit's FSDP
 
 
@@ -60,11 +59,28 @@ def block_case():
 CASES = {"MLP": mlp_case, "Transformer block": block_case}
 
 
+def copy_to(tree, specs, mesh):
+    """New buffers holding ``tree``, sharded as ``specs`` say (the steps donate them)."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
+def place(strategy, params, opt_state, mesh, axis="data"):
+    """The state as ``strategy`` keeps it, by ``zero.param_specs`` and ``opt_state_specs``."""
+    specs = (
+        zero.param_specs(strategy, params, mesh, axis),
+        zero.opt_state_specs(strategy, opt_state, mesh, axis),
+    )
+    return copy_to((params, opt_state), specs, mesh)
+
+
 def compiled_collectives(strategy, loss_fn, params, batch, tx):
     step = zero.make_step(
         strategy, loss_fn, tx, MESH, params, jax.eval_shape(tx.init, params)
     )
-    placed = zero.place(strategy, params, tx.init(params), MESH)
+    placed = place(strategy, params, tx.init(params), MESH)
     text = comms.compiled_text(
         step, *placed, jax.device_put(batch, NamedSharding(MESH, P("data")))
     )
@@ -91,7 +107,7 @@ def test_the_three_strategies_train_identically(case):
         step = zero.make_step(
             strategy, loss_fn, tx, MESH, params, jax.eval_shape(tx.init, params)
         )
-        p, o = zero.place(strategy, params, tx.init(params), MESH)
+        p, o = place(strategy, params, tx.init(params), MESH)
         for _ in range(3):
             p, o, loss = step(p, o, batch)
         finals[strategy] = (jax.device_get(p), float(loss))
@@ -132,7 +148,7 @@ def test_fsdp_by_jit_with_the_rule_trains_as_the_shard_map_step(case):
     tx = optax.sgd(0.1, momentum=0.9)
     step, (p, o) = jit_fsdp_step(loss_fn, tx, params, AUTO_MESH)
     mapped = zero.make_step("fsdp", loss_fn, tx, MESH, params, tx.init(params))
-    q, r = zero.place("fsdp", params, tx.init(params), MESH)
+    q, r = place("fsdp", params, tx.init(params), MESH)
     for _ in range(3):
         p, o, loss = step(
             p, o, jax.device_put(batch, NamedSharding(AUTO_MESH, P("data")))
@@ -170,7 +186,7 @@ def test_fsdp_by_jit_gathers_the_sharded_bytes_and_all_reduces_every_gradient():
 def test_fsdp_state_per_device_is_total_over_n_plus_the_named_remainder():
     _, params, _ = mlp_case()
     tx = optax.adam(1e-3)
-    p, o = zero.place("fsdp", params, tx.init(params), MESH)
+    p, o = place("fsdp", params, tx.init(params), MESH)
     held = sharding.bytes_per_device((p, o))
     total = comms.tree_bytes((p, o))
     parts = zero.split((params, tx.init(params)), N)
@@ -188,7 +204,7 @@ def test_fsdp_state_per_device_is_total_over_n_plus_the_named_remainder():
 def test_zero1_shards_only_the_optimizer_state():
     _, params, _ = mlp_case()
     tx = optax.adam(1e-3)
-    p, o = zero.place("zero1", params, tx.init(params), MESH)
+    p, o = place("zero1", params, tx.init(params), MESH)
     assert set(sharding.bytes_per_device(p).values()) == {comms.tree_bytes(params)}
     opt = zero.split(tx.init(params), N)
     assert set(sharding.bytes_per_device(o).values()) == {
@@ -232,7 +248,7 @@ def test_ring_bytes_sent_are_those_of_the_compiled_collectives(case, strategy):
     )
     text = comms.compiled_text(
         step,
-        *zero.place(strategy, params, tx.init(params), MESH),
+        *place(strategy, params, tx.init(params), MESH),
         jax.device_put(batch, NamedSharding(MESH, P("data"))),
     )
     # The step's mean loss, which the formula leaves out.
@@ -281,7 +297,12 @@ def layered_case(num_devices, num_layers=3):
 
 
 def fsdp_mesh(num_devices):
-    return make_mesh((num_devices,), ("fsdp",), devices=jax.devices()[:num_devices])
+    return jax.make_mesh(
+        (num_devices,),
+        ("fsdp",),
+        axis_types=(AxisType.Explicit,),
+        devices=jax.devices()[:num_devices],
+    )
 
 
 @pytest.mark.parametrize("num_devices", sorted({N, 6} if N >= 6 else {N}))
@@ -307,13 +328,8 @@ def test_layered_fsdp_gradients_equal_the_unsharded_reference(num_devices, remat
 
 
 def place_stacked(tree, mesh):
-    """A copy of ``tree`` sharded by ``zero.stacked_specs`` (new buffers: the steps donate them)."""
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s),
-        zero.stacked_specs(tree, mesh),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+    """A copy of ``tree`` sharded by ``zero.stacked_specs``."""
+    return copy_to(tree, zero.stacked_specs(tree, mesh), mesh)
 
 
 def compiled_layered(layer_fn, layers, batch, mesh, strategy):
@@ -324,7 +340,7 @@ def compiled_layered(layer_fn, layers, batch, mesh, strategy):
         step = zero.make_step(
             "data", zero.stack_loss(layer_fn), tx, mesh, layers, opt_state, axis="fsdp"
         )
-        placed = zero.place("data", layers, opt_state, mesh, axis="fsdp")
+        placed = place("data", layers, opt_state, mesh, axis="fsdp")
     else:
         remat = strategy == "fsdp_per_layer"
         step = zero.make_layered_fsdp_step(

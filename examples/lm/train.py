@@ -456,9 +456,8 @@ class StepDeadline:
     it by hand) and exits 124."""
 
     def __init__(self, seconds: float):
-        from jax._src import (
-            distributed,
-        )  # private: JAX 0.10.2 exports no key-value store
+        # private: JAX 0.10.2 exports no key-value store
+        from jax._src import distributed
 
         self.client, self.seconds = distributed.global_state.client, seconds
         self.step, self.since = None, time.monotonic()

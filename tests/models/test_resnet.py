@@ -3,9 +3,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import AxisType
 
 from jaxdist_lessons import memory, sharding
-from jaxdist_lessons.mesh import make_mesh, mesh_shape
+from jaxdist_lessons.mesh import mesh_shape
 from jaxdist_lessons.models import resnet
 
 
@@ -55,7 +56,11 @@ def test_forward_pass_shapes_and_dtype():
 
 def test_partition_rules_cover_resnet50_on_a_tensor_axis():
     n = jax.device_count()
-    mesh = make_mesh(mesh_shape(n, data=-1, tensor=2), ("data", "tensor"))
+    mesh = jax.make_mesh(
+        mesh_shape(n, data=-1, tensor=2),
+        ("data", "tensor"),
+        axis_types=(AxisType.Explicit,) * 2,
+    )
     variables = abstract_variables(resnet.ResNet50(num_classes=1000))
     specs = sharding.specs_from_rules(variables, mesh, resnet.partition_rules())
     assert specs["params"]["conv_init"]["kernel"] == jax.sharding.PartitionSpec(
