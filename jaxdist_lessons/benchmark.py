@@ -19,7 +19,6 @@ from typing import Any
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -139,20 +138,12 @@ def transformer_workload(
 def _placed(
     strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
 ) -> tuple[Any, Any]:
-    """New copies of the state, sharded as ``strategy`` keeps it.
-
-    New buffers, because the steps donate their inputs and ``device_put`` may reuse a
-    buffer already on a device: donating it would delete the workload's parameters.
-    """
+    """New copies of the state, sharded as ``strategy`` keeps it (``zero.copy_to``)."""
     specs = (
         zero.param_specs(strategy, params, mesh, axis),
         zero.opt_state_specs(strategy, opt_state, mesh, axis),
     )
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
-    return copy((params, opt_state))
+    return zero.copy_to((params, opt_state), specs, mesh)
 
 
 def strategy_table(

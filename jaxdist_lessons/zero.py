@@ -102,7 +102,7 @@ def _named(specs: Any, mesh: Mesh) -> Any:
     )
 
 
-def _copy_to(tree: Any, specs: Any, mesh: Mesh) -> Any:
+def copy_to(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """New buffers holding ``tree``, each leaf sharded on ``mesh`` as ``specs`` says.
 
     New, because the steps donate their inputs, which must not delete the caller's arrays
@@ -530,13 +530,13 @@ def layered_steps(
     steps = {
         "data": (
             make_step("data", loss_fn, tx, mesh, layers, opt_state, axis=axis),
-            _copy_to((layers, opt_state), P(), mesh),  # replicated
+            copy_to((layers, opt_state), P(), mesh),  # replicated
         )
     }
     for strategy, remat in [("fsdp_all_gathered", False), ("fsdp_per_layer", True)]:
         steps[strategy] = (
             make_layered_fsdp_step(layer_fn, tx, mesh, layers, opt_state, axis, remat),
-            _copy_to(
+            copy_to(
                 (layers, opt_state),
                 stacked_specs((layers, opt_state), mesh, axis),
                 mesh,

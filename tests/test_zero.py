@@ -59,21 +59,13 @@ def block_case():
 CASES = {"MLP": mlp_case, "Transformer block": block_case}
 
 
-def copy_to(tree, specs, mesh):
-    """New buffers holding ``tree``, sharded as ``specs`` say (the steps donate them)."""
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
-
-
 def place(strategy, params, opt_state, mesh, axis="data"):
     """The state as ``strategy`` keeps it, by ``zero.param_specs`` and ``opt_state_specs``."""
     specs = (
         zero.param_specs(strategy, params, mesh, axis),
         zero.opt_state_specs(strategy, opt_state, mesh, axis),
     )
-    return copy_to((params, opt_state), specs, mesh)
+    return zero.copy_to((params, opt_state), specs, mesh)
 
 
 def compiled_collectives(strategy, loss_fn, params, batch, tx):
@@ -329,7 +321,7 @@ def test_layered_fsdp_gradients_equal_the_unsharded_reference(num_devices, remat
 
 def place_stacked(tree, mesh):
     """A copy of ``tree`` sharded by ``zero.stacked_specs``."""
-    return copy_to(tree, zero.stacked_specs(tree, mesh), mesh)
+    return zero.copy_to(tree, zero.stacked_specs(tree, mesh), mesh)
 
 
 def compiled_layered(layer_fn, layers, batch, mesh, strategy):
@@ -442,3 +434,12 @@ def test_measure_layered_reads_what_the_compiled_steps_hold():
     assert rows["data"][7:] == [0, 0] and rows["fsdp_per_layer"][8] == 0
     assert rows["fsdp_per_layer"][7] == len(found.gathers["fsdp_per_layer"]) > 0
     assert list(found.labelled(found.measured)) == list(zero.LAYERED_LABELS.values())
+
+
+def test_copy_to_gives_new_buffers_sharded_as_asked():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("data")))
+    y = zero.copy_to(x, P("data"), mesh)
+    assert y.sharding == NamedSharding(mesh, P("data"))
+    x.delete()  # as a donating step would: the copy keeps its own buffers
+    assert y.sum() == 120.0
