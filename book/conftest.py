@@ -15,6 +15,7 @@ import pathlib
 
 import filelock
 import nbformat
+import pytest
 import yaml
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
@@ -89,3 +90,14 @@ def _execute_and_file(run: NotebookRun):
 
 # nbmake executes each chapter through NotebookRun.execute and keeps only pass or fail.
 NotebookRun.execute = _execute_and_file
+
+
+# Chapters that submit jobs to the one-node SLURM cluster of .ci/slurm-up.
+SLURM_CHAPTERS = {"07_troubleshooting.ipynb", "08_multi_host.ipynb"}
+
+
+def pytest_itemcollected(item):
+    """Under pytest-xdist, these run on the worker of the tests that use the cluster
+    (``xdist_group("slurm")``, as tests/conftest.py marks them), one job at a time."""
+    if item.path.name in SLURM_CHAPTERS:
+        item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -41,9 +41,6 @@ DEVICES = devices.setup(num_devices=8)
 
 from jaxdist_lessons import hang_lab, multihost_demo  # noqa: E402  (after the setup)
 
-# Chapters that submit jobs to the one-node SLURM cluster of .ci/slurm-up.
-SLURM_CHAPTERS = {"07_troubleshooting.ipynb", "08_multi_host.ipynb"}
-
 
 def pytest_configure(config):
     """Under pytest-xdist, build the offline digits data set once, here, before the workers
@@ -65,21 +62,23 @@ ONE_WORKER_MODULES = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
-    job after another: two jobs at once would find the node busy. The modules above each run
-    on one worker too. The chapters, the longest items, start first, so that no worker is left
-    finishing one alone at the end."""
+    job after another: two jobs at once would find the node busy (book/conftest.py groups
+    the chapters that submit jobs). The modules above each run on one worker too. Marked
+    here, as each test is collected: pytest-xdist reads the groups before
+    ``pytest_collection_modifyitems`` hooks of conftest files run."""
+    if "slurm" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+    elif item.path.name in ONE_WORKER_MODULES:
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The chapters, the longest items, start first, so that no worker is left finishing
+    one alone at the end (pytest-xdist sends the groups first, the largest first)."""
     # A stable sort: the chapters keep their order, and so do the tests.
     items.sort(key=lambda item: item.path.suffix != ".ipynb")
-    for item in items:
-        if (
-            "slurm" in getattr(item, "fixturenames", ())
-            or item.path.name in SLURM_CHAPTERS
-        ):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif item.path.name in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def demo_pids() -> set[int]:
