@@ -39,7 +39,7 @@ from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is 
 
 DEVICES = devices.setup(num_devices=8)
 
-from jaxdist_lessons import hang_lab, multihost_demo  # noqa: E402  (after the setup)
+from jaxdist_lessons import multihost_demo  # noqa: E402  (after the setup)
 
 
 def pytest_configure(config):
@@ -79,11 +79,6 @@ def pytest_collection_modifyitems(config, items):
     one alone at the end (pytest-xdist sends the groups first, the largest first)."""
     # A stable sort: the chapters keep their order, and so do the tests.
     items.sort(key=lambda item: item.path.suffix != ".ipynb")
-
-
-def demo_pids() -> set[int]:
-    """Process ids of running multihost_demo processes (to check that none is left behind)."""
-    return hang_lab.module_pids("jaxdist_lessons.multihost_demo")
 
 
 @pytest.fixture

@@ -22,11 +22,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import demo_pids
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, hlo, multihost, multihost_demo
+from jaxdist_lessons import comms, hang_lab, hlo, multihost, multihost_demo
+
+# The demo's processes, to check that a job leaves none behind.
+DEMO = "jaxdist_lessons.multihost_demo"
 
 LAYOUTS = [
     (2, 4),
@@ -162,7 +164,7 @@ def test_the_launched_runs_match_this_process(layouts):
 
 def test_a_killed_process_ends_the_job_and_the_checkpoint_resumes_it(layouts, tmp_path):
     checkpoints = tmp_path / "checkpoints"
-    before = set(demo_pids())
+    before = set(hang_lab.module_pids(DEMO))
     args = ["train", *TRAIN, "--checkpoint-dir", str(checkpoints)]
     result = mpirun(
         2, 4, tmp_path / "killed", *args, "--fail-rank", "1", "--fail-at-epoch", "1"
@@ -173,7 +175,7 @@ def test_a_killed_process_ends_the_job_and_the_checkpoint_resumes_it(layouts, tm
         "process rank 1 with PID" in result.stderr
         and "signal 9 (Killed)" in result.stderr
     )
-    assert set(demo_pids()) <= before
+    assert set(hang_lab.module_pids(DEMO)) <= before
     assert ocp.CheckpointManager(checkpoints).latest_step() == 2  # epoch 1's two steps
 
     # The restart need not use the same layout: one process of 8 devices reads the 2-process checkpoint.
@@ -192,7 +194,7 @@ FAIL = ["train", "--epochs", "1", "--steps-per-epoch", "1", "--fail-rank", "1"]
 
 @pytest.mark.parametrize("how", ["raise", "hang"])
 def test_a_failing_or_hung_process_ends_the_job(tmp_path, how):
-    before = set(demo_pids())
+    before = set(hang_lab.module_pids(DEMO))
     # A hang sends no error: only a time limit ends it (mpirun's --timeout, the scheduler's).
     limit = ["--timeout", "12"] if how == "hang" else []
     result = mpirun(
@@ -219,7 +221,7 @@ def test_a_failing_or_hung_process_ends_the_job(tmp_path, how):
         assert "The user-provided time limit for job execution has been reached" in (
             result.stderr
         )
-    assert set(demo_pids()) <= before
+    assert set(hang_lab.module_pids(DEMO)) <= before
 
 
 def test_without_exit_on_error_an_exception_waits_in_the_shutdown_barrier(tmp_path):

@@ -15,10 +15,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import demo_pids
+
+from jaxdist_lessons import hang_lab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = os.path.dirname(sys.executable)
+DEMO = "jaxdist_lessons.multihost_demo"  # its processes: a job leaves none behind
 
 
 pytestmark = pytest.mark.usefixtures("slurm")  # the fixture of conftest.py
@@ -54,7 +56,7 @@ def test_srun_joins_three_processes_through_jaxs_slurm_detection(tmp_path):
 
 
 def test_kill_on_bad_exit_ends_a_job_whose_task_failed(tmp_path):
-    before = set(demo_pids())
+    before = set(hang_lab.module_pids(DEMO))
     result = srun(
         "srun", "--overcommit", "--kill-on-bad-exit=1", "-n", "2",
         "python", "-m", "jaxdist_lessons.multihost_demo", "--devices", "1",
@@ -64,7 +66,7 @@ def test_kill_on_bad_exit_ends_a_job_whose_task_failed(tmp_path):
     assert result.returncode != 0
     assert "RuntimeError: process 1 raised at epoch 1" in result.stderr
     assert "task 1: Exited with exit code 1" in result.stderr
-    assert set(demo_pids()) <= before
+    assert set(hang_lab.module_pids(DEMO)) <= before
 
 
 def test_train_py_under_srun_matches_mpirun():
