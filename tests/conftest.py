@@ -30,10 +30,10 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
 # the default level, as a reader's run does: book/conftest.py takes the flag out of their
 # kernels' environment, since the book shows their outputs.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0":
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
-    )
+# pytest-xdist's workers inherit the flag from the main process: add it once.
+flags = os.environ.get("XLA_FLAGS", "").split()
+if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0" and FAST_COMPILE not in flags:
+    os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_COMPILE])
 
 from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
