@@ -68,7 +68,9 @@ def file_for_the_build(
     return True
 
 
-_execute = NotebookRun.execute
+# nbmake executes each chapter through NotebookRun.execute and keeps only pass or fail.
+# tests/test_book_cache.py imports this file again: wrap nbmake's own method once.
+_execute = getattr(NotebookRun.execute, "__wrapped__", NotebookRun.execute)
 
 
 def _execute_and_file(run: NotebookRun):
@@ -88,7 +90,7 @@ def _execute_and_file(run: NotebookRun):
     return result
 
 
-# nbmake executes each chapter through NotebookRun.execute and keeps only pass or fail.
+_execute_and_file.__wrapped__ = _execute
 NotebookRun.execute = _execute_and_file
 
 
