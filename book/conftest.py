@@ -26,7 +26,8 @@ from nbmake.nb_run import NotebookRun
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 CACHE = ROOT / CONFIG["execute"]["cache"]
-FAST_COMPILE_PREFIX = "--xla_backend_optimization_level="
+# The flag tests/conftest.py added to XLA_FLAGS for the package tests, if it added one.
+TESTS_FLAG = "JAXDIST_TESTS_XLA_FLAG"
 
 
 def as_the_book_reads_it(md: pathlib.Path) -> nbformat.NotebookNode:
@@ -77,13 +78,13 @@ def _execute_and_file(run: NotebookRun):
     # The package tests' faster, less optimised compiles (tests/conftest.py) stay out
     # of the chapters, whose outputs are the book's.
     flags = os.environ.get("XLA_FLAGS")
-    if flags is not None:
-        kept = [f for f in flags.split() if not f.startswith(FAST_COMPILE_PREFIX)]
-        os.environ["XLA_FLAGS"] = " ".join(kept)
+    added = os.environ.get(TESTS_FLAG)
+    if flags is not None and added:
+        os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f != added)
     try:
         result = _execute(run)
     finally:
-        if flags is not None:
+        if flags is not None and added:
             os.environ["XLA_FLAGS"] = flags
     if result.error is None and not os.environ.get("JAXDIST_NUM_DEVICES"):
         file_for_the_build(result.nb, pathlib.Path(run.filename))

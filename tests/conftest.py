@@ -34,6 +34,8 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 flags = os.environ.get("XLA_FLAGS", "").split()
 if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0" and FAST_COMPILE not in flags:
     os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_COMPILE])
+    # What was added, so that book/conftest.py takes out that flag and no flag of yours.
+    os.environ["JAXDIST_TESTS_XLA_FLAG"] = FAST_COMPILE
 
 from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
