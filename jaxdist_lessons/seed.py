@@ -5,9 +5,11 @@ The appendix (``book/appendix_seed_errata.md``) is the one home of the article's
 ``seed-<key>-given``, ``seed-<key>-article`` or ``seed-<key>-fix``. This module keeps what is not
 code, one :class:`Entry` per snippet or claim in article order: its verdict, the chapter that
 teaches it, the cells it has and, where the article's code fails, the error it raises.
-``tests/test_seed_snippets.py`` reads the appendix's cells, runs them in one namespace as the
-notebook does, and holds each cell to its entry, so that a JAX, Flax or Optax upgrade that
-changes the story fails a test before the page goes stale.
+The appendix holds its cells to their entries as it runs: after each article cell that fails,
+a hidden cell calls :func:`check_raised`, and after each fix, a hidden cell checks its results.
+So a JAX, Flax or Optax upgrade that changes the story fails the page's run (``pytest`` runs
+every chapter) before the page goes stale. ``tests/test_seed_snippets.py`` checks the cells'
+tags and order against the entries.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import re
+import sys
 from collections.abc import Iterable
 
 VERDICTS = {
@@ -221,6 +225,33 @@ def entry(key: str) -> Entry:
         if e.key == key:
             return e
     raise KeyError(f"no seed entry {key!r}; known: {', '.join(e.key for e in ENTRIES)}")
+
+
+def check_raised(key: str) -> None:
+    """In the appendix, after entry ``key``'s article cell: that cell raised the error the
+    entry expects.
+
+    IPython keeps the last cell's uncaught exception in ``sys.last_value``; this takes it
+    (and clears it, so that the next entry's check cannot pass on this one's error).
+
+    Raises:
+        AssertionError: nothing was raised, or another error, or another message.
+    """
+    expected = entry(key).error
+    if expected is None:
+        raise ValueError(f"{key}: the entry expects no error")
+    error = getattr(sys, "last_value", None)
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    name, pattern = expected
+    if error is None:
+        raise AssertionError(f"{key}: the article's code no longer fails")
+    if type(error).__name__ != name or not re.search(pattern, str(error)):
+        raise AssertionError(
+            f"{key}: expected {name} matching {pattern!r}; got "
+            f"{type(error).__name__}: {error}"
+        )
 
 
 def article_code(sources: Iterable[str]) -> list[str]:

@@ -24,11 +24,11 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
     # A size limit makes JAX lock the folder: workers, kernels and jobs share it.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 1024**3))
 
-# The package tests compile at XLA's backend optimisation level 0: the same HLO programs
-# (shardings, collectives, buffer sizes, all that the tests read), turned into less optimised
-# machine code in about half the time. Their jobs inherit the flag. The chapters compile at
-# the default level, as a reader's run does: book/conftest.py takes the flag out of their
-# kernels' environment, since the book shows their outputs.
+# The tests compile at XLA's backend optimisation level 0: the same HLO programs
+# (shardings, collectives, buffer sizes, all that the tests and the chapters read), turned
+# into less optimised machine code in about half the time. Their jobs, and the chapters'
+# kernels, inherit the flag, except the chapters that time their steps: book/conftest.py
+# takes the flag out of those kernels' environment, since the book shows their timings.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # pytest-xdist's workers inherit the flag from the main process: add it once.
 flags = os.environ.get("XLA_FLAGS", "").split()

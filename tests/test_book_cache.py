@@ -88,20 +88,26 @@ def test_a_pair_out_of_sync_or_without_text_is_not_filed(tmp_path):
     assert not cache.exists()
 
 
-@pytest.mark.skipif(
-    os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
-)
-def test_the_tests_compile_fast_and_the_chapters_at_the_default_level(tmp_path):
-    fast = os.environ[book_conftest.TESTS_FLAG]  # tests/conftest.py added it
-    assert fast == "--xla_backend_optimization_level=0"
-    assert fast in os.environ["XLA_FLAGS"].split()
-    page = tmp_path / "flags.ipynb"
+def printed_xla_flags(page: pathlib.Path) -> list[str]:
+    """The XLA_FLAGS a notebook named ``page`` sees when pytest runs it."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("import os; print(os.environ['XLA_FLAGS'])")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     nbformat.write(nb, page)
     result = NotebookRun(page, 120).execute()
     assert result.error is None
-    printed = result.nb.cells[0].outputs[0]["text"].split()
-    assert printed == [f for f in os.environ["XLA_FLAGS"].split() if f != fast]
-    assert not (tmp_path / "cache").exists()
+    return result.nb.cells[0].outputs[0]["text"].split()
+
+
+@pytest.mark.skipif(
+    os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
+)
+def test_chapters_compile_as_the_tests_do_unless_they_time_their_steps(tmp_path):
+    fast = os.environ[book_conftest.TESTS_FLAG]  # tests/conftest.py added it
+    assert fast == "--xla_backend_optimization_level=0"
+    flags = os.environ["XLA_FLAGS"].split()
+    assert fast in flags
+    assert printed_xla_flags(tmp_path / "02_device_mesh.ipynb") == flags
+    (timed,) = book_conftest.TIMED_CHAPTERS
+    assert printed_xla_flags(tmp_path / timed) == [f for f in flags if f != fast]
+    assert os.environ["XLA_FLAGS"].split() == flags  # given back after the run

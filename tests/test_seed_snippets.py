@@ -1,26 +1,26 @@
-"""The appendix's claims about the seed article, checked on the pinned versions.
+"""The appendix's claims about the seed article, held to ``jaxdist_lessons.seed``.
 
 The article's code and our fixes live once, in the appendix's cells
 (``book/appendix_seed_errata.md``); ``jaxdist_lessons.seed`` says what each entry's cells must do.
-Here the cells run in one IPython namespace, top to bottom from the imports, as in the notebook:
-each article snippet must still fail the way the appendix says, and each fix must still run (the
-hidden ``remove-cell`` cell after a fix asserts its results, and counts as part of the fix). If an upgrade changes a message or breaks a fix, update the cell
-and the prose around it in the appendix, and the entry in ``jaxdist_lessons/seed.py``.
+The appendix checks itself as it runs (``pytest`` runs it with the other chapters): a hidden cell
+after each failing article cell calls ``seed.check_raised``, and a hidden cell after each fix
+asserts its results. Here: that every cell sits where its entry says, that every expected error
+is checked by the page, and that the checks can fail. If an upgrade changes a message or breaks
+a fix, update the cell and the prose around it in the appendix, and the entry in
+``jaxdist_lessons/seed.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import pathlib
 import re
-import traceback
+import sys
 from collections.abc import Iterable
 
 import jupytext
 import pytest
 import yaml
-from IPython.core.interactiveshell import InteractiveShell
 
 from jaxdist_lessons import seed
 
@@ -75,65 +75,64 @@ def _is_exercise(cell) -> bool:
     )
 
 
-@dataclasses.dataclass
-class Outcome:
-    article_error: BaseException | None = None
-    fix_error: str | None = None  # the traceback, if the given code or the fix failed
+CHECK = re.compile(r'^seed\.check_raised\("([\w-]+)"\)$')
 
 
-@dataclasses.dataclass
-class Run:
-    shell: InteractiveShell  # its namespace and its history ``In`` hold what the cells left
-    outcomes: dict[str, Outcome]
+def test_the_page_checks_each_expected_error_right_after_its_article_cell():
+    code = _code_from_prelude()
+    checked = []
+    for cell, after in zip(code, code[1:]):
+        found = CHECK.match(after.source.strip())
+        if found:
+            assert _is_check(after), "a seed.check_raised cell is hidden (remove-cell)"
+            assert _part(cell) == (found[1], "article"), (
+                f"{found[1]} checks {cell.source}"
+            )
+            checked.append(found[1])
+    every_call = [c for c in _cells() if "check_raised" in c.source]
+    assert len(every_call) == len(checked)
+    assert checked == [e.key for e in seed.ENTRIES if e.error]
 
 
-@pytest.fixture(scope="module")
-def run() -> Run:
-    """An IPython shell that has run the appendix's cells, from the imports to the end."""
-    shell = InteractiveShell.instance()
-    shell.reset(new_session=True)
-    outcomes: dict[str, Outcome] = {e.key: Outcome() for e in seed.ENTRIES}
-    current = None  # the entry of the last tagged cell: a hidden check belongs to it
-    for cell in _code_from_prelude():
-        found = _part(cell)
-        if found is None and _is_check(cell) and current is not None:
-            found = (current, "check")
-        if found and outcomes[found[0]].fix_error:
-            continue  # an entry whose given code or fix failed stops there
-        current = found[0] if found else current
-        result = shell.run_cell(cell.source, store_history=True)
-        error = result.error_before_exec or result.error_in_exec
-        if found is None:
-            assert error is None, f"an untagged cell failed:\n{cell.source}"
-        elif found[1] == "article":
-            outcomes[
-                found[0]
-            ].article_error = error  # the article's own error: what we show
-        elif error is not None:
-            outcomes[found[0]].fix_error = "".join(traceback.format_exception(error))
-    return Run(shell, outcomes)
+@pytest.fixture
+def last_error():
+    """sys.last_value as IPython leaves it after a cell raised; restored after the test."""
+    saved = {n: getattr(sys, n) for n in ("last_type", "last_value") if hasattr(sys, n)}
+
+    def leave(error: BaseException) -> None:
+        sys.last_type, sys.last_value = type(error), error
+
+    yield leave
+    for name in ("last_type", "last_value"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    for name, value in saved.items():
+        setattr(sys, name, value)
 
 
-@pytest.fixture(scope="module")
-def outcomes(run) -> dict[str, Outcome]:
-    return run.outcomes
+def test_check_raised_passes_on_the_expected_error_and_clears_it(last_error):
+    name, _ = seed.entry("pmap-pmean").error
+    assert name == "NameError"
+    last_error(NameError("Found an unbound axis name: data"))
+    seed.check_raised("pmap-pmean")
+    assert not hasattr(sys, "last_value")
+    with pytest.raises(
+        AssertionError, match="pmap-pmean: the article's code no longer"
+    ):
+        seed.check_raised("pmap-pmean")  # the same error cannot pass a second check
 
 
-@pytest.mark.parametrize("entry", seed.ENTRIES, ids=lambda e: e.key)
-def test_article_snippet_fails_as_the_appendix_says(entry, outcomes):
-    error = outcomes[entry.key].article_error
-    if entry.error is None:
-        assert error is None, f"{entry.key} now raises {type(error).__name__}: {error}"
-        return
-    name, message = entry.error
-    assert error is not None, f"{entry.key}: the article's code no longer fails"
-    assert type(error).__name__ == name, f"{entry.key}: {type(error).__name__}: {error}"
-    assert re.search(message, str(error)), f"{entry.key}: the message changed:\n{error}"
-
-
-@pytest.mark.parametrize("entry", seed.ENTRIES, ids=lambda e: e.key)
-def test_fix_runs_and_checks_itself(entry, outcomes):
-    assert outcomes[entry.key].fix_error is None, outcomes[entry.key].fix_error
+def test_check_raised_fails_on_another_error_or_message(last_error):
+    last_error(ValueError("Found an unbound axis name: data"))
+    with pytest.raises(
+        AssertionError, match="expected NameError matching .* ValueError"
+    ):
+        seed.check_raised("pmap-pmean")
+    last_error(NameError("something else"))
+    with pytest.raises(AssertionError, match="got NameError: something else"):
+        seed.check_raised("pmap-pmean")
+    with pytest.raises(ValueError, match="gpt3-memory: the entry expects no error"):
+        seed.check_raised("gpt3-memory")
 
 
 def test_failing_snippets_have_an_expected_error_and_keys_are_unique():
@@ -202,20 +201,6 @@ def test_the_article_cells_are_marked_and_leave_these_names_undefined():
         "article" in e.cells and not e.applied for e in seed.ENTRIES
     )
     assert seed.undefined_names(seed.article_code(_article_sources())) == [
-        "ResNet50",
-        "batch",
-        "batch_size",
-        "loss_fn",
-        "num_steps",
-        "rng",
-    ]
-
-
-def test_the_notebook_reads_the_article_cells_from_its_history(run):
-    history = run.shell.user_ns["In"]
-    in_history = [s.strip() for s in seed.article_code(history)]
-    assert in_history == [s.strip() for s in seed.article_code(_article_sources())]
-    assert run.shell.user_ns["undefined"] == [  # what the §3.3 entry printed
         "ResNet50",
         "batch",
         "batch_size",
