@@ -56,11 +56,11 @@ def pytest_configure(config):
 # Modules whose module-scoped fixtures run jobs or whole pages: under pytest-xdist each worker
 # that took one of their tests would build the fixture again, so each runs on one worker.
 ONE_WORKER_MODULES = {
-    "test_seed_snippets.py",  # runs the appendix's cells
     "test_lm_recipe.py",  # trains the recipe on every mesh
     "test_multihost.py",  # compiles a job's layouts
     "test_hang_lab.py",  # runs the hang lab's cases
     "test_multihost_demo.py",  # the single-process reference run
+    "test_colab.py",  # builds the wheel and a venv
 }
 
 
