@@ -139,10 +139,7 @@ def _placed(
     strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
 ) -> tuple[Any, Any]:
     """New copies of the state, sharded as ``strategy`` keeps it (``zero.copy_to``)."""
-    specs = (
-        zero.param_specs(strategy, params, mesh, axis),
-        zero.opt_state_specs(strategy, opt_state, mesh, axis),
-    )
+    specs = zero.state_specs(strategy, params, opt_state, mesh, axis)
     return zero.copy_to((params, opt_state), specs, mesh)
 
 

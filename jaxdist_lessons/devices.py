@@ -196,6 +196,10 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
         jax.config.update(
             "jax_persistent_cache_min_compile_time_secs", MIN_CACHED_SECONDS
         )
+        # With a size limit JAX locks the folder and keeps an access time beside each
+        # entry. Every writer needs one: once one sets a limit (tests/conftest.py does),
+        # JAX's eviction fails on any entry written without its access time.
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     _within_bound("min_devices", positive_int("min_devices", min_devices))
     if requested is not None and requested < min_devices:
         choose(DeviceInfo("cpu", "cpu", 0, True), requested, min_devices, requested_by)

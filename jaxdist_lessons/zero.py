@@ -96,6 +96,16 @@ def opt_state_specs(
     return _specs(opt_state, mesh, axis, strategy != "data")
 
 
+def state_specs(
+    strategy: str, params: Any, opt_state: Any, mesh: Mesh, axis: str = "data"
+) -> tuple[Any, Any]:
+    """``(param_specs, opt_state_specs)``: how ``strategy`` keeps the whole state."""
+    return (
+        param_specs(strategy, params, mesh, axis),
+        opt_state_specs(strategy, opt_state, mesh, axis),
+    )
+
+
 def _named(specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
@@ -220,8 +230,7 @@ def make_step(
     ``opt_state_specs`` say. The batch is sharded over ``axis``.
     """
     _check_strategy(strategy)
-    pspecs = param_specs(strategy, params, mesh, axis)
-    ospecs = opt_state_specs(strategy, opt_state, mesh, axis)
+    pspecs, ospecs = state_specs(strategy, params, opt_state, mesh, axis)
     shard_specs = param_specs("fsdp", params, mesh, axis)  # how zero1 splits the update
 
     # Every step differentiates the *local* loss with respect to per-device ("varying")

@@ -21,7 +21,8 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
         str(pathlib.Path(__file__).resolve().parents[1] / "_build" / "jax_cache"),
     )
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-    # A size limit makes JAX lock the folder: workers, kernels and jobs share it.
+    # A size limit makes JAX lock the folder: workers, kernels and jobs share it. The
+    # limit of devices.setup (CACHE_MAX_BYTES), set here before anything imports JAX.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 1024**3))
 
 # The tests compile at XLA's backend optimisation level 0: the same HLO programs

@@ -1,20 +1,15 @@
 """book/conftest.py files each chapter that passes under pytest in the build's jupyter-cache."""
 
-import importlib.util
 import os
 import pathlib
 
 import nbformat
 import pytest
+from by_path import load
 from jupyter_cache import get_cache
 from nbmake.nb_run import NotebookRun
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "book_conftest", ROOT / "book" / "conftest.py"
-)
-book_conftest = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(book_conftest)
+book_conftest = load("book_conftest", "book/conftest.py")
 
 PAGE = """\
 ---

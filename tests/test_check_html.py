@@ -1,14 +1,10 @@
 """The CI check of the built HTML book (.ci/check_html.py), on pages made up for the test."""
 
-import importlib.util
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "check_html", ROOT / ".ci" / "check_html.py"
-)
-check_html = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check_html)
+from by_path import load
+
+check_html = load("check_html", ".ci/check_html.py")
 
 CHAPTER = "# 1. A chapter\n\n```{code-cell}\nfig = plots.f()\nplots.show(fig)\n```\n"
 PAGE = (

@@ -315,3 +315,28 @@ def test_the_tests_compile_through_the_persistent_cache():
     assert (
         jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
     )
+    # The limit devices.setup() sets: every writer of a folder needs the same kind.
+    assert jax.config.jax_compilation_cache_max_size == devices.CACHE_MAX_BYTES
+
+
+def test_setup_sets_the_caches_folder_and_its_size_limit():
+    # No JAX_COMPILATION_CACHE_* variable: setup() chooses the checkout's folder.
+    code = """
+        import jax
+        from jaxdist_lessons import devices
+        devices.setup(num_devices=2)
+        print(jax.config.jax_compilation_cache_dir)
+        print(jax.config.jax_compilation_cache_max_size)
+    """
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    folder, limit = proc.stdout.splitlines()[-2:]
+    assert folder == str(devices.compilation_cache_dir({}))
+    assert int(limit) == devices.CACHE_MAX_BYTES

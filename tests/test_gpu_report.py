@@ -3,18 +3,14 @@
 The full run needs a GPU or TPU machine; here it runs one chapter and the benchmarks' CPU sizes.
 """
 
-import importlib.util
 import pathlib
 import sys
 
 import pytest
+from by_path import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "gpu_report", ROOT / "benchmarks/gpu_report.py"
-)
-gpu_report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_report)
+gpu_report = load("gpu_report", "benchmarks/gpu_report.py")
 
 
 def test_chapters_are_every_notebook_of_the_book_by_default():

@@ -1,16 +1,9 @@
 """The chapters show the mechanics in JAX: .ci/mechanics_count.py, and its verdict on the book."""
 
-import importlib.util
-import pathlib
-
 import pytest
+from by_path import load
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "mechanics_count", ROOT / ".ci" / "mechanics_count.py"
-)
-mechanics_count = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mechanics_count)
+mechanics_count = load("mechanics_count", ".ci/mechanics_count.py")
 
 PAGE = """\
 ```{code-cell}

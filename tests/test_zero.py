@@ -60,11 +60,8 @@ CASES = {"MLP": mlp_case, "Transformer block": block_case}
 
 
 def place(strategy, params, opt_state, mesh, axis="data"):
-    """The state as ``strategy`` keeps it, by ``zero.param_specs`` and ``opt_state_specs``."""
-    specs = (
-        zero.param_specs(strategy, params, mesh, axis),
-        zero.opt_state_specs(strategy, opt_state, mesh, axis),
-    )
+    """The state as ``strategy`` keeps it (``zero.state_specs``)."""
+    specs = zero.state_specs(strategy, params, opt_state, mesh, axis)
     return zero.copy_to((params, opt_state), specs, mesh)
 
 
@@ -264,6 +261,23 @@ def test_regathering_fsdp_sends_half_as_much_again_as_data_parallelism():
             "data", mlp_params, N
         )
         assert 1.4 < ratio <= 1.5
+
+
+def test_state_specs_shard_what_each_strategy_shards():
+    params = {"w": jnp.zeros((3, 2 * N)), "b": jnp.zeros((3,))}
+    opt_state = optax.adam(1e-3).init(params)
+    sharded, replicated = P(None, "data"), P()
+    for strategy, params_sharded, state_sharded in [
+        ("data", False, False),
+        ("zero1", False, True),
+        ("fsdp", True, True),
+    ]:
+        param_specs, state_specs = zero.state_specs(strategy, params, opt_state, MESH)
+        assert param_specs == zero.param_specs(strategy, params, MESH)
+        assert state_specs == zero.opt_state_specs(strategy, opt_state, MESH)
+        assert param_specs["w"] == (sharded if params_sharded else replicated)
+        assert param_specs["b"] == replicated  # 3 does not split over N > 1 devices
+        assert state_specs[0].mu["w"] == (sharded if state_sharded else replicated)
 
 
 def test_unknown_strategy():

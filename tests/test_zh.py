@@ -3,7 +3,6 @@ editions, and how much of the current English text its catalogs translate."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import pathlib
 import re
@@ -12,19 +11,11 @@ import sys
 import yaml
 from babel.messages.catalog import Catalog
 from babel.messages.pofile import read_po, write_po
+from by_path import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOCALE = ROOT / "locale" / "zh_CN" / "LC_MESSAGES"
-
-
-def load(name: str, path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-zh_catalogs = load("zh_catalogs", ROOT / ".ci" / "zh_catalogs.py")
+zh_catalogs = load("zh_catalogs", ".ci/zh_catalogs.py")
 sys.path.insert(0, str(ROOT / "_ext"))
 import editions  # noqa: E402
 

@@ -1,0 +1,16 @@
+"""Scripts that are not modules of the package (``.ci/``, ``benchmarks/``, ``book/conftest.py``),
+imported by their path for their tests."""
+
+import importlib.util
+import pathlib
+from types import ModuleType
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load(name: str, relative: str) -> ModuleType:
+    """The script at ``relative`` (to the repository's root), imported as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
