@@ -28,8 +28,9 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
 # The tests compile at XLA's backend optimisation level 0: the same HLO programs
 # (shardings, collectives, buffer sizes, all that the tests and the chapters read), turned
 # into less optimised machine code in about half the time. Their jobs, and the chapters'
-# kernels, inherit the flag, except the chapters that time their steps: book/conftest.py
-# takes the flag out of those kernels' environment, since the book shows their timings.
+# kernels, inherit the flag, except the chapters whose outputs would change (their step
+# times, or a long training run's losses): book/conftest.py takes the flag out of those
+# kernels' environment (DEFAULT_LEVEL_CHAPTERS), since the book shows their outputs.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # pytest-xdist's workers inherit the flag from the main process: add it once.
 flags = os.environ.get("XLA_FLAGS", "").split()

@@ -97,12 +97,13 @@ def printed_xla_flags(page: pathlib.Path) -> list[str]:
 @pytest.mark.skipif(
     os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
 )
-def test_chapters_compile_as_the_tests_do_unless_they_time_their_steps(tmp_path):
+def test_chapters_compile_as_the_tests_do_unless_their_outputs_would_change(tmp_path):
     fast = os.environ[book_conftest.TESTS_FLAG]  # tests/conftest.py added it
     assert fast == "--xla_backend_optimization_level=0"
     flags = os.environ["XLA_FLAGS"].split()
     assert fast in flags
     assert printed_xla_flags(tmp_path / "02_device_mesh.ipynb") == flags
-    (timed,) = book_conftest.TIMED_CHAPTERS
-    assert printed_xla_flags(tmp_path / timed) == [f for f in flags if f != fast]
+    assert "06_performance.ipynb" in book_conftest.DEFAULT_LEVEL_CHAPTERS
+    page = tmp_path / "06_performance.ipynb"
+    assert printed_xla_flags(page) == [f for f in flags if f != fast]
     assert os.environ["XLA_FLAGS"].split() == flags  # given back after the run
