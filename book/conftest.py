@@ -94,12 +94,13 @@ def _execute_and_file(run: NotebookRun):
     flags = os.environ.get("XLA_FLAGS")
     added = os.environ.get(TESTS_FLAG)
     default_level = pathlib.Path(run.filename).name in DEFAULT_LEVEL_CHAPTERS
-    if flags is not None and added and default_level:
+    strip = flags is not None and added is not None and default_level
+    if strip:
         os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f != added)
     try:
         result = _execute(run)
     finally:
-        if flags is not None and added and default_level:
+        if strip:
             os.environ["XLA_FLAGS"] = flags
     if result.error is None and not os.environ.get("JAXDIST_NUM_DEVICES"):
         file_for_the_build(result.nb, pathlib.Path(run.filename))

@@ -11,7 +11,11 @@ import pytest
 from jaxdist_lessons import devices
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, drop_prefix: str | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, without the device-count variables (nor any
+    variable starting with ``drop_prefix``), plus ``env``."""
     clean = {
         k: v
         for k, v in os.environ.items()
@@ -22,6 +26,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
             "XLA_FLAGS",
             "JAX_PLATFORMS",
         )
+        and not (drop_prefix and k.startswith(drop_prefix))
     }
     clean["JAX_PLATFORMS"] = (
         "cpu"  # the suite is about simulated devices, even on a GPU box
@@ -328,14 +333,7 @@ def test_setup_sets_the_caches_folder_and_its_size_limit():
         print(jax.config.jax_compilation_cache_dir)
         print(jax.config.jax_compilation_cache_max_size)
     """
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={**environ, "JAX_PLATFORMS": "cpu"},
-        timeout=120,
-    )
+    proc = run_python(code, drop_prefix="JAX_COMPILATION_CACHE")
     assert proc.returncode == 0, proc.stderr
     folder, limit = proc.stdout.splitlines()[-2:]
     assert folder == str(devices.compilation_cache_dir({}))
