@@ -153,9 +153,11 @@ def test_every_mesh_gives_the_same_losses(mesh_runs):
         assert run == pytest.approx(first(COMPARED_STEPS, reference), rel=1e-4), spec
 
 
-# Two meshes with a 'sequence' axis: the tokens in zigzag order, ring attention over the axis.
-CONTEXT_MESHES = ["data=2,sequence=4", "fsdp=2,sequence=2,tensor=2"]
+# A mesh with a 'sequence' axis beside fsdp and tensor: the tokens in zigzag order, ring
+# attention over the axis. Chapter 12 runs data x sequence (data=2,sequence=4 at 8 devices).
+CONTEXT_MESHES = ["fsdp=2,sequence=2,tensor=2"]
 # 4 experts, top-2, capacity factor 2 = E / k: an expert has a slot for every token of a group.
+# Chapter 13 runs them on data=8 and data=2,expert=4, and checks that the losses are the same.
 EXPERTS = ("--experts", "4", "--top-k", "2", "--capacity-factor", "2")
 
 
@@ -164,19 +166,6 @@ def test_ring_attention_gives_the_losses_of_data_parallelism(dirs, mesh_runs):
     for spec in CONTEXT_MESHES:
         run = losses(run_in_process(dirs, spec, COMPARED_STEPS))
         assert run == pytest.approx(reference, rel=1e-4), spec
-
-
-def test_experts_train_and_the_expert_axis_changes_no_loss(dirs):
-    """With no token dropped, splitting the experts over 4 devices (and the batch over the
-    other 2) moves tokens, not results: the float32 losses of the same model on data=8."""
-    one = losses(run_in_process(dirs, "data=8", 10, extra=EXPERTS))
-    four = losses(
-        run_in_process(dirs, "data=2,expert=4", COMPARED_STEPS, extra=EXPERTS)
-    )
-    print(f"experts: loss {one[1]} -> {one[10]}")
-    assert one[10] < one[1] - 0.5  # it trains
-    assert list(four) == list(range(1, COMPARED_STEPS + 1))
-    assert four == pytest.approx(first(COMPARED_STEPS, one), rel=1e-4)
 
 
 def compiled_collectives(spec: str, extra: tuple[str, ...] = ()) -> dict[str, int]:

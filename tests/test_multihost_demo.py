@@ -90,7 +90,7 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_multihost import MPIRUN, ROOT_OK  # noqa: E402
+from test_multihost import ROOT_OK  # noqa: E402
 
 TRAIN = ["train", "--epochs", "3", "--steps-per-epoch", "4"]
 
@@ -163,17 +163,6 @@ def check_resumed_exactly(reference, status, stdout, first, rerun, second, name)
     assert second[0]["first_step"] == saved
     losses = first[0]["losses"] + second[0]["losses"]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
-
-
-def test_sigusr1_to_mpirun_saves_at_the_next_step_and_a_rerun_resumes_exactly(
-    tmp_path, reference
-):
-    launch = [MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", "2"]
-    result = preempted_then_resumed(
-        launch, lambda job: job.send_signal(signal.SIGUSR1), tmp_path, tmp_path / "ckpt"
-    )
-    check_resumed_exactly(reference, *result, "SIGUSR1")
-    assert not pids_of(tmp_path)
 
 
 def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(
