@@ -1,10 +1,11 @@
 """The recipes in examples/, run as far as this machine allows.
 
-``examples/train.py`` (JAX alone: ``jax.distributed.initialize`` and
-``jax.make_array_from_process_local_data``) runs for real under ``mpirun``, with and without a
-hostfile, and trains identically on any layout. The Kubernetes JobSet cannot run here: it is
-parsed, and what it provides is checked against what the installed JAX's Kubernetes detection
-reads. (The SLURM batch script runs for real in tests/test_slurm.py.)
+``examples/train.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter 8, which checks
+their losses and output on several layouts and with a hostfile: here, only what the chapter does
+not run (``smoke.py``'s errors, what the scripts import). ``examples/recipe.py`` runs in one
+process and under ``mpirun``. The Kubernetes JobSet cannot run here: it is parsed, and what it
+provides is checked against what the installed JAX's Kubernetes detection reads. (The SLURM batch
+script runs for real in tests/test_slurm.py.)
 """
 
 import inspect
@@ -41,44 +42,6 @@ def run(command, devices, timeout=180, **variables):
 
 def losses(stdout):
     return [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", stdout, re.M)]
-
-
-@pytest.fixture(scope="module")
-def three_by_two():
-    return run(
-        [
-            "mpirun",
-            "--map-by",
-            ":OVERSUBSCRIBE",
-            "-np",
-            "3",
-            "python",
-            "examples/train.py",
-        ],
-        2,
-    )
-
-
-def test_train_py_learns_under_mpirun(three_by_two):
-    values = losses(three_by_two)
-    assert len(values) == 6 and values[-1] < 1e-3 * values[0]
-    assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in three_by_two
-
-
-def test_train_py_gives_the_same_losses_on_another_layout(three_by_two):
-    one_by_six = run(["mpirun", "-np", "1", "python", "examples/train.py"], 6)
-    assert "1 processes x 6 devices" in one_by_six
-    assert losses(one_by_six) == pytest.approx(losses(three_by_two), rel=1e-5)
-
-
-def test_the_hostfile_recipe_runs_on_this_host(three_by_two):
-    hostfile = "examples/mpi/hosts.local"
-    assert "localhost slots=2" in (ROOT / hostfile).read_text()
-    out = run(
-        ["mpirun", "--hostfile", hostfile, "-np", "2", "python", "examples/train.py"], 3
-    )
-    assert "2 processes x 3 devices" in out
-    assert losses(out) == pytest.approx(losses(three_by_two), rel=1e-5)
 
 
 def test_the_cluster_hostfile_lists_slots_per_host():
@@ -232,29 +195,19 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
             "examples/recipe.py",
         ],
         2,
-        timeout=300,  # about 11 s with 4 processes on 2 cores; a hang fails here, not in CI's limit
-        STEPS="40",
+        timeout=300,  # a hang fails here, not in CI's limit
+        STEPS="10",
         CHECKPOINT_DIR=str(tmp_path),
     )
-    assert "{'data': 4, 'tensor': 2} mesh" in out and (tmp_path / "40").is_dir()
-    # The same global batches on 4 processes x 2 devices as on 1 process x 8 devices.
+    assert "{'data': 4, 'tensor': 2} mesh" in out and (tmp_path / "10").is_dir()
+    # The same global batches on 4 processes x 2 devices as on 1 process x 8 devices (the
+    # learning rate is constant: the first 10 steps of a 40-step run are a 10-step run).
     assert recipe_losses(out) == pytest.approx(
-        recipe_losses(recipe_one_process[0]), rel=1e-4
+        recipe_losses(recipe_one_process[0])[:10], rel=1e-4
     )
 
 
 # --- examples/smoke.py: the first thing to run on a new cluster ---------------------------------
-
-
-def test_smoke_joins_two_processes_and_checks_the_psum():
-    stdout = run(
-        ["mpirun", "--map-by", ":OVERSUBSCRIBE", "--output", "tag", "-np", "2",
-         "python", "examples/smoke.py", "--expect-devices", "4"],
-        2,
-    )  # fmt: skip
-    assert "[1,0]<stdout>: process 0 of 2 on " in stdout
-    assert "2 local devices [cpu:2048, cpu:2049], 4 in all" in stdout
-    assert "[1,0]<stdout>: smoke test passed: psum over 4 devices = 10" in stdout
 
 
 def test_smoke_exits_1_saying_what_is_wrong():
