@@ -112,9 +112,13 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     return runtime_venv(tmp / "venv"), wheel_dir
 
 
-def runtime_venv(venv: pathlib.Path) -> pathlib.Path:
-    """A venv that sees this environment's packages (JAX included) but not jaxdist_lessons."""
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+def runtime_venv(venv: pathlib.Path, with_pip: bool = True) -> pathlib.Path:
+    """A venv that sees this environment's packages (JAX included) but not jaxdist_lessons;
+    without its own pip (``ensurepip`` takes seconds) where nothing will be installed."""
+    no_pip = [] if with_pip else ["--without-pip"]
+    subprocess.run(
+        [sys.executable, "-m", "venv", *no_pip, str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     site = subprocess.run(
         [
@@ -237,9 +241,8 @@ def test_on_simulated_colab_with_an_old_jax_the_cell_says_how_to_upgrade_it(
     # ResolutionImpossible (the cell held jax at 0.8.0; the package needs jax>=0.10).
     _, content = colab_like
     assert fnmatch.filter(os.listdir(content), "jaxdist_lessons-*.whl")
-    python = runtime_venv(
-        tmp_path / "venv"
-    )  # another test installs the wheel in colab_like's
+    # Another test installs the wheel in colab_like's venv; here pip never runs.
+    python = runtime_venv(tmp_path / "venv", with_pip=False)
     proc = run_cell(
         str(python),
         content,

@@ -306,27 +306,6 @@ def test_a_stop_mid_epoch_saves_that_step_and_resumes_there(tmp_path):
     assert losses == [r["loss"] for r in whole.history.train]
 
 
-def test_train_and_evaluate_under_rules_shards_the_state():
-    config = train.Config(
-        **{
-            **SMALL,
-            "model": "ResNet18",
-            "model_kwargs": {"num_classes": 10, "width": 0.125},
-            "preprocess": data.Preprocess(),
-        },
-        mesh={"data": -1, "tensor": min(2, N)},
-        rules=resnet.partition_rules(),
-        epochs=1,
-        evaluate=False,
-    )
-    result = train.train_and_evaluate(config)
-    assert dict(result.mesh.shape) == {"data": N // min(2, N), "tensor": min(2, N)}
-    kernel = result.state.params["conv_init"]["kernel"]
-    assert kernel.sharding.spec == P(None, None, None, "tensor")
-    losses = [row["loss"] for row in result.history.train]
-    assert len(losses) == 3 and all(np.isfinite(losses))
-
-
 def test_rules_are_one_kind():
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
     with pytest.raises(ValueError, match="rules mix regex rules"):
