@@ -1,9 +1,10 @@
-"""The hang lab: each way a multi-process job hangs, run once under ``mpirun`` (and ``srun``), ended in seconds.
+"""The hang lab under SLURM: the cases ``srun`` adds to chapter 7's.
 
-Every case of ``jaxdist_lessons.hang_lab`` starts at once (they are independent), with JAX's
-timeouts set short; each must end within 60 s, with a message that names the cause, leaving
-no process behind. The SLURM cases need a running cluster (``.ci/slurm-up``): they skip without
-one, and fail instead under ``JAXDIST_REQUIRE_SLURM=1``, as ``test_slurm.py`` does.
+Chapter 7 runs every case of ``jaxdist_lessons.hang_lab`` under ``mpirun`` (all at once, with
+JAX's timeouts set short) and checks that each ends within 60 s, with the message that names
+its cause, leaving no process behind. The SLURM cases here need a running cluster
+(``.ci/slurm-up``): they skip without one, and fail instead under ``JAXDIST_REQUIRE_SLURM=1``,
+as ``test_slurm.py`` does.
 """
 
 import json
@@ -11,11 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
-import pytest
-
-from jaxdist_lessons import hang_lab
 from jaxdist_lessons.hang_lab import ROOT_OK
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,65 +28,6 @@ def clean_env() -> dict[str, str]:
         **ROOT_OK,
         "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}",
     }
-
-
-@pytest.fixture(scope="module")
-def lab():
-    """Every case at once: the outcomes, the seconds for all, and the processes left behind."""
-    before, start = hang_lab.case_pids(), time.monotonic()
-    outcomes = hang_lab.run_cases(limit_s=LIMIT_S)
-    time.sleep(1)  # mpirun's last kills
-    yield outcomes, time.monotonic() - start, hang_lab.case_pids() - before
-
-
-def test_every_case_ends_within_the_limit_and_leaves_nothing_behind(lab):
-    outcomes, total, left = lab
-    for case, o in outcomes.items():
-        assert o.returncode != 0 and o.seconds < LIMIT_S, (
-            case,
-            o.returncode,
-            o.output[-2000:],
-        )
-        assert o.message is not None, (case, o.output[-3000:])
-    assert total < LIMIT_S + 2 and not left
-
-
-def test_a_live_stuck_process_is_named_by_the_watchdog_with_every_stack(lab):
-    status, output = lab[0]["sleep"].returncode, lab[0]["sleep"].output
-    assert status == 124  # the watchdog's exit status, passed on by mpirun
-    assert (
-        "watchdog: process 1 did not reach step 2 within 3 s (process 1 at step 1); "
-        "processes 0 wait at step 2"
-    ) in output
-    assert (
-        "process 1's Python stacks:" in output
-        and "process 0's Python stacks:" in output
-    )
-    assert 'hang_lab.py", line' in output and "in main" in output
-
-
-def test_a_stopped_process_is_caught_by_jaxs_heartbeat(lab):
-    output = lab[0]["stop"].output
-    assert (
-        "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in output
-    )
-
-
-@pytest.mark.parametrize("case", ["order", "shape"])
-def test_collectives_that_differ_between_processes_fail_in_gloo(lab, case):
-    output = lab[0][case].output
-    assert (
-        "Received data size doesn't match expected size. Is there a distributed collective "
-        "mismatch in your code?"
-    ) in output
-
-
-@pytest.mark.parametrize("case", ["unreachable", "partial"])
-def test_a_process_that_cannot_join_times_out_in_register_task(lab, case):
-    output = lab[0][case].output
-    assert "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded" in output
-    assert "RPC: /xla.coordination.CoordinationService/RegisterTask" in output
-    assert "step 0" not in output  # no process got past initialize()
 
 
 # --- Under SLURM ---------------------------------------------------------------------------
