@@ -202,13 +202,13 @@ def test_ring_and_expert_bytes_match_the_formulas():
 
 def test_a_resumed_run_continues_exactly(dirs, spec_run):
     """Stopped after its checkpoint at step 10 and rerun on the same directory, a run prints the
-    losses of an uninterrupted run for steps 11-20: the model, the optimizer and the data
-    iterator's position all came back."""
+    losses of an uninterrupted run for steps 11-13: the model, the optimizer (3 Adam updates
+    from the restored moments) and the data iterator's position all came back."""
     first, checkpoints = spec_run
-    whole = run_in_process(dirs, SPEC, 20)
-    resumed = run_in_process(dirs, SPEC, 20, checkpoint_dir=checkpoints)
+    whole = run_in_process(dirs, SPEC, 13)
+    resumed = run_in_process(dirs, SPEC, 13, checkpoint_dir=checkpoints)
     assert f"resumed from step 10 in {checkpoints}" in resumed
-    assert list(losses(resumed)) == list(range(11, 21))
+    assert list(losses(resumed)) == [11, 12, 13]
     expected = {s: v for s, v in losses(whole).items() if s > 10}
     assert losses(resumed) == expected  # to the printed 4 decimals
     assert {s: v for s, v in losses(whole).items() if s <= 10} == losses(first)
