@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -328,11 +329,14 @@ def memory_table(
 
 
 def environment() -> str:
-    """One line naming the machine, the versions and the date, to print beside a benchmark table."""
+    """One line naming the machine, the versions, XLA_FLAGS (when set) and the date, to print
+    beside a benchmark table."""
     device = jax.devices()[0]
+    flags = os.environ.get("XLA_FLAGS", "").strip()
     return (
         f"{len(jax.devices())} x {device.device_kind} ({device.platform}); host {platform.machine()} "
         f"{platform.processor() or platform.system()}; python {platform.python_version()}, jax {jax.__version__}, "
         f"flax {flax.__version__}, optax {optax.__version__}, numpy {np.__version__}; "
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+        + (f"XLA_FLAGS={flags}; " if flags else "")
+        + f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     )

@@ -43,9 +43,13 @@ def test_benchmark_table_agrees_with_theory():
     assert "images per second" in str(table)
 
 
-def test_environment_names_versions():
+def test_environment_names_versions_and_xla_flags(monkeypatch):
     line = benchmark.environment()
     assert f"jax {jax.__version__}" in line and "UTC" in line
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert "; XLA_FLAGS=--xla_backend_optimization_level=0; " in benchmark.environment()
+    monkeypatch.delenv("XLA_FLAGS")
+    assert "XLA_FLAGS" not in benchmark.environment()
 
 
 def test_strategy_comparison_tables_agree_with_theory():
