@@ -40,10 +40,6 @@ def run(command, devices, timeout=180, **variables):
     return result.stdout
 
 
-def losses(stdout):
-    return [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", stdout, re.M)]
-
-
 def test_the_cluster_hostfile_lists_slots_per_host():
     lines = [
         line.split()
