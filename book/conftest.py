@@ -76,11 +76,11 @@ _execute = getattr(NotebookRun.execute, "__wrapped__", NotebookRun.execute)
 
 # Chapters that compile at XLA's default level, as a reader's run does, because their
 # outputs would change: they show train.py's tokens/s and step times (10, 12, 13), or
-# train long enough for float32 rounding to grow into other
-# losses and accuracies (05: 81.7 % held out at level 0, 83.9 % at the default). The
-# others compile as the package tests do (tests/conftest.py): the same HLO programs, so
-# the same shardings, collectives, bytes and, to float32 rounding, losses and errors,
-# compiled in about two thirds of the time into less optimised code.
+# train long enough for float32 rounding to grow into other losses and accuracies (05:
+# 81.7 % held out at level 0, 83.9 % at the default). The others compile as the
+# package tests do (tests/conftest.py): the same HLO programs, so the same shardings,
+# collectives, bytes and, to float32 rounding, losses and errors, compiled in about two
+# thirds of the time into less optimised code.
 DEFAULT_LEVEL_CHAPTERS = {
     "05_resnet50.ipynb",
     "10_language_model.ipynb",
