@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, data, hlo, multihost, train
+from jaxdist_lessons import comms, data, devices, hlo, multihost, train
 from jaxdist_lessons.models.small import SmallCNN
 
 MODEL = SmallCNN(channels=8)
@@ -410,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         exit_on_error=not args.no_exit_on_error,
     )
+    if jax.default_backend() == "cpu":  # simulated devices: devices.py says why
+        devices.save_replicated_arrays_from_one_replica()
     report = {}
     for command in args.commands:
         if command == "hello":

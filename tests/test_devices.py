@@ -338,3 +338,63 @@ def test_setup_sets_the_caches_folder_and_its_size_limit():
     folder, limit = proc.stdout.splitlines()[-2:]
     assert folder == str(devices.compilation_cache_dir({}))
     assert int(limit) == devices.CACHE_MAX_BYTES
+
+
+def save_and_restore(path, value):
+    """Save ``value`` with Orbax and restore it: the restored array, and how many jit(slice)
+    programs the save compiled (one per shape, for the replicas' parts)."""
+    import logging
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    compiled = []
+    handler = logging.Handler()
+    handler.emit = lambda record: compiled.append(record.getMessage())
+    logger = logging.getLogger("jax._src.dispatch")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(), ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(path, {"x": value})
+    finally:
+        logger.removeHandler(handler)
+    target = {
+        "x": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    }
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, target)["x"]
+    slices = [
+        m for m in compiled if m.startswith("Finished XLA compilation of jit(slice)")
+    ]
+    return restored, len(slices)
+
+
+def test_simulated_devices_have_orbax_write_a_replicated_array_once(tmp_path):
+    """setup() (tests/conftest.py ran it) registers Orbax's ArrayHandler without
+    replica-parallel saving: a replicated array is written whole, and no program is compiled
+    to slice it. Orbax's default on CPU slices it among the 8 replicas, compiling a slice
+    program for it. Both restore it exactly."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    # A shape no other test saves, so that no slice program for it is compiled already.
+    value = jax.device_put(
+        np.arange(24 * 56, dtype=np.float32).reshape(24, 56), NamedSharding(mesh, P())
+    )
+    ours = ocp.type_handlers.get_type_handler(jax.Array)
+    restored, slices = save_and_restore(tmp_path / "ours", value)
+    assert slices == 0
+    np.testing.assert_array_equal(restored, value)
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(), override=True
+    )
+    try:
+        restored, slices = save_and_restore(tmp_path / "default", value)
+    finally:
+        ocp.type_handlers.register_type_handler(jax.Array, ours, override=True)
+    assert slices >= 1
+    np.testing.assert_array_equal(restored, value)
