@@ -225,13 +225,14 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
 
 
 def save_replicated_arrays_from_one_replica() -> None:
-    """Have Orbax write each replicated array from one replica, as it does by default on GPUs.
+    """Have Orbax write each replicated array whole, from one replica.
 
-    Elsewhere Orbax's default (``use_replica_parallel``) shares the writing of a replicated
-    array among its replicas, each slicing out its part with a program compiled for that
-    array's shape. On simulated CPU devices the replicas share the same memory and cores, so
-    the slicing is all cost: chapter 5's first save of its 591 arrays took 12.9 s with it,
-    1.3 s without. ``setup`` calls this when it simulates CPU devices.
+    Orbax's own default does so only when ``JAX_PLATFORMS`` names a GPU platform; elsewhere
+    the replicas share the writing of a replicated array (``use_replica_parallel``), each
+    slicing out its part with a program compiled for that array's shape. Simulated CPU
+    devices share one machine, so there the slicing is all cost: chapter 5's first save
+    compiles hundreds of slicing programs (``benchmarks/orbax_saves.py`` times both ways).
+    ``setup`` calls this when it simulates CPU devices, as chapter 8's demo does.
     """
     import orbax.checkpoint as ocp
 
