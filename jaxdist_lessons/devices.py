@@ -24,6 +24,7 @@ start in 2 s, 8192 in 40 s, 16384 in over two minutes; a sharded sum over 1024 t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 
@@ -243,7 +244,13 @@ def save_replicated_arrays_from_one_replica() -> None:
         # things) in a store that Orbax does not export: keep the same one.
         array_metadata_store=getattr(default, "_array_metadata_store", None),
     )
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    absl = logging.getLogger("absl")  # Orbax logs every override as a warning
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
 
 
 def compilation_cache_dir(
