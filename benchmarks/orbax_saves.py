@@ -4,8 +4,8 @@ The state is chapter 5's on a laptop (ResNet50 at width 1/8 for 16x16 images, wi
 moments: 591 arrays, 4.5 MB), replicated over the simulated devices, saved three times by a
 ``CheckpointManager`` in a fresh process per row:
 
-- ``one replica``: what ``devices.setup()`` registers on simulated devices (Orbax's default on
-  GPUs): one replica writes each replicated array whole;
+- ``one replica``: what ``devices.setup()`` registers on simulated devices (Orbax's own default
+  when ``JAX_PLATFORMS`` names a GPU platform): one replica writes each replicated array whole;
 - ``replica-parallel``: Orbax's default elsewhere: the replicas share the writing of each
   replicated array, each slicing out its part with a program compiled for that shape.
 
@@ -23,14 +23,14 @@ import sys
 
 MODES = ("one replica", "replica-parallel")
 SAVE = """
-import logging, sys, tempfile, time
+import sys, tempfile, time
 from jaxdist_lessons import devices
 devices.setup()
 import jax, optax
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxdist_lessons import train
+from jaxdist_lessons import recompiles, train
 from jaxdist_lessons.models import resnet
 
 if sys.argv[1] == "replica-parallel":  # Orbax's own default handler on CPU
@@ -44,18 +44,16 @@ replicated = NamedSharding(mesh, P())
 shardings = jax.tree.map(lambda _: replicated, jax.eval_shape(init, jax.random.key(0)))
 state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
 jax.block_until_ready(state)
-compiled = []  # the programs JAX compiles while saving (jax.log_compiles logs each)
-logger = logging.getLogger("jax._src.dispatch")
-logger.addHandler(logging.Handler())
-logger.handlers[-1].emit = lambda record: compiled.append(record.getMessage())
-with jax.log_compiles(), ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+with (
+    recompiles.count_compiles("slice") as slicing,
+    ocp.CheckpointManager(tempfile.mkdtemp()) as manager,
+):
     for step in range(int(sys.argv[2])):
         start = time.perf_counter()
         manager.save(step, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
         print(time.perf_counter() - start)
-slices = sum("compilation of jit(slice)" in message for message in compiled)
-print("ARRAYS", len(jax.tree.leaves(state)), slices)
+print("ARRAYS", len(jax.tree.leaves(state)), slicing.compiles)
 """
 
 

@@ -343,30 +343,22 @@ def test_setup_sets_the_caches_folder_and_its_size_limit():
 def save_and_restore(path, value):
     """Save ``value`` with Orbax and restore it: the restored array, and how many jit(slice)
     programs the save compiled (one per shape, for the replicas' parts)."""
-    import logging
-
     import jax
     import orbax.checkpoint as ocp
 
-    compiled = []
-    handler = logging.Handler()
-    handler.emit = lambda record: compiled.append(record.getMessage())
-    logger = logging.getLogger("jax._src.dispatch")
-    logger.addHandler(handler)
-    try:
-        with jax.log_compiles(), ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(path, {"x": value})
-    finally:
-        logger.removeHandler(handler)
+    from jaxdist_lessons import recompiles
+
+    with (
+        recompiles.count_compiles("slice") as slicing,
+        ocp.StandardCheckpointer() as checkpointer,
+    ):
+        checkpointer.save(path, {"x": value})
     target = {
         "x": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     }
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(path, target)["x"]
-    slices = [
-        m for m in compiled if m.startswith("Finished XLA compilation of jit(slice)")
-    ]
-    return restored, len(slices)
+    return restored, slicing.compiles
 
 
 def test_simulated_devices_have_orbax_write_a_replicated_array_once(tmp_path):
