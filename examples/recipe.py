@@ -1,7 +1,7 @@
 """A sharded training script to copy whole: JAX, Flax, Optax, Orbax, sklearn's digits.
 
 One process:      JAX_NUM_CPU_DEVICES=8 python examples/recipe.py
-Several (MPI):    JAX_NUM_CPU_DEVICES=2 mpirun -np 4 python examples/recipe.py
+Several (MPI):    JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python examples/recipe.py
 On GPUs or TPUs the same file uses the accelerators (leave JAX_NUM_CPU_DEVICES unset).
 The environment may set STEPS (default 100) and CHECKPOINT_DIR (default /tmp/recipe).
 """

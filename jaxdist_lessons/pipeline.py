@@ -536,6 +536,10 @@ def interleaved_grads(
 def stack_stages(
     init_fn: Callable[[jax.Array], Any], rng: jax.Array, num_stages: int
 ) -> Any:
-    """Parameters for ``num_stages`` stages, stacked on a new leading axis: ``init_fn(rng)`` per stage."""
+    """Parameters for ``num_stages`` stages, stacked on a new leading axis: ``init_fn(rng)`` per stage.
+
+    Jitted: one compiled program, where running ``vmap`` eagerly would compile each initializer
+    (per parameter shape) on its own.
+    """
     positive_int("num_stages", num_stages)
-    return jax.vmap(init_fn)(jax.random.split(rng, num_stages))
+    return jax.jit(jax.vmap(init_fn))(jax.random.split(rng, num_stages))

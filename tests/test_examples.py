@@ -186,17 +186,17 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
             "--map-by",
             ":OVERSUBSCRIBE",
             "-np",
-            "4",
+            "2",
             "python",
             "examples/recipe.py",
         ],
-        2,
+        4,
         timeout=300,  # a hang fails here, not in CI's limit
         STEPS="10",
         CHECKPOINT_DIR=str(tmp_path),
     )
     assert "{'data': 4, 'tensor': 2} mesh" in out and (tmp_path / "10").is_dir()
-    # The same global batches on 4 processes x 2 devices as on 1 process x 8 devices (the
+    # The same global batches on 2 processes x 4 devices as on 1 process x 8 devices (the
     # learning rate is constant: the first 10 steps of a 40-step run are a 10-step run).
     assert recipe_losses(out) == pytest.approx(
         recipe_losses(recipe_one_process[0])[:10], rel=1e-4

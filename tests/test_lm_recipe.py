@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
@@ -78,8 +80,23 @@ def prepared(spec: str, schedule_steps: int, extra: tuple[str, ...] = ()):
     if key not in _PREPARED:
         argv = [*COMMON, "--mesh", spec, "--steps", str(schedule_steps), *extra]
         mesh, model, tx, step, shapes, init = train.setup(train.parse_args(argv))
+        if spec == SPEC:
+            step = compiled_at_default_level(step, shapes, mesh)
         _PREPARED[key] = (mesh, model, tx, step, shapes, init)
     return _PREPARED[key]
+
+
+def compiled_at_default_level(step, shapes, mesh):
+    """``step`` compiled at XLA's default backend optimisation level (2), not the tests' 0
+    (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
+    each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
+    calls the compiled step as it calls the jitted one."""
+    tokens = jax.ShapeDtypeStruct(
+        (16, 129), jnp.int32, sharding=NamedSharding(mesh, P(train.BATCH))
+    )  # COMMON's global batch of sequences of 128 tokens (and the next token)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+        lowered = step.lower(shapes, tokens)
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 2})
 
 
 def run_in_process(

@@ -297,7 +297,7 @@ def layered_case(num_devices, num_layers=3):
     inputs = jax.random.normal(jax.random.key(1), (2 * num_devices, 4, hidden))
     targets = jax.random.normal(jax.random.key(2), inputs.shape)
     init = lambda key: block.init(key, inputs[:1])["params"]
-    layers = jax.vmap(init)(jax.random.split(jax.random.key(0), num_layers))
+    layers = jax.jit(jax.vmap(init))(jax.random.split(jax.random.key(0), num_layers))
     layer_fn = lambda p, x: block.apply({"params": p}, x)
     return layer_fn, layers, (inputs, targets)
 
