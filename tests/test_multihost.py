@@ -1,7 +1,7 @@
 """Multi-process JAX for real: Open MPI's ``mpirun`` starts ``jaxdist_lessons.multihost_demo``
 once per process, each with simulated CPU devices, joined by JAX's mpi4py detection over gloo.
 
-Every layout of 8 devices (2 processes x 4, 4 x 2, 1 x 8) must give the same all-reduce and the
+Every layout of 8 devices (2 processes x 4, 1 x 8) must give the same all-reduce and the
 same training losses; a process that is killed, raises or hangs must end the job with a non-zero
 status and leave no process behind; a restart resumes from the last checkpoint exactly. The
 timeouts are short here (the machine has 2 cores): the times themselves are measured by
