@@ -79,21 +79,24 @@ def prepared(spec: str, schedule_steps: int, extra: tuple[str, ...] = ()):
     key = (spec, max(schedule_steps, 21), extra)
     if key not in _PREPARED:
         argv = [*COMMON, "--mesh", spec, "--steps", str(schedule_steps), *extra]
-        mesh, model, tx, step, shapes, init = train.setup(train.parse_args(argv))
+        args = train.parse_args(argv)
+        mesh, model, tx, step, shapes, init = train.setup(args)
         if spec == SPEC:
-            step = compiled_at_default_level(step, shapes, mesh)
+            step = compiled_at_default_level(step, shapes, mesh, args)
         _PREPARED[key] = (mesh, model, tx, step, shapes, init)
     return _PREPARED[key]
 
 
-def compiled_at_default_level(step, shapes, mesh):
+def compiled_at_default_level(step, shapes, mesh, args):
     """``step`` compiled at XLA's default backend optimisation level (2), not the tests' 0
     (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
     each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
     calls the compiled step as it calls the jitted one."""
-    tokens = jax.ShapeDtypeStruct(
-        (16, 129), jnp.int32, sharding=NamedSharding(mesh, P(train.BATCH))
-    )  # COMMON's global batch of sequences of 128 tokens (and the next token)
+    tokens = jax.ShapeDtypeStruct(  # the batch train() feeds it, as train.compile_only builds it
+        (args.global_batch, args.seq_len + 1),
+        jnp.int32,
+        sharding=NamedSharding(mesh, P(train.BATCH)),
+    )
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
         lowered = step.lower(shapes, tokens)
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 2})
