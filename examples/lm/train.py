@@ -259,8 +259,8 @@ def make_optimizer(args) -> optax.GradientTransformation:
             lambda p, _: "kernel" in jax.tree_util.keystr(p), params
         )
 
-    # Under jit the gradients are sharded arrays, and global_norm's sum is over all of
-    # them: the clipping sees the whole model's norm, whatever the mesh.
+    # Under jit the gradients are sharded arrays, and clip_by_global_norm sums over all
+    # of them: the clipping sees the whole model's norm, whatever the mesh.
     return optax.chain(
         optax.clip_by_global_norm(args.clip_norm),
         optax.adamw(
@@ -331,7 +331,7 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
             return loss + aux_loss, loss  # the experts' losses train the router
 
         (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return state.apply_gradients(grads=grads), metrics
 
     batch = NamedSharding(mesh, P(BATCH))
