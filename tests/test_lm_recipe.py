@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
@@ -92,13 +90,7 @@ def compiled_at_default_level(step, shapes, mesh, args):
     (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
     each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
     calls the compiled step as it calls the jitted one."""
-    tokens = jax.ShapeDtypeStruct(  # the batch train() feeds it, as train.compile_only builds it
-        (args.global_batch, args.seq_len + 1),
-        jnp.int32,
-        sharding=NamedSharding(mesh, P(train.BATCH)),
-    )
-    with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        lowered = step.lower(shapes, tokens)
+    lowered = train.lower_step(step, shapes, args, mesh)  # as compile_only lowers it
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 2})
 
 

@@ -398,16 +398,21 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return dict(total(root))
 
 
-def compile_only(step, shapes, args, mesh) -> None:
-    """Compile one step for the requested sizes, allocating nothing; print its costs."""
+def lower_step(step, shapes, args, mesh) -> jax.stages.Lowered:
+    """The step lowered for the state's shapes and a global batch of tokens' shapes."""
     tokens = jax.ShapeDtypeStruct(
         (args.global_batch, args.seq_len + 1),
         jnp.int32,
         sharding=NamedSharding(mesh, P(BATCH)),
     )
-    start = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        compiled = step.lower(shapes, tokens).compile()
+        return step.lower(shapes, tokens)
+
+
+def compile_only(step, shapes, args, mesh) -> None:
+    """Compile one step for the requested sizes, allocating nothing; print its costs."""
+    start = time.perf_counter()
+    compiled = lower_step(step, shapes, args, mesh).compile()
     memory = compiled.memory_analysis()
     arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
     outputs = (
