@@ -2,6 +2,9 @@
 
     python tests/lm_compile_driver.py DEVICES MODEL SEQ_LEN GLOBAL_BATCH CACHE_DIR MESH [MESH ...]
 
+A MESH may carry more of train.py's flags after it, in the same argument
+("fsdp=8,tensor=2 --global-batch 64 --grad-accum 4"); they override the common ones.
+
 Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh,
 train.main(["--compile-only", ...]) as the command line runs it: the line it prints ("per
 device: arguments ... GB, ...; collectives all-gather N B, ..."), and the all-gather bytes of
@@ -68,24 +71,25 @@ def main():
 
     train.collective_bytes = recording
     out = {}
-    for spec in meshes:
+    for run in meshes:
+        spec, *flags = run.split()
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             train.main(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
                         "--global-batch", global_batch, "--compilation-cache", cache,
-                        "--compile-only"])  # fmt: skip
+                        "--compile-only", *flags])  # fmt: skip
         [line] = [
             x for x in printed.getvalue().splitlines() if x.startswith("per device:")
         ]
         train.collective_bytes = collective_bytes
-        out[spec] = {
+        out[run] = {
             "line": line,
             "all_gathers_by_axes": all_gathers_by_axes(
                 texts[-1], train.make_mesh(spec)
             ),
         }
         train.collective_bytes = recording
-        print(spec, json.dumps(out[spec]), file=sys.stderr, flush=True)
+        print(run, json.dumps(out[run]), file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

@@ -351,6 +351,22 @@ class Block(nn.Module):
         return constrain(x_BTD + y_BTD, RESIDUAL), aux_loss  # nn.scan's (carry, output)
 
 
+def embedding_stddev(config: ModelConfig) -> float:
+    """The embedding table's initial standard deviation.
+
+    Untied, 1: the table only feeds the first RMSNorm, which rescales it. Tied, the
+    table is also the output projection, and the logits are the final norm's output
+    (about unit size in each of D features) times it: N(0, 1) would give logits of
+    standard deviation sqrt(D), 45 at D = 2048, and a first loss of hundreds of nats
+    instead of ln V. 1/sqrt(D) gives logits of about unit size, as the unembedding's
+    fan-in initialisation does untied; at Llama 3.2 1B's width it is 0.022, close to the
+    0.02 of its published config (meta-llama/Llama-3.2-1B, config.json,
+    "initializer_range": 0.02, which Hugging Face's LlamaPreTrainedModel._init_weights
+    uses for the embedding).
+    """
+    return config.width**-0.5 if config.tie_embeddings else 1.0
+
+
 class Transformer(nn.Module):
     """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense).
 
@@ -374,7 +390,9 @@ class Transformer(nn.Module):
             c.width,
             dtype=self.dtype,
             param_dtype=jnp.float32,
-            embedding_init=weight(nn.initializers.normal(1.0), ("vocab", "embed")),
+            embedding_init=weight(
+                nn.initializers.normal(embedding_stddev(c)), ("vocab", "embed")
+            ),
             name="embed",
         )
         x_BTD = constrain(embed(tokens_BT), RESIDUAL)

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import dataclasses
 import faulthandler
+import json
 import os
 import re
 import signal
@@ -66,16 +67,22 @@ RULES = (
     ("act_vocab", "tensor"),
 )  # fmt: skip
 
-# Peak dense bf16 flop/s per chip, from the vendors' datasheets (H100/H200 SXM: 989 T).
+# Peak dense bf16 flop/s per chip, by the device_kind JAX reports, matched exactly (a
+# near miss, an H100 NVL or an H200 NVL, has other peaks): NVIDIA's datasheets give
+# Tensor Core peaks with sparsity, twice the dense ones; Google's, per TPU chip.
 PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM: 1,979 T with sparsity
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
     "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
 }
 
 
@@ -103,8 +110,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=512,
         help="tokens routed together (at most --seq-len)",
     )
-    add("--steps", type=int, default=200)
-    add("--global-batch", type=int, default=16, help="sequences per step, all devices")
+    add("--steps", type=int, default=200, help="stop after this step")
+    add(
+        "--total-steps",
+        type=int,
+        help="the learning rate schedule's length (default: --steps); keep it when a "
+        "rerun goes further, so that the curve does not change",
+    )
+    add(
+        "--global-batch",
+        type=int,
+        default=16,
+        help="sequences per optimizer step, all devices",
+    )
+    add(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per step: each device computes --global-batch / K "
+        "sequences at a time and adds up the gradients",
+    )
     add("--seq-len", type=int, default=128)
     add(
         "--dtype",
@@ -131,6 +156,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--checkpoint-dir", help="save here, and resume from the latest step found here"
     )
     add("--checkpoint-every", type=int, default=100)
+    add(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, print the loss on held-out batches (0: never)",
+    )
+    add("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+    add(
+        "--log-dir",
+        help="write each step's metrics to DIR/metrics.jsonl and to TensorBoard",
+    )
     add("--keep", type=int, default=3, help="checkpoints to keep")
     add(
         "--num-devices",
@@ -233,10 +270,18 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             raise SystemExit(
                 f"{name}={getattr(config, name)} does not split over tensor={tensor}"
             )
+    if args.grad_accum < 1:
+        raise SystemExit(f"--grad-accum {args.grad_accum} must be 1 or more")
     if args.global_batch % batch_ways:
         raise SystemExit(
             f"--global-batch {args.global_batch} does not split over data x fsdp "
             f"x expert = {batch_ways} devices"
+        )
+    if args.global_batch % (batch_ways * args.grad_accum):
+        raise SystemExit(
+            f"--global-batch {args.global_batch} does not split into --grad-accum "
+            f"{args.grad_accum} micro-batches over data x fsdp x expert = {batch_ways} "
+            f"devices: make it a multiple of {batch_ways * args.grad_accum}"
         )
     if tensor > 1 and args.seq_len % tensor:
         raise SystemExit(
@@ -250,7 +295,7 @@ def make_optimizer(args) -> optax.GradientTransformation:
         0.0,
         args.learning_rate,
         args.warmup_steps,
-        max(args.steps, args.warmup_steps + 1),
+        max(args.total_steps or args.steps, args.warmup_steps + 1),
         end_value=args.learning_rate / 10,
     )
 
@@ -302,10 +347,35 @@ def abstract_state(model, tx, mesh, seq_len: int):
     return shapes, lambda rng: nn.meta.unbox(init(rng))
 
 
-def make_train_step(shardings, mesh, dtype=jnp.float32):
-    sequence = mesh.shape["sequence"]
+def without(axis: str, rules=RULES) -> tuple:
+    """The rules with one mesh axis taken out: inside a shard_map that makes ``axis``
+    manual, layouts may name only the other axes."""
+    drop = lambda axes: (
+        tuple(a for a in axes if a != axis)
+        if isinstance(axes, tuple)
+        else (None if axes == axis else axes)
+    )
+    return tuple((name, drop(axes)) for name, axes in rules)
 
-    def train_step(state, tokens_BT):
+
+def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Array:
+    """(B, T) -> (grad_accum, B / grad_accum, T); micro-batch k holds rows k, k + K, ...
+
+    Every K-th row, not K blocks of rows: each device's rows are a contiguous block of
+    the batch, so each micro-batch takes B / (K x devices) rows from every device and
+    no row moves (a block split would put micro-batch 0 on the first devices alone).
+    """
+    B, T = tokens_BT.shape  # noqa: N806
+    micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, T).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
+
+
+def make_loss(shardings, mesh, dtype=jnp.float32):
+    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss)."""
+    sequence = mesh.shape["sequence"]
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
+
+    def loss(apply_fn, params, tokens_BT):
         inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
         positions_T = np.arange(inputs_BT.shape[1])
         if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
@@ -314,23 +384,72 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
                 inputs_BT[:, positions_T],
                 targets_BT[:, positions_T],
             )
+        # Float32 master weights, cast to the compute type here, on each device's
+        # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
+        # param_dtype does).
+        params = jax.tree.map(
+            lambda p, spec: jax.lax.with_sharding_constraint(p.astype(dtype), spec),
+            params,
+            specs,
+        )
+        logits_BTV, aux_loss = apply_fn({"params": params}, inputs_BT, positions_T)
+        loss = model_lib.cross_entropy(logits_BTV, targets_BT)
+        return loss + aux_loss, loss  # the experts' losses train the router
 
-        def loss_fn(params):
-            # Float32 master weights, cast to the compute type here, on each device's
-            # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
-            # param_dtype does).
-            params = jax.tree.map(
-                lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
-                params,
-                shardings.params,
-            )
-            logits_BTV, aux_loss = state.apply_fn(
-                {"params": params}, inputs_BT, positions_T
-            )
-            loss = model_lib.cross_entropy(logits_BTV, targets_BT)
-            return loss + aux_loss, loss  # the experts' losses train the router
+    return loss
 
-        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+
+def make_train_step(shardings, mesh, dtype=jnp.float32, grad_accum: int = 1):
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
+    keep_layout = lambda tree: jax.tree.map(
+        jax.lax.with_sharding_constraint, tree, specs
+    )
+    loss_fn = make_loss(shardings, mesh, dtype)
+
+    def loss_and_grads(apply_fn, params, tokens_BT):
+        """One micro-batch's mean loss and its gradient."""
+        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+        (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
+        return loss, grads
+
+    def accumulate(apply_fn, params, tokens_BT, batch_axes):
+        """The mean loss and gradient over grad_accum micro-batches, one at a time."""
+
+        def add(sum_, micro_BT):
+            loss, grads = loss_and_grads(apply_fn, params, micro_BT)
+            # The running sum keeps the weights' layout: under FSDP each device holds
+            # 1/fsdp of it, so each micro-batch's gradient is reduce-scattered into it
+            # (a whole-size sum on every device would undo what FSDP saves).
+            return keep_layout(jax.tree.map(jnp.add, sum_, grads)), loss
+
+        zeros = keep_layout(jax.tree.map(jnp.zeros_like, params))
+        micro_KBT = micro_batches(tokens_BT, grad_accum, batch_axes)
+        sums, losses_K = jax.lax.scan(add, zeros, micro_KBT)
+        # Micro-batches of equal size: the mean of their means is the batch's mean.
+        return losses_K.mean(), jax.tree.map(lambda g: g / grad_accum, sums)
+
+    def accumulated(apply_fn, params, tokens_BT):
+        """accumulate, with the gradients reduced over 'data' once per step, not once
+        per micro-batch. The batch is cut into one part per data replica and the step
+        vmapped over the parts (spmd_axis_name: the parts lie along 'data'), so each
+        replica adds up its own gradient, kept apart from the others' (a leading axis
+        split over 'data': no more bytes per device); one sum after the loop reduces
+        them. Without the parts, each micro-batch's gradient would be all-reduced."""
+        replicas = mesh.shape["data"]
+        if replicas == 1:
+            return accumulate(apply_fn, params, tokens_BT, BATCH)
+        B, T = tokens_BT.shape  # noqa: N806
+        parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
+        with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
+            losses_R, grads_R = jax.vmap(
+                lambda part_BT: accumulate(apply_fn, params, part_BT, BATCH[1:]),
+                spmd_axis_name="data",
+            )(parts_RBT)
+        return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
+
+    def train_step(state, tokens_BT):
+        step_grads = loss_and_grads if grad_accum == 1 else accumulated
+        loss, grads = step_grads(state.apply_fn, state.params, tokens_BT)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return state.apply_gradients(grads=grads), metrics
 
@@ -340,6 +459,16 @@ def make_train_step(shardings, mesh, dtype=jnp.float32):
         in_shardings=(shardings, batch),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
+    )
+
+
+def make_eval_step(shardings, mesh, dtype=jnp.float32):
+    """The held-out loss of a batch: the training loss, without gradients."""
+    loss_fn = make_loss(shardings, mesh, dtype)
+    return jax.jit(
+        lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
+        in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),
+        out_shardings=NamedSharding(mesh, P()),
     )
 
 
@@ -435,22 +564,36 @@ def compile_only(step, shapes, args, mesh) -> None:
 
 
 class Preemption:
-    """Notes SIGTERM and SIGUSR1; all processes agree to stop at the same step."""
+    """Notes SIGTERM and SIGUSR1; all processes agree to stop at the same step.
 
-    def __init__(self):
+    Each step, ``vote()`` launches a tiny program that takes the largest of every
+    process's flag; ``agreed(vote)`` reads it a step later, when the next step is
+    already queued, so agreeing costs no wait. Every process reads the same answer for
+    the same step, so all stop at the same step, whichever got the signal.
+    """
+
+    def __init__(self, mesh):
         self.signal = None
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(
                 signum, lambda s, _: setattr(self, "signal", signal.Signals(s).name)
             )
+        self.sharding = NamedSharding(mesh, P(AXES))  # one flag per device
+        self.largest = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
 
-    def agreed(self) -> bool:
-        stop = np.int32(self.signal is not None)
-        if (
-            jax.process_count() > 1
-        ):  # one process may see the signal a step before another
-            stop = multihost_utils.process_allgather(stop).max()
-        return bool(stop)
+    def vote(self) -> jax.Array:
+        flags = np.full(jax.local_device_count(), self.signal is not None, np.int32)
+        shape = (jax.device_count(),)
+        return self.largest(
+            jax.make_array_from_process_local_data(self.sharding, flags, shape)
+        )
+
+    @staticmethod
+    def agreed(vote: jax.Array) -> bool:
+        return bool(vote)
+
+    def reason(self) -> str:
+        return self.signal or "a preemption signal to another process"
 
 
 class StepDeadline:
@@ -590,6 +733,59 @@ def prepare_data(args, vocab_size: int):
     return data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
 
 
+def make_evaluation(args, mesh, shapes, rows: slice, path):
+    """--eval-every: state -> the mean loss over --eval-batches held-out batches,
+    placed on the devices once; None without --eval-every."""
+    if not args.eval_every:
+        return None
+    shardings = jax.tree.map(lambda s: s.sharding, shapes)
+    eval_step = make_eval_step(shardings, mesh, jnp.dtype(args.dtype))
+    sharding, shape = (
+        NamedSharding(mesh, P(BATCH)),
+        (args.global_batch, args.seq_len + 1),
+    )
+    held_out = [
+        jax.make_array_from_process_local_data(sharding, rows_BT, shape)
+        for rows_BT in data.held_out(path, args.global_batch, rows, args.eval_batches)
+    ]
+
+    def evaluate(state) -> float:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+            return float(np.mean([eval_step(state, batch) for batch in held_out]))
+
+    return evaluate
+
+
+class MetricsLog:
+    """Each step's numbers, on process 0: a line on the terminal, and with --log-dir a
+    JSON-lines file (metrics.jsonl) and TensorBoard's event files (tensorboardX)."""
+
+    def __init__(self, log_dir: str | None):
+        self.on = jax.process_index() == 0
+        self.file = self.board = None
+        if self.on and log_dir:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115
+            self.board = SummaryWriter(log_dir)
+
+    def write(self, step: int, line: str, values: dict[str, float]) -> None:
+        if not self.on:
+            return
+        print(line, flush=True)
+        if self.file:
+            self.file.write(json.dumps({"step": step, **values}) + "\n")
+            self.file.flush()
+            for name, value in values.items():
+                self.board.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.board.close()
+
+
 def train(args, mesh, model, tx, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
     path = prepare_data(args, model.config.vocab_size)
@@ -605,36 +801,50 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
     tokens_per_step = args.global_batch * args.seq_len
     flops = model_lib.flops_per_token(model.config, args.seq_len) * tokens_per_step
-    kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
-    preemption, batch_sharding = Preemption(), NamedSharding(mesh, P(BATCH))
+    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
+    preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
-    for _ in range(int(state.step), args.steps):
-        tokens = jax.make_array_from_process_local_data(
-            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
-        )
-        if args.profile and int(state.step) in (5, 8):  # trace steps 6 to 8
-            profiler = jax.profiler
-            profiler.start_trace(
-                args.profile
-            ) if state.step == 5 else profiler.stop_trace()
-        start = time.perf_counter()
-        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-            state, metrics = step(state, tokens)
-        loss = float(metrics["loss"])  # on every process: it waits, so none runs ahead
-        seconds, now = time.perf_counter() - start, int(state.step)
+    log = MetricsLog(args.log_dir)
+    evaluate = make_evaluation(args, mesh, shapes, rows, path)
+    first = int(state.step)  # the one read of the step from the device
+    pending, clock = None, time.perf_counter()
+
+    def report(now: int, metrics: dict, vote: jax.Array) -> bool:
+        """Step ``now``'s numbers, read once the next step is queued; stop there?"""
+        nonlocal clock
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        seconds, clock = time.perf_counter() - clock, time.perf_counter()
+        values |= {"tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds}
         mfu = (
             f" mfu {flops / seconds / (peak * jax.device_count()):.1%}" if peak else ""
         )
-        print0(
-            f"step {now} loss {loss:.4f} grad_norm {float(metrics['grad_norm']):.3f} "
-            f"tokens/s {tokens_per_step / seconds:,.0f} "
+        log.write(
+            now,
+            f"step {now} loss {values['loss']:.4f} grad_norm {values['grad_norm']:.3f} "
+            f"tokens/s {values['tokens_per_s']:,.0f} "
             f"step_time {seconds * 1e3:.0f} ms{mfu}",
-            flush=True,
+            values,
         )
         if deadline:  # after the step: the first step's compilation does not count
             deadline.reached(now)
-        stop = preemption.agreed()
+        return preemption.agreed(vote)
+
+    for now in range(first + 1, args.steps + 1):
+        tokens = jax.make_array_from_process_local_data(
+            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
+        )
+        if args.profile and now in (6, 9):  # trace steps 6 to 8, one trace per process
+            if now == 6:
+                jax.profiler.start_trace(
+                    os.path.join(args.profile, f"process_{jax.process_index()}")
+                )
+            else:
+                jax.profiler.stop_trace()
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+            state, metrics = step(state, tokens)  # queued: the device runs it
+        # Step now - 1's numbers, while step now runs: no wait between steps.
+        stop = pending is not None and report(*pending)
+        pending = (now, metrics, preemption.vote())
         if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
             manager.save(
                 now,
@@ -644,14 +854,22 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
                     data=grain.checkpoint.CheckpointSave(batches),
                 ),
             )
+        if evaluate and (now % args.eval_every == 0 or now == args.steps):
+            loss = evaluate(state)
+            log.write(now, f"eval {now} loss {loss:.4f}", {"eval_loss": loss})
         if stop:
-            print0(f"{preemption.signal}: saved step {now}, exiting", flush=True)
+            report(*pending)
+            print0(f"{preemption.reason()}: saved step {now}, exiting", flush=True)
+            pending = None
             break
+    if pending:
+        report(*pending)
     if deadline:
         deadline.step = None  # stop watching: no more steps
     if manager:
         manager.wait_until_finished()  # the last save is asynchronous
         manager.close()
+    log.close()
 
 
 def setup(args):
@@ -669,7 +887,10 @@ def setup(args):
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         shapes, init = abstract_state(model, tx, mesh, args.seq_len)
     step = make_train_step(
-        jax.tree.map(lambda s: s.sharding, shapes), mesh, jnp.dtype(args.dtype)
+        jax.tree.map(lambda s: s.sharding, shapes),
+        mesh,
+        jnp.dtype(args.dtype),
+        args.grad_accum,
     )
     return mesh, model, tx, step, shapes, init
 
