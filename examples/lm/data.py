@@ -42,8 +42,10 @@ import pathlib
 import grain
 import numpy as np
 
-# A full scan reads the whole file: at most this many tokens (4 GB of uint32). Larger
-# files rely on the check of each record as it is read.
+# A full scan reads the whole file: at most this many tokens (4 GB of uint32). Measured
+# on 2 CPU cores: 0.1-0.2 s per GiB in the page cache, 0.7 s per GiB from disk; 100B
+# tokens (200-400 GB) would take minutes before the first step, on one process. Larger
+# files rely on the check of each record as it is read (20 us per 8,193 ids).
 FULL_SCAN_TOKENS = 10**9
 SCAN_CHUNK = 2**24  # tokens per np.max: 64 MB of uint32 in memory at a time
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
