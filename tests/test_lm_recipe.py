@@ -3,7 +3,7 @@
 Most runs are in-process, on the 8 simulated CPU devices of conftest.py, calling train.py's own
 functions (a subprocess pays 5-9 s of start and compile); the runs that need several processes
 (mpirun, srun) or 16 devices (tests/lm_compile_driver.py) are subprocesses. The corpus is
-tokenized and packed once per session, into one shared data directory.
+tokenized once per session, into one shared data directory.
 """
 
 import contextlib
@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import flax.linen as nn
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +51,7 @@ SPEC = "data=2,fsdp=2,tensor=2"  # the mesh of the resume, mpirun and srun runs
 
 @pytest.fixture(scope="session")
 def dirs(tmp_path_factory):
-    """One data directory (tokenizer and packed sequences, written by the first run) and one
+    """One data directory (tokenizer and corpus token ids, written by the first run) and one
     compilation cache for the whole session."""
     top = tmp_path_factory.mktemp("lm")
     return {"data": top / "data", "cache": top / "jax_cache"}
@@ -235,11 +234,8 @@ def test_tiny_learns_the_corpus(dirs, long_run):
     8.16 at initialisation) below the entropy of the corpus's token frequencies (6.3044 nats):
     the model uses context, not just how common each token is. Measured: 8.1594 -> 5.6819."""
     values = long_run
-    path = dirs["data"] / "pydoc-2048-128.array_record"
-    source = grain.sources.ArrayRecordDataSource(str(path))
-    tokens = np.concatenate(
-        [np.frombuffer(source[i], np.int32)[1:] for i in range(len(source))]
-    )
+    [source] = data.sources(str(dirs["data"]), 128, 2048)  # tokenized by the run
+    tokens = np.concatenate([source[i][1:] for i in range(len(source))])  # the targets
     p = np.bincount(tokens, minlength=2048) / len(tokens)
     unigram = -np.sum(p[p > 0] * np.log(p[p > 0]))
     print(f"unigram entropy {unigram:.4f}; loss {values[1]} -> {values[50]}")
@@ -289,11 +285,11 @@ def test_bad_meshes_and_batches_say_why():
 
 
 def test_each_process_reads_only_its_rows(dirs, spec_run):
-    path = dirs["data"] / "pydoc-2048-128.array_record"  # written by spec_run
-    whole = data.batches(path, 16, slice(0, 16), seed=0)
+    sources = data.sources(str(dirs["data"]), 128, 2048)  # tokenized by spec_run
+    whole = data.batches(sources, 16, slice(0, 16), seed=0)
     halves = [
-        data.batches(path, 16, slice(0, 8), 0),
-        data.batches(path, 16, slice(8, 16), 0),
+        data.batches(sources, 16, slice(0, 8), 0),
+        data.batches(sources, 16, slice(8, 16), 0),
     ]
     for _ in range(5):
         expected = next(whole)
@@ -302,11 +298,13 @@ def test_each_process_reads_only_its_rows(dirs, spec_run):
             np.concatenate([next(h) for h in halves]), expected
         )
     with pytest.raises(ValueError, match="do not tile a global batch of 16"):
-        data.batches(path, 16, slice(0, 6), 0)
+        data.batches(sources, 16, slice(0, 6), 0)
 
 
 def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
-    """--data: a nanoGPT-style .bin of uint16 ids, or a .npy, packed into seq_len + 1 records."""
+    """--data: a nanoGPT-style .bin of uint16 ids, or a .npy, read in place as records of
+    seq_len + 1 tokens (tests/test_lm_data.py checks the rest: uint32, shards, mixtures,
+    the evaluation split)."""
     tokens = (np.arange(100) * 7 % 50).astype(
         np.uint16
     )  # 100 ids below a vocabulary of 50
@@ -314,17 +312,15 @@ def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
     np.save(tmp_path / "mine.npy", tokens.astype(np.int32))
     rows = tokens[:99].reshape(11, 9)  # 100 // (8 + 1) = 11 records of 9 tokens
     for name in ("mine.bin", "mine.npy"):
-        out = tmp_path / name.replace(".", "_")
-        path = data.prepare(str(out), 8, 50, str(tmp_path / name))
-        assert path.name == "mine-8.array_record"
-        batch = next(data.batches(path, 11, slice(0, 11), seed=0))
+        sources = data.prepare(str(tmp_path), 8, 50, str(tmp_path / name), "uint16")
+        batch = next(data.batches(sources, 11, slice(0, 11), seed=0))
         assert sorted(map(tuple, batch)) == sorted(
             map(tuple, rows)
         )  # shuffled, all there
-    with pytest.raises(SystemExit, match="token id 49 is outside the vocabulary 40"):
-        data.prepare(str(tmp_path / "small"), 8, 40, str(tmp_path / "mine.bin"))
+    with pytest.raises(SystemExit, match="^token id 42 at position 6 of .*mine.bin is"):
+        data.prepare(str(tmp_path), 8, 40, str(tmp_path / "mine.bin"), "uint16")
     with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
-        data.prepare(str(tmp_path / "txt"), 8, 50, str(tmp_path / "mine.txt"))
+        data.prepare(str(tmp_path), 8, 50, str(tmp_path / "mine.txt"))
 
 
 def test_model_flops_match_the_compiled_programs(dirs):

@@ -145,12 +145,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add(
         "--data",
-        help="your own token ids (.npy, or .bin of uint16) instead of the corpus",
+        help="your own token ids instead of the corpus, read in place: a .npy, a .bin "
+        "(--data-dtype), or a directory of them (shards); several: a.bin,b.bin",
     )
+    add("--data-dtype", choices=sorted(data.BIN_DTYPES), help="a .bin's token ids")
+    add("--data-weights", help="mix the --data entries: e.g. 0.7,0.3")
     add(
         "--data-dir",
         default="/tmp/jaxdist_lm/data",
-        help="where packed sequences are kept",
+        help="where the default corpus's tokens are kept",
     )
     add(
         "--checkpoint-dir", help="save here, and resume from the latest step found here"
@@ -724,13 +727,14 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
         return restored.state, batches
 
 
-def prepare_data(args, vocab_size: int):
-    """Process 0 packs the sequences first; the others then find them, or (on a node
-    with its own disk) pack their own copy."""
+def prepare_data(args, vocab_size: int) -> list[data.TokenRecords]:
+    """Process 0 tokenizes the default corpus and checks the files first; the others
+    then open them, or (on a node with its own disk) tokenize their own copy."""
+    where = (args.data_dir, args.seq_len, vocab_size, args.data, args.data_dtype)
     if jax.process_index() == 0:
-        data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
+        data.prepare(*where)
     multihost_utils.sync_global_devices("data prepared")
-    return data.prepare(args.data_dir, args.seq_len, vocab_size, args.data)
+    return data.sources(*where)
 
 
 def make_evaluation(args, mesh, shapes, rows: slice, path):
@@ -788,9 +792,11 @@ class MetricsLog:
 
 def train(args, mesh, model, tx, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
-    path = prepare_data(args, model.config.vocab_size)
+    sources = prepare_data(args, model.config.vocab_size)
     rows = process_rows(mesh, args.global_batch, args.seq_len)
-    batches = data.batches(path, args.global_batch, rows, args.seed)
+    batches = data.batches(
+        sources, args.global_batch, rows, args.seed, args.data_weights
+    )
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
             jax.random.key(args.seed)
