@@ -737,7 +737,7 @@ def prepare_data(args, vocab_size: int) -> list[data.TokenRecords]:
     return data.sources(*where)
 
 
-def make_evaluation(args, mesh, shapes, rows: slice, path):
+def make_evaluation(args, mesh, shapes, rows: slice, source: data.TokenRecords):
     """--eval-every: state -> the mean loss over --eval-batches held-out batches,
     placed on the devices once; None without --eval-every."""
     if not args.eval_every:
@@ -750,7 +750,9 @@ def make_evaluation(args, mesh, shapes, rows: slice, path):
     )
     held_out = [
         jax.make_array_from_process_local_data(sharding, rows_BT, shape)
-        for rows_BT in data.held_out(path, args.global_batch, rows, args.eval_batches)
+        for rows_BT in data.eval_batches(
+            source, args.global_batch, rows, args.eval_batches
+        )
     ]
 
     def evaluate(state) -> float:
@@ -794,8 +796,10 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
     sources = prepare_data(args, model.config.vocab_size)
     rows = process_rows(mesh, args.global_batch, args.seq_len)
+    # --eval-every: the first source's last batches are held out from training.
+    held_out = args.eval_batches if args.eval_every else 0
     batches = data.batches(
-        sources, args.global_batch, rows, args.seed, args.data_weights
+        sources, args.global_batch, rows, args.seed, args.data_weights, held_out
     )
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
@@ -811,7 +815,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     log = MetricsLog(args.log_dir)
-    evaluate = make_evaluation(args, mesh, shapes, rows, path)
+    evaluate = make_evaluation(args, mesh, shapes, rows, sources[0])
     first = int(state.step)  # the one read of the step from the device
     pending, clock = None, time.perf_counter()
 
@@ -851,6 +855,10 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         # Step now - 1's numbers, while step now runs: no wait between steps.
         stop = pending is not None and report(*pending)
         pending = (now, metrics, preemption.vote())
+        evaluating = evaluate and (now % args.eval_every == 0 or now == args.steps)
+        if evaluating or stop:  # step now's numbers first (all processes alike)
+            stop = report(*pending) or stop
+            pending = None
         if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
             manager.save(
                 now,
@@ -860,13 +868,12 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
                     data=grain.checkpoint.CheckpointSave(batches),
                 ),
             )
-        if evaluate and (now % args.eval_every == 0 or now == args.steps):
+        if evaluating:
             loss = evaluate(state)
             log.write(now, f"eval {now} loss {loss:.4f}", {"eval_loss": loss})
+            clock = time.perf_counter()  # the next step's time leaves evaluation out
         if stop:
-            report(*pending)
             print0(f"{preemption.reason()}: saved step {now}, exiting", flush=True)
-            pending = None
             break
     if pending:
         report(*pending)
