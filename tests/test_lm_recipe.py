@@ -700,6 +700,8 @@ def test_each_preset_starts_near_a_uniform_guess(name):
         logits, _ = model.apply(params, tokens[:, :-1])
         return model_lib.cross_entropy(logits, tokens[:, 1:])
 
-    loss = float(first_loss(jax.random.key(0)))
+    # RBG keys: XLA's random bit generator draws 8b's 1.3 billion weights about five
+    # times faster on a CPU than the default threefry (34 s against 159 s, measured).
+    loss = float(first_loss(jax.random.key(0, impl="unsafe_rbg")))
     print(f"{name}: loss {loss:.3f}, ln V {np.log(config.vocab_size):.3f}")
     assert abs(loss - np.log(config.vocab_size)) < 1.0
