@@ -13,6 +13,7 @@ import json
 import pathlib
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -210,3 +211,27 @@ def test_rope_frequencies_match_transformers():
     np.testing.assert_allclose(np.asarray(ours), expected.numpy(), rtol=1e-6)
     unscaled = model_lib.rope_frequencies(64, 500_000.0)
     assert not np.allclose(np.asarray(ours), np.asarray(unscaled))
+
+
+def test_sharded_bfloat16_checkpoint_round_trip(tmp_path):
+    """As the Hub's Llamas come: bfloat16, in shards named by
+    model.safetensors.index.json. Float32 holds every bfloat16 value, so the tensors
+    come back exact, in bfloat16 (the config's dtype)."""
+    hf_dir, checkpoint, out = tmp_path / "hf", tmp_path / "checkpoint", tmp_path / "out"
+    hf_llama(hf_dir)  # saved float32; saved again below in bfloat16 and sharded
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    model.save_pretrained(hf_dir, safe_serialization=True, max_shard_size="60KB")
+    (hf_dir / "model.safetensors").unlink(missing_ok=True)
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    convert.main(["from-hf", str(hf_dir), str(checkpoint)])
+    convert.main(["to-hf", str(checkpoint), str(out)])
+    original = {}
+    for shard in shards:
+        original.update(safetensors_numpy.load_file(hf_dir / shard))
+    back = safetensors_numpy.load_file(out / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(back[name], tensor, err_msg=name)
