@@ -118,11 +118,11 @@ def test_logits_match_transformers(converted):
         assert np.abs(logits(unscaled, params) - expected).max() > 1e-2
 
 
-def pair_neighbours(w_LDHA: np.ndarray) -> np.ndarray:
+def pair_neighbours(w: np.ndarray) -> np.ndarray:
     """Each head's features reordered so that rotate_half's pairs (i, i + A/2) become
     neighbours (2i, 2i + 1): the inverse of transformers' permute, Meta's layout."""
-    *lead, A = w_LDHA.shape  # noqa: N806
-    return w_LDHA.reshape(*lead, 2, A // 2).swapaxes(-1, -2).reshape(w_LDHA.shape)
+    *lead, width = w.shape  # the last axis: A
+    return w.reshape(*lead, 2, width // 2).swapaxes(-1, -2).reshape(w.shape)
 
 
 def test_round_trip_gives_the_same_tensors(converted, tmp_path):
@@ -150,8 +150,7 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     argv = ["--model-config", str(hf_dir / "config.json"), "--checkpoint-dir",
             str(checkpoint), "--steps", "1", "--global-batch", "8", "--seq-len", "32",
             "--mesh", "fsdp=-1", "--data", str(tmp_path / "tokens.npy"),
-            "--data-dir", str(tmp_path / "data"), "--checkpoint-every", "1000",
-            "--compilation-cache", str(tmp_path / "cache")]  # fmt: skip
+            "--data-dir", str(tmp_path / "data"), "--checkpoint-every", "1000"]  # fmt: skip
     args = train.parse_args(argv)
     mesh, model, tx, step, shapes, init = train.setup(args)
     manager = train.checkpoint_manager(args)

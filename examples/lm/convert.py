@@ -55,18 +55,19 @@ Array = np.ndarray
 Config = model_lib.ModelConfig
 
 
-def heads_in(w_HAxD: Array, c: Config) -> Array:
-    """q/k/v_proj (H*A, D) -> (D, H, A)."""
-    return w_HAxD.T.reshape(c.width, -1, c.head_width)
+def heads_in(w: Array, c: Config) -> Array:
+    """q_proj (N*A, D) -> (D, N, A); k_proj, v_proj (K*A, D) -> (D, K, A)."""
+    return w.T.reshape(c.width, -1, c.head_width)
 
 
-def heads_out(w_DHA: Array, c: Config) -> Array:
-    return w_DHA.reshape(c.width, -1).T
+def heads_out(w: Array, c: Config) -> Array:
+    """(D, N, A) -> (N*A, D); (D, K, A) -> (K*A, D)."""
+    return w.reshape(c.width, -1).T
 
 
-def out_in(w_DxNA: Array, c: Config) -> Array:
+def out_in(w: Array, c: Config) -> Array:
     """o_proj (D, N*A) -> (N, A, D)."""
-    return w_DxNA.T.reshape(c.num_heads, c.head_width, c.width)
+    return w.T.reshape(c.num_heads, c.head_width, c.width)
 
 
 def out_out(w_NAD: Array, c: Config) -> Array:
