@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import pathlib
+import shutil
 import sys
 
 import ml_dtypes
@@ -144,7 +145,9 @@ def test_round_trip_gives_the_same_tensors(converted, tmp_path):
 def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     """train.py finds step 0 (no data item: the iterator starts at the step), with
     the optimizer's fresh state, and trains one step from Llama's weights."""
-    case, _, hf_dir, checkpoint = converted
+    case, _, hf_dir, converted_checkpoint = converted
+    checkpoint = tmp_path / "checkpoint"  # a copy: the run saves its step 1 there
+    shutil.copytree(converted_checkpoint, checkpoint)
     tokens = np.random.default_rng(1).integers(0, VOCAB, 4096).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
     argv = ["--model-config", str(hf_dir / "config.json"), "--checkpoint-dir",
