@@ -219,38 +219,35 @@ def config_to_hf(c: Config) -> dict[str, Any]:
     return hf
 
 
-def train_args(config_json: pathlib.Path, checkpoint_dir: pathlib.Path):
-    """train.py's defaults for this shape: its optimizer and checkpoint layout."""
-    argv = ["--model-config", str(config_json), "--checkpoint-dir", str(checkpoint_dir)]
-    return train.parse_args(argv)
-
-
-def fresh_state(params: dict, config_json: pathlib.Path, checkpoint_dir):
+def fresh_state(params: dict, model, args):
     """Step 0: ``params`` and train.py's optimizer state before its first update.
 
     The state's structure comes from train.py's own abstract_state, so its restore
     finds what it expects. Optax's AdamW starts at zeros (its count, its moments), as
     the test checks against tx.init.
     """
-    args = train_args(config_json, checkpoint_dir)
-    config = model_lib.config_from_hf(str(config_json))
-    model = model_lib.Transformer(config)
     mesh = train.make_mesh("fsdp=-1")  # shapes only: any mesh will do
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
         shapes, _ = train.abstract_state(model, train.make_optimizer(args), mesh, 1)
-    expected = jax.tree.map(lambda s: (s.shape, s.dtype), shapes.params)
-    found = jax.tree.map(lambda p: (p.shape, p.dtype), params)
-    if expected != found:
-        raise SystemExit(f"the converted params do not fit the model: {found}")
+    leaves, name = jax.tree_util.tree_leaves_with_path, jax.tree_util.keystr
+    expected = {name(k): (s.shape, s.dtype) for k, s in leaves(shapes.params)}
+    for path, p in leaves(params):
+        if expected.pop(name(path), None) != (p.shape, p.dtype):
+            raise SystemExit(f"params{name(path)} {p.shape} does not fit the model")
+    if expected:
+        raise SystemExit(f"no tensor for params{next(iter(expected))}")
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-    return zeros.replace(params=params), args
+    return zeros.replace(params=params)
 
 
 def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     config_json = hf_dir / "config.json"
-    config = model_lib.config_from_hf(str(config_json))
+    # train.py's defaults for this shape: its optimizer and its checkpoint layout
+    args = train.parse_args(["--model-config", str(config_json),
+                             "--checkpoint-dir", str(checkpoint_dir)])  # fmt: skip
+    config = train.model_config(args)
     params = params_from_hf(hf_dir, config)
-    state, args = fresh_state(params, config_json, checkpoint_dir)
+    state = fresh_state(params, model_lib.Transformer(config), args)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     manager = train.checkpoint_manager(args)
     if manager.latest_step() is not None:
