@@ -237,3 +237,11 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path):
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype == ml_dtypes.bfloat16, name
         np.testing.assert_array_equal(back[name], tensor, err_msg=name)
+
+
+@pytest.mark.parametrize("preset", sorted(model_lib.PRESETS))
+def test_a_presets_config_json_reads_back_as_the_preset(preset, tmp_path):
+    """to-hf --model PRESET writes config_to_hf's config.json: the same shape."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(convert.config_to_hf(model_lib.PRESETS[preset])))
+    assert model_lib.config_from_hf(str(path)) == model_lib.PRESETS[preset]
