@@ -29,12 +29,26 @@ for the letters used here:
 
 import dataclasses
 import functools
+import json
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of RoPE to a longer context: long wavelengths are divided by
+    ``factor``, short ones kept, those between blended (Hugging Face's rope_scaling with
+    rope_type "llama3"; 3.1 uses factor 8, 3.2 factor 32)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int  # original_max_position_embeddings: 8192 in Llama 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +70,7 @@ class ModelConfig:
         1.25  # an expert's slots per group: ceil(top_k * group_size * factor / E)
     )
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
+    rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
 
     @property
     def head_width(self) -> int:  # A
@@ -108,10 +123,91 @@ class RMSNorm(nn.Module):
         return (x * scale).astype(self.dtype)
 
 
-def rope(x_BTNA: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
-    """Rotate each pair of features by an angle proportional to the token's position."""
-    half = x_BTNA.shape[-1] // 2
+def config_from_hf(path: str) -> ModelConfig:
+    """A Hugging Face Llama config.json's shape as a ModelConfig.
+
+    Reads both spellings of RoPE's settings: ``rope_theta`` and ``rope_scaling`` (the
+    Hub's Llama 3.x files, transformers 4) and ``rope_parameters`` (transformers 5
+    writes theta and the scaling there). Stops on what this model does not have.
+    """
+    with open(path) as f:
+        hf: dict[str, Any] = json.load(f)
+    name = path
+    if hf.get("model_type", "llama") != "llama":
+        raise SystemExit(f"{name}: model_type {hf['model_type']!r}, expected 'llama'")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise SystemExit(f"{name}: hidden_act {hf['hidden_act']!r}; the MLP is SwiGLU")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise SystemExit(f"{name}: attention_bias or mlp_bias; this model has none")
+    width, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or width // heads
+    if head_dim * heads != width:
+        raise SystemExit(
+            f"{name}: head_dim {head_dim} x {heads} heads != hidden_size {width}; "
+            "this model's heads are hidden_size / num_attention_heads wide"
+        )
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise SystemExit(f"{name}: rope_type {kind!r}; only 'default' and 'llama3'")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        width=width,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp_width=hf["intermediate_size"],
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10_000.0)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
+        rope_scaling=None
+        if kind == "default"
+        else RopeScaling(
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        ),
+    )
+
+
+def rope_frequencies(
+    half: int, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """Angle per position of each feature pair: theta^(-i/half), i < half; with Llama
+    3.1's scaling, as Hugging Face's _compute_llama3_parameters computes it
+    (transformers/modeling_rope_utils.py; Meta's apply_scaling in llama-models)."""
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return frequencies
+    s = scaling
+    wavelengths = 2 * math.pi / frequencies
+    # 0 at the long wavelength's bound (divided by factor), 1 at the short one (kept)
+    blend = (s.original_context / wavelengths - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - blend) * frequencies / s.factor + blend * frequencies
+    long = wavelengths > s.original_context / s.low_freq_factor
+    short = wavelengths < s.original_context / s.high_freq_factor
+    scaled = jnp.where(long, frequencies / s.factor, blended)
+    return jnp.where(short, frequencies, scaled)
+
+
+def rope(
+    x_BTNA: jax.Array,
+    positions_T: jax.Array,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
+    """Rotate each pair of features by an angle proportional to the token's position.
+
+    A pair is feature i and feature i + A/2 (the two halves of the head), as in Hugging
+    Face's rotate_half; Meta's original code pairs neighbours (2i, 2i + 1), which
+    Hugging Face's checkpoints undo by permuting q and k's rows (convert.py says more).
+    """
+    half = x_BTNA.shape[-1] // 2
+    frequencies = rope_frequencies(half, theta, scaling)
     angles_TA = positions_T[:, None].astype(jnp.float32) * frequencies
     sin, cos = jnp.sin(angles_TA)[:, None, :], jnp.cos(angles_TA)[:, None, :]
     first, second = jnp.split(x_BTNA.astype(jnp.float32), 2, axis=-1)
@@ -185,10 +281,16 @@ class Attention(nn.Module):
             for n in "kv"
         ]
         q_BTNA = rope(
-            jnp.einsum("btd,dna->btna", x_BTD, w_DNA), positions_T, c.rope_theta
+            jnp.einsum("btd,dna->btna", x_BTD, w_DNA),
+            positions_T,
+            c.rope_theta,
+            c.rope_scaling,
         )
         k_BTKA = rope(
-            jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]), positions_T, c.rope_theta
+            jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]),
+            positions_T,
+            c.rope_theta,
+            c.rope_scaling,
         )
         v_BTKA = jnp.einsum("btd,dka->btka", x_BTD, w_kv[1])
         q_BTNA = constrain(q_BTNA, ("batch", "act_seq", "act_heads", None))

@@ -91,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default="tiny", choices=sorted(model_lib.PRESETS))
     add(
+        "--model-config",
+        metavar="CONFIG_JSON",
+        help="the shape from a Hugging Face Llama config.json instead of --model "
+        "(with convert.py from-hf's checkpoint: fine-tune a Llama)",
+    )
+    add(
         "--mesh",
         default="fsdp=-1",
         help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: " + ", ".join(AXES),
@@ -227,8 +233,11 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
 
 
 def model_config(args) -> model_lib.ModelConfig:
-    """The preset, with experts if --experts asks for them."""
-    config = model_lib.PRESETS[args.model]
+    """The preset or --model-config's shape, with experts if --experts asks for them."""
+    if args.model_config:
+        config = model_lib.config_from_hf(args.model_config)
+    else:
+        config = model_lib.PRESETS[args.model]
     if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
         raise SystemExit(
             f"--top-k {args.top_k} must be between 1 and --experts {args.experts}"
@@ -715,9 +724,9 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
             ),
         )
         return restored.state, restored.data
-    except (
-        ValueError
-    ):  # Grain keeps one file per process: saved with another process count
+    # ValueError: Grain keeps one file per process, saved with another process count;
+    # KeyError: no data item (convert.py from-hf's step 0)
+    except (ValueError, KeyError):
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
         )

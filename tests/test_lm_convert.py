@@ -1,0 +1,247 @@
+"""examples/lm/convert.py against transformers' Llama, the reference implementation.
+
+A small random LlamaForCausalLM (PyTorch, CPU, float32) is saved as safetensors,
+converted to the recipe's checkpoint and back: the recipe's logits equal transformers'
+(eager attention) to 1e-4, the way back gives the same tensors exactly, and train.py
+resumes from the converted checkpoint and trains. Needs requirements-parity.txt (torch,
+transformers, safetensors); skipped without it.
+"""
+
+import contextlib
+import io
+import json
+import pathlib
+import shutil
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs requirements-parity.txt (torch)")
+transformers = pytest.importorskip(
+    "transformers", reason="needs requirements-parity.txt (transformers)"
+)
+safetensors_numpy = pytest.importorskip(
+    "safetensors.numpy", reason="needs requirements-parity.txt (safetensors)"
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import convert  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import model as model_lib  # noqa: E402
+import train  # noqa: E402
+
+# Llama 3.1's rope_scaling (meta-llama/Llama-3.1-8B, config.json); with head_dim 16 and
+# theta 500,000 its 8 frequencies fall in all three bands (kept, blended, divided).
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+CASES = {
+    "untied": {"tie_word_embeddings": False},
+    "tied_llama3_rope": {
+        "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_SCALING,
+        "rope_theta": 500_000.0,
+        "max_position_embeddings": 131_072,
+    },
+}
+VOCAB = 384
+
+
+def hf_llama(directory: pathlib.Path, **extra) -> "transformers.LlamaForCausalLM":
+    """A random 2-layer Llama with grouped-query attention, saved in ``directory``."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        # 5x the default 0.02: logits of about 1, so that the RoPE scaling left out
+        # moves them by 0.09, not 1e-4 (measured)
+        initializer_range=0.1,
+        attn_implementation="eager",
+        **extra,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 1: random scales make the test stricter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def converted(request, tmp_path_factory):
+    """(case, the transformers model, its directory, the recipe checkpoint)."""
+    top = tmp_path_factory.mktemp(request.param)
+    hf_dir, checkpoint = top / "hf", top / "checkpoint"
+    model = hf_llama(hf_dir, **CASES[request.param])
+    convert.main(["from-hf", str(hf_dir), str(checkpoint)])
+    return request.param, model, hf_dir, checkpoint
+
+
+def test_logits_match_transformers(converted):
+    case, hf_model, hf_dir, checkpoint = converted
+    config = model_lib.config_from_hf(str(hf_dir / "config.json"))
+    assert config.tie_embeddings == (case == "tied_llama3_rope")
+    assert (config.rope_scaling is not None) == (case == "tied_llama3_rope")
+    params, _ = convert.restore_params(checkpoint, config, None)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 128))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(tokens)).logits.numpy()
+
+    def logits(config: model_lib.ModelConfig, params: dict) -> np.ndarray:
+        model = model_lib.Transformer(config, jnp.float32, "none")
+        return np.asarray(model.apply({"params": params}, jnp.asarray(tokens))[0])
+
+    np.testing.assert_allclose(logits(config, params), expected, atol=1e-4, rtol=0)
+    # The test can fail: Meta's pairing of RoPE's features (q and k's rows as Meta
+    # stores them, before transformers' permute) and, for Llama 3.1, unscaled
+    # frequencies move the logits by 1e-2 or more (measured: 0.03 and 0.09).
+    meta = jax.tree_util.tree_map_with_path(
+        lambda path, w: pair_neighbours(w) if path[-1].key in ("query", "k") else w,
+        params,
+    )
+    assert np.abs(logits(config, meta) - expected).max() > 1e-2
+    if config.rope_scaling:
+        unscaled = model_lib.dataclasses.replace(config, rope_scaling=None)
+        assert np.abs(logits(unscaled, params) - expected).max() > 1e-2
+
+
+def pair_neighbours(w: np.ndarray) -> np.ndarray:
+    """Each head's features reordered so that rotate_half's pairs (i, i + A/2) become
+    neighbours (2i, 2i + 1): the inverse of transformers' permute, Meta's layout."""
+    *lead, width = w.shape  # the last axis: A
+    return w.reshape(*lead, 2, width // 2).swapaxes(-1, -2).reshape(w.shape)
+
+
+def test_round_trip_gives_the_same_tensors(converted, tmp_path):
+    _, _, hf_dir, checkpoint = converted
+    convert.main(["to-hf", str(checkpoint), str(tmp_path)])
+    original = safetensors_numpy.load_file(hf_dir / "model.safetensors")
+    back = safetensors_numpy.load_file(tmp_path / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype, name
+        np.testing.assert_array_equal(back[name], tensor, err_msg=name)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
+        (hf_dir / "config.json").read_text()
+    )
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.tie_word_embeddings == ("lm_head.weight" not in original)
+
+
+def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
+    """train.py finds step 0 (no data item: the iterator starts at the step), with
+    the optimizer's fresh state, and trains one step from Llama's weights."""
+    case, _, hf_dir, converted_checkpoint = converted
+    checkpoint = tmp_path / "checkpoint"  # a copy: the run saves its step 1 there
+    shutil.copytree(converted_checkpoint, checkpoint)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 4096).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    argv = ["--model-config", str(hf_dir / "config.json"), "--checkpoint-dir",
+            str(checkpoint), "--steps", "1", "--global-batch", "8", "--seq-len", "32",
+            "--mesh", "fsdp=-1", "--data", str(tmp_path / "tokens.npy"),
+            "--data-dir", str(tmp_path / "data"), "--checkpoint-every", "1000"]  # fmt: skip
+    args = train.parse_args(argv)
+    mesh, model, tx, step, shapes, init = train.setup(args)
+    manager = train.checkpoint_manager(args)
+    batches = train.data.batches(
+        train.data.prepare(args.data_dir, args.seq_len, VOCAB, args.data),
+        args.global_batch, slice(0, args.global_batch), args.seed,
+    )  # fmt: skip
+    state, _ = train.restore(manager, shapes, batches)
+    manager.close()
+    assert int(state.step) == 0
+    fresh = tx.init(state.params)  # the optimizer's state before any update
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: bool(np.all(np.asarray(a) == b)), state.opt_state,
+                     fresh)
+    )  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.train(args, mesh, model, tx, step, shapes, init)
+    assert "resumed from step 0" in out.getvalue()
+    assert "step 1 loss" in out.getvalue()
+    loss = float(out.getvalue().split("step 1 loss ")[1].split()[0])
+    assert loss < np.log(VOCAB) + 2  # a random Llama on random tokens: about ln V
+
+
+def test_config_json_of_the_hub_and_head_dim(tmp_path):
+    """The Hub's Llama 3.x spelling (rope_theta, rope_scaling: transformers 4) reads as
+    transformers 5's rope_parameters does; a head_dim that is not D/N stops."""
+    hub = {"model_type": "llama", "vocab_size": 128256, "num_hidden_layers": 16,
+           "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": True, "head_dim": 64,
+           "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0}}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hub))
+    config = model_lib.config_from_hf(str(path))
+    assert config == model_lib.dataclasses.replace(
+        model_lib.PRESETS["1b"],
+        norm_eps=1e-5,
+        rope_scaling=model_lib.RopeScaling(32.0, 1.0, 4.0, 8192),
+    )
+    path.write_text(json.dumps({**hub, "head_dim": 128}))
+    with pytest.raises(SystemExit, match="head_dim 128 x 32 heads != hidden_size"):
+        model_lib.config_from_hf(str(path))
+
+
+def test_rope_frequencies_match_transformers():
+    """Llama 3.1's scaled frequencies, against transformers' own function."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(
+        hidden_size=2048, num_attention_heads=16, rope_theta=500_000.0,
+        rope_scaling=LLAMA3_SCALING,
+    )  # fmt: skip
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    scaling = model_lib.RopeScaling(8.0, 1.0, 4.0, 8192)
+    ours = model_lib.rope_frequencies(64, 500_000.0, scaling)
+    np.testing.assert_allclose(np.asarray(ours), expected.numpy(), rtol=1e-6)
+    unscaled = model_lib.rope_frequencies(64, 500_000.0)
+    assert not np.allclose(np.asarray(ours), np.asarray(unscaled))
+
+
+def test_sharded_bfloat16_checkpoint_round_trip(tmp_path):
+    """As the Hub's Llamas come: bfloat16, in shards named by
+    model.safetensors.index.json. Float32 holds every bfloat16 value, so the tensors
+    come back exact, in bfloat16 (the config's dtype)."""
+    hf_dir, checkpoint, out = tmp_path / "hf", tmp_path / "checkpoint", tmp_path / "out"
+    hf_llama(hf_dir)  # saved float32; saved again below in bfloat16 and sharded
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    model.save_pretrained(hf_dir, safe_serialization=True, max_shard_size="60KB")
+    (hf_dir / "model.safetensors").unlink(missing_ok=True)
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    convert.main(["from-hf", str(hf_dir), str(checkpoint)])
+    convert.main(["to-hf", str(checkpoint), str(out)])
+    original = {}
+    for shard in shards:
+        original.update(safetensors_numpy.load_file(hf_dir / shard))
+    back = safetensors_numpy.load_file(out / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(back[name], tensor, err_msg=name)
+
+
+@pytest.mark.parametrize("preset", sorted(model_lib.PRESETS))
+def test_a_presets_config_json_reads_back_as_the_preset(preset, tmp_path):
+    """to-hf --model PRESET writes config_to_hf's config.json: the same shape."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(convert.config_to_hf(model_lib.PRESETS[preset])))
+    assert model_lib.config_from_hf(str(path)) == model_lib.PRESETS[preset]
