@@ -199,8 +199,7 @@ def attention_part(q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
 def attention_part_forward(
     q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
 ):
-    B, T, K, Q, A = q_BTKQA.shape  # noqa: N806
-    tb, sb = block_size(T, block), block_size(k_BSKA.shape[1], block)
+    tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
     kv_blocks = (
         blocks(k_BSKA, sb, 1),
         blocks(v_BSKA, sb, 1),
@@ -209,11 +208,9 @@ def attention_part_forward(
 
     def one_query_block(args):
         q_BTKQA, q_positions_T = args
-        carry = (
-            jnp.zeros(q_BTKQA.shape),
-            jnp.full((B, K, Q, tb), MASKED),
-            jnp.zeros((B, K, Q, tb)),
-        )
+        # *_like: inside shard_map the carry varies over the mesh axes the queries do
+        max_BKQT = jnp.full_like(q_BTKQA[..., 0], MASKED).transpose(0, 2, 3, 1)
+        carry = jnp.zeros_like(q_BTKQA), max_BKQT, jnp.zeros_like(max_BKQT)
 
         def fold(carry, kv):
             attend = lambda c: attend_block(c, q_BTKQA, *kv[:2], q_positions_T, kv[2])
@@ -260,13 +257,13 @@ def attention_part_backward(block, residuals, cotangents):
                 d_v_BSKA = jnp.einsum("bkqts,btkqa->bska", p_BKQTS, d_out_BTKQA)
                 return d_q_BTKQA, (d_k_BSKA, d_v_BSKA)
 
-            skip = lambda d_q: (d_q, (jnp.zeros(k_BSKA.shape), jnp.zeros(v_BSKA.shape)))
+            skip = lambda d_q: (d_q, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)))
             return jax.lax.cond(
                 can_see(q_positions_T, kv_positions_S), gradients, skip, d_q_BTKQA
             )
 
         d_q_BTKQA, (d_k_nBSKA, d_v_nBSKA) = jax.lax.scan(
-            one_kv_block, jnp.zeros(q_BTKQA.shape), kv_blocks
+            one_kv_block, jnp.zeros_like(q_BTKQA), kv_blocks
         )
         d_k_BSKA, d_v_BSKA = d_kv
         d_kv = d_k_BSKA + unblocks(d_k_nBSKA, 1), d_v_BSKA + unblocks(d_v_nBSKA, 1)
@@ -282,7 +279,7 @@ def attention_part_backward(block, residuals, cotangents):
         blocks(row_BKQT, tb, 3), blocks(d_out_BTKQA, tb, 1),
     )  # fmt: skip
     (d_k_BSKA, d_v_BSKA), d_q_nBTKQA = jax.lax.scan(
-        one_query_block, (jnp.zeros(k_BSKA.shape), jnp.zeros(v_BSKA.shape)), q_blocks
+        one_query_block, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)), q_blocks
     )
     d_q_BTKQA = unblocks(d_q_nBTKQA, 1).astype(q_BTKQA.dtype)
     d_k_BSKA, d_v_BSKA = (d.astype(t) for d, t in zip((d_k_BSKA, d_v_BSKA), kv_dtypes))
