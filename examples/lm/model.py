@@ -200,6 +200,12 @@ def attention_part_forward(
     q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
 ):
     tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
+    # Tied to the queries, the positions count as values to recompute: otherwise, under
+    # remat in a scan over layers, autodiff sees that the masks depend only on the
+    # positions (the same for every layer) and keeps every block pair's mask, T x S.
+    q_BTKQA, q_positions_T, kv_positions_S = jax.lax.optimization_barrier(
+        (q_BTKQA, q_positions_T, kv_positions_S)
+    )
     kv_blocks = (
         blocks(k_BSKA, sb, 1),
         blocks(v_BSKA, sb, 1),
