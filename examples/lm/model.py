@@ -226,10 +226,10 @@ def attention_part_forward(
 
         return finalise(jax.lax.scan(fold, carry, kv_blocks)[0])
 
-    out_nBTKQA, lse_nBKQT = jax.lax.map(
+    out_blocks, lse_blocks = jax.lax.map(
         one_query_block, (blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0))
     )
-    out_BTKQA, lse_BKQT = unblocks(out_nBTKQA, 1), unblocks(lse_nBKQT, 3)
+    out_BTKQA, lse_BKQT = unblocks(out_blocks, 1), unblocks(lse_blocks, 3)
     residuals = (q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S)
     return (out_BTKQA, lse_BKQT), (*residuals, out_BTKQA, lse_BKQT)
 
@@ -268,11 +268,11 @@ def attention_part_backward(block, residuals, cotangents):
                 can_see(q_positions_T, kv_positions_S), gradients, skip, d_q_BTKQA
             )
 
-        d_q_BTKQA, (d_k_nBSKA, d_v_nBSKA) = jax.lax.scan(
+        d_q_BTKQA, (d_k_blocks, d_v_blocks) = jax.lax.scan(
             one_kv_block, jnp.zeros_like(q_BTKQA), kv_blocks
         )
         d_k_BSKA, d_v_BSKA = d_kv
-        d_kv = d_k_BSKA + unblocks(d_k_nBSKA, 1), d_v_BSKA + unblocks(d_v_nBSKA, 1)
+        d_kv = d_k_BSKA + unblocks(d_k_blocks, 1), d_v_BSKA + unblocks(d_v_blocks, 1)
         return d_kv, d_q_BTKQA
 
     kv_blocks = (
@@ -284,10 +284,10 @@ def attention_part_backward(block, residuals, cotangents):
         blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0), blocks(lse_BKQT, tb, 3),
         blocks(row_BKQT, tb, 3), blocks(d_out_BTKQA, tb, 1),
     )  # fmt: skip
-    (d_k_BSKA, d_v_BSKA), d_q_nBTKQA = jax.lax.scan(
+    (d_k_BSKA, d_v_BSKA), d_q_blocks = jax.lax.scan(
         one_query_block, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)), q_blocks
     )
-    d_q_BTKQA = unblocks(d_q_nBTKQA, 1).astype(q_BTKQA.dtype)
+    d_q_BTKQA = unblocks(d_q_blocks, 1).astype(q_BTKQA.dtype)
     d_k_BSKA, d_v_BSKA = (d.astype(t) for d, t in zip((d_k_BSKA, d_v_BSKA), kv_dtypes))
     return d_q_BTKQA, d_k_BSKA, d_v_BSKA, None, None
 
