@@ -374,8 +374,9 @@ def placed(attend):
     whole sequence on each device and ``whole`` (positions) on every device: a kernel
     (cuDNN's custom call) or a loop of blocks then needs no partitioning by XLA. The
     heads split as the keys' heads do, so each device's query heads find their shared
-    key/value heads on the same device (XLA's partitioning of the cuDNN call itself has
-    had bugs: jax-ml/jax#25986). Unwrapped outside a mesh."""
+    key/value heads on the same device. Inside a shard_map over all the mesh's axes, JAX
+    lowers the cuDNN call as on one device, with the device's shapes (XLA's partitioning
+    of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh."""
 
     def call(q_BTNA, k_BTKA, v_BTKA, *whole):
         if jax.sharding.get_abstract_mesh().empty:
