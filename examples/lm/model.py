@@ -1,11 +1,12 @@
 """A Llama-style decoder in Flax Linen; each weight and activation names its axes.
 
-RMSNorm, rotary positions (RoPE), grouped-query attention through
-jax.nn.dot_product_attention (which can take cuDNN's fused kernel on GPUs) or, with the
-sequence split over devices, ring attention; a SwiGLU MLP or a mixture of SwiGLU
-experts; and a scan over the layers with a rematerialisation policy. The names ("embed",
-"mlp", "heads", ...) say what an axis means; the rules in train.py say which mesh axis,
-if any, splits it.
+RMSNorm, rotary positions (RoPE), grouped-query attention three ways (XLA's reference
+jax.nn.dot_product_attention; cuDNN's fused kernel on NVIDIA GPUs; or chunked: blocks
+of an online softmax in plain JAX, memory linear in the sequence) or, with the sequence
+split over devices, ring attention, whose steps use the chunked blocks; a SwiGLU MLP
+or a mixture of SwiGLU experts; and a scan over the layers with a rematerialisation
+policy. The names ("embed", "mlp", "heads", ...) say what an axis means; the rules in
+train.py say which mesh axis, if any, splits it.
 
 Shape suffixes (one letter per axis; lowercase in einsum subscripts), the book's legend
 for the letters used here:
@@ -218,43 +219,271 @@ def rope(
 
 
 MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
+BLOCK = 512  # chunked attention's query and key/value block (or the whole sequence)
+ATTENTIONS = ("xla", "cudnn", "chunked")
 
 
-def ring_attention(q_BTNA, k_BTKA, v_BTKA, positions_T, axis: str = "sequence"):
+def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S):
+    """Fold one block of keys and values into an online softmax over a block of queries
+    (queries already scaled): ``carry`` is the unnormalised output and each query's
+    running maximum and sum of exponentials, all float32. The mask compares positions,
+    so any order of the tokens works, such as train.py's zigzag."""
+    out_BTKQA, max_BKQT, sum_BKQT = carry
+    mask_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
+    k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
+    s_BKQTS = jnp.where(
+        mask_TS, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED
+    )
+    new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
+    p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
+    rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)  # the earlier blocks' share
+    sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
+    out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
+        "bkqts,bska->btkqa", p_BKQTS, v_BSKA
+    )
+    return out_BTKQA, new_max_BKQT, sum_BKQT
+
+
+def finalise(carry) -> tuple[jax.Array, jax.Array]:
+    """The carry -> (the normalised output, each query's log-sum-exp). A query that saw
+    no key (masked everywhere) gets output 0 and log-sum-exp MASKED, so that merging
+    it with another part gives that part."""
+    out_BTKQA, max_BKQT, sum_BKQT = carry
+    seen_BKQT = sum_BKQT > 0
+    safe_sum_BKQT = jnp.where(seen_BKQT, sum_BKQT, 1.0)
+    lse_BKQT = jnp.where(seen_BKQT, max_BKQT + jnp.log(safe_sum_BKQT), MASKED)
+    return out_BTKQA / safe_sum_BKQT.transpose(0, 3, 1, 2)[..., None], lse_BKQT
+
+
+def blocks(x, size: int, axis: int) -> jax.Array:
+    """Cut ``axis`` into blocks of ``size``: a new leading axis, the blocks'."""
+    shape = x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1 :]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def unblocks(x, axis: int) -> jax.Array:
+    """blocks' inverse: the leading axis of blocks back into ``axis``."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
+
+
+def block_size(length: int, block: int) -> int:
+    size = min(block, length)
+    if length % size:
+        raise ValueError(f"attention block {block} does not divide length {length}")
+    return size
+
+
+def can_see(q_positions_T, kv_positions_S) -> jax.Array:
+    """Whether any query of a block sees any key of a block: if not, skip the pair (the
+    causal upper triangle, in whatever order the positions come)."""
+    return q_positions_T.max() >= kv_positions_S.min()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention_part(q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block):
+    """Causal attention of (scaled) queries on one part of the keys, in blocks of
+    ``block`` queries x ``block`` keys: (output, log-sum-exp), float32. Memory O(T x
+    block), forward and backward: the backward keeps only the output and log-sum-exp
+    and recomputes each block's probabilities from them (FlashAttention-2's backward:
+    Dao 2023, arXiv:2307.08691)."""
+    return attention_part_forward(
+        q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
+    )[0]
+
+
+def attention_part_forward(
+    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
+):
+    tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
+    # Tied to the queries, the positions count as values to recompute: otherwise, under
+    # remat in a scan over layers, autodiff sees that the masks depend only on the
+    # positions (the same for every layer) and keeps every block pair's mask, T x S.
+    q_BTKQA, q_positions_T, kv_positions_S = jax.lax.optimization_barrier(
+        (q_BTKQA, q_positions_T, kv_positions_S)
+    )
+    kv_blocks = (
+        blocks(k_BSKA, sb, 1),
+        blocks(v_BSKA, sb, 1),
+        blocks(kv_positions_S, sb, 0),
+    )
+
+    def one_query_block(args):
+        q_BTKQA, q_positions_T = args
+        # *_like: inside shard_map the carry varies over the mesh axes the queries do
+        max_BKQT = jnp.full_like(q_BTKQA[..., 0], MASKED).transpose(0, 2, 3, 1)
+        carry = jnp.zeros_like(q_BTKQA), max_BKQT, jnp.zeros_like(max_BKQT)
+
+        def fold(carry, kv):
+            attend = lambda c: attend_block(c, q_BTKQA, *kv[:2], q_positions_T, kv[2])
+            return jax.lax.cond(
+                can_see(q_positions_T, kv[2]), attend, lambda c: c, carry
+            ), None
+
+        return finalise(jax.lax.scan(fold, carry, kv_blocks)[0])
+
+    out_blocks, lse_blocks = jax.lax.map(
+        one_query_block, (blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0))
+    )
+    out_BTKQA, lse_BKQT = unblocks(out_blocks, 1), unblocks(lse_blocks, 3)
+    residuals = (q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S)
+    return (out_BTKQA, lse_BKQT), (*residuals, out_BTKQA, lse_BKQT)
+
+
+def attention_part_backward(block, residuals, cotangents):
+    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, out_BTKQA, lse_BKQT = (
+        residuals
+    )
+    d_out_BTKQA, d_lse_BKQT = cotangents
+    tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
+    # d score = p (d p - rowsum(d out . out) + d lse): the softmax's gradient and the
+    # log-sum-exp's, per query.
+    row_BKQT = jnp.einsum("btkqa,btkqa->bkqt", d_out_BTKQA, out_BTKQA) - d_lse_BKQT
+    kv_dtypes = k_BSKA.dtype, v_BSKA.dtype
+    k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
+
+    def one_query_block(d_kv, q_args):
+        q_BTKQA, q_positions_T, lse_BKQT, row_BKQT, d_out_BTKQA = q_args
+
+        def one_kv_block(d_q_BTKQA, kv_args):
+            k_BSKA, v_BSKA, kv_positions_S = kv_args
+
+            def gradients(d_q_BTKQA):
+                mask_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
+                s_BKQTS = jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA)
+                p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - lse_BKQT[..., None]), 0)
+                dp_BKQTS = jnp.einsum("btkqa,bska->bkqts", d_out_BTKQA, v_BSKA)
+                ds_BKQTS = p_BKQTS * (dp_BKQTS - row_BKQT[..., None])
+                d_q_BTKQA += jnp.einsum("bkqts,bska->btkqa", ds_BKQTS, k_BSKA)
+                d_k_BSKA = jnp.einsum("bkqts,btkqa->bska", ds_BKQTS, q_BTKQA)
+                d_v_BSKA = jnp.einsum("bkqts,btkqa->bska", p_BKQTS, d_out_BTKQA)
+                return d_q_BTKQA, (d_k_BSKA, d_v_BSKA)
+
+            skip = lambda d_q: (d_q, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)))
+            return jax.lax.cond(
+                can_see(q_positions_T, kv_positions_S), gradients, skip, d_q_BTKQA
+            )
+
+        d_q_BTKQA, (d_k_blocks, d_v_blocks) = jax.lax.scan(
+            one_kv_block, jnp.zeros_like(q_BTKQA), kv_blocks
+        )
+        d_k_BSKA, d_v_BSKA = d_kv
+        d_kv = d_k_BSKA + unblocks(d_k_blocks, 1), d_v_BSKA + unblocks(d_v_blocks, 1)
+        return d_kv, d_q_BTKQA
+
+    kv_blocks = (
+        blocks(k_BSKA, sb, 1),
+        blocks(v_BSKA, sb, 1),
+        blocks(kv_positions_S, sb, 0),
+    )
+    q_blocks = (
+        blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0), blocks(lse_BKQT, tb, 3),
+        blocks(row_BKQT, tb, 3), blocks(d_out_BTKQA, tb, 1),
+    )  # fmt: skip
+    (d_k_BSKA, d_v_BSKA), d_q_blocks = jax.lax.scan(
+        one_query_block, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)), q_blocks
+    )
+    d_q_BTKQA = unblocks(d_q_blocks, 1).astype(q_BTKQA.dtype)
+    d_k_BSKA, d_v_BSKA = (d.astype(t) for d, t in zip((d_k_BSKA, d_v_BSKA), kv_dtypes))
+    return d_q_BTKQA, d_k_BSKA, d_v_BSKA, None, None
+
+
+attention_part.defvjp(attention_part_forward, attention_part_backward)
+
+
+def merge(part_a, part_b) -> tuple[jax.Array, jax.Array]:
+    """Two parts' (output, log-sum-exp) -> those of their union: each part's output
+    weighted by its share of the union's sum of exponentials."""
+    (out_a_BTKQA, lse_a_BKQT), (out_b_BTKQA, lse_b_BKQT) = part_a, part_b
+    lse_BKQT = jnp.logaddexp(lse_a_BKQT, lse_b_BKQT)
+    share = lambda part_BKQT: jnp.exp(part_BKQT - lse_BKQT).transpose(0, 3, 1, 2)
+    out_BTKQA = (
+        out_a_BTKQA * share(lse_a_BKQT)[..., None]
+        + out_b_BTKQA * share(lse_b_BKQT)[..., None]
+    )
+    return out_BTKQA, lse_BKQT
+
+
+def grouped(q_BTNA, num_kv_heads: int) -> jax.Array:
+    """Queries -> float32, scaled by 1/sqrt(A), grouped by the key/value head used."""
+    B, T, N, A = q_BTNA.shape  # noqa: N806
+    K = num_kv_heads  # noqa: N806
+    return q_BTNA.reshape(B, T, K, N // K, A).astype(jnp.float32) * A**-0.5
+
+
+def chunked_attention(
+    q_BTNA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block: int = BLOCK
+):
+    """Causal attention in blocks, never forming the T x S scores: each query block
+    folds in the key/value blocks it can see with an online softmax (a running maximum
+    and sum: Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al.
+    2022, arXiv:2205.14135). ``block`` (or the whole sequence, if shorter) must divide
+    the lengths. Float32 inside; the output in the queries' dtype."""
+    out_BTKQA, _ = attention_part(
+        grouped(q_BTNA, k_BSKA.shape[2]), k_BSKA, v_BSKA, q_positions_T,
+        kv_positions_S, block,
+    )  # fmt: skip
+    return out_BTKQA.reshape(q_BTNA.shape).astype(q_BTNA.dtype)
+
+
+def ring_attention(
+    q_BTNA, k_BTKA, v_BTKA, positions_T, axis: str = "sequence", block: int = BLOCK
+):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
-    ring, one ppermute per step, and each block is folded into an online softmax (a
-    running maximum and sum), so no device holds the whole sequence's keys (ring
-    attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
+    ring, one ppermute per step, and each step's part (chunked attention's blocks) is
+    merged into the rest by log-sum-exp, so no device holds the whole sequence's keys
+    (ring attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
     device, gives each column's position in the text; the mask compares positions, so
     any order of the tokens works, such as train.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    B, T, N, A = q_BTNA.shape  # noqa: N806
-    K = k_BTKA.shape[2]  # noqa: N806
+    T = q_BTNA.shape[1]  # noqa: N806
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
-    q_BTKQA = q_BTNA.reshape(B, T, K, N // K, A).astype(jnp.float32) * A**-0.5
-    max_BKQT = jnp.full((B, K, N // K, T), MASKED)
-    sum_BKQT = jnp.zeros((B, K, N // K, T))
-    out_BTKQA = jnp.zeros(q_BTKQA.shape)
-    k_BSKA, v_BSKA = k_BTKA.astype(jnp.float32), v_BTKA.astype(jnp.float32)
+    q_BTKQA = grouped(q_BTNA, k_BTKA.shape[2])
+    k_BSKA, v_BSKA = k_BTKA, v_BTKA  # they travel in the compute dtype
+    result = None
     for step in range(n):  # at this step, the block that started on device i - step
-        mask_TS = share(i)[:, None] >= share((i - step) % n)[None, :]
-        s_BKQTS = jnp.where(
-            mask_TS, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED
+        part = attention_part(
+            q_BTKQA, k_BSKA, v_BSKA, share(i), share((i - step) % n), block
         )
-        new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
-        p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
-        rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)
-        sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
-        out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[
-            ..., None
-        ] + jnp.einsum("bkqts,bska->btkqa", p_BKQTS, v_BSKA)
-        max_BKQT = new_max_BKQT
+        result = part if result is None else merge(result, part)
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
             k_BSKA, v_BSKA = jax.lax.ppermute((k_BSKA, v_BSKA), axis, ring)
-    out_BTKQA = out_BTKQA / sum_BKQT.transpose(0, 3, 1, 2)[..., None]
-    return out_BTKQA.reshape(B, T, N, A).astype(q_BTNA.dtype)
+    return result[0].reshape(q_BTNA.shape).astype(q_BTNA.dtype)
+
+
+def cudnn_attention(q_BTNA, k_BTKA, v_BTKA):
+    """cuDNN's fused causal attention (FlashAttention on NVIDIA GPUs), in bfloat16, the
+    type its kernel takes; the output back in the queries' dtype."""
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    out_BTNA = jax.nn.dot_product_attention(
+        bf16(q_BTNA), bf16(k_BTKA), bf16(v_BTKA), is_causal=True,
+        implementation="cudnn",
+    )  # fmt: skip
+    return out_BTNA.astype(q_BTNA.dtype)
+
+
+def placed(attend):
+    """``attend(q_BTNA, k_BTKA, v_BTKA, *whole)`` run on each device's batch rows and
+    heads (jax.shard_map over the mesh axes the rules give "batch" and the heads), the
+    whole sequence on each device and ``whole`` (positions) on every device: a kernel
+    (cuDNN's custom call) or a loop of blocks then needs no partitioning by XLA. The
+    heads split as the keys' heads do, so each device's query heads find their shared
+    key/value heads on the same device. Inside a shard_map over all the mesh's axes, JAX
+    lowers the cuDNN call as on one device, with the device's shapes (XLA's partitioning
+    of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh."""
+
+    def call(q_BTNA, k_BTKA, v_BTKA, *whole):
+        if jax.sharding.get_abstract_mesh().empty:
+            return attend(q_BTNA, k_BTKA, v_BTKA, *whole)
+        q_spec = nn.logical_to_mesh_axes(("batch", None, "act_heads", None))
+        kv_spec = nn.logical_to_mesh_axes(("batch", None, "act_kv_heads", None))
+        in_specs = (q_spec, kv_spec, kv_spec, *(P() for _ in whole))
+        on_each = jax.shard_map(attend, in_specs=in_specs, out_specs=q_spec)
+        return on_each(q_BTNA, k_BTKA, v_BTKA, *whole)
+
+    return call
 
 
 class Attention(nn.Module):
@@ -263,6 +492,7 @@ class Attention(nn.Module):
     context_parallel: bool = (
         False  # the sequence is split over the 'sequence' mesh axis
     )
+    attention: str = "xla"  # one of ATTENTIONS (ring attention uses chunked blocks)
 
     def project(
         self, name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int
@@ -302,10 +532,17 @@ class Attention(nn.Module):
                 ring_attention, in_specs=(spec, spec, spec, P()), out_specs=spec
             )
             out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T)
-        else:  # positions in order: the causal mask is the lower triangle
+        elif self.attention == "chunked":  # blocks; the mask compares positions
+            chunked = lambda q, k, v, at: chunked_attention(q, k, v, at, at)
+            out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T)
+        elif self.attention == "cudnn":  # positions in order: the lower triangle
+            out_BTNA = placed(cudnn_attention)(q_BTNA, k_BTKA, v_BTKA)
+        elif self.attention == "xla":  # positions in order; the T x S scores in fp32
             out_BTNA = jax.nn.dot_product_attention(
                 q_BTNA, k_BTKA, v_BTKA, is_causal=True
             )
+        else:
+            raise ValueError(f"attention {self.attention!r}: expected {ATTENTIONS}")
         out_BTNA = constrain(out_BTNA, ("batch", "act_seq", "act_heads", None))
         # Row-parallel: each device's heads give a partial sum, which the layout after
         # the block reduces (an all-reduce, or under sequence parallelism a
@@ -432,6 +669,7 @@ class Block(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     context_parallel: bool = False
+    attention: str = "xla"
 
     @nn.compact
     def __call__(
@@ -443,7 +681,9 @@ class Block(nn.Module):
         h = constrain(
             RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE
         )
-        attention = Attention(c, self.dtype, self.context_parallel, name="attention")
+        attention = Attention(
+            c, self.dtype, self.context_parallel, self.attention, name="attention"
+        )
         x_BTD = constrain(x_BTD + attention(h, positions_T), RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, self.dtype, name="mlp_norm")(x_BTD), WHOLE)
         if c.num_experts:
@@ -483,6 +723,10 @@ class Transformer(nn.Module):
     # loop's body once, whatever its trip count).
     scan_unroll: int = 1
     context_parallel: bool = False  # ring attention over the 'sequence' mesh axis
+    # "xla": jax.nn.dot_product_attention's reference (the T x S scores in float32);
+    # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "chunked": blocks of an
+    # online softmax in plain JAX, memory linear in the sequence.
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None):
@@ -514,9 +758,9 @@ class Transformer(nn.Module):
             unroll=self.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BTD, aux_losses = layers(c, self.dtype, self.context_parallel, name="layers")(
-            x_BTD, positions_T
-        )
+        x_BTD, aux_losses = layers(
+            c, self.dtype, self.context_parallel, self.attention, name="layers"
+        )(x_BTD, positions_T)
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
         if c.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)

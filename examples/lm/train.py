@@ -144,6 +144,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compute type",
     )
     add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
+    add(
+        "--attention",
+        choices=model_lib.ATTENTIONS,
+        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there); chunked: "
+        "blocks in plain JAX, memory linear in the sequence (the default elsewhere); "
+        "xla: XLA's reference, the T x T scores in float32",
+    )
     add("--learning-rate", type=float, default=3e-3)
     add("--warmup-steps", type=int, default=20)
     add("--weight-decay", type=float, default=0.1)
@@ -339,8 +346,8 @@ def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
 def abstract_state(model, tx, mesh, seq_len: int):
     """The train state's shapes and shardings, from tracing init under the rules."""
 
-    def init(rng):  # the weights are the same with or without ring attention
-        params = model.clone(context_parallel=False).init(
+    def init(rng):  # the weights are the same whatever the attention (one row: xla's)
+        params = model.clone(context_parallel=False, attention="xla").init(
             rng, jnp.zeros((1, seq_len), jnp.int32)
         )["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -894,6 +901,18 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     log.close()
 
 
+def attention_kind(requested: str | None) -> str:
+    """--attention, or its default for the devices there are: cuDNN's kernel on NVIDIA
+    GPUs, chunked blocks elsewhere."""
+    platform = jax.devices()[0].platform
+    if requested == "cudnn" and platform != "gpu":
+        raise SystemExit(
+            f"--attention cudnn needs an NVIDIA GPU; this machine has {platform} "
+            "devices: use --attention chunked or xla"
+        )
+    return requested or ("cudnn" if platform == "gpu" else "chunked")
+
+
 def setup(args):
     """The mesh, the model, the optimizer, the jitted step and the state's shapes."""
     mesh = make_mesh(args.mesh)
@@ -904,6 +923,7 @@ def setup(args):
         jnp.dtype(args.dtype),
         args.remat,
         context_parallel=mesh.shape["sequence"] > 1,
+        attention=attention_kind(args.attention),
     )
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):

@@ -1,0 +1,196 @@
+"""examples/lm/model.py's attentions: chunked blocks, ring attention on them, cuDNN's placement.
+
+Float32 on the 8 simulated CPU devices of conftest.py. The reference is XLA's
+jax.nn.dot_product_attention (the T x S scores, softmax, a matmul). cuDNN's kernel needs an
+NVIDIA GPU: here, the flag's error and the shard_map that places the kernel (with XLA's
+attention standing in for it).
+"""
+
+import functools
+import pathlib
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import model as model_lib  # noqa: E402
+import train  # noqa: E402
+
+B, T, N, K, A = 2, 64, 4, 2, 16  # noqa: N816  GQA: Q = N / K = 2 query heads per key
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def reference(q_BTNA, k_BTKA, v_BTKA):
+    return jax.nn.dot_product_attention(
+        q_BTNA, k_BTKA, v_BTKA, is_causal=True, implementation="xla"
+    )
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(B, T, N, A), (B, T, K, A), (B, T, K, A), (B, T, N, A)]
+    return [jax.random.normal(key, shape) for key, shape in zip(keys, shapes)]
+
+
+def value_and_grads(attend, q_BTNA, k_BTKA, v_BTKA, d_out_BTNA):
+    """attend's output and the gradients of <output, d_out> w.r.t. q, k and v."""
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v) * d_out_BTNA)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q_BTNA, k_BTKA, v_BTKA)
+    return attend(q_BTNA, k_BTKA, v_BTKA), *grads
+
+
+@pytest.mark.parametrize("block", [8, 16, 64, 512])
+@pytest.mark.parametrize("order", ["in order", "zigzag"])
+def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
+    """Blocks of 8 to the whole sequence (512 > T: one block), positions in order or in
+    ring attention's zigzag (the tokens permuted, the mask by positions): the output and
+    the gradients of XLA's attention on the tokens in order, permuted the same way."""
+    positions_T = np.arange(T) if order == "in order" else train.zigzag(T, 4)
+    q, k, v, d_out = (x[:, positions_T] for x in qkv)
+    chunked = jax.jit(
+        lambda q, k, v: model_lib.chunked_attention(
+            q, k, v, positions_T, positions_T, block
+        )
+    )
+    got = value_and_grads(chunked, q, k, v, d_out)
+    expected = value_and_grads(reference, *qkv)
+    for name, g, e in zip(["output", "d q", "d k", "d v"], got, expected):
+        np.testing.assert_allclose(g, e[:, positions_T], **CLOSE, err_msg=name)
+
+
+def test_a_block_that_does_not_divide_says_so(qkv):
+    with pytest.raises(
+        ValueError, match="attention block 24 does not divide length 64"
+    ):
+        model_lib.chunked_attention(*qkv[:3], np.arange(T), np.arange(T), 24)
+
+
+def temporaries(attend, length: int) -> int:
+    """Bytes of temporaries of attention's forward and backward at one sequence length
+    (1 row, N heads of A), compiled, not run: two layers of it in a scan, each
+    rematerialised, as the model's layers are (the queries go from layer to layer; the
+    keys, values and positions are the same for both)."""
+    q = jax.ShapeDtypeStruct((1, length, N, A), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, K, A), jnp.float32)
+    layer = jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def loss(q, k, v):
+        out, _ = jax.lax.scan(lambda x, _: (layer(x, k, v), None), q, length=2)
+        return jnp.sum(out)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_memory_is_linear_in_the_sequence_forward_and_backward():
+    """Doubling T less than doubles chunked attention's temporaries (blocks of 128: the
+    gradient keeps the output and log-sum-exp, not the scores, and remat in a scan keeps
+    no block's mask), where XLA's T x T float32 scores quadruple. Measured: chunked
+    3,406,952 -> 5,545,064 B; XLA 73,007,360 -> 290,717,952 B (T = 1024 -> 2048). Without
+    the optimization barrier in attention_part_forward, chunked's were 53 -> 195 MB."""
+
+    def chunked(q, k, v):
+        positions_T = jnp.arange(q.shape[1])
+        return model_lib.chunked_attention(q, k, v, positions_T, positions_T, 128)
+
+    chunked_bytes = [temporaries(chunked, t) for t in (1024, 2048)]
+    xla_bytes = [temporaries(reference, t) for t in (1024, 2048)]
+    print(f"temporaries: chunked {chunked_bytes}, xla {xla_bytes}")
+    assert chunked_bytes[1] <= 2.3 * chunked_bytes[0]
+    assert xla_bytes[1] >= 3.5 * xla_bytes[0]  # the measure tells the two apart
+    assert chunked_bytes[1] < xla_bytes[1] / 20  # 1 x N x T x T x 4 B = 67 MB at 2048
+
+
+def test_ring_attention_on_chunked_blocks_equals_one_device(qkv):
+    """Ring attention over a 'sequence' axis of 4 devices (each holds T/4 = 16 tokens of
+    the zigzag, in blocks of 8; keys and values go round the ring): the output and the
+    gradients of one device's attention on the whole sequence."""
+    mesh = jax.make_mesh(
+        (4,), ("sequence",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]
+    )
+    positions_T = train.zigzag(T, 4)
+    split = P(None, "sequence")
+    ring = jax.shard_map(
+        functools.partial(model_lib.ring_attention, block=8),
+        mesh=mesh,
+        in_specs=(split, split, split, P()),
+        out_specs=split,
+    )
+    attend = jax.jit(lambda q, k, v: ring(q, k, v, positions_T))
+    got = value_and_grads(attend, *(x[:, positions_T] for x in qkv))
+    expected = value_and_grads(reference, *qkv)
+    for name, g, e in zip(["output", "d q", "d k", "d v"], got, expected):
+        np.testing.assert_allclose(g, e[:, positions_T], **CLOSE, err_msg=name)
+    jaxpr = str(jax.make_jaxpr(attend)(*qkv[:3]))
+    # n - 1 = 3 steps pass the keys and the values on (one ppermute each, a device's
+    # T/4 tokens), and no step gathers the sequence.
+    sent = re.findall(r"f32\[([\d,]+)\]\S* = ppermute\[", jaxpr)
+    assert sent == [f"{B},{T // 4},{K},{A}"] * 6
+    assert "all_gather" not in jaxpr
+
+
+def test_the_model_gives_xla_logits_with_chunked_attention():
+    """The tiny preset (4 layers, 4 heads sharing 2 key/value heads) on 2 x 128 tokens,
+    under train.py's rules on data=4 x tensor=2 (chunked attention placed by rows and
+    heads): the logits of XLA's attention, with the same weights."""
+    config = model_lib.PRESETS["tiny"]
+    tokens_BT = jax.random.randint(jax.random.key(1), (4, 128), 0, config.vocab_size)
+    xla = model_lib.Transformer(config, attention="xla")
+    params = nn.meta.unbox(xla.init(jax.random.key(2), tokens_BT))
+    mesh = train.make_mesh("data=4,tensor=2")
+    logits = {}
+    for kind in ("xla", "chunked"):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+            apply = jax.jit(xla.clone(attention=kind).apply)
+            logits[kind], _ = apply(params, tokens_BT)
+            jaxpr = str(
+                jax.make_jaxpr(xla.clone(attention=kind).apply)(params, tokens_BT)
+            )
+        assert ("shard_map" in jaxpr) == (kind == "chunked")
+    np.testing.assert_allclose(logits["chunked"], logits["xla"], **CLOSE)
+
+
+def test_attention_cudnn_on_a_cpu_stops_with_one_line():
+    args = train.parse_args(["--mesh", "data=8", "--attention", "cudnn"])
+    message = (
+        "--attention cudnn needs an NVIDIA GPU; this machine has cpu devices: "
+        "use --attention chunked or xla"
+    )
+    with pytest.raises(SystemExit, match=f"^{message}$"):
+        train.setup(args)
+    assert train.attention_kind(None) == "chunked"  # the default on a CPU
+    assert train.attention_kind("xla") == "xla"
+
+
+def test_the_placement_splits_rows_and_heads_and_keeps_the_result(qkv):
+    """placed() runs the kernel on each device's batch rows and heads: on data=2 x fsdp=2
+    x tensor=2, 4 rows split 4 ways and the 4 query heads (2 key/value heads) 2 ways.
+    XLA's attention, standing in for cuDNN's, sees one row, 2 query heads and their key
+    value head, the whole sequence, and gives the unplaced result."""
+    q_BTNA, k_BTKA, v_BTKA, _ = qkv
+    mesh = train.make_mesh("data=2,fsdp=2,tensor=2")  # rows over data x fsdp = 4
+    q_BTNA, k_BTKA, v_BTKA = (
+        jnp.concatenate([x, 2 * x]) for x in (q_BTNA, k_BTKA, v_BTKA)
+    )
+    seen = []
+
+    def stand_in(q_BTNA, k_BTKA, v_BTKA):
+        seen.append((q_BTNA.shape, k_BTKA.shape))
+        return reference(q_BTNA, k_BTKA, v_BTKA)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+        placed = jax.jit(model_lib.placed(stand_in))(q_BTNA, k_BTKA, v_BTKA)
+    unplaced = reference(q_BTNA, k_BTKA, v_BTKA)
+    np.testing.assert_allclose(placed, unplaced, **CLOSE)
+    assert seen == [((1, T, N // 2, A), (1, T, K // 2, A))]  # 4 rows / 4, heads / 2
+    # and the output stays split so: one row, 2 heads a device
+    assert {shard.data.shape for shard in placed.addressable_shards} == {(1, T, 2, A)}
