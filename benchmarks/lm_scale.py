@@ -60,7 +60,10 @@ def compile_row(model: str, devices: int, strategy: str) -> dict:
     mesh = mesh_for(strategy, devices)
     command = [sys.executable, str(TRAIN), "--model", model, "--mesh", mesh,
                "--seq-len", str(SEQ_LEN), "--global-batch", str(devices), "--dtype",
-               "bfloat16", "--num-devices", str(devices), "--compile-only"]  # fmt: skip
+               "bfloat16", "--num-devices", str(devices), "--compile-only",
+               # the table was compiled with XLA's reference attention (train.py's
+               # default before --attention; on a CPU it is now chunked)
+               "--attention", "xla"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
