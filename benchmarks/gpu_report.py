@@ -8,7 +8,8 @@ Runs, from the repository root, with the devices JAX finds (no JAXDIST_NUM_DEVIC
 3. ``benchmarks/resnet50.py`` (images per second and flops utilisation) and
    ``benchmarks/strategies.py``;
 4. the LM recipe, ``examples/lm/train.py``: the ``1b`` preset in bfloat16 on every device of
-   the node (FSDP), its tokens per second, step time and MFU (the median of the steps after
+   the node (FSDP), with cuDNN's attention and 2 micro-batches a step (``--attention cudnn
+   --grad-accum 2``), its tokens per second, step time and MFU (the median of the steps after
    the first five), and its ``--compile-only`` memory per device as the GPU compiler assigns it;
 
 and writes ``report.md`` (and each step's full output) into ``--out``. It stops nothing on a
@@ -75,8 +76,13 @@ def table_lines(text: str) -> str:
 
 def lm_commands(python: str, devices: int, small: bool) -> dict[str, list[str]]:
     """The LM recipe's training run and compile-only run for this machine's ``devices``."""
-    model = ["--model", "tiny", "--seq-len", "128"] if small else ["--model", "1b"]
-    sizes = [*model, "--mesh", f"fsdp={devices}", "--global-batch", str(4 * devices)]
+    if small:
+        model = ["--model", "tiny", "--seq-len", "128"]
+        batch = ["--global-batch", str(4 * devices)]
+    else:  # cuDNN's fused attention, and 2 micro-batches of 4 sequences a device
+        model = ["--model", "1b", "--attention", "cudnn"]
+        batch = ["--global-batch", str(8 * devices), "--grad-accum", "2"]
+    sizes = [*model, "--mesh", f"fsdp={devices}", *batch]
     train = [python, "examples/lm/train.py", *sizes, "--dtype", "bfloat16"]
     steps = ["--steps", "8" if small else "40"]
     return {"train": [*train, *steps], "compile-only": [*train, "--compile-only"]}

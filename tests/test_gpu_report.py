@@ -65,7 +65,7 @@ def test_lm_commands_train_on_every_device_with_fsdp():
     assert commands["train"][:2] == ["python", "examples/lm/train.py"]
     train = " ".join(commands["train"])
     assert (
-        "--model 1b --mesh fsdp=8 --global-batch 32 --dtype bfloat16 --steps 40"
-        in train
+        "--model 1b --attention cudnn --mesh fsdp=8 --global-batch 64 --grad-accum 2 "
+        "--dtype bfloat16 --steps 40" in train
     )
     assert commands["compile-only"][-1] == "--compile-only"
