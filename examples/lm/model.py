@@ -472,7 +472,13 @@ def placed(attend):
     heads split as the keys' heads do, so each device's query heads find their shared
     key/value heads on the same device. Inside a shard_map over all the mesh's axes, JAX
     lowers the cuDNN call as on one device, with the device's shapes (XLA's partitioning
-    of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh."""
+    of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh.
+
+    check_vma=False: under train.py's gradient accumulation, vmapped over the data
+    replicas (spmd_axis_name), the queries vary over 'data' and the positions, a
+    constant, do not, and the chunked loop's optimization barrier takes both; JAX's
+    check of which values vary then fails. Nothing here communicates between devices,
+    so there is nothing for the check to protect."""
 
     def call(q_BTNA, k_BTKA, v_BTKA, *whole):
         if jax.sharding.get_abstract_mesh().empty:
@@ -480,7 +486,9 @@ def placed(attend):
         q_spec = nn.logical_to_mesh_axes(("batch", None, "act_heads", None))
         kv_spec = nn.logical_to_mesh_axes(("batch", None, "act_kv_heads", None))
         in_specs = (q_spec, kv_spec, kv_spec, *(P() for _ in whole))
-        on_each = jax.shard_map(attend, in_specs=in_specs, out_specs=q_spec)
+        on_each = jax.shard_map(
+            attend, in_specs=in_specs, out_specs=q_spec, check_vma=False
+        )
         return on_each(q_BTNA, k_BTKA, v_BTKA, *whole)
 
     return call
@@ -529,7 +537,10 @@ class Attention(nn.Module):
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             ring = jax.shard_map(
-                ring_attention, in_specs=(spec, spec, spec, P()), out_specs=spec
+                ring_attention,
+                in_specs=(spec, spec, spec, P()),
+                out_specs=spec,
+                check_vma=False,
             )
             out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T)
         elif self.attention == "chunked":  # blocks; the mask compares positions
