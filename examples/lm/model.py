@@ -486,8 +486,20 @@ def placed(attend):
         q_spec = nn.logical_to_mesh_axes(("batch", None, "act_heads", None))
         kv_spec = nn.logical_to_mesh_axes(("batch", None, "act_kv_heads", None))
         in_specs = (q_spec, kv_spec, kv_spec, *(P() for _ in whole))
+        # Manual over the axes that split something (the specs' and, under the
+        # accumulation's vmap, 'data'), not the others, of size 1: with the check off,
+        # shard_map's backward would sum the gradients over them, all-reduces that move
+        # nothing but that a compiled program still holds.
+        mesh = jax.sharding.get_abstract_mesh()
+        named = {a for spec in (q_spec, kv_spec) for part in spec if part
+                 for a in ((part,) if isinstance(part, str) else part)}  # fmt: skip
+        split = named | {a for a, size in mesh.shape.items() if size > 1}
         on_each = jax.shard_map(
-            attend, in_specs=in_specs, out_specs=q_spec, check_vma=False
+            attend,
+            in_specs=in_specs,
+            out_specs=q_spec,
+            axis_names=split,
+            check_vma=False,
         )
         return on_each(q_BTNA, k_BTKA, v_BTKA, *whole)
 
