@@ -43,7 +43,13 @@ from jaxdist_lessons.traffic import Transfer, sent_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "lm" / "train.py"
-AXES = ("data", "fsdp", "expert", "sequence", "tensor")  # train.AXES, in its order
+AXES = (
+    "data",
+    "fsdp",
+    "expert",
+    "sequence",
+    "tensor",
+)  # layout.AXES (examples/lm/layout.py), in its order
 F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
 USABLE = 0.9  # of a chip's memory a layout may fill (the rest: runtime, fragmentation)
 MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
@@ -116,7 +122,7 @@ def model_flops_per_token(m: LMShape, seq_len: int) -> int:
     return 6 * used + 12 * m.num_layers * seq_len * m.num_heads * m.head_width
 
 
-# Each weight of the recipe: its shape and the mesh axis splitting each dimension (train.RULES).
+# Each weight of the recipe: its shape and the mesh axis splitting each dimension (layout.RULES).
 def weight_shapes(m: LMShape) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading L."""
     D, N, K, A, F, E, V, L = (m.width, m.num_heads, m.num_kv_heads, m.head_width,  # noqa: N806
@@ -144,7 +150,7 @@ def weight_shapes(m: LMShape) -> list[tuple[tuple[int, ...], tuple[str | None, .
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One layout: devices per mesh axis (``train.AXES``), or a pipeline of ``stages`` (FSDP
+    """One layout: devices per mesh axis (``layout.AXES``), or a pipeline of ``stages`` (FSDP
     inside each stage), or ZeRO-1 over all devices; only the recipe's own meshes run."""
 
     strategy: str
@@ -159,7 +165,7 @@ class Candidate:
 
     @property
     def batch_ways(self) -> int:
-        """Mesh axes that split the batch rows: data, fsdp, expert (train.BATCH)."""
+        """Mesh axes that split the batch rows: data, fsdp, expert (layout.BATCH)."""
         return self.size("data") * self.size("fsdp") * self.size("expert")
 
     @property
@@ -229,7 +235,7 @@ def candidates(run: Run) -> list[Candidate]:
 
 
 def problems(run: Run, c: Candidate) -> list[str]:
-    """Why the recipe (or the pipeline's stages) cannot split this model this way (train.check_fits)."""
+    """Why the recipe (or the pipeline's stages) cannot split this model this way (layout.check_fits)."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     out = [f"{name} {getattr(m, name)} does not split over tensor={t}"
            for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
@@ -558,7 +564,7 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
 
 
 def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
-    """Bytes per collective kind, counted as ``train.collective_bytes`` counts them."""
+    """Bytes per collective kind, counted as ``compiled.collective_bytes`` (examples/lm/compiled.py) counts them."""
     out: dict[str, float] = {}
     for move in moves:
         out[move.kind] = out.get(move.kind, 0) + move.bytes
@@ -702,32 +708,26 @@ MINOR = (
 def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
     """In a fresh process: compile train.py's step for each argv on ``devices`` simulated CPU
     devices and print one JSON line each (exact argument and temporary bytes, collective bytes
-    as ``train.collective_bytes`` counts them). ``train.compile_only`` prints GB to 3 decimals."""
+    as ``compiled.collective_bytes`` counts them). ``compiled.compile_only`` prints GB to 3 decimals."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
     sys.path.insert(0, str(TRAIN.parent))
-    import flax.linen as nn
-    import jax.numpy as jnp
+    import compiled as recipe_compiled
     import train
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     for argv in runs:
         args = train.parse_args([*argv, "--compile-only"])
         try:
             mesh, _, _, step, shapes, _ = train.setup(args)
-            tokens = jax.ShapeDtypeStruct((args.global_batch, args.seq_len + 1), jnp.int32,
-                                          sharding=NamedSharding(mesh, P(train.BATCH)))  # fmt: skip
-            with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-                compiled = step.lower(shapes, tokens).compile()
+            compiled = recipe_compiled.lower_step(step, shapes, args, mesh).compile()
         except (Exception, SystemExit) as error:  # the next layout may still compile
             print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
             continue
         memory_use = compiled.memory_analysis()
         print(json.dumps({"arguments": memory_use.argument_size_in_bytes,
                           "temporaries": memory_use.temp_size_in_bytes,
-                          "collectives": train.collective_bytes(compiled.as_text())}),
+                          "collectives": recipe_compiled.collective_bytes(compiled.as_text())}),
               flush=True)  # fmt: skip
 
 

@@ -23,6 +23,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
 
+import compiled  # noqa: E402
+import layout  # noqa: E402
 import numpy as np  # noqa: E402
 import train  # noqa: E402
 
@@ -37,9 +39,9 @@ def axes_of(groups: list[list[int]], mesh) -> str:
     for group in groups:
         coords = np.array([where[d] for d in group])
         spanned |= {
-            train.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1
+            layout.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1
         }
-    return "+".join(a for a in train.AXES if a in spanned) or "none"
+    return "+".join(a for a in layout.AXES if a in spanned) or "none"
 
 
 def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
@@ -57,19 +59,19 @@ def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
     for kind in set(kinds.values()):
         kept = [line.replace(" all-gather", " other-gather") if kinds.get(n, kind) != kind
                 else line for n, line in enumerate(lines)]  # fmt: skip
-        result[kind] = train.collective_bytes("\n".join(kept)).get("all-gather", 0)
+        result[kind] = compiled.collective_bytes("\n".join(kept)).get("all-gather", 0)
     return result
 
 
 def main():
     _, _, model_name, seq_len, global_batch, cache, *meshes = sys.argv
-    texts, collective_bytes = [], train.collective_bytes
+    texts, collective_bytes = [], compiled.collective_bytes
 
     def recording(text):  # compile_only's compiled program, kept for the split by axes
         texts.append(text)
         return collective_bytes(text)
 
-    train.collective_bytes = recording
+    compiled.collective_bytes = recording
     out = {}
     for run in meshes:
         spec, *flags = run.split()
@@ -81,14 +83,14 @@ def main():
         [line] = [
             x for x in printed.getvalue().splitlines() if x.startswith("per device:")
         ]
-        train.collective_bytes = collective_bytes
+        compiled.collective_bytes = collective_bytes
         out[run] = {
             "line": line,
             "all_gathers_by_axes": all_gathers_by_axes(
-                texts[-1], train.make_mesh(spec)
+                texts[-1], layout.make_mesh(spec)
             ),
         }
-        train.collective_bytes = recording
+        compiled.collective_bytes = recording
         print(run, json.dumps(out[run]), file=sys.stderr, flush=True)
     print(json.dumps(out))
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import layout  # noqa: E402
 import model as model_lib  # noqa: E402
 import train  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
     """Blocks of 8 to the whole sequence (512 > T: one block), positions in order or in
     ring attention's zigzag (the tokens permuted, the mask by positions): the output and
     the gradients of XLA's attention on the tokens in order, permuted the same way."""
-    positions_T = np.arange(T) if order == "in order" else train.zigzag(T, 4)
+    positions_T = np.arange(T) if order == "in order" else layout.zigzag(T, 4)
     q, k, v, d_out = (x[:, positions_T] for x in qkv)
     chunked = jax.jit(
         lambda q, k, v: model_lib.chunked_attention(
@@ -117,7 +118,7 @@ def test_ring_attention_on_chunked_blocks_equals_one_device(qkv):
     mesh = jax.make_mesh(
         (4,), ("sequence",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]
     )
-    positions_T = train.zigzag(T, 4)
+    positions_T = layout.zigzag(T, 4)
     split = P(None, "sequence")
     ring = jax.shard_map(
         functools.partial(model_lib.ring_attention, block=8),

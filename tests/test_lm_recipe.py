@@ -26,6 +26,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import compiled as lm_compiled  # noqa: E402
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
 import train  # noqa: E402
@@ -91,7 +92,9 @@ def compiled_at_default_level(step, shapes, mesh, args):
     (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
     each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
     calls the compiled step as it calls the jitted one."""
-    lowered = train.lower_step(step, shapes, args, mesh)  # as compile_only lowers it
+    lowered = lm_compiled.lower_step(
+        step, shapes, args, mesh
+    )  # as compile_only lowers it
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 2})
 
 

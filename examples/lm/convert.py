@@ -8,7 +8,7 @@
 HF_DIR holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json (Llama 3.x 1B, 8B, 70B, any shape). from-hf writes step 0
 of CHECKPOINT_DIR: the weights in float32, a fresh optimizer (Adam's moments and counts
-are zeros) and no data iterator (train.py's restore then starts the data at the
+are zeros) and no data iterator (resilience.py's restore then starts the data at the
 checkpoint's step), plus hf_config.json, from which to-hf writes config.json again.
 Tokens for --data come from the model's own tokenizer, not train.py's corpus.
 
@@ -222,7 +222,7 @@ def config_to_hf(c: Config) -> dict[str, Any]:
 def fresh_state(params: dict, model, args):
     """Step 0: ``params`` and train.py's optimizer state before its first update.
 
-    The state's structure comes from train.py's own abstract_state, so its restore
+    The state's structure comes from step.py's own abstract_state, so its restore
     finds what it expects. Optax's AdamW starts at zeros (its count, its moments), as
     the test checks against tx.init.
     """

@@ -6,7 +6,7 @@ of an online softmax in plain JAX, memory linear in the sequence) or, with the s
 split over devices, ring attention, whose steps use the chunked blocks; a SwiGLU MLP
 or a mixture of SwiGLU experts; and a scan over the layers with a rematerialisation
 policy. The names ("embed", "mlp", "heads", ...) say what an axis means; the rules in
-train.py say which mesh axis, if any, splits it.
+layout.py say which mesh axis, if any, splits it.
 
 Shape suffixes (one letter per axis; lowercase in einsum subscripts), the book's legend
 for the letters used here:
@@ -227,7 +227,7 @@ def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S):
     """Fold one block of keys and values into an online softmax over a block of queries
     (queries already scaled): ``carry`` is the unnormalised output and each query's
     running maximum and sum of exponentials, all float32. The mask compares positions,
-    so any order of the tokens works, such as train.py's zigzag."""
+    so any order of the tokens works, such as layout.py's zigzag."""
     out_BTKQA, max_BKQT, sum_BKQT = carry
     mask_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
     k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
@@ -435,7 +435,7 @@ def ring_attention(
     merged into the rest by log-sum-exp, so no device holds the whole sequence's keys
     (ring attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
     device, gives each column's position in the text; the mask compares positions, so
-    any order of the tokens works, such as train.py's load-balanced zigzag."""
+    any order of the tokens works, such as layout.py's load-balanced zigzag."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     T = q_BTNA.shape[1]  # noqa: N806
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
@@ -474,7 +474,7 @@ def placed(attend):
     lowers the cuDNN call as on one device, with the device's shapes (XLA's partitioning
     of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh.
 
-    check_vma=False: under train.py's gradient accumulation, vmapped over the data
+    check_vma=False: under step.py's gradient accumulation, vmapped over the data
     replicas (spmd_axis_name), the queries vary over 'data' and the positions, a
     constant, do not, and the chunked loop's optimization barrier takes both; JAX's
     check of which values vary then fails. Nothing here communicates between devices,
@@ -736,7 +736,7 @@ class Transformer(nn.Module):
     """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense).
 
     ``positions_T``: each column's position in the text, if the tokens come in another
-    order (train.py's zigzag for ring attention); by default 0, 1, ..., T-1.
+    order (layout.py's zigzag for ring attention); by default 0, 1, ..., T-1.
     """
 
     config: ModelConfig

@@ -1,0 +1,106 @@
+"""--compile-only: one step compiled for real sizes, nothing allocated; the memory XLA
+assigns each device and the bytes of every collective in the compiled program.
+"""
+
+import collections
+import re
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from layout import BATCH, RULES
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per collective kind in a compiled program, loops times their trip counts.
+
+    All-gather: its output; the others: their operand (here, its output too). On a ring
+    of n devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
+    """
+    kinds = (
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+        "all-to-all",
+        "collective-permute",
+    )
+    sizes = {
+        "f32": 4,
+        "bf16": 2,
+        "s32": 4,
+        "u32": 4,
+        "f16": 2,
+        "pred": 1,
+        "s8": 1,
+        "u8": 1,
+    }
+    own, calls, name = collections.defaultdict(collections.Counter), {}, None
+    for line in hlo_text.splitlines():
+        if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
+            name = header.group(1)
+            calls[name], entry = [], name if line.startswith("ENTRY") else None
+            if entry:
+                root = name
+        elif match := re.match(r"\s*\S+ = (.+?) ([a-z-]+?)(?:-start)?\(", line):
+            shape, opcode = match.groups()
+            if opcode in kinds:
+                own[name][opcode] += sum(
+                    sizes[t]
+                    * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                    if t in sizes
+                )
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
+                calls[name].append(
+                    (callee, int(trips.group(1)) if trips and opcode == "while" else 1)
+                )
+
+    def total(computation: str) -> collections.Counter:
+        counts = collections.Counter(own[computation])
+        for callee, times in calls.get(computation, []):
+            for kind, size in total(callee).items():
+                counts[kind] += times * size
+        return counts
+
+    return dict(total(root))
+
+
+def lower_step(step, shapes, args, mesh) -> jax.stages.Lowered:
+    """The step lowered for the state's shapes and a global batch of tokens' shapes."""
+    tokens = jax.ShapeDtypeStruct(
+        (args.global_batch, args.seq_len + 1),
+        jnp.int32,
+        sharding=NamedSharding(mesh, P(BATCH)),
+    )
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        return step.lower(shapes, tokens)
+
+
+def compile_only(step, shapes, args, mesh) -> None:
+    """Compile one step for the requested sizes, allocating nothing; print its costs."""
+    start = time.perf_counter()
+    compiled = lower_step(step, shapes, args, mesh).compile()
+    memory = compiled.memory_analysis()
+    arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+    outputs = (
+        memory.output_size_in_bytes - memory.alias_size_in_bytes
+    )  # donated: reused
+    sent = collective_bytes(compiled.as_text())
+    seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
+    print(
+        f"compiled {args.model} on {dict(mesh.shape)} in {seconds:.1f} s "
+        f"({platform}; XLA:CPU's buffer assignment differs from a GPU's)"
+    )
+    total = arguments + temporaries + outputs
+    print(
+        f"per device: arguments {arguments / 1e9:.3f} GB, "
+        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB; "
+        "collectives "
+        + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
+        flush=True,
+    )

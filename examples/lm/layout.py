@@ -1,0 +1,135 @@
+"""Where each array lives: the mesh's axes, the rules from logical axis names to mesh
+axes, the checks that a model, a batch and a sequence split over a mesh, and the token
+order of ring attention. train.py and the other modules read their layouts here.
+"""
+
+import re
+
+import jax
+import model as model_lib
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
+# keys and values).
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
+
+# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
+# splits heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits
+# the experts. Activations: the batch over data, fsdp and expert (experts aside,
+# 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
+# and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
+# tokens by expert, not by row.
+RULES = (
+    ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
+    ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+    ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
+    ("act_heads", "tensor"), ("act_kv_heads", "tensor"), ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)  # fmt: skip
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1."""
+    sizes = {axis: 1 for axis in AXES}
+    for item in spec.split(","):
+        axis, _, size = item.partition("=")
+        if axis not in sizes or not re.fullmatch(r"-?\d+", size):
+            raise SystemExit(f"--mesh {spec}: expected axis=size with axes {AXES}")
+        sizes[axis] = int(size)
+    known = int(np.prod([s for s in sizes.values() if s != -1]))
+    rest = [axis for axis, size in sizes.items() if size == -1]
+    if len(rest) > 1 or jax.device_count() % known:
+        raise SystemExit(f"--mesh {spec} does not fit {jax.device_count()} devices")
+    for axis in rest:
+        sizes[axis] = jax.device_count() // known
+    if np.prod(list(sizes.values())) != jax.device_count():
+        raise SystemExit(
+            f"--mesh {spec} has {np.prod(list(sizes.values()))} devices, "
+            f"not the {jax.device_count()} there are"
+        )
+    shape = tuple(sizes[a] for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
+    """Say what does not divide, before JAX says it less clearly."""
+    tensor, batch_ways = (
+        mesh.shape["tensor"],
+        int(np.prod([mesh.shape[a] for a in BATCH])),
+    )
+    expert, sequence = mesh.shape["expert"], mesh.shape["sequence"]
+    if expert > 1 and config.num_experts % expert:
+        raise SystemExit(
+            f"--experts {config.num_experts} does not split over expert={expert}"
+        )
+    if sequence > 1 and args.seq_len % (2 * sequence * tensor):
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not split into 2 x sequence={sequence}"
+            f" x tensor={tensor} chunks (the zigzag layout)"
+        )
+    group = min(config.group_size, args.seq_len)
+    if config.num_experts and (
+        args.seq_len % group or (args.seq_len // group) % sequence
+    ):
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not make groups of {group} tokens "
+            f"that split over sequence={sequence}"
+        )
+    for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size"):
+        if getattr(config, name) % tensor:
+            raise SystemExit(
+                f"{name}={getattr(config, name)} does not split over tensor={tensor}"
+            )
+    if args.grad_accum < 1:
+        raise SystemExit(f"--grad-accum {args.grad_accum} must be 1 or more")
+    if args.global_batch % batch_ways:
+        raise SystemExit(
+            f"--global-batch {args.global_batch} does not split over data x fsdp "
+            f"x expert = {batch_ways} devices"
+        )
+    if args.global_batch % (batch_ways * args.grad_accum):
+        raise SystemExit(
+            f"--global-batch {args.global_batch} does not split into --grad-accum "
+            f"{args.grad_accum} micro-batches over data x fsdp x expert = {batch_ways} "
+            f"devices: make it a multiple of {batch_ways * args.grad_accum}"
+        )
+    if tensor > 1 and args.seq_len % tensor:
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not split over tensor={tensor}"
+        )
+
+
+def without(axis: str, rules=RULES) -> tuple:
+    """The rules with one mesh axis taken out: inside a shard_map that makes ``axis``
+    manual, layouts may name only the other axes."""
+    drop = lambda axes: (
+        tuple(a for a in axes if a != axis)
+        if isinstance(axes, tuple)
+        else (None if axes == axis else axes)
+    )
+    return tuple((name, drop(axes)) for name, axes in rules)
+
+
+def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
+    """Token positions in the order that balances causal attention over a ring of
+    devices: cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late
+    tokens alike)."""
+    chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
+    return np.concatenate(
+        [chunks[[i, 2 * num_devices - 1 - i]].ravel() for i in range(num_devices)]
+    )
+
+
+def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
+    """The rows of each global batch that this process's devices hold."""
+    sharding = NamedSharding(mesh, P(BATCH))
+    index = sharding.addressable_devices_indices_map(
+        (global_batch, seq_len + 1)
+    ).values()
+    starts = [i[0].start or 0 for i in index]
+    stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
+    return slice(min(starts), max(stops))

@@ -1,0 +1,176 @@
+"""The training step: AdamW, the train state's shapes and shardings, the loss, and
+its gradient over one batch or over --grad-accum micro-batches; the held-out loss.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import model as model_lib
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from layout import BATCH, RULES, without, zigzag
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW, warmup + cosine decay, global-norm clipping; only the kernels decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        args.learning_rate,
+        args.warmup_steps,
+        max(args.total_steps or args.steps, args.warmup_steps + 1),
+        end_value=args.learning_rate / 10,
+    )
+
+    def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: "kernel" in jax.tree_util.keystr(p), params
+        )
+
+    # Under jit the gradients are sharded arrays, and clip_by_global_norm sums over all
+    # of them: the clipping sees the whole model's norm, whatever the mesh.
+    return optax.chain(
+        optax.clip_by_global_norm(args.clip_norm),
+        optax.adamw(
+            schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
+        ),
+    )
+
+
+def abstract_state(model, tx, mesh, seq_len: int):
+    """The train state's shapes and shardings, from tracing init under the rules."""
+
+    def init(rng):  # the weights are the same whatever the attention (one row: xla's)
+        params = model.clone(context_parallel=False, attention="xla").init(
+            rng, jnp.zeros((1, seq_len), jnp.int32)
+        )["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    strip = lambda tree: jax.tree.map(
+        lambda x: x.unbox(False) if is_box(x) else x, tree, is_leaf=is_box
+    )
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    shapes = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        strip(boxed),
+        shardings,
+    )
+    return shapes, lambda rng: nn.meta.unbox(init(rng))
+
+
+def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Array:
+    """(B, T) -> (grad_accum, B / grad_accum, T); micro-batch k holds rows k, k + K, ...
+
+    Every K-th row, not K blocks of rows: each device's rows are a contiguous block of
+    the batch, so each micro-batch takes B / (K x devices) rows from every device and
+    no row moves (a block split would put micro-batch 0 on the first devices alone).
+    """
+    B, T = tokens_BT.shape  # noqa: N806
+    micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, T).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
+
+
+def make_loss(shardings, mesh, dtype=jnp.float32):
+    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss)."""
+    sequence = mesh.shape["sequence"]
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
+
+    def loss(apply_fn, params, tokens_BT):
+        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+        positions_T = np.arange(inputs_BT.shape[1])
+        if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
+            positions_T = zigzag(inputs_BT.shape[1], sequence)
+            inputs_BT, targets_BT = (
+                inputs_BT[:, positions_T],
+                targets_BT[:, positions_T],
+            )
+        # Float32 master weights, cast to the compute type here, on each device's
+        # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
+        # param_dtype does).
+        params = jax.tree.map(
+            lambda p, spec: jax.lax.with_sharding_constraint(p.astype(dtype), spec),
+            params,
+            specs,
+        )
+        logits_BTV, aux_loss = apply_fn({"params": params}, inputs_BT, positions_T)
+        loss = model_lib.cross_entropy(logits_BTV, targets_BT)
+        return loss + aux_loss, loss  # the experts' losses train the router
+
+    return loss
+
+
+def make_train_step(shardings, mesh, dtype=jnp.float32, grad_accum: int = 1):
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
+    keep_layout = lambda tree: jax.tree.map(
+        jax.lax.with_sharding_constraint, tree, specs
+    )
+    loss_fn = make_loss(shardings, mesh, dtype)
+
+    def loss_and_grads(apply_fn, params, tokens_BT):
+        """One micro-batch's mean loss and its gradient."""
+        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+        (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
+        return loss, grads
+
+    def accumulate(apply_fn, params, tokens_BT, batch_axes):
+        """The mean loss and gradient over grad_accum micro-batches, one at a time."""
+
+        def add(sum_, micro_BT):
+            loss, grads = loss_and_grads(apply_fn, params, micro_BT)
+            # The running sum keeps the weights' layout: under FSDP each device holds
+            # 1/fsdp of it, so each micro-batch's gradient is reduce-scattered into it
+            # (a whole-size sum on every device would undo what FSDP saves).
+            return keep_layout(jax.tree.map(jnp.add, sum_, grads)), loss
+
+        zeros = keep_layout(jax.tree.map(jnp.zeros_like, params))
+        micro_KBT = micro_batches(tokens_BT, grad_accum, batch_axes)
+        sums, losses_K = jax.lax.scan(add, zeros, micro_KBT)
+        # Micro-batches of equal size: the mean of their means is the batch's mean.
+        return losses_K.mean(), jax.tree.map(lambda g: g / grad_accum, sums)
+
+    def accumulated(apply_fn, params, tokens_BT):
+        """accumulate, with the gradients reduced over 'data' once per step, not once
+        per micro-batch. The batch is cut into one part per data replica and the step
+        vmapped over the parts (spmd_axis_name: the parts lie along 'data'), so each
+        replica adds up its own gradient, kept apart from the others' (a leading axis
+        split over 'data': no more bytes per device); one sum after the loop reduces
+        them. Without the parts, each micro-batch's gradient would be all-reduced."""
+        replicas = mesh.shape["data"]
+        if replicas == 1:
+            return accumulate(apply_fn, params, tokens_BT, BATCH)
+        B, T = tokens_BT.shape  # noqa: N806
+        parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
+        with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
+            losses_R, grads_R = jax.vmap(
+                lambda part_BT: accumulate(apply_fn, params, part_BT, BATCH[1:]),
+                spmd_axis_name="data",
+            )(parts_RBT)
+        return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
+
+    def train_step(state, tokens_BT):
+        step_grads = loss_and_grads if grad_accum == 1 else accumulated
+        loss, grads = step_grads(state.apply_fn, state.params, tokens_BT)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return state.apply_gradients(grads=grads), metrics
+
+    batch = NamedSharding(mesh, P(BATCH))
+    return jax.jit(
+        train_step,
+        in_shardings=(shardings, batch),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(shardings, mesh, dtype=jnp.float32):
+    """The held-out loss of a batch: the training loss, without gradients."""
+    loss_fn = make_loss(shardings, mesh, dtype)
+    return jax.jit(
+        lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
+        in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),
+        out_shardings=NamedSharding(mesh, P()),
+    )
