@@ -9,8 +9,8 @@
     python examples/lm/train.py --model tiny --mesh data=2,sequence=4  # ring attention
     python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
 
-This file parses the command line, sets up and runs the loop; beside it, model.py (the
-decoder), data.py (tokens read in place, with Grain), layout.py (the mesh and the rules),
+This file parses the command line, sets up and runs the loop. Beside it: model.py (the
+decoder), data.py (tokens read in place, with Grain), layout.py (the mesh, the rules),
 step.py (the loss, gradients, accumulation, AdamW), resilience.py (preemption, the step
 deadline, checkpoints), compiled.py (--compile-only) and convert.py (Hugging Face).
 
