@@ -93,7 +93,8 @@ def compile_only(step, shapes, args, mesh) -> None:
     sent = collective_bytes(compiled.as_text())
     seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
     print(
-        f"compiled {args.model} on {dict(mesh.shape)} in {seconds:.1f} s "
+        f"compiled {args.model_config or args.model} on {dict(mesh.shape)} "
+        f"in {seconds:.1f} s "
         f"({platform}; XLA:CPU's buffer assignment differs from a GPU's)"
     )
     total = arguments + temporaries + outputs
