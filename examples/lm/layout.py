@@ -132,4 +132,14 @@ def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
     ).values()
     starts = [i[0].start or 0 for i in index]
     stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
-    return slice(min(starts), max(stops))
+    rows = slice(min(starts), max(stops))
+    block = rows.stop - rows.start
+    if global_batch % block or rows.start % block:  # processes would share rows
+        per_process = jax.local_device_count()
+        spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+        raise SystemExit(
+            f"--mesh {spec}: a batch row's devices span several processes "
+            f"({per_process} devices each); make the axes after the batch axes "
+            f"(sequence x tensor) divide {per_process}"
+        )
+    return rows
