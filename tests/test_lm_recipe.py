@@ -711,3 +711,12 @@ def test_each_preset_starts_near_a_uniform_guess(name):
     loss = float(first_loss.lower(rng).compile(compiler_options=options)(rng))
     print(f"{name}: loss {loss:.3f}, ln V {np.log(config.vocab_size):.3f}")
     assert abs(loss - np.log(config.vocab_size)) < 1.0
+
+
+def test_profile_writes_one_trace_per_process(dirs, tmp_path):
+    """--profile DIR traces steps 6 to 8 into DIR/process_<index>: two processes on one
+    host no longer write the same file (jax.profiler names a trace by host)."""
+    run_in_process(dirs, SPEC, 9, flags=("--profile", str(tmp_path)))
+    assert [p.name for p in tmp_path.iterdir()] == ["process_0"]
+    traces = list((tmp_path / "process_0").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
