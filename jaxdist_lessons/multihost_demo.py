@@ -250,9 +250,12 @@ def train_digits(
 
 
 # The rank prefixes of mpirun --output tag ([job,rank]<stream>:) and srun --label (rank:), and
-# gloo's connection messages.
+# gloo's connection messages; gloo writes "... peer ranks is : " and the count apart, so a
+# tagged line may hold the count alone ("[1,1]<stdout>: 7").
 TAG = re.compile(r"^(?:\[\d+,(\d+)\]<(?:stdout|stderr)>: ?|\s*(\d+): )")
-GLOO = re.compile(r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$")
+GLOO = re.compile(
+    r"\[Gloo\]|peer ranks|^\s*\[\s*\d+\]\s*\d*\s*$|^\[\d+,\d+\]<(?:stdout|stderr)>: ?\d+\s*$"
+)
 
 
 @dataclasses.dataclass

@@ -187,3 +187,15 @@ def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(
     )
     check_resumed_exactly(reference, *result, "SIGTERM")
     assert not pids_of(tmp_path)
+
+
+def test_run_hides_the_count_gloo_writes_apart(capsys):
+    """Under mpirun --output tag, gloo's "... peer ranks is : 7" can reach the tagger in two
+    pieces: the count alone on a tagged line is gloo's too, and is not shown."""
+    job = multihost_demo.run(
+        "printf '[1,1]<stdout>: 7\\n[1,0]<stdout>: step 1 loss 2.0\\n'"
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:-1] == ["[rank 0] step 1 loss 2.0"], printed
+    assert printed[-1].endswith("; 1 lines of gloo's connection messages hidden)")
+    assert job.returncode == 0
