@@ -324,7 +324,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     log = MetricsLog(args.log_dir)
     evaluate = make_evaluation(args, mesh, shapes, rows, sources[0])
-    first = int(state.step)  # the one read of the step from the device
+    first = now = int(state.step)  # the one read of the step from the device
     pending, clock = None, time.perf_counter()
 
     def report(now: int, metrics: dict, vote: jax.Array) -> bool:
@@ -351,13 +351,12 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         tokens = jax.make_array_from_process_local_data(
             batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
         )
-        if args.profile and now in (6, 9):  # trace steps 6 to 8, one trace per process
-            if now == 6:
-                jax.profiler.start_trace(
-                    os.path.join(args.profile, f"process_{jax.process_index()}")
-                )
-            else:
-                jax.profiler.stop_trace()
+        if args.profile and now == 6:  # trace steps 6 to 8, one trace per process
+            jax.profiler.start_trace(
+                os.path.join(args.profile, f"process_{jax.process_index()}")
+            )
+        elif args.profile and now == 9:
+            jax.profiler.stop_trace()
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             state, metrics = step(state, tokens)  # queued: the device runs it
         # Step now - 1's numbers, while step now runs: no wait between steps.
@@ -385,6 +384,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             break
     if pending:
         report(*pending)
+    if args.profile and first < 6 <= now < 9:  # stopped before step 9: end the trace
+        jax.profiler.stop_trace()
     if deadline:
         deadline.step = None  # stop watching: no more steps
     if manager:
