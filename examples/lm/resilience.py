@@ -164,7 +164,6 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
         )
-        batches.set_state(
-            {"next_index": step}
-        )  # global batch s is the same on any layout
+        # Global batch s is the same on any layout: start the data at the step.
+        batches.set_state({"next_index": step})
         return restored.state, batches
