@@ -6,6 +6,7 @@ NVIDIA GPU: here, the flag's error and the shard_map that places the kernel (wit
 attention standing in for it).
 """
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -195,3 +196,96 @@ def test_the_placement_splits_rows_and_heads_and_keeps_the_result(qkv):
     assert seen == [((1, T, N // 2, A), (1, T, K // 2, A))]  # 4 rows / 4, heads / 2
     # and the output stays split so: one row, 2 heads a device
     assert {shard.data.shape for shard in placed.addressable_shards} == {(1, T, 2, A)}
+
+
+def test_document_starts_restart_after_each_end_of_document():
+    tokens_BT = jnp.array([[5, 0, 3, 4, 0, 0, 7], [1, 2, 3, 4, 5, 6, 0]])
+    starts_BT = model_lib.document_starts(tokens_BT, eod_id=0)
+    np.testing.assert_array_equal(
+        starts_BT, [[0, 0, 2, 2, 2, 5, 6], [0, 0, 0, 0, 0, 0, 0]]
+    )
+
+
+EOD = 0  # <|endoftext|>, as in data.py's corpus
+LENGTHS = (16, 32, 16)  # three documents packed into one row of 64, each ending in EOD
+
+
+@pytest.fixture(scope="module")
+def packed():
+    """The tiny preset (depth 2), its weights, and 4 rows of 64 tokens, each three
+    documents that end in EOD (no other EOD in them)."""
+    config = dataclasses.replace(model_lib.PRESETS["tiny"], num_layers=2)
+    tokens_BT = jax.random.randint(jax.random.key(3), (4, 64), 1, config.vocab_size)
+    tokens_BT = tokens_BT.at[:, np.cumsum(LENGTHS) - 1].set(EOD)
+    model = model_lib.Transformer(config, remat="none", attention="xla")
+    params = nn.meta.unbox(model.init(jax.random.key(4), tokens_BT))
+    return model, params, tokens_BT
+
+
+def alone(model, params, tokens_BT) -> jax.Array:
+    """Each document run on its own (positions from 0, nothing else to attend to), the
+    logits put back side by side."""
+    cuts = np.cumsum((0, *LENGTHS))
+    return jnp.concatenate(
+        [
+            model.apply(params, tokens_BT[:, a:b])[0]
+            for a, b in zip(cuts[:-1], cuts[1:])
+        ],
+        axis=1,
+    )
+
+
+@pytest.mark.parametrize("kind", ["xla", "chunked"])
+def test_a_packed_row_gives_each_documents_logits_alone(packed, kind, monkeypatch):
+    """With document starts, the logits of a row packed with three documents equal
+    those of each document run alone; without them, the later documents differ (they
+    attend to the earlier ones). Chunked in blocks of 16: a document's blocks skip the
+    others' blocks."""
+    model, params, tokens_BT = packed
+    monkeypatch.setattr(model_lib, "BLOCK", 16)
+    model = model.clone(attention=kind)
+    starts_BT = model_lib.document_starts(tokens_BT, EOD)
+    masked, _ = jax.jit(model.apply)(params, tokens_BT, None, starts_BT)
+    expected = alone(model, params, tokens_BT)
+    np.testing.assert_allclose(masked, expected, **CLOSE)
+    unmasked, _ = jax.jit(model.apply)(params, tokens_BT)
+    np.testing.assert_allclose(unmasked[:, :16], expected[:, :16], **CLOSE)
+    assert np.abs(unmasked[:, 16:] - expected[:, 16:]).min(axis=-1).max() > 1e-3
+
+
+def test_document_masking_gradients_agree_across_xla_chunked_and_the_ring(
+    packed, monkeypatch
+):
+    """The loss and the weights' gradients of the packed rows with document masking:
+    XLA's attention on one device, chunked (blocks of 16) on data=4 x tensor=2, and
+    ring attention on data=2 x sequence=4 (the zigzag order, the starts moved with the
+    tokens, whole along the sequence on each device), all equal."""
+    model, params, tokens_BT = packed
+    monkeypatch.setattr(model_lib, "BLOCK", 16)
+    targets_BT = jnp.roll(tokens_BT, -1, axis=1)  # the last target: the row's first
+
+    def loss_and_grads(model, order):
+        def loss(params):
+            starts_BT = model_lib.document_starts(tokens_BT, EOD)
+            logits_BTV, _ = model.apply(
+                params, tokens_BT[:, order], order, starts_BT[:, order]
+            )
+            return model_lib.cross_entropy(logits_BTV, targets_BT[:, order])
+
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    expected = loss_and_grads(model, np.arange(64))
+    runs = {
+        "chunked": ("data=4,tensor=2", model.clone(attention="chunked"), 1),
+        "ring": ("data=2,sequence=4", model.clone(context_parallel=True), 4),
+    }
+    for name, (spec, variant, ring) in runs.items():
+        order = layout.zigzag(64, ring) if ring > 1 else np.arange(64)
+        with jax.set_mesh(train.make_mesh(spec)), nn.logical_axis_rules(train.RULES):
+            loss, grads = loss_and_grads(variant, order)
+        np.testing.assert_allclose(loss, expected[0], **CLOSE, err_msg=name)
+        for (path, g), e in zip(
+            jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected[1])
+        ):
+            where = f"{name} {jax.tree_util.keystr(path)}"
+            np.testing.assert_allclose(g, e, **CLOSE, err_msg=where)

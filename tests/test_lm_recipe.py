@@ -579,22 +579,54 @@ def test_gradient_accumulation_gives_the_steps_of_one_batch(spec):
     )
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(3)]
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(train.BATCH))
-    runs = []
-    for step, init_fn, state_shapes in (
-        (whole_step, init, shapes),
-        (accumulating_step, accumulating_init, accumulating_shapes),
-    ):
-        state_shardings = jax.tree.map(lambda s: s.sharding, state_shapes)
-        with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-            state = jax.jit(init_fn, out_shardings=state_shardings)(jax.random.key(0))
-            metrics = []
-            for batch in batches:
-                state, m = step(state, jax.device_put(batch, sharding))
-                metrics.append([float(m["loss"]), float(m["grad_norm"])])
-        runs.append(np.array(metrics))
+    runs = [
+        steps_on(whole_step, shapes, init, mesh, batches),
+        steps_on(
+            accumulating_step, accumulating_shapes, accumulating_init, mesh, batches
+        ),
+    ]
     print(spec, runs)
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def steps_on(step, shapes, init, mesh, batches) -> np.ndarray:
+    """Each batch's loss and gradient norm, one step after another from init."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(train.BATCH))
+    state_shardings = jax.tree.map(lambda s: s.sharding, shapes)
+    metrics = []
+    with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
+        state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(0))
+        for batch in batches:
+            state, m = step(state, jax.device_put(batch, sharding))
+            metrics.append([float(m["loss"]), float(m["grad_norm"])])
+    return np.array(metrics)
+
+
+def test_eod_id_masks_documents_the_same_on_a_ring():
+    """--eod-id 0: rows of random tokens, about 1 in 30 of them EOD (so 4 or 5
+    documents a row). data=8 (chunked attention) and data=2 x sequence=4 (ring attention
+    on the zigzag, the document starts moved with the tokens) give the same losses and
+    gradient norms over 3 steps; without --eod-id the same batches give others. An id
+    outside the vocabulary stops with one line."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(3):
+        batch = rng.integers(1, 2048, (16, 129), dtype=np.int32)
+        batches.append(np.where(rng.random(batch.shape) < 1 / 30, 0, batch))
+    runs = {}
+    for spec, eod in (("data=8", True), ("data=2,sequence=4", True), ("data=8", False)):
+        flags = ["--eod-id", "0"] if eod else []
+        args = train.parse_args([*COMMON, "--mesh", spec, "--steps", "10", *flags])
+        mesh, _, _, step, shapes, init = train.setup(args)
+        runs[spec, eod] = steps_on(step, shapes, init, mesh, batches)
+    print(runs)
+    masked = runs["data=8", True]
+    np.testing.assert_allclose(runs["data=2,sequence=4", True], masked, rtol=1e-5)
+    assert np.abs(runs["data=8", False][:, 0] - masked[:, 0]).min() > 1e-3
+    args = train.parse_args([*COMMON, "--mesh", "data=8", "--eod-id", "2048"])
+    message = "--eod-id 2048 is not a token id: the vocabulary has 2048 (0 to 2047)"
+    with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
+        train.model_config(args)
 
 
 def test_accumulation_reduces_over_data_once_and_fsdp_per_micro_batch():

@@ -197,11 +197,12 @@ def rope_frequencies(
 
 def rope(
     x_BTNA: jax.Array,
-    positions_T: jax.Array,
+    positions: jax.Array,
     theta: float,
     scaling: RopeScaling | None = None,
 ) -> jax.Array:
-    """Rotate each pair of features by an angle proportional to the token's position.
+    """Rotate each pair of features by an angle proportional to the token's position:
+    ``positions`` per column (T) or, where each row's documents restart, per row (B, T).
 
     A pair is feature i and feature i + A/2 (the two halves of the head), as in Hugging
     Face's rotate_half; Meta's original code pairs neighbours (2i, 2i + 1), which
@@ -209,8 +210,8 @@ def rope(
     """
     half = x_BTNA.shape[-1] // 2
     frequencies = rope_frequencies(half, theta, scaling)
-    angles_TA = positions_T[:, None].astype(jnp.float32) * frequencies
-    sin, cos = jnp.sin(angles_TA)[:, None, :], jnp.cos(angles_TA)[:, None, :]
+    angles = positions[..., None].astype(jnp.float32) * frequencies  # T or B, T; A/2
+    sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]
     first, second = jnp.split(x_BTNA.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate(
         [first * cos - second * sin, second * cos + first * sin], -1
@@ -223,19 +224,40 @@ BLOCK = 512  # chunked attention's query and key/value block (or the whole seque
 ATTENTIONS = ("xla", "cudnn", "chunked")
 
 
-def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S):
+def document_starts(tokens_BT: jax.Array, eod_id: int) -> jax.Array:
+    """Each token's document start: the position of the first token of its document,
+    where a document ends with ``eod_id`` (the tokens in text order). Given these,
+    attention stays inside each document and RoPE counts from each document's start, so
+    a row packed with documents computes what each document would alone."""
+    after_eod_BT = jnp.pad(tokens_BT[:, :-1] == eod_id, ((0, 0), (1, 0)))
+    columns_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    return jax.lax.cummax(jnp.where(after_eod_BT, columns_BT, 0), axis=1)
+
+
+def same_document(q_starts_BT: jax.Array, kv_starts_BS: jax.Array) -> jax.Array:
+    """Whether each query and key are in one document: (B, T, S)."""
+    return q_starts_BT[:, :, None] == kv_starts_BS[:, None, :]
+
+
+def visible(q_positions_T, kv_positions_S, q_starts_BT=None, kv_starts_BS=None):
+    """Which keys each query sees, to broadcast against B K Q T S scores: the causal
+    mask by positions (any order of the tokens works, such as layout.py's zigzag) and,
+    given document starts, the same document only."""
+    causal_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
+    if q_starts_BT is None:
+        return causal_TS
+    return (causal_TS & same_document(q_starts_BT, kv_starts_BS))[:, None, None]
+
+
+def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, mask):
     """Fold one block of keys and values into an online softmax over a block of queries
-    (queries already scaled): ``carry`` is the unnormalised output and each query's
-    running maximum and sum of exponentials, all float32. The mask compares positions,
-    so any order of the tokens works, such as layout.py's zigzag."""
+    (queries already scaled; ``mask`` from visible): ``carry`` is the unnormalised
+    output and each query's running maximum and sum of exponentials, all float32."""
     out_BTKQA, max_BKQT, sum_BKQT = carry
-    mask_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
     k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
-    s_BKQTS = jnp.where(
-        mask_TS, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED
-    )
+    s_BKQTS = jnp.where(mask, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED)
     new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
-    p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
+    p_BKQTS = jnp.where(mask, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
     rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)  # the earlier blocks' share
     sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
     out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
@@ -274,66 +296,87 @@ def block_size(length: int, block: int) -> int:
     return size
 
 
-def can_see(q_positions_T, kv_positions_S) -> jax.Array:
-    """Whether any query of a block sees any key of a block: if not, skip the pair (the
-    causal upper triangle, in whatever order the positions come)."""
-    return q_positions_T.max() >= kv_positions_S.min()
+def can_see(q_positions_T, kv_positions_S, q_starts_BT=None) -> jax.Array:
+    """Whether any query of a block may see any key of a block: if not, skip the pair
+    (the causal upper triangle, in whatever order the positions come, and, given
+    document starts, keys before the documents of all the block's queries)."""
+    causal = q_positions_T.max() >= kv_positions_S.min()
+    if q_starts_BT is None:
+        return causal
+    return causal & (q_starts_BT.min() <= kv_positions_S.max())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def attention_part(q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block):
+def blocks_of(x, size: int, axis: int) -> jax.Array | None:
+    """blocks, passing None (no document starts) through."""
+    return None if x is None else blocks(x, size, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def attention_part(
+    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
+    kv_starts_BS, block,
+):  # fmt: skip
     """Causal attention of (scaled) queries on one part of the keys, in blocks of
-    ``block`` queries x ``block`` keys: (output, log-sum-exp), float32. Memory O(T x
-    block), forward and backward: the backward keeps only the output and log-sum-exp
-    and recomputes each block's probabilities from them (FlashAttention-2's backward:
-    Dao 2023, arXiv:2307.08691)."""
+    ``block`` queries x ``block`` keys: (output, log-sum-exp), float32. The document
+    starts (document_starts; None: one document) keep each query in its document.
+    Memory O(T x block), forward and backward: the backward keeps only the output and
+    log-sum-exp and recomputes each block's probabilities from them (FlashAttention-2's
+    backward: Dao 2023, arXiv:2307.08691)."""
     return attention_part_forward(
-        q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
-    )[0]
+        q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
+        kv_starts_BS, block,
+    )[0]  # fmt: skip
 
 
 def attention_part_forward(
-    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block
-):
+    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
+    kv_starts_BS, block,
+):  # fmt: skip
     tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
     # Tied to the queries, the positions count as values to recompute: otherwise, under
     # remat in a scan over layers, autodiff sees that the masks depend only on the
     # positions (the same for every layer) and keeps every block pair's mask, T x S.
-    q_BTKQA, q_positions_T, kv_positions_S = jax.lax.optimization_barrier(
-        (q_BTKQA, q_positions_T, kv_positions_S)
-    )
+    where = (q_positions_T, kv_positions_S, q_starts_BT, kv_starts_BS)
+    q_BTKQA, where = jax.lax.optimization_barrier((q_BTKQA, where))
+    q_positions_T, kv_positions_S, q_starts_BT, kv_starts_BS = where
     kv_blocks = (
         blocks(k_BSKA, sb, 1),
         blocks(v_BSKA, sb, 1),
         blocks(kv_positions_S, sb, 0),
+        blocks_of(kv_starts_BS, sb, 1),
     )
 
     def one_query_block(args):
-        q_BTKQA, q_positions_T = args
+        q_BTKQA, q_positions_T, q_starts_BT = args
         # *_like: inside shard_map the carry varies over the mesh axes the queries do
         max_BKQT = jnp.full_like(q_BTKQA[..., 0], MASKED).transpose(0, 2, 3, 1)
         carry = jnp.zeros_like(q_BTKQA), max_BKQT, jnp.zeros_like(max_BKQT)
 
         def fold(carry, kv):
-            attend = lambda c: attend_block(c, q_BTKQA, *kv[:2], q_positions_T, kv[2])
-            return jax.lax.cond(
-                can_see(q_positions_T, kv[2]), attend, lambda c: c, carry
-            ), None
+            k_BSKA, v_BSKA, kv_positions_S, kv_starts_BS = kv
+            mask = lambda: visible(
+                q_positions_T, kv_positions_S, q_starts_BT, kv_starts_BS
+            )
+            attend = lambda c: attend_block(c, q_BTKQA, k_BSKA, v_BSKA, mask())
+            see = can_see(q_positions_T, kv_positions_S, q_starts_BT)
+            return jax.lax.cond(see, attend, lambda c: c, carry), None
 
         return finalise(jax.lax.scan(fold, carry, kv_blocks)[0])
 
-    out_blocks, lse_blocks = jax.lax.map(
-        one_query_block, (blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0))
+    q_blocks = (
+        blocks(q_BTKQA, tb, 1),
+        blocks(q_positions_T, tb, 0),
+        blocks_of(q_starts_BT, tb, 1),
     )
+    out_blocks, lse_blocks = jax.lax.map(one_query_block, q_blocks)
     out_BTKQA, lse_BKQT = unblocks(out_blocks, 1), unblocks(lse_blocks, 3)
-    residuals = (q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S)
+    residuals = (q_BTKQA, k_BSKA, v_BSKA, *where)
     return (out_BTKQA, lse_BKQT), (*residuals, out_BTKQA, lse_BKQT)
 
 
 def attention_part_backward(block, residuals, cotangents):
-    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, out_BTKQA, lse_BKQT = (
-        residuals
-    )
+    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S = residuals[:5]
+    q_starts_BT, kv_starts_BS, out_BTKQA, lse_BKQT = residuals[5:]
     d_out_BTKQA, d_lse_BKQT = cotangents
     tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
     # d score = p (d p - rowsum(d out . out) + d lse): the softmax's gradient and the
@@ -343,15 +386,15 @@ def attention_part_backward(block, residuals, cotangents):
     k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
 
     def one_query_block(d_kv, q_args):
-        q_BTKQA, q_positions_T, lse_BKQT, row_BKQT, d_out_BTKQA = q_args
+        q_BTKQA, q_positions_T, q_starts_BT, lse_BKQT, row_BKQT, d_out_BTKQA = q_args
 
         def one_kv_block(d_q_BTKQA, kv_args):
-            k_BSKA, v_BSKA, kv_positions_S = kv_args
+            k_BSKA, v_BSKA, kv_positions_S, kv_starts_BS = kv_args
 
             def gradients(d_q_BTKQA):
-                mask_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
+                mask = visible(q_positions_T, kv_positions_S, q_starts_BT, kv_starts_BS)
                 s_BKQTS = jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA)
-                p_BKQTS = jnp.where(mask_TS, jnp.exp(s_BKQTS - lse_BKQT[..., None]), 0)
+                p_BKQTS = jnp.where(mask, jnp.exp(s_BKQTS - lse_BKQT[..., None]), 0)
                 dp_BKQTS = jnp.einsum("btkqa,bska->bkqts", d_out_BTKQA, v_BSKA)
                 ds_BKQTS = p_BKQTS * (dp_BKQTS - row_BKQT[..., None])
                 d_q_BTKQA += jnp.einsum("bkqts,bska->btkqa", ds_BKQTS, k_BSKA)
@@ -360,9 +403,8 @@ def attention_part_backward(block, residuals, cotangents):
                 return d_q_BTKQA, (d_k_BSKA, d_v_BSKA)
 
             skip = lambda d_q: (d_q, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)))
-            return jax.lax.cond(
-                can_see(q_positions_T, kv_positions_S), gradients, skip, d_q_BTKQA
-            )
+            see = can_see(q_positions_T, kv_positions_S, q_starts_BT)
+            return jax.lax.cond(see, gradients, skip, d_q_BTKQA)
 
         d_q_BTKQA, (d_k_blocks, d_v_blocks) = jax.lax.scan(
             one_kv_block, jnp.zeros_like(q_BTKQA), kv_blocks
@@ -375,9 +417,11 @@ def attention_part_backward(block, residuals, cotangents):
         blocks(k_BSKA, sb, 1),
         blocks(v_BSKA, sb, 1),
         blocks(kv_positions_S, sb, 0),
+        blocks_of(kv_starts_BS, sb, 1),
     )
     q_blocks = (
-        blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0), blocks(lse_BKQT, tb, 3),
+        blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0),
+        blocks_of(q_starts_BT, tb, 1), blocks(lse_BKQT, tb, 3),
         blocks(row_BKQT, tb, 3), blocks(d_out_BTKQA, tb, 1),
     )  # fmt: skip
     (d_k_BSKA, d_v_BSKA), d_q_blocks = jax.lax.scan(
@@ -385,7 +429,7 @@ def attention_part_backward(block, residuals, cotangents):
     )
     d_q_BTKQA = unblocks(d_q_blocks, 1).astype(q_BTKQA.dtype)
     d_k_BSKA, d_v_BSKA = (d.astype(t) for d, t in zip((d_k_BSKA, d_v_BSKA), kv_dtypes))
-    return d_q_BTKQA, d_k_BSKA, d_v_BSKA, None, None
+    return d_q_BTKQA, d_k_BSKA, d_v_BSKA, None, None, None, None
 
 
 attention_part.defvjp(attention_part_forward, attention_part_backward)
@@ -412,40 +456,52 @@ def grouped(q_BTNA, num_kv_heads: int) -> jax.Array:
 
 
 def chunked_attention(
-    q_BTNA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block: int = BLOCK
-):
+    q_BTNA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block: int = BLOCK,
+    q_starts_BT=None, kv_starts_BS=None,
+):  # fmt: skip
     """Causal attention in blocks, never forming the T x S scores: each query block
     folds in the key/value blocks it can see with an online softmax (a running maximum
     and sum: Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al.
     2022, arXiv:2205.14135). ``block`` (or the whole sequence, if shorter) must divide
-    the lengths. Float32 inside; the output in the queries' dtype."""
+    the lengths. Given document starts, each query sees its own document only. Float32
+    inside; the output in the queries' dtype."""
     out_BTKQA, _ = attention_part(
         grouped(q_BTNA, k_BSKA.shape[2]), k_BSKA, v_BSKA, q_positions_T,
-        kv_positions_S, block,
+        kv_positions_S, q_starts_BT, kv_starts_BS, block,
     )  # fmt: skip
     return out_BTKQA.reshape(q_BTNA.shape).astype(q_BTNA.dtype)
 
 
 def ring_attention(
-    q_BTNA, k_BTKA, v_BTKA, positions_T, axis: str = "sequence", block: int = BLOCK
-):
+    q_BTNA, k_BTKA, v_BTKA, positions_T, starts_BT=None, axis: str = "sequence",
+    block: int = BLOCK,
+):  # fmt: skip
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
     ring, one ppermute per step, and each step's part (chunked attention's blocks) is
     merged into the rest by log-sum-exp, so no device holds the whole sequence's keys
     (ring attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
     device, gives each column's position in the text; the mask compares positions, so
-    any order of the tokens works, such as layout.py's load-balanced zigzag."""
+    any order of the tokens works, such as layout.py's load-balanced zigzag. Document
+    starts (``starts_BT``), if given, come whole along the sequence too, in the tokens'
+    order."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     T = q_BTNA.shape[1]  # noqa: N806
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
+    row_share = lambda device: (
+        None
+        if starts_BT is None
+        else jax.lax.dynamic_slice_in_dim(starts_BT, device * T, T, axis=1)
+    )
     q_BTKQA = grouped(q_BTNA, k_BTKA.shape[2])
     k_BSKA, v_BSKA = k_BTKA, v_BTKA  # they travel in the compute dtype
     result = None
     for step in range(n):  # at this step, the block that started on device i - step
+        source = (i - step) % n
         part = attention_part(
-            q_BTKQA, k_BSKA, v_BSKA, share(i), share((i - step) % n), block
-        )
+            q_BTKQA, k_BSKA, v_BSKA, share(i), share(source), row_share(i),
+            row_share(source), block,
+        )  # fmt: skip
         result = part if result is None else merge(result, part)
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
@@ -453,21 +509,30 @@ def ring_attention(
     return result[0].reshape(q_BTNA.shape).astype(q_BTNA.dtype)
 
 
-def cudnn_attention(q_BTNA, k_BTKA, v_BTKA):
+def document_mask(starts_BT) -> jax.Array | None:
+    """jax.nn.dot_product_attention's mask (B, 1, T, S) for document starts, or None."""
+    return None if starts_BT is None else same_document(starts_BT, starts_BT)[:, None]
+
+
+def cudnn_attention(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
     """cuDNN's fused causal attention (FlashAttention on NVIDIA GPUs), in bfloat16, the
-    type its kernel takes; the output back in the queries' dtype."""
+    type its kernel takes; the output back in the queries' dtype. Given document starts,
+    the mask goes to cuDNN as a T x S bias per row (jax.nn.dot_product_attention turns
+    a mask into a bias; cuDNN's packed-document layout is not in that API in jax
+    0.10.2), so memory is quadratic in the sequence again: chunked stays linear."""
     bf16 = lambda x: x.astype(jnp.bfloat16)
     out_BTNA = jax.nn.dot_product_attention(
-        bf16(q_BTNA), bf16(k_BTKA), bf16(v_BTKA), is_causal=True,
-        implementation="cudnn",
+        bf16(q_BTNA), bf16(k_BTKA), bf16(v_BTKA), mask=document_mask(starts_BT),
+        is_causal=True, implementation="cudnn",
     )  # fmt: skip
     return out_BTNA.astype(q_BTNA.dtype)
 
 
 def placed(attend):
-    """``attend(q_BTNA, k_BTKA, v_BTKA, *whole)`` run on each device's batch rows and
+    """``attend(q_BTNA, k_BTKA, v_BTKA, *extra)`` run on each device's batch rows and
     heads (jax.shard_map over the mesh axes the rules give "batch" and the heads), the
-    whole sequence on each device and ``whole`` (positions) on every device: a kernel
+    whole sequence on each device; of ``extra``, a 1-D array (positions) goes whole to
+    every device and a 2-D one (document starts, B x T) by the rows: a kernel
     (cuDNN's custom call) or a loop of blocks then needs no partitioning by XLA. The
     heads split as the keys' heads do, so each device's query heads find their shared
     key/value heads on the same device. Inside a shard_map over all the mesh's axes, JAX
@@ -480,12 +545,14 @@ def placed(attend):
     check of which values vary then fails. Nothing here communicates between devices,
     so there is nothing for the check to protect."""
 
-    def call(q_BTNA, k_BTKA, v_BTKA, *whole):
+    def call(q_BTNA, k_BTKA, v_BTKA, *extra):
         if jax.sharding.get_abstract_mesh().empty:
-            return attend(q_BTNA, k_BTKA, v_BTKA, *whole)
+            return attend(q_BTNA, k_BTKA, v_BTKA, *extra)
         q_spec = nn.logical_to_mesh_axes(("batch", None, "act_heads", None))
         kv_spec = nn.logical_to_mesh_axes(("batch", None, "act_kv_heads", None))
-        in_specs = (q_spec, kv_spec, kv_spec, *(P() for _ in whole))
+        row_spec = nn.logical_to_mesh_axes(("batch", None))
+        extra_specs = (P() if x.ndim == 1 else row_spec for x in extra)
+        in_specs = (q_spec, kv_spec, kv_spec, *extra_specs)
         # Manual over the axes that split something (the specs' and, under the
         # accumulation's vmap, 'data'), not the others, of size 1: with the check off,
         # shard_map's backward would sum the gradients over them, all-reduces that move
@@ -501,7 +568,7 @@ def placed(attend):
             axis_names=split,
             check_vma=False,
         )
-        return on_each(q_BTNA, k_BTKA, v_BTKA, *whole)
+        return on_each(q_BTNA, k_BTKA, v_BTKA, *extra)
 
     return call
 
@@ -521,9 +588,13 @@ class Attention(nn.Module):
         return self.param(name, init, shape, jnp.float32).astype(self.dtype)
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
+    ) -> jax.Array:
         c = self.config
         D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
+        # RoPE counts from each document's start, if documents are masked
+        rope_positions = positions_T if starts_BT is None else positions_T - starts_BT
         # Column-parallel: each 'tensor' device computes its own heads, whole.
         w_DNA = self.project("query", (D, N, A), ("embed", "heads", "head_dim"), D)
         w_kv = [
@@ -532,13 +603,13 @@ class Attention(nn.Module):
         ]
         q_BTNA = rope(
             jnp.einsum("btd,dna->btna", x_BTD, w_DNA),
-            positions_T,
+            rope_positions,
             c.rope_theta,
             c.rope_scaling,
         )
         k_BTKA = rope(
             jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]),
-            positions_T,
+            rope_positions,
             c.rope_theta,
             c.rope_scaling,
         )
@@ -546,23 +617,28 @@ class Attention(nn.Module):
         q_BTNA = constrain(q_BTNA, ("batch", "act_seq", "act_heads", None))
         k_BTKA = constrain(k_BTKA, ("batch", "act_seq", "act_kv_heads", None))
         v_BTKA = constrain(v_BTKA, ("batch", "act_seq", "act_kv_heads", None))
+        # Document starts, if any: per row, whole along the sequence on each device
+        documents = () if starts_BT is None else (starts_BT,)
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
+            row_spec = nn.logical_to_mesh_axes(("batch", None))
             ring = jax.shard_map(
                 ring_attention,
-                in_specs=(spec, spec, spec, P()),
+                in_specs=(spec, spec, spec, P(), *(row_spec for _ in documents)),
                 out_specs=spec,
                 check_vma=False,
             )
-            out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T)
+            out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
         elif self.attention == "chunked":  # blocks; the mask compares positions
-            chunked = lambda q, k, v, at: chunked_attention(q, k, v, at, at)
-            out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T)
+            chunked = lambda q, k, v, at, *starts: chunked_attention(
+                q, k, v, at, at, BLOCK, *starts, *starts
+            )
+            out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
         elif self.attention == "cudnn":  # positions in order: the lower triangle
-            out_BTNA = placed(cudnn_attention)(q_BTNA, k_BTKA, v_BTKA)
+            out_BTNA = placed(cudnn_attention)(q_BTNA, k_BTKA, v_BTKA, *documents)
         elif self.attention == "xla":  # positions in order; the T x S scores in fp32
             out_BTNA = jax.nn.dot_product_attention(
-                q_BTNA, k_BTKA, v_BTKA, is_causal=True
+                q_BTNA, k_BTKA, v_BTKA, mask=document_mask(starts_BT), is_causal=True
             )
         else:
             raise ValueError(f"attention {self.attention!r}: expected {ATTENTIONS}")
@@ -696,7 +772,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTD: jax.Array, positions_T: jax.Array
+        self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
         c = self.config
         # Each block's input is gathered whole along the sequence (an all-gather where
@@ -707,7 +783,7 @@ class Block(nn.Module):
         attention = Attention(
             c, self.dtype, self.context_parallel, self.attention, name="attention"
         )
-        x_BTD = constrain(x_BTD + attention(h, positions_T), RESIDUAL)
+        x_BTD = constrain(x_BTD + attention(h, positions_T, starts_BT), RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, self.dtype, name="mlp_norm")(x_BTD), WHOLE)
         if c.num_experts:
             y_BTD, aux_loss = Experts(c, self.dtype, name="experts")(h)
@@ -737,6 +813,9 @@ class Transformer(nn.Module):
 
     ``positions_T``: each column's position in the text, if the tokens come in another
     order (layout.py's zigzag for ring attention); by default 0, 1, ..., T-1.
+    ``starts_BT``: each token's document start (document_starts, in the same order as
+    the tokens), to keep attention inside documents and start RoPE at each; by default
+    None, one text per row.
     """
 
     config: ModelConfig
@@ -752,7 +831,12 @@ class Transformer(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None):
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: jax.Array | None = None,
+        starts_BT: jax.Array | None = None,
+    ):
         c = self.config
         embed = nn.Embed(
             c.vocab_size,
@@ -783,7 +867,7 @@ class Transformer(nn.Module):
         )
         x_BTD, aux_losses = layers(
             c, self.dtype, self.context_parallel, self.attention, name="layers"
-        )(x_BTD, positions_T)
+        )(x_BTD, positions_T, starts_BT)
         x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
         if c.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)

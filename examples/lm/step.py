@@ -74,20 +74,27 @@ def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Arra
     return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
 
 
-def make_loss(shardings, mesh, dtype=jnp.float32):
-    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss)."""
+def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
+    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss).
+
+    With ``eod_id``, each document of a row (ending with that token) is attended to and
+    positioned on its own; the loss still counts every next token."""
     sequence = mesh.shape["sequence"]
     specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
 
     def loss(apply_fn, params, tokens_BT):
         inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
         positions_T = np.arange(inputs_BT.shape[1])
+        starts_BT = None
+        if eod_id is not None:  # found in text order, then moved with the tokens
+            starts_BT = model_lib.document_starts(inputs_BT, eod_id)
         if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
             positions_T = zigzag(inputs_BT.shape[1], sequence)
             inputs_BT, targets_BT = (
                 inputs_BT[:, positions_T],
                 targets_BT[:, positions_T],
             )
+            starts_BT = None if starts_BT is None else starts_BT[:, positions_T]
         # Float32 master weights, cast to the compute type here, on each device's
         # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
         # param_dtype does).
@@ -96,19 +103,23 @@ def make_loss(shardings, mesh, dtype=jnp.float32):
             params,
             specs,
         )
-        logits_BTV, aux_loss = apply_fn({"params": params}, inputs_BT, positions_T)
+        logits_BTV, aux_loss = apply_fn(
+            {"params": params}, inputs_BT, positions_T, starts_BT
+        )
         loss = model_lib.cross_entropy(logits_BTV, targets_BT)
         return loss + aux_loss, loss  # the experts' losses train the router
 
     return loss
 
 
-def make_train_step(shardings, mesh, dtype=jnp.float32, grad_accum: int = 1):
+def make_train_step(
+    shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None
+):
     specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
     keep_layout = lambda tree: jax.tree.map(
         jax.lax.with_sharding_constraint, tree, specs
     )
-    loss_fn = make_loss(shardings, mesh, dtype)
+    loss_fn = make_loss(shardings, mesh, dtype, eod_id)
 
     def loss_and_grads(apply_fn, params, tokens_BT):
         """One micro-batch's mean loss and its gradient."""
@@ -166,9 +177,9 @@ def make_train_step(shardings, mesh, dtype=jnp.float32, grad_accum: int = 1):
     )
 
 
-def make_eval_step(shardings, mesh, dtype=jnp.float32):
+def make_eval_step(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     """The held-out loss of a batch: the training loss, without gradients."""
-    loss_fn = make_loss(shardings, mesh, dtype)
+    loss_fn = make_loss(shardings, mesh, dtype, eod_id)
     return jax.jit(
         lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
         in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),

@@ -162,6 +162,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--data-dtype", choices=sorted(data.BIN_DTYPES), help="a .bin's token ids")
     add("--data-weights", help="mix the --data entries: e.g. 0.7,0.3")
     add(
+        "--eod-id",
+        type=int,
+        help="the token that ends each document: attention and positions restart "
+        "after it (document masking); by default a row is one text",
+    )
+    add(
         "--data-dir",
         default="/tmp/jaxdist_lm/data",
         help="where the default corpus's tokens are kept",
@@ -226,6 +232,11 @@ def model_config(args) -> model_lib.ModelConfig:
         )
     if args.capacity_factor <= 0 or args.group_size < 1:
         raise SystemExit("--capacity-factor and --group-size must be positive")
+    if args.eod_id is not None and not 0 <= args.eod_id < config.vocab_size:
+        raise SystemExit(
+            f"--eod-id {args.eod_id} is not a token id: the vocabulary has "
+            f"{config.vocab_size} (0 to {config.vocab_size - 1})"
+        )
     return dataclasses.replace(
         config,
         num_experts=args.experts,
@@ -251,7 +262,7 @@ def make_evaluation(args, mesh, shapes, rows: slice, source: data.TokenRecords):
     if not args.eval_every:
         return None
     shardings = jax.tree.map(lambda s: s.sharding, shapes)
-    eval_step = make_eval_step(shardings, mesh, jnp.dtype(args.dtype))
+    eval_step = make_eval_step(shardings, mesh, jnp.dtype(args.dtype), args.eod_id)
     sharding, shape = (
         NamedSharding(mesh, P(BATCH)),
         (args.global_batch, args.seq_len + 1),
@@ -426,6 +437,7 @@ def setup(args):
         mesh,
         jnp.dtype(args.dtype),
         args.grad_accum,
+        args.eod_id,
     )
     return mesh, model, tx, step, shapes, init
 
