@@ -10,8 +10,11 @@ instructions and collectives, is ``hlo``'s to read.)
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -46,6 +49,30 @@ def compile_fn(fn: Callable, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
     """Compile ``fn`` (jitted if it is not already) for these arguments, without running it."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     return jitted.lower(*args, **kwargs).compile()
+
+
+Result = TypeVar("Result")
+
+
+def compiler_log(compile: Callable[[], Result]) -> tuple[Result, list[str]]:
+    """``compile()``'s result and the lines XLA wrote to the process's standard error
+    meanwhile, such as the SPMD partitioner's warnings. XLA writes them from C++ to file
+    descriptor 2, which a notebook never shows and Python's ``sys.stderr`` never sees:
+    they are read from a temporary file put in its place. The persistent compilation
+    cache is off meanwhile, as a program found there is not compiled, and says nothing."""
+    sys.stderr.flush()
+    saved_fd, cache = os.dup(2), jax.config.jax_enable_compilation_cache
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            jax.config.update("jax_enable_compilation_cache", False)
+            result = compile()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cache)
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        log.seek(0)
+        return result, log.read().splitlines()
 
 
 def stats(compiled: jax.stages.Compiled) -> CompiledStats:

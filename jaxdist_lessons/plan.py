@@ -409,26 +409,24 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
 
 
 def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
-    """The embedding lookup with the table left split: XLA:CPU moves the tokens' activations to
-    the table's fsdp shards and back, and reduces its gradient over the other batch axes."""
+    """The embedding lookup with the table left split: the tokens' activations move to the
+    table's fsdp shards and back, and its gradient is reduced over the other batch axes. With
+    batch replicas (data or expert), the recipe's "rows" lookup (examples/lm/layout.py's
+    ``lookup``): its output laid out as the table first, an all-to-all each way."""
     m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
                         c.size("data"), c.size("tensor"))  # fmt: skip
     B, T, D = run.global_batch, run.seq_len, m.width  # noqa: N806
     rows, table, everything = B // c.batch_ways, F32 * m.vocab_size * D, F32 * B * T * D
     out = [t_ for axis in ("data", "sequence", "expert")
            for t_ in _t("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
-    if d > 1:  # HSDP: the lookup's rows gathered over data, then everywhere
-        out += _t("all-gather", everything / f, c, "data", what="embeddings")
-        out += _t("all-gather", everything, c, "data", "fsdp", what="embeddings")
+    if d > 1:  # HSDP: to the table's layout and back, forward and backward
         return out + _t(
-            "all-to-all", everything / (d * f), c, "fsdp", what="embeddings"
+            "all-to-all", 2 * everything / (d * f), c, "fsdp", what="embeddings"
         )
     if e > 1:
-        out += _t("all-to-all", everything / (f * e), c, "fsdp", what="embeddings")
-        out += _t("all-gather", everything / f, c, "expert", what="embeddings")
-        out += _t("all-gather", everything, c, "fsdp", "expert", what="embeddings")
+        out += _t("all-to-all", 2 * everything / (f * e), c, "fsdp", what="embeddings")
         return out + _t(
-            "collective-permute", F32 * rows * T * D, c, "expert", what="embeddings"
+            "collective-permute", 2 * F32 * rows * T * D, c, "expert", what="embeddings"
         )
     out += _t("all-to-all", everything / f, c, "fsdp", what="embeddings")
     out += _t("all-to-all", everything / (f * s * t), c, "fsdp", what="embeddings")
@@ -446,21 +444,14 @@ def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
 
 def table_moves(run: Run, c: Candidate) -> list[Transfer]:
     """The embedding lookup in a gathered table: the table gathered over fsdp and its gradient
-    all-reduced whole (on a small model with a data axis, the rows still gathered over data)."""
+    all-reduced whole (with batch replicas, the recipe's "table" lookup)."""
     m, f, d = run.shape, c.size("fsdp"), c.size("data")
-    table, everything = (
-        F32 * m.vocab_size * m.width,
-        F32 * run.global_batch * run.seq_len * m.width,
-    )
+    table = F32 * m.vocab_size * m.width
+    out = _t("all-gather", table, c, "fsdp", what="embedding table")
     if d > 1:
-        rows = _t("all-gather", everything / f, c, "data", what="embeddings")
-        rows += _t("all-to-all", everything / (d * f), c, "fsdp", what="embeddings")
-        if sum(r.bytes for r in rows) > table:
-            rows = _t("all-gather", table, c, "fsdp", what="embedding table")
-        return rows + _t(
+        return out + _t(
             "all-reduce", table, c, "data", "fsdp", what="embedding gradient"
         )
-    out = _t("all-gather", table, c, "fsdp", what="embedding table")
     if c.size("expert") > 1:
         return out + _t(
             "all-reduce", table, c, "fsdp", "expert", what="embedding gradient"
@@ -472,16 +463,18 @@ def table_moves(run: Run, c: Candidate) -> list[Transfer]:
 
 
 def gathers_the_table(run: Run, c: Candidate) -> bool:
-    """Whether XLA:CPU gathers the embedding table for the lookup (``table_moves``) rather than
-    moving activations (``lookup_moves``). Read from compiled programs on both sides of each
-    boundary (tiny, 125m, 8b): with a data axis, when a step has more tokens than the table has
-    rows; with an expert axis, when an fsdp group's share of them is at least as many; with
-    fsdp and sequence axes, when it moves fewer bytes; with a tensor axis, never seen."""
+    """Whether the embedding table is gathered for the lookup (``table_moves``) rather than
+    activations moved (``lookup_moves``). With batch replicas the recipe chooses
+    (examples/lm/layout.py's ``lookup``): with a data axis, the table when each device has at
+    least as many tokens as the table has rows; with an expert axis, when an fsdp group's
+    share of a step's tokens is. Elsewhere XLA:CPU chooses, as read from compiled programs on
+    both sides of each boundary (tiny, 125m, 8b): with fsdp and sequence axes, the table when
+    it moves fewer bytes; with a tensor axis, never seen."""
     tokens, vocab = run.global_batch * run.seq_len, run.shape.vocab_size
     if c.size("tensor") > 1:
         return False
     if c.size("data") > 1:
-        return tokens > vocab
+        return tokens / c.batch_ways >= vocab
     if c.size("expert") > 1:
         return tokens / c.size("fsdp") >= vocab
     cost = lambda moves: sum(move.bytes for move in moves)

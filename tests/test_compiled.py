@@ -95,3 +95,39 @@ def test_instruction_table_shows_a_nested_jit_as_calls_that_xla_inlines():
     ).values
     assert nested[2] > flat[2] and nested[1] > flat[1]  # the calls, lowered
     assert nested[3:] == flat[3:]  # inlined: the same compiled program
+
+
+def test_compiler_log_catches_the_partitioners_warning_and_its_cure():
+    """Rows split over data x fsdp, asked for with the width split over fsdp and the rows
+    whole: XLA's partitioner can only gather the whole array, and says so on standard
+    error, which compiler_log reads; through rows over data and the width over fsdp (an
+    all-to-all over fsdp), it says nothing. The persistent cache stays as it was."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2,
+        devices=jax.devices()[:8],
+    )  # fmt: skip
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    width = NamedSharding(mesh, P(None, None, "fsdp"))
+    x = jax.ShapeDtypeStruct((16, 128, 128), jnp.float32, sharding=rows)
+
+    def reshard(*layouts):
+        def f(x):
+            for layout in layouts:
+                x = jax.lax.with_sharding_constraint(x, layout)
+            return jnp.sin(x)
+
+        jitted = jax.jit(f, out_shardings=width)
+        return lambda: jitted.lower(x).compile()
+
+    cache = jax.config.jax_enable_compilation_cache
+    program, log = compiled.compiler_log(reshard(rows, width))
+    assert isinstance(program, jax.stages.Compiled)
+    [warning] = [line for line in log if "Involuntary full rematerialization" in line]
+    assert "cannot go from sharding {devices=[8,1,1]<=[8]}" in warning
+    assert jax.config.jax_enable_compilation_cache == cache
+    by_data = NamedSharding(mesh, P("data", None, "fsdp"))
+    program, log = compiled.compiler_log(reshard(rows, by_data, width))
+    assert not [line for line in log if "rematerialization" in line]
+    assert "all-to-all" in program.as_text()

@@ -208,9 +208,15 @@ def test_ring_and_expert_bytes_match_the_formulas():
     ring = compiled_collectives("data=2,sequence=4")
     n, rows, tokens = 4, B // 2, T // 4
     assert ring["collective-permute"] == L * 3 * (n - 1) * 2 * rows * tokens * K * A * 4
-    # XLA reduces these gradients in two all-reduces, over 'sequence' and then over 'data'
-    # (measured 10,494,984 B: twice the 5,247,492 B of data=8's one all-reduce).
-    assert ring["all-reduce"] == 2 * compiled_collectives("data=8")["all-reduce"]
+    # XLA reduces the gradients in two all-reduces, over 'sequence' and then over 'data',
+    # twice the 5,247,492 B of data=8's one all-reduce, but for the embedding table's
+    # (V x D x 4 B): the lookup's output is laid out as the table (model.LOOKUP, rows
+    # over 'data' only), so it is gathered over 'sequence' (B/2 x T x D x 4 B) and the
+    # table's gradient reduced over 'data' alone. Measured 9,446,408 and 524,288 B.
+    table = c.vocab_size * c.width * 4
+    data8 = compiled_collectives("data=8")["all-reduce"]
+    assert ring["all-reduce"] == 2 * data8 - table
+    assert ring["all-gather"] == rows * T * c.width * 4
     # Experts over expert=4, batch over data=2 x expert=4: each device's E x C slots of its
     # B/8 rows (one group of 128 tokens; C = 2 x 128 x 2 / 4 = 128) go out to the experts'
     # devices and come back: two all-to-alls a pass. Measured 12,582,912 B.

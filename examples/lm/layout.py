@@ -21,9 +21,10 @@ BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 # the experts. Activations: the batch over data, fsdp and expert (experts aside,
 # 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
 # and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
-# tokens by expert, not by row.
+# tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
 RULES = (
     ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
+    ("lookup_batch", ("data", "expert")),
     ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
     ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
@@ -101,6 +102,26 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
         raise SystemExit(
             f"--seq-len {args.seq_len} does not split over tensor={tensor}"
         )
+
+
+def lookup(config: model_lib.ModelConfig, mesh, args) -> str:
+    """How the model looks its tokens up (its ``lookup``). Without batch replicas
+    ('data' or 'expert'), or with nothing else, as XLA likes ("xla"): its partitioner
+    needs no help there.
+    With them, "rows" (the activations move to the table's shards and back) unless the
+    table moves fewer bytes: with 'data', when each device has at least as many tokens
+    as the table has rows; with 'expert', when an fsdp group's share of a step's tokens
+    is (read from compiled programs of 1 to 8B models). With the vocabulary split over
+    'tensor', "rows" always."""
+    data, expert, fsdp = mesh.shape["data"], mesh.shape["expert"], mesh.shape["fsdp"]
+    if data * expert == 1 or fsdp * mesh.shape["sequence"] * mesh.shape["tensor"] == 1:
+        return "xla"  # no replicas, or nothing but replicas: each device looks up alone
+    tokens = args.global_batch * args.seq_len
+    if data > 1:
+        table = tokens / (data * fsdp * expert) >= config.vocab_size
+    else:
+        table = tokens / fsdp >= config.vocab_size
+    return "table" if table and mesh.shape["tensor"] == 1 else "rows"
 
 
 def without(axis: str, rules=RULES) -> tuple:

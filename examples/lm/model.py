@@ -762,6 +762,10 @@ class Experts(nn.Module):
 # and reduce-scatters).
 RESIDUAL = ("batch", "act_seq_residual", "act_embed")
 WHOLE = ("batch", "act_seq", "act_embed")
+# The embedding lookup's output as the table lies: the rows over the batch's replicas
+# ("lookup_batch": 'data' and 'expert'), the width as the table splits it ("embed").
+LOOKUP = ("lookup_batch", None, "embed")
+LOOKUPS = ("xla", "rows", "table")
 
 
 class Block(nn.Module):
@@ -829,6 +833,16 @@ class Transformer(nn.Module):
     # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "chunked": blocks of an
     # online softmax in plain JAX, memory linear in the sequence.
     attention: str = "xla"
+    # The embedding lookup, one of LOOKUPS (layout.lookup says which). On a mesh whose
+    # batch has replicas ('data' or 'expert'), left to XLA ("xla"), the lookup's
+    # gradient asks XLA's partitioner to go from rows split over all devices to the
+    # width split over 'fsdp' and rows whole, which it can only do by gathering the
+    # whole array ("Involuntary full rematerialization"). "rows": the lookup's output is
+    # laid out as the table (LOOKUP) before the residual's layout, so the activations
+    # move to the table's shards and back in all-to-alls. "table": the table is
+    # gathered over 'fsdp' first (as FSDP gathers a layer), so the tokens are looked up
+    # where they are.
+    lookup: str = "xla"
 
     @nn.compact
     def __call__(
@@ -848,7 +862,16 @@ class Transformer(nn.Module):
             ),
             name="embed",
         )
-        x_BTD = constrain(embed(tokens_BT), RESIDUAL)
+        if self.lookup == "table":
+            table_VD = constrain(embed.embedding, ("vocab", None))
+            x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
+        elif self.lookup in ("rows", "xla"):
+            x_BTD = embed(tokens_BT)
+        else:
+            raise ValueError(f"lookup {self.lookup!r}: expected one of {LOOKUPS}")
+        if self.lookup == "rows":
+            x_BTD = constrain(x_BTD, LOOKUP)
+        x_BTD = constrain(x_BTD, RESIDUAL)
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
         block = Block

@@ -12,7 +12,8 @@
 This file parses the command line, sets up and runs the loop. Beside it: model.py (the
 decoder), data.py (tokens read in place, with Grain), layout.py (the mesh, the rules),
 step.py (the loss, gradients, accumulation, AdamW), resilience.py (preemption, the step
-deadline, checkpoints), compiled.py (--compile-only) and convert.py (Hugging Face).
+deadline, checkpoints), metrics.py (MFU, the metrics log), compiled.py (--compile-only)
+and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
@@ -25,7 +26,6 @@ catch), naming the processes behind and printing every process's stack.
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -49,9 +49,11 @@ from layout import (  # noqa: E402
     BATCH,
     RULES,
     check_fits,
+    lookup,
     make_mesh,
     process_rows,
 )
+from metrics import PEAK_FLOPS, MetricsLog  # noqa: E402
 from resilience import (  # noqa: E402
     Preemption,
     StepDeadline,
@@ -64,24 +66,6 @@ from step import (  # noqa: E402
     make_optimizer,
     make_train_step,
 )
-
-# Peak dense bf16 flop/s per chip, by the device_kind JAX reports, matched exactly (a
-# near miss, an H100 NVL or an H200 NVL, has other peaks): NVIDIA's datasheets give
-# Tensor Core peaks with sparsity, twice the dense ones; Google's, per TPU chip.
-PEAK_FLOPS = {
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM: 1,979 T with sparsity
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H200": 989e12,  # H200 SXM
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,  # v5p
-    "TPU v5p": 459e12,
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -281,36 +265,6 @@ def make_evaluation(args, mesh, shapes, rows: slice, source: data.TokenRecords):
     return evaluate
 
 
-class MetricsLog:
-    """Each step's numbers, on process 0: a line on the terminal, and with --log-dir a
-    JSON-lines file (metrics.jsonl) and TensorBoard's event files (tensorboardX)."""
-
-    def __init__(self, log_dir: str | None):
-        self.on = jax.process_index() == 0
-        self.file = self.board = None
-        if self.on and log_dir:
-            from tensorboardX import SummaryWriter
-
-            os.makedirs(log_dir, exist_ok=True)
-            self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115
-            self.board = SummaryWriter(log_dir)
-
-    def write(self, step: int, line: str, values: dict[str, float]) -> None:
-        if not self.on:
-            return
-        print(line, flush=True)
-        if self.file:
-            self.file.write(json.dumps({"step": step, **values}) + "\n")
-            self.file.flush()
-            for name, value in values.items():
-                self.board.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-            self.board.close()
-
-
 def train(args, mesh, model, tx, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
     sources = prepare_data(args, model.config.vocab_size)
@@ -428,6 +382,7 @@ def setup(args):
         args.remat,
         context_parallel=mesh.shape["sequence"] > 1,
         attention=attention_kind(args.attention),
+        lookup=lookup(config, mesh, args),
     )
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):

@@ -1,0 +1,57 @@
+"""What a run reports: model-flops utilisation against a chip's peak, by the exact
+device kind, and each step's numbers on the terminal, in a JSON-lines file and in
+TensorBoard's event files.
+"""
+
+import json
+import os
+
+import jax
+
+# Peak dense bf16 flop/s per chip, by the device_kind JAX reports, matched exactly (a
+# near miss, an H100 NVL or an H200 NVL, has other peaks): NVIDIA's datasheets give
+# Tensor Core peaks with sparsity, twice the dense ones; Google's, per TPU chip.
+PEAK_FLOPS = {
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM: 1,979 T with sparsity
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+}
+
+
+class MetricsLog:
+    """Each step's numbers, on process 0: a line on the terminal, and with --log-dir a
+    JSON-lines file (metrics.jsonl) and TensorBoard's event files (tensorboardX)."""
+
+    def __init__(self, log_dir: str | None):
+        self.on = jax.process_index() == 0
+        self.file = self.board = None
+        if self.on and log_dir:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115
+            self.board = SummaryWriter(log_dir)
+
+    def write(self, step: int, line: str, values: dict[str, float]) -> None:
+        if not self.on:
+            return
+        print(line, flush=True)
+        if self.file:
+            self.file.write(json.dumps({"step": step, **values}) + "\n")
+            self.file.flush()
+            for name, value in values.items():
+                self.board.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.board.close()
