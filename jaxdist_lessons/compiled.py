@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as persistent_cache
 
 from jaxdist_lessons import hlo
 from jaxdist_lessons.tables import Table
@@ -64,11 +65,13 @@ def compiler_log(compile: Callable[[], Result]) -> tuple[Result, list[str]]:
     saved_fd, cache = os.dup(2), jax.config.jax_enable_compilation_cache
     with tempfile.TemporaryFile(mode="w+") as log:
         os.dup2(log.fileno(), 2)
-        try:
+        try:  # JAX decides once whether to use the cache, unless told to decide again
             jax.config.update("jax_enable_compilation_cache", False)
+            persistent_cache.reset_cache()
             result = compile()
         finally:
             jax.config.update("jax_enable_compilation_cache", cache)
+            persistent_cache.reset_cache()
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
         log.seek(0)
