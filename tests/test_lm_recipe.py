@@ -291,6 +291,16 @@ def test_bad_meshes_and_batches_say_why():
     fits(
         "--experts", "4", "--group-size", "64", mesh="data=4,sequence=2"
     )  # 2 groups: fits
+    with pytest.raises(
+        SystemExit,
+        match=r"^pipeline=8: the model's 4 layers do not split into 8 stages of",
+    ):
+        fits("--grad-accum", "8", mesh="pipeline=8")
+    with pytest.raises(
+        SystemExit,
+        match=r"^pipeline=2 needs at least 2 micro-batches: set --grad-accum",
+    ):
+        fits(mesh="pipeline=2,data=4")
     args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
     with pytest.raises(SystemExit) as raised:
         train.check_fits(model_lib.PRESETS["tiny"], train.make_mesh("data=8"), args)
@@ -633,6 +643,47 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
     message = "--eod-id 2048 is not a token id: the vocabulary has 2048 (0 to 2047)"
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
         train.model_config(args)
+
+
+PIPELINES = ["pipeline=2,fsdp=2,tensor=2", "pipeline=4,data=2"]
+
+
+def test_a_pipeline_gives_the_steps_of_data_parallelism():
+    """GPipe (pipeline.py) with --grad-accum 4: four micro-batches through 2 stages of 2
+    layers each (fsdp and tensor inside each stage), and through 4 stages of one layer
+    (data inside each): over 10 steps, the losses and gradient norms of data=8 taking
+    the batch at once, in float32, to 1e-4."""
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(10)]
+    mesh, _, _, step, shapes, init = prepared("data=8", 10)
+    expected = steps_on(step, shapes, init, mesh, batches)
+    for spec in PIPELINES:
+        args = train.parse_args(
+            [*COMMON, "--mesh", spec, "--steps", "10", "--grad-accum", "4"]
+        )
+        mesh, _, _, step, shapes, init = train.setup(args)
+        layers = shapes.params["layers"]["attention"]["query"]
+        assert layers.sharding.spec[0] == "pipeline", layers.sharding  # split in stages
+        np.testing.assert_allclose(
+            steps_on(step, shapes, init, mesh, batches), expected, rtol=1e-4,
+            err_msg=spec,
+        )  # fmt: skip
+
+
+def test_a_pipeline_checkpoint_resumes_on_another_mesh(dirs, long_run, tmp_path):
+    """10 steps on pipeline=2,data=2,tensor=2 (--grad-accum 2) print SPEC's losses and
+    save; data=8 resumes from that checkpoint (Orbax puts each stage's layers on every
+    device) and prints the uninterrupted run's losses for steps 11-13."""
+    spec = "pipeline=2,data=2,tensor=2"
+    piped = run_in_process(
+        dirs, spec, 10, checkpoint_dir=tmp_path, extra=("--grad-accum", "2")
+    )
+    first_ten = {s: long_run[s] for s in range(1, 11)}
+    assert losses(piped) == pytest.approx(first_ten, rel=1e-4)
+    resumed = run_in_process(dirs, "data=8", 13, checkpoint_dir=tmp_path)
+    assert f"resumed from step 10 in {tmp_path}" in resumed
+    then = {s: long_run[s] for s in (11, 12, 13)}
+    assert losses(resumed) == pytest.approx(then, rel=1e-4)
 
 
 def test_accumulation_reduces_over_data_once_and_fsdp_per_micro_batch():

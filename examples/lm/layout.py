@@ -12,8 +12,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
-# keys and values).
-AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+# keys and values); 'pipeline' first, the one whose traffic (a stage's activations)
+# crosses nodes best.
+AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 
 # Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
@@ -24,7 +25,7 @@ BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 # tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
 RULES = (
     ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
-    ("lookup_batch", ("data", "expert")),
+    ("lookup_batch", ("data", "expert")), ("layers", "pipeline"),
     ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
     ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
@@ -87,6 +88,17 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             )
     if args.grad_accum < 1:
         raise SystemExit(f"--grad-accum {args.grad_accum} must be 1 or more")
+    stages = mesh.shape["pipeline"]
+    if config.num_layers % stages:
+        raise SystemExit(
+            f"pipeline={stages}: the model's {config.num_layers} layers do not split "
+            f"into {stages} stages of equal depth"
+        )
+    if stages > 1 and args.grad_accum < stages:
+        raise SystemExit(
+            f"pipeline={stages} needs at least {stages} micro-batches: set --grad-accum "
+            f"to {stages} or more (more micro-batches, a smaller bubble)"
+        )
     if args.global_batch % batch_ways:
         raise SystemExit(
             f"--global-batch {args.global_batch} does not split over data x fsdp "

@@ -561,6 +561,7 @@ def placed(attend):
         named = {a for spec in (q_spec, kv_spec) for part in spec if part
                  for a in ((part,) if isinstance(part, str) else part)}  # fmt: skip
         split = named | {a for a, size in mesh.shape.items() if size > 1}
+        split -= set(mesh.manual_axes)  # inside a pipeline stage: 'pipeline' already
         on_each = jax.shard_map(
             attend,
             in_specs=in_specs,
@@ -622,10 +623,12 @@ class Attention(nn.Module):
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             row_spec = nn.logical_to_mesh_axes(("batch", None))
+            mesh = jax.sharding.get_abstract_mesh()
             ring = jax.shard_map(
                 ring_attention,
                 in_specs=(spec, spec, spec, P(), *(row_spec for _ in documents)),
                 out_specs=spec,
+                axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
                 check_vma=False,
             )
             out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
@@ -844,15 +847,9 @@ class Transformer(nn.Module):
     # where they are.
     lookup: str = "xla"
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens_BT: jax.Array,
-        positions_T: jax.Array | None = None,
-        starts_BT: jax.Array | None = None,
-    ):
+    def setup(self):
         c = self.config
-        embed = nn.Embed(
+        self.embed = nn.Embed(
             c.vocab_size,
             c.width,
             dtype=self.dtype,
@@ -860,26 +857,13 @@ class Transformer(nn.Module):
             embedding_init=weight(
                 nn.initializers.normal(embedding_stddev(c)), ("vocab", "embed")
             ),
-            name="embed",
         )
-        if self.lookup == "table":
-            table_VD = constrain(embed.embedding, ("vocab", None))
-            x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
-        elif self.lookup in ("rows", "xla"):
-            x_BTD = embed(tokens_BT)
-        else:
-            raise ValueError(f"lookup {self.lookup!r}: expected one of {LOOKUPS}")
-        if self.lookup == "rows":
-            x_BTD = constrain(x_BTD, LOOKUP)
-        x_BTD = constrain(x_BTD, RESIDUAL)
-        if positions_T is None:
-            positions_T = jnp.arange(tokens_BT.shape[1])
         block = Block
         if self.remat != "none":
             block = nn.remat(
                 Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False
             )
-        layers = nn.scan(
+        self.layers = nn.scan(
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
@@ -887,28 +871,61 @@ class Transformer(nn.Module):
             length=c.num_layers,
             unroll=self.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x_BTD, aux_losses = layers(
-            c, self.dtype, self.context_parallel, self.attention, name="layers"
-        )(x_BTD, positions_T, starts_BT)
-        x_BTD = RMSNorm(c.norm_eps, self.dtype, name="final_norm")(x_BTD)
-        if c.tie_embeddings:
-            logits_BTV = embed.attend(x_BTD)
-        else:
-            logits_BTV = nn.Dense(
+        )(c, self.dtype, self.context_parallel, self.attention)
+        self.final_norm = RMSNorm(c.norm_eps, self.dtype)
+        if not c.tie_embeddings:
+            self.unembed = nn.Dense(
                 c.vocab_size,
                 use_bias=False,
                 dtype=self.dtype,
                 param_dtype=jnp.float32,
-                name="unembed",
                 kernel_init=weight(
                     nn.initializers.normal(c.width**-0.5), ("embed", "vocab")
                 ),
-            )(x_BTD)
-        # Vocabulary-parallel logits: no device holds a row of all V logits.
-        return constrain(
-            logits_BTV, ("batch", "act_seq", "act_vocab")
-        ), aux_losses.sum()
+            )
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: jax.Array | None = None,
+        starts_BT: jax.Array | None = None,
+    ):
+        if positions_T is None:
+            positions_T = jnp.arange(tokens_BT.shape[1])
+        x_BTD = self.embed_tokens(tokens_BT)
+        x_BTD, aux_loss = self.run_layers(x_BTD, positions_T, starts_BT)
+        return self.logits(x_BTD), aux_loss
+
+    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+        """Token ids -> the residual stream's first values, in its layout."""
+        if self.lookup == "table":
+            table_VD = constrain(self.embed.embedding, ("vocab", None))
+            x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
+        elif self.lookup in ("rows", "xla"):
+            x_BTD = self.embed(tokens_BT)
+        else:
+            raise ValueError(f"lookup {self.lookup!r}: expected one of {LOOKUPS}")
+        if self.lookup == "rows":
+            x_BTD = constrain(x_BTD, LOOKUP)
+        return constrain(x_BTD, RESIDUAL)
+
+    def run_layers(
+        self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The residual stream through every layer (config.num_layers of them: a
+        pipeline stage's model has its stage's count) -> (it, the experts' losses)."""
+        x_BTD, aux_losses = self.layers(x_BTD, positions_T, starts_BT)
+        return x_BTD, aux_losses.sum()
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """The final norm and the output projection: vocabulary-parallel logits, so
+        that no device holds a row of all V logits."""
+        x_BTD = self.final_norm(x_BTD)
+        if self.config.tie_embeddings:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            logits_BTV = self.unembed(x_BTD)
+        return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

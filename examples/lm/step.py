@@ -2,12 +2,15 @@
 its gradient over one batch or over --grad-accum micro-batches; the held-out loss.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import model as model_lib
 import numpy as np
 import optax
+import pipeline
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -69,20 +72,19 @@ def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Arra
     the batch, so each micro-batch takes B / (K x devices) rows from every device and
     no row moves (a block split would put micro-batch 0 on the first devices alone).
     """
-    B, T = tokens_BT.shape  # noqa: N806
-    micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, T).swapaxes(0, 1)
+    B, *rest = tokens_BT.shape  # noqa: N806  (rest: T, or T x D for activations)
+    micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, *rest).swapaxes(0, 1)
     return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
 
 
-def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
-    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss).
-
-    With ``eod_id``, each document of a row (ending with that token) is attended to and
-    positioned on its own; the loss still counts every next token."""
+def make_inputs(mesh, eod_id: int | None = None):
+    """tokens_BT -> (inputs_BT, targets_BT, positions_T, starts_BT): the model's inputs
+    and the next tokens, in ring attention's zigzag order if there is a 'sequence'
+    axis. With ``eod_id``, each document of a row (ending with that token) is attended
+    to and positioned on its own (starts_BT); else starts_BT is None."""
     sequence = mesh.shape["sequence"]
-    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
 
-    def loss(apply_fn, params, tokens_BT):
+    def inputs(tokens_BT):
         inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
         positions_T = np.arange(inputs_BT.shape[1])
         starts_BT = None
@@ -95,14 +97,32 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
                 targets_BT[:, positions_T],
             )
             starts_BT = None if starts_BT is None else starts_BT[:, positions_T]
-        # Float32 master weights, cast to the compute type here, on each device's
-        # shard: FSDP then gathers bfloat16 weights, half the bytes (as FSDP2's
-        # param_dtype does).
-        params = jax.tree.map(
-            lambda p, spec: jax.lax.with_sharding_constraint(p.astype(dtype), spec),
-            params,
-            specs,
-        )
+        return inputs_BT, targets_BT, positions_T, starts_BT
+
+    return inputs
+
+
+def cast(params, shardings, dtype):
+    """Float32 master weights, cast to the compute type on each device's shard: FSDP
+    then gathers bfloat16 weights, half the bytes (as FSDP2's param_dtype does)."""
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
+    return jax.tree.map(
+        lambda p, spec: jax.lax.with_sharding_constraint(p.astype(dtype), spec),
+        params,
+        specs,
+    )
+
+
+def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
+    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss).
+
+    With ``eod_id``, each document of a row (ending with that token) is attended to and
+    positioned on its own; the loss still counts every next token."""
+    prepare = make_inputs(mesh, eod_id)
+
+    def loss(apply_fn, params, tokens_BT):
+        inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
+        params = cast(params, shardings, dtype)
         logits_BTV, aux_loss = apply_fn(
             {"params": params}, inputs_BT, positions_T, starts_BT
         )
@@ -112,14 +132,72 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     return loss
 
 
-def make_train_step(
-    shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None
+def make_pipeline_loss(
+    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
 ):
+    """make_loss's loss, its layers run as a pipeline over the 'pipeline' axis (GPipe,
+    pipeline.py) in ``microbatches`` micro-batches; the embedding on every stage, the
+    final norm and output projection on the last."""
+    prepare = make_inputs(mesh, eod_id)
+    stages = mesh.shape["pipeline"]
+    config = model.config
+    stage_model = model.clone(
+        config=dataclasses.replace(config, num_layers=config.num_layers // stages)
+    )
+    layer_specs = {  # the layers split into stages; the rest whole on every stage
+        name: jax.tree.map(lambda _, spec=P("pipeline" if name == "layers" else None):
+                           spec, tree)
+        for name, tree in shardings.params.items()
+    }  # fmt: skip
+
+    def stage(params, x_BTD, micro):
+        _, positions_T, starts_BT = micro
+        return stage_model.apply(
+            {"params": {"layers": params["layers"]}}, x_BTD, positions_T, starts_BT,
+            method="run_layers",
+        )  # fmt: skip
+
+    def last(params, x_BTD, micro):
+        targets_BT = micro[0]
+        head = {name: tree for name, tree in params.items() if name != "layers"}
+        logits_BTV = model.apply({"params": head}, x_BTD, method="logits")
+        return model_lib.cross_entropy(logits_BTV, targets_BT)
+
+    def loss(apply_fn, params, tokens_BT):
+        inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
+        params = cast(params, shardings, dtype)
+        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
+        split = lambda a: micro_batches(a, microbatches, BATCH)
+        x_MBTD = split(x_BTD)
+        positions = jnp.broadcast_to(positions_T, (microbatches, *positions_T.shape))
+        starts = None if starts_BT is None else split(starts_BT)
+        per_micro = (split(targets_BT), positions, starts)
+        loss, aux_loss = pipeline.gpipe(
+            stage, last, params, layer_specs, x_MBTD, per_micro
+        )
+        return loss + aux_loss, loss
+
+    return loss
+
+
+def make_train_step(
+    shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None,
+    model=None,
+):  # fmt: skip
+    """The jitted training step. With a 'pipeline' axis (``model`` given), the
+    --grad-accum micro-batches go through the pipeline's stages one after another."""
     specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
     keep_layout = lambda tree: jax.tree.map(
         jax.lax.with_sharding_constraint, tree, specs
     )
-    loss_fn = make_loss(shardings, mesh, dtype, eod_id)
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        loss_fn = make_pipeline_loss(
+            model, shardings, mesh, dtype, eod_id, microbatches=grad_accum
+        )
+        grad_accum = 1  # the pipeline takes the micro-batches itself
+    else:
+        loss_fn = make_loss(shardings, mesh, dtype, eod_id)
 
     def loss_and_grads(apply_fn, params, tokens_BT):
         """One micro-batch's mean loss and its gradient."""
@@ -177,9 +255,17 @@ def make_train_step(
     )
 
 
-def make_eval_step(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
+def make_eval_step(
+    shardings, mesh, dtype=jnp.float32, eod_id: int | None = None, model=None,
+    microbatches: int = 1,
+):  # fmt: skip
     """The held-out loss of a batch: the training loss, without gradients."""
-    loss_fn = make_loss(shardings, mesh, dtype, eod_id)
+    if mesh.shape["pipeline"] > 1:
+        loss_fn = make_pipeline_loss(
+            model, shardings, mesh, dtype, eod_id, microbatches
+        )
+    else:
+        loss_fn = make_loss(shardings, mesh, dtype, eod_id)
     return jax.jit(
         lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
         in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),

@@ -240,13 +240,15 @@ def prepare_data(args, vocab_size: int) -> list[data.TokenRecords]:
     return data.sources(*where)
 
 
-def make_evaluation(args, mesh, shapes, rows: slice, source: data.TokenRecords):
+def make_evaluation(args, mesh, model, shapes, rows: slice, source: data.TokenRecords):
     """--eval-every: state -> the mean loss over --eval-batches held-out batches,
     placed on the devices once; None without --eval-every."""
     if not args.eval_every:
         return None
     shardings = jax.tree.map(lambda s: s.sharding, shapes)
-    eval_step = make_eval_step(shardings, mesh, jnp.dtype(args.dtype), args.eod_id)
+    eval_step = make_eval_step(
+        shardings, mesh, jnp.dtype(args.dtype), args.eod_id, model, args.grad_accum
+    )
     sharding, shape = (
         NamedSharding(mesh, P(BATCH)),
         (args.global_batch, args.seq_len + 1),
@@ -288,7 +290,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
     log = MetricsLog(args.log_dir)
-    evaluate = make_evaluation(args, mesh, shapes, rows, sources[0])
+    evaluate = make_evaluation(args, mesh, model, shapes, rows, sources[0])
     first = now = int(state.step)  # the one read of the step from the device
     pending, clock = None, time.perf_counter()
 
@@ -393,6 +395,7 @@ def setup(args):
         jnp.dtype(args.dtype),
         args.grad_accum,
         args.eod_id,
+        model,
     )
     return mesh, model, tx, step, shapes, init
 
