@@ -104,3 +104,10 @@ def compile_only(step, shapes, args, mesh) -> None:
         + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
         flush=True,
     )
+    stages, micro = mesh.shape["pipeline"], args.grad_accum
+    if stages > 1:  # GPipe: each stage works M of the M + P - 1 ticks, each way
+        idle = (stages - 1) / (micro + stages - 1)
+        print(
+            f"pipeline: GPipe, {stages} stages x {micro} micro-batches; each stage "
+            f"idle {stages - 1} of {micro + stages - 1} ticks: bubble {idle:.1%}"
+        )

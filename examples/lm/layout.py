@@ -96,8 +96,8 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
         )
     if stages > 1 and args.grad_accum < stages:
         raise SystemExit(
-            f"pipeline={stages} needs at least {stages} micro-batches: set --grad-accum "
-            f"to {stages} or more (more micro-batches, a smaller bubble)"
+            f"pipeline={stages} needs at least {stages} micro-batches: set "
+            f"--grad-accum to {stages} or more (more micro-batches, a smaller bubble)"
         )
     if args.global_batch % batch_ways:
         raise SystemExit(
