@@ -528,6 +528,19 @@ def cudnn_attention(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
     return out_BTNA.astype(q_BTNA.dtype)
 
 
+def manual_axes(*specs: P) -> set[str]:
+    """The mesh axes for a shard_map with these specs to make manual: those the specs
+    name and those that split something (under the accumulation's vmap, 'data'), not
+    the others, of size 1 (with the check off, shard_map's backward would sum the
+    gradients over them: all-reduces that move nothing but that a compiled program
+    still holds), nor those already manual (inside a pipeline stage, 'pipeline')."""
+    mesh = jax.sharding.get_abstract_mesh()
+    named = {a for spec in specs for part in spec if part
+             for a in ((part,) if isinstance(part, str) else part)}  # fmt: skip
+    split = named | {a for a, size in mesh.shape.items() if size > 1}
+    return split - set(mesh.manual_axes)
+
+
 def placed(attend):
     """``attend(q_BTNA, k_BTKA, v_BTKA, *extra)`` run on each device's batch rows and
     heads (jax.shard_map over the mesh axes the rules give "batch" and the heads), the
@@ -553,20 +566,11 @@ def placed(attend):
         row_spec = nn.logical_to_mesh_axes(("batch", None))
         extra_specs = (P() if x.ndim == 1 else row_spec for x in extra)
         in_specs = (q_spec, kv_spec, kv_spec, *extra_specs)
-        # Manual over the axes that split something (the specs' and, under the
-        # accumulation's vmap, 'data'), not the others, of size 1: with the check off,
-        # shard_map's backward would sum the gradients over them, all-reduces that move
-        # nothing but that a compiled program still holds.
-        mesh = jax.sharding.get_abstract_mesh()
-        named = {a for spec in (q_spec, kv_spec) for part in spec if part
-                 for a in ((part,) if isinstance(part, str) else part)}  # fmt: skip
-        split = named | {a for a, size in mesh.shape.items() if size > 1}
-        split -= set(mesh.manual_axes)  # inside a pipeline stage: 'pipeline' already
         on_each = jax.shard_map(
             attend,
             in_specs=in_specs,
             out_specs=q_spec,
-            axis_names=split,
+            axis_names=manual_axes(q_spec, kv_spec),
             check_vma=False,
         )
         return on_each(q_BTNA, k_BTKA, v_BTKA, *extra)
@@ -623,12 +627,11 @@ class Attention(nn.Module):
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             row_spec = nn.logical_to_mesh_axes(("batch", None))
-            mesh = jax.sharding.get_abstract_mesh()
             ring = jax.shard_map(
                 ring_attention,
                 in_specs=(spec, spec, spec, P(), *(row_spec for _ in documents)),
                 out_specs=spec,
-                axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+                axis_names=manual_axes(spec, row_spec),
                 check_vma=False,
             )
             out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
