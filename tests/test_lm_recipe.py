@@ -652,7 +652,7 @@ def test_a_pipeline_gives_the_steps_of_data_parallelism():
     """GPipe (pipeline.py) with --grad-accum 4: four micro-batches through 2 stages of 2
     layers each (fsdp and tensor inside each stage), and through 4 stages of one layer
     (data inside each): over 10 steps, the losses and gradient norms of data=8 taking
-    the batch at once, in float32, to 1e-4."""
+    the batch at once, in float32, to 1e-4. --compile-only prints the bubble, 3 / 7."""
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(10)]
     mesh, _, _, step, shapes, init = prepared("data=8", 10)
@@ -668,6 +668,13 @@ def test_a_pipeline_gives_the_steps_of_data_parallelism():
             steps_on(step, shapes, init, mesh, batches), expected, rtol=1e-4,
             err_msg=spec,
         )  # fmt: skip
+    printed = io.StringIO()  # --compile-only's last line, for the last of them
+    with contextlib.redirect_stdout(printed):
+        lm_compiled.compile_only(step, shapes, args, mesh)
+    assert printed.getvalue().splitlines()[-1] == (
+        "pipeline: GPipe, 4 stages x 4 micro-batches; each stage idle 3 of 7 ticks: "
+        "bubble 42.9%"
+    )
 
 
 def test_a_pipeline_checkpoint_resumes_on_another_mesh(dirs, long_run, tmp_path):
