@@ -144,21 +144,14 @@ def make_pipeline_loss(
     stage_model = model.clone(
         config=dataclasses.replace(config, num_layers=config.num_layers // stages)
     )
-    layer_specs = {  # the layers split into stages; the rest whole on every stage
-        name: jax.tree.map(lambda _, spec=P("pipeline" if name == "layers" else None):
-                           spec, tree)
-        for name, tree in shardings.params.items()
-    }  # fmt: skip
-
-    def stage(params, x_BTD, micro):
-        _, positions_T, starts_BT = micro
-        return stage_model.apply(
-            {"params": {"layers": params["layers"]}}, x_BTD, positions_T, starts_BT,
-            method="run_layers",
-        )  # fmt: skip
+    # The layers split into stages; the rest whole on every stage.
+    layer_specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: P("pipeline") if path[0].key == "layers" else P(),
+        shardings.params,
+    )
 
     def last(params, x_BTD, micro):
-        targets_BT = micro[0]
+        targets_BT, _ = micro
         head = {name: tree for name, tree in params.items() if name != "layers"}
         logits_BTV = model.apply({"params": head}, x_BTD, method="logits")
         return model_lib.cross_entropy(logits_BTV, targets_BT)
@@ -167,17 +160,31 @@ def make_pipeline_loss(
         inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
         params = cast(params, shardings, dtype)
         x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
-        split = lambda a: micro_batches(a, microbatches, BATCH)
-        x_MBTD = split(x_BTD)
-        positions = jnp.broadcast_to(positions_T, (microbatches, *positions_T.shape))
-        starts = None if starts_BT is None else split(starts_BT)
-        per_micro = (split(targets_BT), positions, starts)
+
+        def stage(params, x_BTD, micro):
+            _, starts_BT = micro
+            return stage_model.apply(
+                {"params": {"layers": params["layers"]}}, x_BTD, positions_T,
+                starts_BT, method="run_layers",
+            )  # fmt: skip
+
+        split = lambda a: None if a is None else micro_batches(a, microbatches, BATCH)
+        per_micro = (split(targets_BT), split(starts_BT))
         loss, aux_loss = pipeline.gpipe(
-            stage, last, params, layer_specs, x_MBTD, per_micro
+            stage, last, params, layer_specs, split(x_BTD), per_micro
         )
         return loss + aux_loss, loss
 
     return loss
+
+
+def make_step_loss(
+    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
+):
+    """make_loss's loss, or with a 'pipeline' axis make_pipeline_loss's."""
+    if mesh.shape["pipeline"] > 1:
+        return make_pipeline_loss(model, shardings, mesh, dtype, eod_id, microbatches)
+    return make_loss(shardings, mesh, dtype, eod_id)
 
 
 def make_train_step(
@@ -190,14 +197,9 @@ def make_train_step(
     keep_layout = lambda tree: jax.tree.map(
         jax.lax.with_sharding_constraint, tree, specs
     )
-    stages = mesh.shape["pipeline"]
-    if stages > 1:
-        loss_fn = make_pipeline_loss(
-            model, shardings, mesh, dtype, eod_id, microbatches=grad_accum
-        )
+    loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, grad_accum)
+    if mesh.shape["pipeline"] > 1:
         grad_accum = 1  # the pipeline takes the micro-batches itself
-    else:
-        loss_fn = make_loss(shardings, mesh, dtype, eod_id)
 
     def loss_and_grads(apply_fn, params, tokens_BT):
         """One micro-batch's mean loss and its gradient."""
@@ -260,12 +262,7 @@ def make_eval_step(
     microbatches: int = 1,
 ):  # fmt: skip
     """The held-out loss of a batch: the training loss, without gradients."""
-    if mesh.shape["pipeline"] > 1:
-        loss_fn = make_pipeline_loss(
-            model, shardings, mesh, dtype, eod_id, microbatches
-        )
-    else:
-        loss_fn = make_loss(shardings, mesh, dtype, eod_id)
+    loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, microbatches)
     return jax.jit(
         lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
         in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),
