@@ -24,7 +24,7 @@ writes its backward); ``one_f_one_b_grads`` runs 1F1B with the backward written 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,125 +37,20 @@ from jaxdist_lessons._checks import positive_int
 # JAX-free (bubble.py, for the planner page), re-exported here
 from jaxdist_lessons.bubble import bubble_fraction as bubble_fraction
 
+# The schedule tables are the LM recipe's: schedules.py is a link to
+# examples/lm/schedules.py (a wheel holds a copy of the file), so the recipe and the book
+# run one copy of them.
+from jaxdist_lessons.schedules import Op as Op
+from jaxdist_lessons.schedules import Table as Table
+from jaxdist_lessons.schedules import gpipe_schedule as gpipe_schedule
+from jaxdist_lessons.schedules import idle_fraction as idle_fraction
+from jaxdist_lessons.schedules import in_flight as in_flight
+from jaxdist_lessons.schedules import interleaved_schedule as interleaved_schedule
+from jaxdist_lessons.schedules import one_f_one_b_schedule as one_f_one_b_schedule
+from jaxdist_lessons.schedules import slot_tables
+
 StageFn = Callable[[Any, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
-
-
-class Op(NamedTuple):
-    """One slot of a schedule: ``kind`` ``'F'`` or ``'B'``, of ``micro`` through virtual stage ``stage``."""
-
-    kind: str
-    micro: int
-    stage: int
-
-
-Table = list[list[Op | None]]  # [tick][device]
-
-
-def _simulate(orders: list[list[Op]], num_virtual_stages: int) -> Table:
-    """Run each device's ``orders`` in turn, each op as soon as its input is ready (one tick per op)."""
-    done: dict[tuple[str, int, int], int] = {}  # op -> tick it ran
-    last = num_virtual_stages - 1
-    position = [0] * len(orders)
-    table: Table = []
-    while any(p < len(o) for p, o in zip(position, orders)):
-        tick, row = len(table), []
-        for d, order in enumerate(orders):
-            op = order[position[d]] if position[d] < len(order) else None
-            if op is not None:
-                k, m, s = op
-                need = [("F", m, s - 1)] if k == "F" and s > 0 else []
-                if k == "B":
-                    need = [("F", m, s)] + ([("B", m, s + 1)] if s < last else [])
-                if not all(done.get(n, tick) < tick for n in need):
-                    op = None
-            row.append(op)
-        for d, op in enumerate(row):
-            if op is not None:
-                done[tuple(op)] = tick
-                position[d] += 1
-        table.append(row)
-        if len(table) > 4 * sum(map(len, orders)) + 8:
-            raise RuntimeError("schedule deadlocked")
-    return table
-
-
-def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
-    """GPipe: every device runs all its forwards, then all its backwards."""
-    positive_int("num_stages", num_stages)
-    positive_int("num_microbatches", num_microbatches)
-    M = range(num_microbatches)
-    orders = [
-        [Op("F", m, d) for m in M] + [Op("B", m, d) for m in M]
-        for d in range(num_stages)
-    ]
-    return _simulate(orders, num_stages)
-
-
-def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
-    """1F1B (PipeDream-Flush): ``S - 1 - d`` warm-up forwards on device ``d``, then one forward, one backward."""
-    positive_int("num_stages", num_stages)
-    positive_int("num_microbatches", num_microbatches)
-    orders = []
-    for d in range(num_stages):
-        warmup = min(num_stages - 1 - d, num_microbatches)
-        order = [Op("F", m, d) for m in range(warmup)]
-        for i in range(num_microbatches - warmup):
-            order += [Op("F", warmup + i, d), Op("B", i, d)]
-        order += [
-            Op("B", m, d) for m in range(num_microbatches - warmup, num_microbatches)
-        ]
-        orders.append(order)
-    return _simulate(orders, num_stages)
-
-
-def interleaved_schedule(num_stages: int, num_microbatches: int, virtual: int) -> Table:
-    """Megatron's interleaved 1F1B: device ``d`` holds virtual stages ``d, d + S, ...``; ``M`` a multiple of ``S``."""
-    S, M, v = num_stages, num_microbatches, virtual
-    for name, value in (("num_stages", S), ("num_microbatches", M), ("virtual", v)):
-        positive_int(name, value)
-    if M % S:
-        raise ValueError(
-            f"interleaved 1F1B needs microbatches ({M}) in groups of the stages ({S})"
-        )
-
-    def nth(d: int, i: int, kind: str) -> Op:
-        # The i-th forward runs microbatches in groups of S through chunk 0, then chunk 1, ...
-        group, rest = divmod(i, S * v)
-        chunk, m = divmod(rest, S)
-        if kind == "B":
-            chunk = v - 1 - chunk
-        return Op(kind, group * S + m, chunk * S + d)
-
-    orders = []
-    for d in range(S):
-        total = M * v
-        warmup = min((S - d - 1) * 2 + (v - 1) * S, total)
-        order = [nth(d, i, "F") for i in range(warmup)]
-        for i in range(total - warmup):
-            order += [nth(d, warmup + i, "F"), nth(d, i, "B")]
-        order += [nth(d, i, "B") for i in range(total - warmup, total)]
-        orders.append(order)
-    return _simulate(orders, S * v)
-
-
-def idle_fraction(table: Table) -> float:
-    """The share of (tick, device) slots in a schedule with nothing to do."""
-    slots = [slot for row in table for slot in row]
-    return sum(slot is None for slot in slots) / len(slots)
-
-
-def in_flight(table: Table) -> list[int]:
-    """Per device, the most forwards it holds activations for at once (run, backward not yet run)."""
-    peaks = []
-    for d in range(len(table[0])):
-        live = peak = 0
-        for row in table:
-            if row[d] is not None:
-                live += 1 if row[d].kind == "F" else -1
-                peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
 
 
 def sequential_apply(stage_fn: StageFn, stage_params: Any, x: jax.Array) -> jax.Array:
@@ -387,50 +282,6 @@ def one_f_one_b_grads(
     return jnp.sum(losses), grads
 
 
-def _pooled_tables(
-    table: Table, num_stages: int
-) -> tuple[dict[str, np.ndarray], int, int]:
-    """A schedule of virtual stages as arrays ``[tick, device]``, each input and gradient held in a pool slot.
-
-    Returns the arrays (``kind``, ``micro``, ``chunk``, the ``slot`` and ``gslot`` an op reads,
-    and ``recv_f``/``recv_b``, one more than the slot an arrival fills, 0 for none) and the two
-    pool sizes: the most inputs, and the most gradients, any device holds at once.
-    """
-    S, last = num_stages, max(op.stage for row in table for op in row if op)
-    names = ("kind", "micro", "chunk", "slot", "gslot", "recv_f", "recv_b")
-    a = {k: np.zeros((len(table), S), np.int32) for k in names}
-    held_x: list[dict] = [{} for _ in range(S)]  # per device: (micro, stage) -> slot
-    held_g: list[dict] = [{} for _ in range(S)]
-    pools = [1, 1]
-
-    def take(held: dict, key: tuple[int, int]) -> int:
-        held[key] = min(set(range(len(held) + 1)) - set(held.values()))
-        return held[key]
-
-    for t, row in enumerate(table):
-        for d, op in enumerate(row):  # this tick's ops read (and free) their slots
-            if op is None:
-                continue
-            key = (op.micro, op.stage)
-            a["kind"][t, d], a["micro"][t, d] = (1 if op.kind == "F" else 2), op.micro
-            a["chunk"][t, d] = op.stage // S
-            if op.kind == "F":
-                a["slot"][t, d] = held_x[d][key] if op.stage else take(held_x[d], key)
-            else:
-                a["slot"][t, d] = held_x[d].pop(key)
-                a["gslot"][t, d] = held_g[d].pop(key) if op.stage < last else 0
-        for op in row:  # then what they sent arrives, into free slots
-            if op and op.kind == "F" and op.stage < last:
-                to = (op.stage + 1) % S
-                a["recv_f"][t, to] = take(held_x[to], (op.micro, op.stage + 1)) + 1
-            if op and op.kind == "B" and op.stage > 0:
-                to = (op.stage - 1) % S
-                a["recv_b"][t, to] = take(held_g[to], (op.micro, op.stage - 1)) + 1
-        pools[0] = max(pools[0], *map(len, held_x))
-        pools[1] = max(pools[1], *map(len, held_g))
-    return a, pools[0], pools[1]
-
-
 def interleaved_grads(
     stage_fn: StageFn,
     loss_fn: LossFn,
@@ -461,7 +312,7 @@ def interleaved_grads(
         )
     _check_batch(x, M)
     table = interleaved_schedule(S, M, v)
-    arrays, num_inputs, num_grads = _pooled_tables(table, S)
+    arrays, num_inputs, num_grads = slot_tables(table)
     tabs = {k: jnp.asarray(a) for k, a in arrays.items()}
 
     def chunk_fn(params: Any, x: jax.Array) -> jax.Array:

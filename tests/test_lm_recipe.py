@@ -301,6 +301,25 @@ def test_bad_meshes_and_batches_say_why():
         match=r"^pipeline=2 needs at least 2 micro-batches: set --grad-accum",
     ):
         fits(mesh="pipeline=2,data=4")
+    interleaved = ("--schedule", "interleaved", "--virtual-stages", "2")
+    with pytest.raises(
+        SystemExit,
+        match=r"^pipeline=4: the model's 4 layers do not split into 4 x 2 stages of "
+        r"equal depth$",
+    ):
+        fits("--grad-accum", "4", *interleaved, mesh="pipeline=4,data=2")
+    with pytest.raises(
+        SystemExit,
+        match=r"^--schedule interleaved runs micro-batches in groups of pipeline=2: "
+        r"set --grad-accum to a multiple of 2$",
+    ):
+        fits("--grad-accum", "3", "--global-batch", "24", *interleaved,
+             mesh="pipeline=2,data=4")  # fmt: skip
+    with pytest.raises(
+        SystemExit,
+        match=r"^--virtual-stages 2 needs a pipeline axis and --schedule interleaved$",
+    ):
+        fits("--virtual-stages", "2", "--grad-accum", "2", mesh="pipeline=2,data=4")
     args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
     with pytest.raises(SystemExit) as raised:
         train.check_fits(model_lib.PRESETS["tiny"], train.make_mesh("data=8"), args)
@@ -645,35 +664,74 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
         train.model_config(args)
 
 
-PIPELINES = ["pipeline=2,fsdp=2,tensor=2", "pipeline=4,data=2"]
+PIPELINES = [  # mesh, schedule: each with --grad-accum 4
+    ("pipeline=2,fsdp=2,tensor=2", ["--schedule", "gpipe"]),
+    ("pipeline=2,fsdp=2,tensor=2", ["--schedule", "1f1b"]),
+    ("pipeline=4,data=2", ["--schedule", "1f1b"]),
+]
 
 
 def test_a_pipeline_gives_the_steps_of_data_parallelism():
-    """GPipe (pipeline.py) with --grad-accum 4: four micro-batches through 2 stages of 2
-    layers each (fsdp and tensor inside each stage), and through 4 stages of one layer
-    (data inside each): over 10 steps, the losses and gradient norms of data=8 taking
-    the batch at once, in float32, to 1e-4. --compile-only prints the bubble, 3 / 7."""
+    """--grad-accum 4: four micro-batches through 2 stages of 2 layers each (fsdp and
+    tensor inside each stage) on GPipe and on 1F1B, and through 4 stages of one layer
+    (data inside each) on 1F1B: over 10 steps, the losses and gradient norms of data=8
+    taking the batch at once, in float32, to 1e-4. --compile-only prints the bubble:
+    3 of 7 ticks idle for 4 stages and 4 micro-batches."""
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(10)]
     mesh, _, _, step, shapes, init = prepared("data=8", 10)
     expected = steps_on(step, shapes, init, mesh, batches)
-    for spec in PIPELINES:
-        args = train.parse_args(
-            [*COMMON, "--mesh", spec, "--steps", "10", "--grad-accum", "4"]
-        )
+    for spec, schedule in PIPELINES:
+        flags = [*COMMON, "--mesh", spec, "--steps", "10", "--grad-accum", "4"]
+        args = train.parse_args([*flags, *schedule])
         mesh, _, _, step, shapes, init = train.setup(args)
         layers = shapes.params["layers"]["attention"]["query"]
         assert layers.sharding.spec[0] == "pipeline", layers.sharding  # split in stages
         np.testing.assert_allclose(
             steps_on(step, shapes, init, mesh, batches), expected, rtol=1e-4,
-            err_msg=spec,
+            err_msg=f"{spec} {schedule}",
         )  # fmt: skip
     printed = io.StringIO()  # --compile-only's last line, for the last of them
     with contextlib.redirect_stdout(printed):
         lm_compiled.compile_only(step, shapes, args, mesh)
     assert printed.getvalue().splitlines()[-1] == (
-        "pipeline: GPipe, 4 stages x 4 micro-batches; each stage idle 3 of 7 ticks: "
-        "bubble 42.9%"
+        "pipeline: 1f1b, 4 stages x 4 micro-batches; idle 42.9% of the table's ticks, "
+        "(P - 1) / (V M + P - 1) = 42.9%; at most 4 stage inputs kept per device"
+    )
+
+
+# The tiny preset with 8 layers, as a Hugging Face Llama config.json (--model-config).
+EIGHT_LAYERS = {
+    "vocab_size": 2048, "num_hidden_layers": 8, "hidden_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 384,
+    "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
+    """An 8-layer model (--model-config) on pipeline=4,data=2 with --schedule
+    interleaved --virtual-stages 2: each device runs 2 stages of one layer, on a ring.
+    Over 10 steps of --grad-accum 4, the losses and gradient norms of data=8, to 1e-4.
+    The bubble: 3 of 11 chunk ticks, as (P - 1) / (V M + P - 1) says."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(EIGHT_LAYERS))
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(10)]
+    flags = [*COMMON, "--model-config", str(config), "--steps", "10"]
+    runs = {}
+    for spec, extra in (
+        ("data=8", []),
+        ("pipeline=4,data=2", ["--grad-accum", "4", "--schedule", "interleaved",
+                               "--virtual-stages", "2"]),
+    ):  # fmt: skip
+        args = train.parse_args([*flags, "--mesh", spec, *extra])
+        mesh, _, _, step, shapes, init = train.setup(args)
+        runs[spec] = steps_on(step, shapes, init, mesh, batches)
+    np.testing.assert_allclose(runs["pipeline=4,data=2"], runs["data=8"], rtol=1e-4)
+    assert lm_compiled.bubble_line("interleaved", 4, 4, 2) == (
+        "pipeline: interleaved, 4 x 2 stages x 4 micro-batches; idle 27.3% of the "
+        "table's ticks, (P - 1) / (V M + P - 1) = 27.3%; at most 8 stage inputs "
+        "kept per device"
     )
 
 

@@ -256,7 +256,7 @@ def test_interleaved_equals_the_sequential_loss_and_gradients(
 def test_interleaved_pools_hold_the_schedule_s_in_flight_count(stages, virtual):
     for micro in (stages, 2 * stages, 4 * stages):
         table = pipeline.interleaved_schedule(stages, micro, virtual)
-        _, inputs, grads = pipeline._pooled_tables(table, stages)
+        _, inputs, grads = pipeline.slot_tables(table)
         assert inputs == max(pipeline.in_flight(table))
         assert grads <= stages
 

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import schedules
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import BATCH, RULES
@@ -105,9 +106,20 @@ def compile_only(step, shapes, args, mesh) -> None:
         flush=True,
     )
     stages, micro = mesh.shape["pipeline"], args.grad_accum
-    if stages > 1:  # GPipe: each stage works M of the M + P - 1 ticks, each way
-        idle = (stages - 1) / (micro + stages - 1)
-        print(
-            f"pipeline: GPipe, {stages} stages x {micro} micro-batches; each stage "
-            f"idle {stages - 1} of {micro + stages - 1} ticks: bubble {idle:.1%}"
-        )
+    if stages > 1:
+        print(bubble_line(args.schedule, stages, micro, args.virtual_stages))
+
+
+def bubble_line(name: str, stages: int, micro: int, virtual: int) -> str:
+    """The schedule's idle share, counted on its table (a forward and a backward one
+    tick each), next to the formula (P - 1) / (V M + P - 1)."""
+    virtual = virtual if name == "interleaved" else 1
+    table = schedules.schedule(name, stages, micro, virtual)
+    formula = (stages - 1) / (virtual * micro + stages - 1)
+    cut = f"{stages} stages" if virtual == 1 else f"{stages} x {virtual} stages"
+    return (
+        f"pipeline: {name}, {cut} x {micro} micro-batches; idle "
+        f"{schedules.idle_fraction(table):.1%} of the table's ticks, "
+        f"(P - 1) / (V M + P - 1) = {formula:.1%}; at most "
+        f"{max(schedules.in_flight(table))} stage inputs kept per device"
+    )

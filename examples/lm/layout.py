@@ -25,7 +25,7 @@ BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 # tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
 RULES = (
     ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
-    ("lookup_batch", ("data", "expert")), ("layers", "pipeline"),
+    ("lookup_batch", ("pipeline", "data", "expert")), ("layers", "pipeline"),
     ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
     ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
@@ -89,15 +89,29 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
     if args.grad_accum < 1:
         raise SystemExit(f"--grad-accum {args.grad_accum} must be 1 or more")
     stages = mesh.shape["pipeline"]
-    if config.num_layers % stages:
+    virtual = args.virtual_stages if args.schedule == "interleaved" else 1
+    if args.virtual_stages != 1 and (stages == 1 or args.schedule != "interleaved"):
+        raise SystemExit(
+            f"--virtual-stages {args.virtual_stages} needs a pipeline axis and "
+            "--schedule interleaved"
+        )
+    if virtual < 1:
+        raise SystemExit(f"--virtual-stages {virtual} must be 1 or more")
+    if config.num_layers % (stages * virtual):
+        cut = f"{stages} stages" if virtual == 1 else f"{stages} x {virtual} stages"
         raise SystemExit(
             f"pipeline={stages}: the model's {config.num_layers} layers do not split "
-            f"into {stages} stages of equal depth"
+            f"into {cut} of equal depth"
         )
     if stages > 1 and args.grad_accum < stages:
         raise SystemExit(
             f"pipeline={stages} needs at least {stages} micro-batches: set "
             f"--grad-accum to {stages} or more (more micro-batches, a smaller bubble)"
+        )
+    if stages > 1 and args.schedule == "interleaved" and args.grad_accum % stages:
+        raise SystemExit(
+            f"--schedule interleaved runs micro-batches in groups of pipeline="
+            f"{stages}: set --grad-accum to a multiple of {stages}"
         )
     if args.global_batch % batch_ways:
         raise SystemExit(
@@ -126,6 +140,7 @@ def lookup(config: model_lib.ModelConfig, mesh, args) -> str:
     is (read from compiled programs of 1 to 8B models). With the vocabulary split over
     'tensor', "rows" always."""
     data, expert, fsdp = mesh.shape["data"], mesh.shape["expert"], mesh.shape["fsdp"]
+    data *= mesh.shape["pipeline"]  # the stages, too, each look up the whole batch
     if data * expert == 1 or fsdp * mesh.shape["sequence"] * mesh.shape["tensor"] == 1:
         return "xla"  # no replicas, or nothing but replicas: each device looks up alone
     tokens = args.global_batch * args.seq_len

@@ -769,7 +769,8 @@ class Experts(nn.Module):
 RESIDUAL = ("batch", "act_seq_residual", "act_embed")
 WHOLE = ("batch", "act_seq", "act_embed")
 # The embedding lookup's output as the table lies: the rows over the batch's replicas
-# ("lookup_batch": 'data' and 'expert'), the width as the table splits it ("embed").
+# ("lookup_batch": 'pipeline', 'data' and 'expert'), the width as the table splits it
+# ("embed").
 LOOKUP = ("lookup_batch", None, "embed")
 LOOKUPS = ("xla", "rows", "table")
 

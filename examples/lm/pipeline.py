@@ -1,37 +1,44 @@
-"""Pipeline parallelism over the 'pipeline' mesh axis: GPipe.
+"""Pipeline parallelism over the 'pipeline' mesh axis: GPipe, 1F1B, interleaved 1F1B.
 
-The layers are cut into as many stages as the axis has devices: the rules put the
-stacked layers' leading axis on 'pipeline', so device p of it holds layers
-p·L/P ... (p+1)·L/P - 1. Inside a stage, 'data', 'fsdp' and 'tensor' split the work as
-they do without a pipeline: the stage runs in a jax.shard_map that is manual over
-'pipeline' alone. The batch goes through in M micro-batches (--grad-accum): at tick t,
-stage p works on micro-batch t - p and hands its output to stage p + 1 with one
-ppermute, so M + P - 1 ticks run them all; the last stage turns each output into its
-loss. jax.grad writes the backward, which runs the ticks in reverse (GPipe: Huang et al.
-2019, arXiv:1811.06965): each stage keeps what its M micro-batches' backward needs.
+The layers are cut into stages of equal depth, P x V of them for P devices on the axis
+(V virtual stages per device, interleaved's; else V = 1): device p runs stages p,
+p + P, ... Inside a stage, 'data', 'fsdp' and 'tensor' split the work as they do
+without a pipeline: the stages run in a jax.shard_map that is manual over 'pipeline'
+alone. The batch goes through in M micro-batches (--grad-accum). Each tick every
+device runs what the schedule's table says (schedules.py): the forward of one
+micro-batch through one of its stages, or (1F1B) its backward; one ppermute hands
+activations to the next stage and another hands gradients back.
+
+- gpipe: the forwards only, every stage at tick t on micro-batch t - p; jax.grad writes
+  the backward, which runs the ticks in reverse (GPipe, Huang et al. 2019,
+  arXiv:1811.06965). Each stage keeps what its M micro-batches' backward needs.
+- scheduled: forwards and backwards as 1F1B orders them (PipeDream-Flush, Narayanan et
+  al. 2021, arXiv:2006.09503; interleaved: Megatron-LM, arXiv:2104.04473). A backward
+  recomputes its stage from the input it kept (jax.vjp), so a stage keeps at most P
+  inputs, whatever M: its own backward is written here, not by jax.grad.
 """
 
 import jax
 import jax.numpy as jnp
+import schedules
 from jax.sharding import PartitionSpec as P
 
 AXIS = "pipeline"
 
 
-def gpipe(stage, last, params, layer_specs, x_MBTD, per_micro):
-    """The mean over M micro-batches of ``last``'s loss, and of the stages' auxiliary
+def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
+    """The sums over M micro-batches of ``last``'s loss and of the stages' auxiliary
     losses, computed GPipe's way over the 'pipeline' axis.
 
-    ``stage(params, x_BTD, micro) -> (x_BTD, aux)`` runs one stage's layers, with
-    ``params`` holding this stage's share of them; ``last(params, x_BTD, micro) ->
-    loss`` runs on the last stage only. ``x_MBTD`` is every micro-batch's input to the
-    first stage; ``per_micro`` is a pytree of arrays with a leading M, the micro-batch's
-    own (targets, document starts) given to both. ``layer_specs`` is a pytree like
-    ``params``: P('pipeline') where a leaf is split into stages, P() where every stage
-    holds it whole."""
+    ``stage(layers, x_BTD, micro) -> (x_BTD, aux)`` runs one stage's layers (the
+    leading axis of each of ``layers`` is split into the stages); ``last(rest, x_BTD,
+    micro) -> loss`` runs on the last stage only, with ``rest`` (the weights outside
+    the layers) whole on every stage. ``x_MBTD`` is every micro-batch's input to the
+    first stage; ``per_micro`` is a pytree of arrays with a leading M, the
+    micro-batch's own (targets, document starts) given to both."""
     M = x_MBTD.shape[0]  # noqa: N806
 
-    def per_stage(params, x_MBTD, per_micro):
+    def per_stage(layers, rest, x_MBTD, per_micro):
         P_ = jax.lax.axis_size(AXIS)  # noqa: N806
         index = jax.lax.axis_index(AXIS)
         to_next = [(p, p + 1) for p in range(P_ - 1)]  # the last stage sends nothing
@@ -41,12 +48,12 @@ def gpipe(stage, last, params, layer_specs, x_MBTD, per_micro):
             m = jnp.clip(t - index, 0, M - 1)  # the micro-batch this stage works on
             micro = jax.tree.map(lambda a: a[m], per_micro)
             x_BTD = jnp.where(index == 0, x_MBTD[m], held_BTD)
-            x_BTD, stage_aux = stage(params, x_BTD, micro)
+            x_BTD, stage_aux = stage(layers, x_BTD, micro)
             active = (t >= index) & (t - index < M)
             aux += jnp.where(active, stage_aux, 0.0)
             loss += jax.lax.cond(
                 active & (index == P_ - 1),
-                lambda: last(params, x_BTD, micro).astype(jnp.float32),
+                lambda: last(rest, x_BTD, micro).astype(jnp.float32),
                 lambda: jnp.zeros((), jnp.float32),
             )
             return (jax.lax.ppermute(x_BTD, AXIS, to_next), loss, aux), None
@@ -60,10 +67,125 @@ def gpipe(stage, last, params, layer_specs, x_MBTD, per_micro):
     # are summed outside, so that each gradient reaches the stage that made it once.
     on_stages = jax.shard_map(
         per_stage,
-        in_specs=(layer_specs, P(), P()),
+        in_specs=(P(AXIS), P(), P(), P()),
         out_specs=(P(AXIS), P(AXIS)),
         axis_names={AXIS},
         check_vma=False,
     )
-    loss_P, aux_P = on_stages(params, x_MBTD, per_micro)
-    return loss_P.sum() / M, aux_P.sum() / M
+    loss_P, aux_P = on_stages(layers, rest, x_MBTD, per_micro)
+    return loss_P.sum(), aux_P.sum()
+
+
+def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
+    """Run ``table`` (a 1F1B or interleaved schedule of schedules.py) forward and
+    backward: -> (the sum over micro-batches of ``last``'s loss, of the auxiliary
+    losses, and the gradients of their sum with respect to ``chunks``, ``rest`` and
+    ``x_MBTD``).
+
+    ``chunks`` are the layers' weights as (V, P, L / (P V), ...): stage c P + p is
+    [c, p], run by device p. ``stage``, ``last``, ``rest``, ``x_MBTD`` and ``per_micro``
+    are as in gpipe. Each device holds its stages' inputs, and the gradients it gets
+    back, in pools of slots the table sizes (schedules.slot_tables)."""
+    arrays, num_inputs, num_grads = schedules.slot_tables(table)
+    V, P_ = chunks_shape(chunks)  # noqa: N806
+    last_chunk = V - 1
+    ring = V > 1  # the last device's stage feeds the first device's next one
+    to_next = [(p, (p + 1) % P_) for p in range(P_ if ring else P_ - 1)]
+    to_prev = [(p, (p - 1) % P_) for p in range(1 if not ring else 0, P_)]
+
+    def per_device(chunks, rest, x_MBTD, per_micro):
+        device = jax.lax.axis_index(AXIS)
+        tabs = {k: jnp.asarray(a)[:, device] for k, a in arrays.items()}
+        chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # (V, L / (P V), ...)
+        zero_BTD = jnp.zeros_like(x_MBTD[0])
+        f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+        def forward(carry, m, c, slot, gslot):
+            inputs, grads_in, sums = carry
+            first = (device == 0) & (c == 0)
+            x_BTD = jnp.where(first, x_MBTD[m], inputs[slot])
+            inputs = inputs.at[slot].set(x_BTD)  # kept for the backward
+            micro = jax.tree.map(lambda a: a[m], per_micro)
+            y_BTD, _ = stage(jax.tree.map(lambda a: a[c], chunks), x_BTD, micro)
+            return (inputs, grads_in, sums), y_BTD, zero_BTD
+
+        def backward(carry, m, c, slot, gslot):
+            inputs, grads_in, (g_chunks, g_rest, g_x_MBTD, loss, aux) = carry
+            micro = jax.tree.map(lambda a: a[m], per_micro)
+            mine = jax.tree.map(lambda a: a[c], chunks)
+            (y_BTD, stage_aux), vjp = jax.vjp(  # recompute the stage, then backward
+                lambda w, x: stage(w, x, micro), mine, inputs[slot]
+            )
+
+            def head():  # the last stage: the loss, and its gradient
+                value, (g_head, g_y) = jax.value_and_grad(last, argnums=(0, 1))(
+                    rest, y_BTD, micro
+                )
+                return value.astype(jnp.float32), f32like(g_head), g_y
+
+            def inner():  # any other: the gradient the next stage sent back
+                return jnp.zeros((), jnp.float32), f32(rest), grads_in[gslot]
+
+            is_last = (device == P_ - 1) & (c == last_chunk)
+            value, g_head, g_y = jax.lax.cond(is_last, head, inner)
+            g_mine, g_x = vjp((g_y, jnp.ones_like(stage_aux)))
+            g_chunks = jax.tree.map(
+                lambda s, g: s.at[c].add(g.astype(jnp.float32)), g_chunks, g_mine
+            )
+            g_rest = jax.tree.map(jnp.add, g_rest, g_head)
+            first = (device == 0) & (c == 0)  # the gradient of the first stage's input
+            g_x_MBTD = g_x_MBTD.at[m].add(jnp.where(first, g_x, 0))
+            loss, aux = loss + value, aux + stage_aux.astype(jnp.float32)
+            sums = (g_chunks, g_rest, g_x_MBTD, loss, aux)
+            return (inputs, grads_in, sums), zero_BTD, g_x
+
+        def idle(carry, *op):
+            return carry, zero_BTD, zero_BTD
+
+        def tick(carry, t):
+            op = [tabs[k][t] for k in ("micro", "chunk", "slot", "gslot")]
+            (inputs, grads_in, sums), y_BTD, g_x = jax.lax.switch(
+                tabs["kind"][t], (idle, forward, backward), carry, *op
+            )
+            got_f = jax.lax.ppermute(y_BTD, AXIS, to_next)
+            got_b = jax.lax.ppermute(g_x, AXIS, to_prev)
+            rf, rb = tabs["recv_f"][t] - 1, tabs["recv_b"][t] - 1
+            inputs = jnp.where(rf >= 0, inputs.at[rf].set(got_f), inputs)
+            grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
+            return (inputs, grads_in, sums), None
+
+        def f32like(tree):
+            return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+        pool = lambda n: jnp.zeros((n, *zero_BTD.shape), zero_BTD.dtype)
+        zero = jnp.zeros((), jnp.float32)
+        sums = (f32(chunks), f32(rest), jnp.zeros_like(x_MBTD), zero, zero)
+        start = (pool(num_inputs), pool(num_grads), sums)
+        steps = jnp.arange(len(table))
+        (_, _, (g_chunks, g_rest, g_x_MBTD, loss, aux)), _ = jax.lax.scan(
+            tick, start, steps
+        )
+        # Summed over the stages: the head's gradient is the last device's, the first
+        # stage's input gradient the first device's.
+        g_rest, g_x_MBTD = jax.lax.psum((g_rest, g_x_MBTD), AXIS)
+        g_chunks = jax.tree.map(lambda g: g[:, None], g_chunks)
+        return loss[None], aux[None], g_chunks, g_rest, g_x_MBTD
+
+    # check_vma=False: the devices run different operations each tick (a switch on
+    # the table), and the gradients are summed over the stages by hand.
+    on_devices = jax.shard_map(
+        per_device,
+        in_specs=(P(None, AXIS), P(), P(), P()),
+        out_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P()),
+        axis_names={AXIS},
+        check_vma=False,
+    )
+    loss_P, aux_P, g_chunks, g_rest, g_x_MBTD = on_devices(
+        chunks, rest, x_MBTD, per_micro
+    )
+    return loss_P.sum(), aux_P.sum(), g_chunks, g_rest, g_x_MBTD
+
+
+def chunks_shape(chunks) -> tuple[int, int]:
+    """(V, P) of layers' weights laid out as (V, P, L / (P V), ...)."""
+    return jax.tree.leaves(chunks)[0].shape[:2]

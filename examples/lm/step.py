@@ -11,6 +11,7 @@ import model as model_lib
 import numpy as np
 import optax
 import pipeline
+import schedules
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -132,50 +133,134 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     return loss
 
 
+class Pipeline:
+    """The model cut for the 'pipeline' axis into ``stages`` stages of equal depth
+    (pipeline.py): the embedding before the first, the final norm and the output
+    projection after the last, run by any of pipeline.py's schedules."""
+
+    def __init__(self, model, shardings, mesh, dtype, eod_id, microbatches, stages):
+        self.model, self.shardings, self.dtype = model, shardings, dtype
+        self.prepare = make_inputs(mesh, eod_id)
+        self.microbatches = microbatches
+        config = model.config
+        self.stage_model = model.clone(
+            config=dataclasses.replace(config, num_layers=config.num_layers // stages)
+        )
+
+    def stage(self, positions_T):
+        """stage(layers, x_BTD, micro) -> (x_BTD, the experts' losses)."""
+
+        def run(layers, x_BTD, micro):
+            _, starts_BT = micro
+            return self.stage_model.apply(
+                {"params": {"layers": layers}}, x_BTD, positions_T, starts_BT,
+                method="run_layers",
+            )  # fmt: skip
+
+        return run
+
+    def last(self, rest, x_BTD, micro):
+        """The last stage's loss: the final norm, the output projection, the mean
+        next-token loss of the micro-batch."""
+        targets_BT, _ = micro
+        logits_BTV = self.model.apply({"params": rest}, x_BTD, method="logits")
+        return model_lib.cross_entropy(logits_BTV, targets_BT)
+
+    def split(self, a):
+        """(B, ...) -> (M, B / M, ...), the micro-batches (None stays None)."""
+        return None if a is None else micro_batches(a, self.microbatches, BATCH)
+
+    def inputs(self, apply_fn, params, tokens_BT):
+        """-> (the weights cast, the first stage's input, positions, per micro-batch
+        (targets, document starts))."""
+        inputs_BT, targets_BT, positions_T, starts_BT = self.prepare(tokens_BT)
+        params = cast(params, self.shardings, self.dtype)
+        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
+        per_micro = (self.split(targets_BT), self.split(starts_BT))
+        return params, x_BTD, positions_T, per_micro
+
+
 def make_pipeline_loss(
     model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
 ):
     """make_loss's loss, its layers run as a pipeline over the 'pipeline' axis (GPipe,
     pipeline.py) in ``microbatches`` micro-batches; the embedding on every stage, the
     final norm and output projection on the last."""
-    prepare = make_inputs(mesh, eod_id)
     stages = mesh.shape["pipeline"]
-    config = model.config
-    stage_model = model.clone(
-        config=dataclasses.replace(config, num_layers=config.num_layers // stages)
-    )
-    # The layers split into stages; the rest whole on every stage.
-    layer_specs = jax.tree_util.tree_map_with_path(
-        lambda path, _: P("pipeline") if path[0].key == "layers" else P(),
-        shardings.params,
-    )
-
-    def last(params, x_BTD, micro):
-        targets_BT, _ = micro
-        head = {name: tree for name, tree in params.items() if name != "layers"}
-        logits_BTV = model.apply({"params": head}, x_BTD, method="logits")
-        return model_lib.cross_entropy(logits_BTV, targets_BT)
+    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, stages)
 
     def loss(apply_fn, params, tokens_BT):
-        inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
-        params = cast(params, shardings, dtype)
-        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
-
-        def stage(params, x_BTD, micro):
-            _, starts_BT = micro
-            return stage_model.apply(
-                {"params": {"layers": params["layers"]}}, x_BTD, positions_T,
-                starts_BT, method="run_layers",
-            )  # fmt: skip
-
-        split = lambda a: None if a is None else micro_batches(a, microbatches, BATCH)
-        per_micro = (split(targets_BT), split(starts_BT))
+        params, x_BTD, positions_T, per_micro = pipe.inputs(apply_fn, params, tokens_BT)
+        rest = {name: tree for name, tree in params.items() if name != "layers"}
         loss, aux_loss = pipeline.gpipe(
-            stage, last, params, layer_specs, split(x_BTD), per_micro
-        )
-        return loss + aux_loss, loss
+            pipe.stage(positions_T), pipe.last, params["layers"], rest,
+            pipe.split(x_BTD), per_micro,
+        )  # fmt: skip
+        return (loss + aux_loss) / microbatches, loss / microbatches
 
     return loss
+
+
+def make_pipeline_grads(
+    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1,
+    schedule: str = "1f1b", virtual: int = 1,
+):  # fmt: skip
+    """(apply_fn, params, tokens_BT) -> (the loss, its gradient), the layers run on
+    1F1B or interleaved 1F1B (pipeline.scheduled), which computes the gradients itself.
+
+    Interleaved 1F1B runs stage c P + p on device p: the layers' weights, kept in the
+    model's order (P blocks of layers, so that checkpoints restore on any mesh), are
+    reordered into (V, P, layers per stage) once per step, an all-to-all over
+    'pipeline', and their gradients back."""
+    stages = mesh.shape["pipeline"]
+    cut = stages * virtual
+    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, cut)
+    table = schedules.schedule(schedule, stages, microbatches, virtual)
+    specs = shardings.params["layers"]
+
+    def to_chunks(layers):  # (L, ...) -> (V, P, L / (P V), ...), P over 'pipeline'
+        return jax.tree.map(
+            lambda a, s: jax.lax.with_sharding_constraint(
+                a.reshape(virtual, stages, -1, *a.shape[1:]),
+                P(None, "pipeline", None, *s.spec[1:]),
+            ),
+            layers,
+            specs,
+        )
+
+    def from_chunks(chunks):
+        return jax.tree.map(
+            lambda a, s: jax.lax.with_sharding_constraint(
+                a.reshape(-1, *a.shape[3:]), s.spec
+            ),
+            chunks,
+            specs,
+        )
+
+    def loss_and_grads(apply_fn, params, tokens_BT):
+        def front(params):  # the cast weights and the first stage's input
+            cast_params, x_BTD, positions_T, per_micro = pipe.inputs(
+                apply_fn, params, tokens_BT
+            )
+            return (cast_params, x_BTD), (positions_T, per_micro)
+
+        (cast_params, x_BTD), front_vjp, (positions_T, per_micro) = jax.vjp(
+            front, params, has_aux=True
+        )
+        rest = {name: tree for name, tree in cast_params.items() if name != "layers"}
+        loss, aux_loss, g_chunks, g_rest, g_x_MBTD = pipeline.scheduled(
+            pipe.stage(positions_T), pipe.last, to_chunks(cast_params["layers"]),
+            rest, pipe.split(x_BTD), per_micro, table,
+        )  # fmt: skip
+        g_cast = {**g_rest, "layers": from_chunks(g_chunks)}
+        g_cast = jax.tree.map(lambda g, w: g.astype(w.dtype), g_cast, cast_params)
+        B, *rest_shape = x_BTD.shape  # noqa: N806  (undo micro_batches' split)
+        g_x_BTD = g_x_MBTD.swapaxes(0, 1).reshape(B, *rest_shape)
+        (grads,) = front_vjp((g_cast, g_x_BTD))
+        mean = lambda a: a / microbatches
+        return mean(loss), jax.tree.map(mean, grads)
+
+    return loss_and_grads
 
 
 def make_step_loss(
@@ -189,23 +274,29 @@ def make_step_loss(
 
 def make_train_step(
     shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None,
-    model=None,
+    model=None, schedule: str = "gpipe", virtual: int = 1,
 ):  # fmt: skip
     """The jitted training step. With a 'pipeline' axis (``model`` given), the
-    --grad-accum micro-batches go through the pipeline's stages one after another."""
+    --grad-accum micro-batches go through the pipeline's stages on ``schedule``
+    (GPipe, 1F1B, or interleaved 1F1B with ``virtual`` stages per device)."""
     specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
     keep_layout = lambda tree: jax.tree.map(
         jax.lax.with_sharding_constraint, tree, specs
     )
     loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, grad_accum)
-    if mesh.shape["pipeline"] > 1:
-        grad_accum = 1  # the pipeline takes the micro-batches itself
+    pipelined = mesh.shape["pipeline"] > 1
+    micro, grad_accum = grad_accum, 1 if pipelined else grad_accum  # the pipeline's
 
     def loss_and_grads(apply_fn, params, tokens_BT):
         """One micro-batch's mean loss and its gradient."""
         grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
         (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
         return loss, grads
+
+    if pipelined and schedule != "gpipe":  # 1F1B writes its own backward
+        loss_and_grads = make_pipeline_grads(
+            model, shardings, mesh, dtype, eod_id, micro, schedule, virtual
+        )
 
     def accumulate(apply_fn, params, tokens_BT, batch_axes):
         """The mean loss and gradient over grad_accum micro-batches, one at a time."""

@@ -60,6 +60,7 @@ from resilience import (  # noqa: E402
     checkpoint_manager,
     restore,
 )
+from schedules import SCHEDULES  # noqa: E402
 from step import (  # noqa: E402
     abstract_state,
     make_eval_step,
@@ -117,6 +118,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         help="micro-batches per step: each device computes --global-batch / K "
         "sequences at a time and adds up the gradients",
+    )
+    add(
+        "--schedule",
+        default="1f1b",
+        choices=SCHEDULES,
+        help="with a pipeline axis: gpipe (jax.grad writes the backward; each stage "
+        "keeps all K micro-batches), 1f1b (at most P), interleaved (--virtual-stages "
+        "per device, a smaller bubble)",
+    )
+    add(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="--schedule interleaved: stages per device (the layers cut in P x V)",
     )
     add("--seq-len", type=int, default=128)
     add(
@@ -396,6 +412,8 @@ def setup(args):
         args.grad_accum,
         args.eod_id,
         model,
+        args.schedule,
+        args.virtual_stages,
     )
     return mesh, model, tx, step, shapes, init
 

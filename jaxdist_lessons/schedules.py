@@ -1,0 +1,1 @@
+../examples/lm/schedules.py
