@@ -66,13 +66,16 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
     # check_vma=False: the stages' values differ (the loss is on the last one only), and
     # are summed outside, so that each gradient reaches the stage that made it once.
     on_stages = jax.shard_map(
-        per_stage,
+        lambda layers, rest, x_MBTD, per_micro: per_stage(
+            layers, low(rest, dtype), x_MBTD.astype(dtype), per_micro
+        ),
         in_specs=(P(AXIS), P(), P(), P()),
         out_specs=(P(AXIS), P(AXIS)),
         axis_names={AXIS},
         check_vma=False,
     )
-    loss_P, aux_P = on_stages(layers, rest, x_MBTD, per_micro)
+    dtype = x_MBTD.dtype  # what every stage gets whole goes in float32 (see high)
+    loss_P, aux_P = on_stages(layers, high(rest), high(x_MBTD), per_micro)
     return loss_P.sum(), aux_P.sum()
 
 
@@ -167,7 +170,7 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
         )
         # Summed over the stages: the head's gradient is the last device's, the first
         # stage's input gradient the first device's.
-        g_rest, g_x_MBTD = jax.lax.psum((g_rest, g_x_MBTD), AXIS)
+        g_rest, g_x_MBTD = jax.lax.psum(high((g_rest, g_x_MBTD)), AXIS)
         g_chunks = jax.tree.map(lambda g: g[:, None], g_chunks)
         return loss[None], aux[None], g_chunks, g_rest, g_x_MBTD
 
@@ -183,7 +186,24 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
     loss_P, aux_P, g_chunks, g_rest, g_x_MBTD = on_devices(
         chunks, rest, x_MBTD, per_micro
     )
-    return loss_P.sum(), aux_P.sum(), g_chunks, g_rest, g_x_MBTD
+    return loss_P.sum(), aux_P.sum(), g_chunks, g_rest, g_x_MBTD.astype(x_MBTD.dtype)
+
+
+def high(tree):
+    """bfloat16 leaves as float32: each sum over 'pipeline' runs in float32. XLA:CPU
+    cannot compile a bfloat16 all-reduce that a shard_map's psum writes (or that its
+    transpose writes for an input every stage gets whole): its pass that widens them
+    to float32 aborts on the reduction's copy ("Invalid binary instruction opcode
+    copy", jax 0.10.2)."""
+    return jax.tree.map(
+        lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree
+    )
+
+
+def low(tree, dtype):
+    """high's float32 leaves back in ``dtype``."""
+    back = lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a
+    return jax.tree.map(back, tree)
 
 
 def chunks_shape(chunks) -> tuple[int, int]:
