@@ -170,7 +170,13 @@ class Candidate:
 
     @property
     def runs_in_recipe(self) -> bool:
-        return self.stages == 1 and self.strategy != "ZeRO-1"
+        return self.strategy != "ZeRO-1"
+
+    @property
+    def checked(self) -> bool:
+        """Whether ``--check`` compares this row with the compiled recipe: the predicted
+        bytes and memory of pipelines are not yet the compiled program's."""
+        return self.runs_in_recipe and self.stages == 1
 
     @property
     def mesh_flag(self) -> str:
@@ -260,8 +266,11 @@ def problems(run: Run, c: Candidate) -> list[str]:
         out.append(
             f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages"
         )
-    if c.stages > 1 and (run.global_batch // c.batch_ways) < c.stages:
+    micro = run.global_batch // c.batch_ways  # one sequence per device per microbatch
+    if c.stages > 1 and micro < c.stages:
         out.append(f"fewer sequences per replica than the {c.stages} stages")
+    if c.schedule == "interleaved" and micro % c.stages:
+        out.append(f"{micro} microbatches do not make groups of the {c.stages} stages")
     return out
 
 
@@ -634,6 +643,12 @@ def recipe_flags(run: Run, c: Candidate) -> str:
     if m.num_experts:
         flags += [f"--experts {m.num_experts}", f"--top-k {m.top_k}",
                   f"--capacity-factor {m.capacity_factor:g}", f"--group-size {m.group_size}"]  # fmt: skip
+    if c.stages > 1:  # one sequence per device per microbatch, as step_seconds counts
+        flags[1] = f"--mesh pipeline={c.stages},{c.mesh_flag}"
+        flags += [f"--grad-accum {run.global_batch // c.batch_ways}",
+                  f"--schedule {c.schedule.lower()}"]  # fmt: skip
+        if c.virtual > 1:
+            flags.append(f"--virtual-stages {c.virtual}")
     return " ".join(flags)
 
 
@@ -663,6 +678,7 @@ def row(run: Run, c: Candidate) -> dict[str, Any]:
         "predicted_mfu": time["mfu"],
         "flags": recipe_flags(run, c),
         "runs_in_recipe": c.runs_in_recipe,
+        "checked": c.checked,
     }
 
 
@@ -983,9 +999,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     checks = []
     if args.check:
-        chosen = [r for r in rows if r["runs_in_recipe"]][
-            : args.check_rows
-        ]  # fitting first
+        chosen = [r for r in rows if r["checked"]][: args.check_rows]  # fitting first
         compiled = compile_flags(run.devices, [r["flags"] for r in chosen])
         checks = [compare(r, c) for r, c in zip(chosen, compiled)]
     if args.json:

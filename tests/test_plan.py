@@ -81,13 +81,13 @@ def test_json_has_the_tables_rows():
     } <= strategies
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting rows first
-    for r in (
-        rows
-    ):  # each printed flag line is the row's, n/a where the recipe cannot run it
+    for r in rows:  # each printed flag line is the row's, n/a where the recipe cannot
         assert f"{r['strategy']:<22} {r['flags']}" in printed
-        assert (r["flags"] == "n/a") == (
-            r["strategy"] == "ZeRO-1" or "pipeline" in r["strategy"]
-        )
+        assert (r["flags"] == "n/a") == (r["strategy"] == "ZeRO-1")
+        if "pipeline" in r["strategy"]:  # the recipe's flags for its schedule
+            schedule = r["strategy"].split()[1].lower()
+            assert f"--schedule {schedule}" in r["flags"], r
+            assert "--mesh pipeline=" in r["flags"] and "--grad-accum " in r["flags"]
 
 
 @pytest.mark.parametrize(

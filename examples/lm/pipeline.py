@@ -51,9 +51,11 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
             x_BTD, stage_aux = stage(layers, x_BTD, micro)
             active = (t >= index) & (t - index < M)
             aux += jnp.where(active, stage_aux, 0.0)
+            # The loss recomputed in the backward (jax.checkpoint): else each tick would
+            # keep its float32 logits, B x T x V, until then (at 8B, 2.1 GB a sequence).
             loss += jax.lax.cond(
                 active & (index == P_ - 1),
-                lambda: last(rest, x_BTD, micro).astype(jnp.float32),
+                lambda: jax.checkpoint(last)(rest, x_BTD, micro).astype(jnp.float32),
                 lambda: jnp.zeros((), jnp.float32),
             )
             return (jax.lax.ppermute(x_BTD, AXIS, to_next), loss, aux), None
