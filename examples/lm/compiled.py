@@ -17,7 +17,9 @@ from layout import BATCH, RULES
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Bytes per collective kind in a compiled program, loops times their trip counts.
+    """Bytes per collective kind in a compiled program, loops times their trip counts,
+    a conditional its costliest branch (an upper bound: a pipeline's loop runs a
+    forward or a backward or nothing each tick, and is counted as a backward each).
 
     All-gather: its output; the others: their operand (here, its output too). On a ring
     of n devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
@@ -40,6 +42,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         "u8": 1,
     }
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
+    choices = collections.defaultdict(list)  # computation -> its conditionals' branches
     for line in hlo_text.splitlines():
         if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
             name = header.group(1)
@@ -60,12 +63,16 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
                 calls[name].append(
                     (callee, int(trips.group(1)) if trips and opcode == "while" else 1)
                 )
+            if branches := re.search(r"branch_computations=\{([^}]*)\}", line):
+                choices[name].append(re.findall(r"%([\w.-]+)", branches[1]))
 
     def total(computation: str) -> collections.Counter:
         counts = collections.Counter(own[computation])
         for callee, times in calls.get(computation, []):
             for kind, size in total(callee).items():
                 counts[kind] += times * size
+        for branches in choices.get(computation, []):
+            counts.update(max((total(b) for b in branches), key=lambda c: c.total()))
         return counts
 
     return dict(total(root))
