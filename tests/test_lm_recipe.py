@@ -735,6 +735,22 @@ def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
     )
 
 
+def test_the_8b_pipeline_table_is_current():
+    """book/data/pipeline_memory.json (benchmarks/pipeline_memory.py, chapter 11) is
+    the recipe's: its GPipe and 1F1B rows at 8 micro-batches compile again, on 32
+    simulated devices, to the same argument and temporary bytes and collective bytes
+    (in bfloat16, which XLA:CPU once could not compile for a pipeline)."""
+    from jaxdist_lessons import plan
+
+    table = json.loads((ROOT / "book" / "data" / "pipeline_memory.json").read_text())
+    rows = [r for r in table["rows"] if r["microbatches"] == 8 and
+            r["schedule"] in ("gpipe", "1f1b")]  # fmt: skip
+    compiled = plan.compile_flags(32, [r["flags"] for r in rows], progress=False)
+    for row, result in zip(rows, compiled, strict=True):
+        kept = {k: row[k] for k in ("arguments", "temporaries", "collectives")}
+        assert result == kept, row["schedule"]
+
+
 def test_a_pipeline_checkpoint_resumes_on_another_mesh(dirs, long_run, tmp_path):
     """10 steps on pipeline=2,data=2,tensor=2 (--grad-accum 2) print SPEC's losses and
     save; data=8 resumes from that checkpoint (Orbax puts each stage's layers on every
