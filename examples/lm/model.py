@@ -34,6 +34,7 @@ import json
 import math
 from typing import Any
 
+import dropless
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ class ModelConfig:
         1.25  # an expert's slots per group: ceil(top_k * group_size * factor / E)
     )
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
+    dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
     rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
 
     @property
@@ -687,7 +689,8 @@ class Experts(nn.Module):
     experts' devices and back (all-to-alls). Dispatch and combine are einsums. Returns
     the output and the auxiliary loss: Switch's load balance E * sum_e f_e P_e (Fedus et
     al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss (Zoph et al. 2022,
-    arXiv:2202.08906).
+    arXiv:2202.08906). With config.dispatch "dropless", no capacity: every choice is
+    computed, sorted by expert, in grouped matrix products (dropless_experts).
     """
 
     config: ModelConfig
@@ -731,6 +734,18 @@ class Experts(nn.Module):
             choice_BGRTE.mean((0, 1, 2, 3)) * probs_BGTE.mean((0, 1, 2))
         )
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BGTE, axis=-1) ** 2)
+        aux_loss = BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
+        w_gate_EDF, w_up_EDF = (
+            self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
+            for n in ("gate", "up")
+        )
+        w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
+        if c.dispatch == "dropless":  # every choice, sorted by expert (dropless.py)
+            y_BTD = dropless_experts(
+                x_BTD, experts_BGTR.reshape(B, length, R),
+                gates_BGTR.reshape(B, length, R), w_gate_EDF, w_up_EDF, w_down_EFD,
+            )  # fmt: skip
+            return y_BTD, aux_loss
         # Each device fills its rows' slots, then the slots move to their experts'
         # devices: split by expert instead of by batch row (an all-to-all on 'expert').
         local, routed = (
@@ -742,11 +757,6 @@ class Experts(nn.Module):
             (*local, None),
         )
         x_EBGMD = constrain(x_EBGMD, (*routed, None))
-        w_gate_EDF, w_up_EDF = (
-            self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
-            for n in ("gate", "up")
-        )
-        w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
         h_EBGMF = nn.silu(
             jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_gate_EDF)
         ) * jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_up_EDF)
@@ -759,7 +769,45 @@ class Experts(nn.Module):
         y_BGTD = jnp.einsum(
             "bgtem,ebgmd->bgtd", combine_BGTEM.astype(self.dtype), y_EBGMD
         )
-        return y_BGTD.reshape(x_BTD.shape), BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
+        return y_BGTD.reshape(x_BTD.shape), aux_loss
+
+
+def only(spec: P, axes: set[str]) -> P:
+    """``spec`` naming ``axes`` alone (the others: None)."""
+    keep = lambda part: (
+        (tuple(a for a in part if a in axes) or None)
+        if isinstance(part, tuple)
+        else (part if part in axes else None)
+    )
+    return P(*(keep(part) for part in spec))
+
+
+def dropless_experts(x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Every token's experts, nothing dropped (dropless.py), in a jax.shard_map over
+    the mesh: each device's tokens as the rules split them ("batch", "act_seq"), the
+    weights as they lie ("experts", "embed", "mlp"). Unwrapped outside a mesh."""
+    args = (x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD)
+    if jax.sharding.get_abstract_mesh().empty:
+        return dropless.on_device(*args)
+    names = [("batch", "act_seq", None), ("experts", "embed", "mlp"),
+             ("experts", "mlp", "embed")]  # fmt: skip
+    specs = [nn.logical_to_mesh_axes(n) for n in names]  # tokens, up, down
+    # Manual over the axes that split something; the others left out of the specs, so
+    # that no size-1 axis calls for a collective (check_vma holds the rest to account).
+    sizes = jax.sharding.get_abstract_mesh().shape
+    manual = {a for a in manual_axes(*specs) if sizes[a] > 1}
+    tokens, up, down = (only(spec, manual) for spec in specs)
+    expert_axis, width_axis, mlp_axis = up
+    on_each = jax.shard_map(
+        functools.partial(
+            dropless.on_device, expert_axis=expert_axis, width_axis=width_axis,
+            mlp_axis=mlp_axis,
+        ),
+        in_specs=(tokens, tokens, tokens, up, up, down),
+        out_specs=tokens,
+        axis_names=manual,
+    )  # fmt: skip
+    return on_each(*args)
 
 
 # Between blocks the residual stream is split over the batch and, where the rules map

@@ -46,10 +46,13 @@ def make_optimizer(args) -> optax.GradientTransformation:
 def abstract_state(model, tx, mesh, seq_len: int):
     """The train state's shapes and shardings, from tracing init under the rules."""
 
-    def init(rng):  # the weights are the same whatever the attention (one row: xla's)
-        params = model.clone(context_parallel=False, attention="xla").init(
-            rng, jnp.zeros((1, seq_len), jnp.int32)
-        )["params"]
+    # The weights are the same whatever the attention and the experts' dispatch: traced
+    # for one row, with XLA's attention and the capacity's dispatch.
+    config = dataclasses.replace(model.config, dispatch="capacity")
+
+    def init(rng):
+        plain = model.clone(config=config, context_parallel=False, attention="xla")
+        params = plain.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes

@@ -94,6 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "ceil(top_k x group x factor / experts); experts / top_k: none dropped",
     )
     add(
+        "--dispatch",
+        default="capacity",
+        choices=["capacity", "dropless"],
+        help="capacity: GShard's fixed slots per expert, a choice over them dropped; "
+        "dropless: every choice computed, sorted by expert (grouped matrix products)",
+    )
+    add(
         "--group-size",
         type=int,
         default=512,
@@ -243,6 +250,7 @@ def model_config(args) -> model_lib.ModelConfig:
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,
         group_size=args.group_size,
+        dispatch=args.dispatch,
     )
 
 
