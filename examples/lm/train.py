@@ -402,6 +402,13 @@ def setup(args):
     mesh = make_mesh(args.mesh)
     config = model_config(args)
     check_fits(config, mesh, args)
+    dropless_split = config.dispatch == "dropless" and mesh.shape["expert"] > 1
+    if dropless_split and jax.process_index() == 0:  # once: dropless.py's exchange
+        print(
+            f"dropless experts on expert={mesh.shape['expert']}: all_to_alls of "
+            "worst-case buffers (room for all of a device's choices for every "
+            "device), not jax.lax.ragged_all_to_all"
+        )
     model = model_lib.Transformer(
         config,
         jnp.dtype(args.dtype),
