@@ -73,6 +73,8 @@ class ModelConfig:
     )
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
     dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
+    balance: str = "loss"  # Switch's loss, or "bias": DeepSeek-V3's routing bias
+    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
 
     @property
@@ -703,12 +705,23 @@ class Experts(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
-        B, length, D = x_BTD.shape  # noqa: N806
-        E, R, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
-        T = min(c.group_size, length)  # noqa: N806
-        G = length // T  # noqa: N806
-        M = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
-        x_BGTD = x_BTD.reshape(B, G, T, D)
+        y_BTD, aux_loss = self.routed(x_BTD)
+        if c.shared_experts:  # DeepSeekMoE's shared experts: every token, one MLP
+            wide = dataclasses.replace(c, mlp_width=c.shared_experts * c.mlp_width)
+            y_BTD += MLP(wide, self.dtype, name="shared")(x_BTD)
+        return y_BTD, aux_loss
+
+    def route(self, x_BGTD: jax.Array):
+        """-> (gates, experts, the top-k mask, the auxiliary loss) of each token.
+
+        With config.balance "bias" (DeepSeek-V3's auxiliary-loss-free balance, Liu et
+        al. 2024, arXiv:2412.19437, section 2.1.2), a per-expert bias is added to the
+        scores to choose the experts (not to the gates), and the auxiliary loss holds
+        bias x (load - 1/E) in place of Switch's loss: its gradient, each expert's
+        load above the mean, moves the bias by sign descent (step.make_optimizer):
+        an overloaded expert's bias goes down by --bias-rate each step."""
+        c = self.config
+        D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k  # noqa: N806
         router_DE = self.param(
             "router",
             weight(nn.initializers.normal(D**-0.5), ("embed", None)),
@@ -717,12 +730,35 @@ class Experts(nn.Module):
         )
         logits_BGTE = jnp.einsum("bgtd,de->bgte", x_BGTD.astype(jnp.float32), router_DE)
         probs_BGTE = jax.nn.softmax(logits_BGTE, axis=-1)
-        gates_BGTR, experts_BGTR = jax.lax.top_k(probs_BGTE, R)
-        gates_BGTR /= gates_BGTR.sum(
-            -1, keepdims=True
-        )  # k > 1: a token's gates sum to 1
-        # A slot for each (choice, token): how many earlier pairs chose the same expert.
+        if c.balance == "bias":
+            bias_E = self.param("router_bias", nn.initializers.zeros, (E,), jnp.float32)
+            scores_BGTE = probs_BGTE + jax.lax.stop_gradient(bias_E)
+            _, experts_BGTR = jax.lax.top_k(scores_BGTE, R)
+            gates_BGTR = jnp.take_along_axis(probs_BGTE, experts_BGTR, axis=-1)
+        else:
+            gates_BGTR, experts_BGTR = jax.lax.top_k(probs_BGTE, R)
+        gates_BGTR /= gates_BGTR.sum(-1, keepdims=True)  # k > 1: they sum to 1
         choice_BGRTE = jax.nn.one_hot(experts_BGTR.swapaxes(2, 3), E)
+        load_E = choice_BGRTE.mean((0, 1, 2, 3))  # each expert's share of the choices
+        z_loss = jnp.mean(jax.nn.logsumexp(logits_BGTE, axis=-1) ** 2)
+        if c.balance == "bias":
+            balance = jnp.sum(bias_E * jax.lax.stop_gradient(load_E - 1 / E))
+            return gates_BGTR, experts_BGTR, choice_BGRTE, balance + Z_WEIGHT * z_loss
+        balance = E * jnp.sum(load_E * probs_BGTE.mean((0, 1, 2)))
+        aux_loss = BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
+        return gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss
+
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The routed experts' output, and the auxiliary loss."""
+        c = self.config
+        B, length, D = x_BTD.shape  # noqa: N806
+        E, R, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
+        T = min(c.group_size, length)  # noqa: N806
+        G = length // T  # noqa: N806
+        M = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
+        x_BGTD = x_BTD.reshape(B, G, T, D)
+        gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss = self.route(x_BGTD)
+        # A slot for each (choice, token): how many earlier pairs chose the same expert.
         flat = choice_BGRTE.reshape(B, G, R * T, E)
         slot_BGRT = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, G, R, T)
         slot_BGRTM = jax.nn.one_hot(slot_BGRT.astype(jnp.int32), M)  # all zero: dropped
@@ -730,11 +766,6 @@ class Experts(nn.Module):
         combine_BGTEM = jnp.einsum(
             "bgrte,bgrtm,bgtr->bgtem", choice_BGRTE, slot_BGRTM, gates_BGTR
         )
-        balance = E * jnp.sum(
-            choice_BGRTE.mean((0, 1, 2, 3)) * probs_BGTE.mean((0, 1, 2))
-        )
-        z_loss = jnp.mean(jax.nn.logsumexp(logits_BGTE, axis=-1) ** 2)
-        aux_loss = BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
         w_gate_EDF, w_up_EDF = (
             self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
             for n in ("gate", "up")
@@ -1004,6 +1035,8 @@ def count_params(config: ModelConfig) -> int:
         experts * 3 * c.width * c.mlp_width + 2 * c.width
     )  # gate, up, down; norms
     per_layer += c.width * c.num_experts  # the router
+    per_layer += c.num_experts if c.balance == "bias" else 0  # its bias
+    per_layer += 3 * c.width * c.mlp_width * c.shared_experts  # shared experts
     embeddings = c.vocab_size * c.width * (1 if c.tie_embeddings else 2)
     return c.num_layers * per_layer + embeddings + c.width
 

@@ -35,12 +35,27 @@ def make_optimizer(args) -> optax.GradientTransformation:
 
     # Under jit the gradients are sharded arrays, and clip_by_global_norm sums over all
     # of them: the clipping sees the whole model's norm, whatever the mesh.
-    return optax.chain(
+    adamw = optax.chain(
         optax.clip_by_global_norm(args.clip_norm),
         optax.adamw(
             schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
         ),
     )
+    if getattr(args, "balance", "loss") != "bias":
+        return adamw
+
+    # --balance bias: the experts' routing biases move by sign descent, --bias-rate a
+    # step against their gradient (load - 1/E: model.Experts.route); AdamW the rest.
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: (
+                "bias" if "router_bias" in jax.tree_util.keystr(p) else "adamw"
+            ),
+            params,
+        )
+
+    sign_descent = optax.chain(optax.scale_by_sign(), optax.scale(-args.bias_rate))
+    return optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
 
 
 def abstract_state(model, tx, mesh, seq_len: int):

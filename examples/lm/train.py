@@ -101,6 +101,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "dropless: every choice computed, sorted by expert (grouped matrix products)",
     )
     add(
+        "--balance",
+        default="loss",
+        choices=["loss", "bias"],
+        help="loss: Switch's load-balancing loss; bias: DeepSeek-V3's per-expert "
+        "routing bias, moved by --bias-rate a step toward equal loads (no such loss)",
+    )
+    add("--bias-rate", type=float, default=0.001, help="--balance bias's step")
+    add(
+        "--shared-experts",
+        type=int,
+        default=0,
+        help="experts every token goes through, beside its --top-k (DeepSeekMoE)",
+    )
+    add(
         "--group-size",
         type=int,
         default=512,
@@ -237,6 +251,10 @@ def model_config(args) -> model_lib.ModelConfig:
         raise SystemExit(
             f"--top-k {args.top_k} must be between 1 and --experts {args.experts}"
         )
+    if args.shared_experts < 0 or (args.shared_experts and not args.experts):
+        raise SystemExit("--shared-experts needs --experts, and is 0 or more")
+    if args.balance == "bias" and not args.experts:
+        raise SystemExit("--balance bias balances experts: it needs --experts")
     if args.capacity_factor <= 0 or args.group_size < 1:
         raise SystemExit("--capacity-factor and --group-size must be positive")
     if args.eod_id is not None and not 0 <= args.eod_id < config.vocab_size:
@@ -251,6 +269,8 @@ def model_config(args) -> model_lib.ModelConfig:
         capacity_factor=args.capacity_factor,
         group_size=args.group_size,
         dispatch=args.dispatch,
+        balance=args.balance,
+        shared_experts=args.shared_experts,
     )
 
 
