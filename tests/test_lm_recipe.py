@@ -767,6 +767,34 @@ def test_a_pipeline_checkpoint_resumes_on_another_mesh(dirs, long_run, tmp_path)
     assert losses(resumed) == pytest.approx(then, rel=1e-4)
 
 
+def test_an_offloaded_optimizer_trains_resumes_and_sits_in_host_memory(
+    dirs, long_run, tmp_path
+):
+    """--offload optimizer: 10 steps on fsdp=8 print the losses of the run without it
+    and save; data=8, without offloading, resumes from that checkpoint with the
+    uninterrupted run's losses for steps 11-13. The compiled step places exactly Adam's
+    two moments (each device's shard of every weight, float32) and its two step
+    counters in host memory, memory space 5 of its entry layout."""
+    offload = ("--offload", "optimizer")
+    saved = run_in_process(dirs, "fsdp=8", 10, checkpoint_dir=tmp_path, extra=offload)
+    assert losses(saved) == pytest.approx(
+        {s: long_run[s] for s in range(1, 11)}, rel=1e-4
+    )
+    resumed = run_in_process(dirs, "data=8", 13, checkpoint_dir=tmp_path)
+    assert f"resumed from step 10 in {tmp_path}" in resumed
+    assert losses(resumed) == pytest.approx(
+        {s: long_run[s] for s in (11, 12, 13)}, rel=1e-4
+    )
+    mesh, _, _, step, shapes, _ = prepared("fsdp=8", 10, offload)
+    args = train.parse_args([*COMMON, "--mesh", "fsdp=8", *offload])
+    text = lm_compiled.lower_step(step, shapes, args, mesh).compile().as_text()
+    local = sum(
+        np.prod(s.sharding.shard_shape(s.shape)) * 4
+        for s in jax.tree.leaves(shapes.params)
+    )
+    assert lm_compiled.host_argument_bytes(text) == 2 * local + 2 * 4
+
+
 def test_accumulation_reduces_over_data_once_and_fsdp_per_micro_batch():
     """The compiled step's bytes, tiny at a global batch of 32: on data=8, 4 micro-batches
     send what one batch does (each data replica adds up its own gradients; one all-reduce

@@ -15,6 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import BATCH, RULES
 
+SIZES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
+
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
     """Bytes per collective kind in a compiled program, loops times their trip counts,
@@ -31,16 +33,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         "all-to-all",
         "collective-permute",
     )
-    sizes = {
-        "f32": 4,
-        "bf16": 2,
-        "s32": 4,
-        "u32": 4,
-        "f16": 2,
-        "pred": 1,
-        "s8": 1,
-        "u8": 1,
-    }
+    sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     choices = collections.defaultdict(list)  # computation -> its conditionals' branches
     for line in hlo_text.splitlines():
@@ -78,6 +71,23 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return dict(total(root))
 
 
+def host_argument_bytes(hlo_text: str) -> int:
+    """The bytes of a compiled program's arguments placed in host memory: those whose
+    layout in its entry_computation_layout names memory space 5 (``{1,0:S(5)}``), the
+    host's. XLA:CPU keeps the placement in the program, but its memory_analysis()
+    counts them as device arguments (on a CPU both are the same memory)."""
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
+    if layout is None:
+        return 0
+    return sum(
+        SIZES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        for dtype, dims, space in re.findall(
+            r"(\w+)\[([\d,]*)\]\{[^}]*?(:S\(5\))?\}", layout.group(1)
+        )
+        if space
+    )
+
+
 def lower_step(step, shapes, args, mesh) -> jax.stages.Lowered:
     """The step lowered for the state's shapes and a global batch of tokens' shapes."""
     tokens = jax.ShapeDtypeStruct(
@@ -112,6 +122,13 @@ def compile_only(step, shapes, args, mesh) -> None:
         + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
         flush=True,
     )
+    host = host_argument_bytes(compiled.as_text())
+    if host:  # --offload optimizer
+        print(
+            f"in host memory (the program's memory space 5): arguments "
+            f"{host / 1e9:.3f} GB, moved to the device and back each step; "
+            f"on the device: arguments {(arguments - host) / 1e9:.3f} GB"
+        )
     stages, micro = mesh.shape["pipeline"], args.grad_accum
     if stages > 1:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))

@@ -58,8 +58,9 @@ def make_optimizer(args) -> optax.GradientTransformation:
     return optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
 
 
-def abstract_state(model, tx, mesh, seq_len: int):
-    """The train state's shapes and shardings, from tracing init under the rules."""
+def abstract_state(model, tx, mesh, seq_len: int, offload: str = "none"):
+    """The train state's shapes and shardings, from tracing init under the rules; with
+    ``offload`` "optimizer", Adam's state kept in the host's pinned memory."""
 
     # The weights are the same whatever the attention and the experts' dispatch: traced
     # for one row, with XLA's attention and the capacity's dispatch.
@@ -76,6 +77,9 @@ def abstract_state(model, tx, mesh, seq_len: int):
         lambda x: x.unbox(False) if is_box(x) else x, tree, is_leaf=is_box
     )
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    if offload == "optimizer":  # JAX's memory kinds: the moments live in host memory
+        host = lambda s: s.with_memory_kind("pinned_host")
+        shardings = shardings.replace(opt_state=jax.tree.map(host, shardings.opt_state))
     shapes = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         strip(boxed),
@@ -351,11 +355,24 @@ def make_train_step(
             )(parts_RBT)
         return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
 
+    host_kinds = {s.memory_kind for s in jax.tree.leaves(shardings.opt_state)}
+    in_host = host_kinds == {"pinned_host"}  # abstract_state(offload="optimizer")
+
+    def moved(tree, kind: str):
+        """``tree`` (the optimizer's state) put in memory ``kind``, as laid out."""
+        to = jax.tree.map(lambda s: s.with_memory_kind(kind), shardings.opt_state)
+        return jax.device_put(tree, to)
+
     def train_step(state, tokens_BT):
         step_grads = loss_and_grads if grad_accum == 1 else accumulated
         loss, grads = step_grads(state.apply_fn, state.params, tokens_BT)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return state.apply_gradients(grads=grads), metrics
+        if in_host:  # Adam's moments in for the update, and back out
+            state = state.replace(opt_state=moved(state.opt_state, "device"))
+        state = state.apply_gradients(grads=grads)
+        if in_host:
+            state = state.replace(opt_state=moved(state.opt_state, "pinned_host"))
+        return state, metrics
 
     batch = NamedSharding(mesh, P(BATCH))
     return jax.jit(

@@ -164,6 +164,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
     add(
+        "--offload",
+        default="none",
+        choices=["none", "optimizer"],
+        help="optimizer: keep Adam's moments in the host's pinned memory, moved to "
+        "the device for each update",
+    )
+    add(
         "--attention",
         choices=model_lib.ATTENTIONS,
         help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there); chunked: "
@@ -439,7 +446,7 @@ def setup(args):
     )
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        shapes, init = abstract_state(model, tx, mesh, args.seq_len)
+        shapes, init = abstract_state(model, tx, mesh, args.seq_len, args.offload)
     step = make_train_step(
         jax.tree.map(lambda s: s.sharding, shapes),
         mesh,
