@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,12 +19,22 @@ from jaxdist_lessons import plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import layout  # noqa: E402
 import model as model_lib  # noqa: E402
 import plan_check  # noqa: E402
+import train  # noqa: E402
 
 CHECKED_JSON = ROOT / "book" / "data" / "plan_check.json"
 EXAMPLE = ["--model", "125m", "--devices", "8", "--nodes", "2", "--chip", "h100",
            "--seq-len", "2048", "--global-batch", "16"]  # fmt: skip
+
+
+def assert_the_recipe_takes(flags: str) -> None:
+    """train.py parses ``flags``, and its layout checks pass for the mesh they name."""
+    args = train.parse_args(flags.split())
+    sizes = dict.fromkeys(layout.AXES, 1)
+    sizes.update((a, int(n)) for a, n in (i.split("=") for i in args.mesh.split(",")))
+    layout.check_fits(train.model_config(args), SimpleNamespace(shape=sizes), args)
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
@@ -81,9 +92,10 @@ def test_json_has_the_tables_rows():
     } <= strategies
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting rows first
-    for r in rows:  # each printed flag line is the row's, n/a where the recipe cannot
+    for r in rows:  # each printed flag line is the row's, and the recipe takes it
         assert f"{r['strategy']:<22} {r['flags']}" in printed
-        assert (r["flags"] == "n/a") == (r["strategy"] == "ZeRO-1")
+        assert_the_recipe_takes(r["flags"])
+        assert ("--zero1" in r["flags"]) == (r["strategy"] == "ZeRO-1")
         if "pipeline" in r["strategy"]:  # the recipe's flags for its schedule
             schedule = r["strategy"].split()[1].lower()
             assert f"--schedule {schedule}" in r["flags"], r
@@ -264,3 +276,20 @@ def test_page_json_is_the_tables_cells_or_the_error_line():
     assert shown["usable_bytes"] == plan.USABLE * run.chip.memory_bytes
     bad = [*EXAMPLE[:-1], "0"]
     assert json.loads(plan.page_json(bad)) == {"error": run_main(bad)[2].strip()}
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [["--model", "70b", "--devices", "64", "--nodes", "8", "--chip", "h100",
+      "--seq-len", "4096", "--global-batch", "256"],
+     ["--model", "8b", "--devices", "16", "--nodes", "2", "--chip", "h100",
+      "--seq-len", "8192", "--global-batch", "32"]],
+)  # fmt: skip
+def test_every_ranked_row_has_flags_the_recipe_takes(request_):
+    """Pipelines (with their schedule and micro-batches) and ZeRO-1 included."""
+    status, as_json, _ = run_main([*request_, "--json"])
+    assert status == 0
+    rows = json.loads(as_json)["rows"]
+    assert any("pipeline" in r["strategy"] for r in rows)
+    for r in rows:
+        assert_the_recipe_takes(r["flags"])

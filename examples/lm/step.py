@@ -3,6 +3,7 @@ its gradient over one batch or over --grad-accum micro-batches; the held-out los
 """
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
@@ -58,9 +59,12 @@ def make_optimizer(args) -> optax.GradientTransformation:
     return optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
 
 
-def abstract_state(model, tx, mesh, seq_len: int, offload: str = "none"):
+def abstract_state(
+    model, tx, mesh, seq_len: int, offload: str = "none", zero1: bool = False
+):
     """The train state's shapes and shardings, from tracing init under the rules; with
-    ``offload`` "optimizer", Adam's state kept in the host's pinned memory."""
+    ``offload`` "optimizer", Adam's state kept in the host's pinned memory; with
+    ``zero1``, split over 'data' (ZeRO stage 1)."""
 
     # The weights are the same whatever the attention and the experts' dispatch: traced
     # for one row, with XLA's attention and the capacity's dispatch.
@@ -77,6 +81,12 @@ def abstract_state(model, tx, mesh, seq_len: int, offload: str = "none"):
         lambda x: x.unbox(False) if is_box(x) else x, tree, is_leaf=is_box
     )
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    if zero1:
+        moments = jax.tree.map(
+            lambda s, x: over_data(s, x.shape), shardings.opt_state,
+            strip(boxed).opt_state,
+        )  # fmt: skip
+        shardings = shardings.replace(opt_state=moments)
     if offload == "optimizer":  # JAX's memory kinds: the moments live in host memory
         host = lambda s: s.with_memory_kind("pinned_host")
         shardings = shardings.replace(opt_state=jax.tree.map(host, shardings.opt_state))
@@ -86,6 +96,21 @@ def abstract_state(model, tx, mesh, seq_len: int, offload: str = "none"):
         shardings,
     )
     return shapes, lambda rng: nn.meta.unbox(init(rng))
+
+
+def over_data(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """``sharding`` with 'data' added on the first dimension it splits evenly (ZeRO-1:
+    each data replica updates its share of the optimizer's state; XLA then gathers
+    the updated weights). Unchanged where none does."""
+    data = sharding.mesh.shape["data"]
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for dim, (size, part) in enumerate(zip(shape, spec, strict=True)):
+        axes = () if part is None else (part,) if isinstance(part, str) else part
+        ways = math.prod(sharding.mesh.shape[a] for a in axes)
+        if data > 1 and size % (ways * data) == 0:
+            spec[dim] = (*axes, "data") if axes else "data"
+            return NamedSharding(sharding.mesh, P(*spec))
+    return sharding
 
 
 def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Array:
@@ -296,7 +321,7 @@ def make_step_loss(
 
 def make_train_step(
     shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None,
-    model=None, schedule: str = "gpipe", virtual: int = 1,
+    model=None, schedule: str = "gpipe", virtual: int = 1, zero1: bool = False,
 ):  # fmt: skip
     """The jitted training step. With a 'pipeline' axis (``model`` given), the
     --grad-accum micro-batches go through the pipeline's stages on ``schedule``
@@ -367,6 +392,13 @@ def make_train_step(
         step_grads = loss_and_grads if grad_accum == 1 else accumulated
         loss, grads = step_grads(state.apply_fn, state.params, tokens_BT)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        # ZeRO-1: each replica needs its share of the gradient, a reduce-scatter where
+        # XLA finds one (XLA:CPU all-reduces, then each replica slices its share).
+        if zero1:
+            grads = jax.tree.map(
+                lambda g, s: jax.lax.with_sharding_constraint(g, over_data(s, g.shape)),
+                grads, shardings.params,
+            )  # fmt: skip
         if in_host:  # Adam's moments in for the update, and back out
             state = state.replace(opt_state=moved(state.opt_state, "device"))
         state = state.apply_gradients(grads=grads)

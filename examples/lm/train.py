@@ -164,6 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
     add(
+        "--zero1",
+        action="store_true",
+        help="split the optimizer's state over the data axis (ZeRO stage 1): each "
+        "replica updates its share, and the updated weights are gathered",
+    )
+    add(
         "--offload",
         default="none",
         choices=["none", "optimizer"],
@@ -446,7 +452,9 @@ def setup(args):
     )
     tx = make_optimizer(args)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        shapes, init = abstract_state(model, tx, mesh, args.seq_len, args.offload)
+        shapes, init = abstract_state(
+            model, tx, mesh, args.seq_len, args.offload, args.zero1
+        )
     step = make_train_step(
         jax.tree.map(lambda s: s.sharding, shapes),
         mesh,
@@ -456,6 +464,7 @@ def setup(args):
         model,
         args.schedule,
         args.virtual_stages,
+        args.zero1,
     )
     return mesh, model, tx, step, shapes, init
 
