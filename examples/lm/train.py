@@ -1,4 +1,4 @@
-"""Train a Llama-style language model on a mesh of data, fsdp, expert, sequence, tensor.
+"""Train a Llama-style decoder on a mesh: pipeline, data, fsdp, expert, sequence, tensor.
 
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
@@ -8,12 +8,15 @@
         --global-batch 16 --num-devices 16 --compile-only  # memory, bytes: no hardware
     python examples/lm/train.py --model tiny --mesh data=2,sequence=4  # ring attention
     python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
+    python examples/lm/train.py --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
+        --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
 This file parses the command line, sets up and runs the loop. Beside it: model.py (the
-decoder), data.py (tokens read in place, with Grain), layout.py (the mesh, the rules),
-step.py (the loss, gradients, accumulation, AdamW), resilience.py (preemption, the step
-deadline, checkpoints), metrics.py (MFU, the metrics log), compiled.py (--compile-only)
-and convert.py (Hugging Face).
+decoder), dropless.py (experts without a capacity), data.py (tokens read in place, with
+Grain), layout.py (the mesh, the rules), step.py (the loss, gradients, accumulation,
+AdamW, ZeRO-1 and the optimizer's offload), pipeline.py and schedules.py (the pipeline
+schedules), resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU,
+the metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
