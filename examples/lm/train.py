@@ -1,4 +1,4 @@
-"""Train a Llama-style decoder on a mesh: pipeline, data, fsdp, expert, sequence, tensor.
+"""Train a Llama-style decoder on a mesh: pipeline, data, fsdp, expert, sequence, tensor
 
     python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
