@@ -27,43 +27,43 @@ def problem(tokens: int, seed: int = 0):
     """Tokens, their top-R experts (expert 5 chosen by none, expert 0 by many) and
     gates, and the experts' weights."""
     k = jax.random.split(jax.random.key(seed), 5)
-    x_ND = jax.random.normal(k[0], (tokens, D))
+    x_TD = jax.random.normal(k[0], (tokens, D))
     probs = jax.nn.softmax(jax.random.normal(k[1], (tokens, E)).at[:, 0].add(1.5))
-    gates_NR, experts_NR = jax.lax.top_k(probs.at[:, 5].set(0.0), R)
+    gates_TR, experts_TR = jax.lax.top_k(probs.at[:, 5].set(0.0), R)
     weights = [jax.random.normal(k[i], s) / s[1] ** 0.5
                for i, s in ((2, (E, D, F)), (3, (E, D, F)), (4, (E, F, D)))]  # fmt: skip
-    return x_ND, experts_NR, gates_NR, weights
+    return x_TD, experts_TR, gates_TR, weights
 
 
-def loop_over_experts(x_ND, experts_NR, gates_NR, w_gate, w_up, w_down):
+def loop_over_experts(x_TD, experts_TR, gates_TR, w_gate, w_up, w_down):
     """The reference: every expert on every token, kept where the token chose it."""
-    y_ND = jnp.zeros_like(x_ND)
+    y_TD = jnp.zeros_like(x_TD)
     for e in range(E):
-        h = nn.silu(x_ND @ w_gate[e]) * (x_ND @ w_up[e])
-        weight_N = jnp.sum(jnp.where(experts_NR == e, gates_NR, 0.0), axis=1)
-        y_ND += weight_N[:, None] * (h @ w_down[e])
-    return y_ND
+        h = nn.silu(x_TD @ w_gate[e]) * (x_TD @ w_up[e])
+        weight_T = jnp.sum(jnp.where(experts_TR == e, gates_TR, 0.0), axis=1)
+        y_TD += weight_T[:, None] * (h @ w_down[e])
+    return y_TD
 
 
 def test_dropless_equals_a_loop_over_experts():
     """Forward and every gradient (tokens, gates, the three weights), to 1e-5."""
-    x_ND, experts_NR, gates_NR, weights = problem(64)
-    assert int((experts_NR == 5).sum()) == 0 and int((experts_NR == 0).sum()) > 32
+    x_TD, experts_TR, gates_TR, weights = problem(64)
+    assert int((experts_TR == 5).sum()) == 0 and int((experts_TR == 0).sum()) > 32
 
     def loss(fn, x, g, w):
-        return jnp.sum(jnp.sin(fn(x, experts_NR, g, *w)))
+        return jnp.sum(jnp.sin(fn(x, experts_TR, g, *w)))
 
     for fn in (dropless.local_experts, loop_over_experts):
         np.testing.assert_allclose(
-            fn(x_ND, experts_NR, gates_NR, *weights),
-            loop_over_experts(x_ND, experts_NR, gates_NR, *weights),
+            fn(x_TD, experts_TR, gates_TR, *weights),
+            loop_over_experts(x_TD, experts_TR, gates_TR, *weights),
             rtol=1e-5, atol=1e-5,
         )  # fmt: skip
     ours = jax.grad(loss, argnums=(1, 2, 3))(
-        dropless.local_experts, x_ND, gates_NR, weights
+        dropless.local_experts, x_TD, gates_TR, weights
     )
     theirs = jax.grad(loss, argnums=(1, 2, 3))(
-        loop_over_experts, x_ND, gates_NR, weights
+        loop_over_experts, x_TD, gates_TR, weights
     )
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -73,7 +73,7 @@ def test_experts_split_over_devices_give_the_same_tokens_and_gradients():
     """exchanged_experts on 4 devices of an 'expert' axis, 2 experts each, every device
     with its own 16 tokens (expert 0's device gets most of the pairs, expert 5's none of
     its own): the outputs and gradients of local_experts on all 64, to 1e-5."""
-    x_ND, experts_NR, gates_NR, weights = problem(64, seed=1)
+    x_TD, experts_TR, gates_TR, weights = problem(64, seed=1)
     mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:4])  # fmt: skip
     split = jax.shard_map(
@@ -84,16 +84,16 @@ def test_experts_split_over_devices_give_the_same_tokens_and_gradients():
     )
 
     def loss(fn, x, g, w):
-        return jnp.sum(jnp.sin(fn(x, experts_NR, g, *w)))
+        return jnp.sum(jnp.sin(fn(x, experts_TR, g, *w)))
 
     np.testing.assert_allclose(
-        split(x_ND, experts_NR, gates_NR, *weights),
-        dropless.local_experts(x_ND, experts_NR, gates_NR, *weights),
+        split(x_TD, experts_TR, gates_TR, *weights),
+        dropless.local_experts(x_TD, experts_TR, gates_TR, *weights),
         rtol=1e-5, atol=1e-5,
     )  # fmt: skip
-    ours = jax.grad(loss, argnums=(1, 2, 3))(split, x_ND, gates_NR, weights)
+    ours = jax.grad(loss, argnums=(1, 2, 3))(split, x_TD, gates_TR, weights)
     theirs = jax.grad(loss, argnums=(1, 2, 3))(
-        dropless.local_experts, x_ND, gates_NR, weights
+        dropless.local_experts, x_TD, gates_TR, weights
     )
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,11 @@ all_to_all of worst-case-sized buffers: each device sends every other one room f
 of its pairs (a device's tokens may all choose one device's experts), so the buffers
 are 'expert' times the pairs. jax.lax.ragged_all_to_all sends only the rows there are;
 XLA:CPU, where this recipe is tested, does not have it, so it is not used yet.
+
+Shape suffixes as in model.py's legend (T a batch's tokens flattened, R a token's
+routes, E experts, D and F the widths), and the book's for the exchange: X the devices
+of the 'expert' axis, L the experts on one device (E = X L), U the (token, route) pairs
+flattened, T R of them.
 """
 
 import flax.linen as nn
@@ -19,60 +24,60 @@ import jax
 import jax.numpy as jnp
 
 
-def grouped_mlp(x_SD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
+def grouped_mlp(x_UD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
     """SwiGLU experts on rows sorted by expert: rows sizes_E[0] first go through expert
     0, the next sizes_E[1] through expert 1, ... (rows past the sum: zeros)."""
-    gate_SF = jax.lax.ragged_dot(x_SD, w_gate_EDF, sizes_E)
-    up_SF = jax.lax.ragged_dot(x_SD, w_up_EDF, sizes_E)
-    return jax.lax.ragged_dot(nn.silu(gate_SF) * up_SF, w_down_EFD, sizes_E)
+    gate_UF = jax.lax.ragged_dot(x_UD, w_gate_EDF, sizes_E)
+    up_UF = jax.lax.ragged_dot(x_UD, w_up_EDF, sizes_E)
+    return jax.lax.ragged_dot(nn.silu(gate_UF) * up_UF, w_down_EFD, sizes_E)
 
 
-def sort_by_expert(experts_S, num_experts: int):
+def sort_by_expert(experts_U, num_experts: int):
     """-> (the order that sorts the pairs by expert, the pairs per expert)."""
-    order_S = jnp.argsort(experts_S, stable=True)
-    return order_S, jnp.bincount(experts_S, length=num_experts)
+    order_U = jnp.argsort(experts_U, stable=True)
+    return order_U, jnp.bincount(experts_U, length=num_experts)
 
 
-def local_experts(x_ND, experts_NR, gates_NR, w_gate_EDF, w_up_EDF, w_down_EFD):
+def local_experts(x_TD, experts_TR, gates_TR, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Each token's output, sum_r gate_r expert_r(x), every expert on this device."""
-    N, R = experts_NR.shape  # noqa: N806
-    order_S, sizes_E = sort_by_expert(experts_NR.reshape(-1), w_gate_EDF.shape[0])
-    y_SD = grouped_mlp(x_ND[order_S // R], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
-    y_NRD = y_SD[jnp.argsort(order_S)].reshape(N, R, -1)  # back in token order
-    return jnp.einsum("nrd,nr->nd", y_NRD, gates_NR.astype(y_NRD.dtype))
+    T, R = experts_TR.shape  # noqa: N806
+    order_U, sizes_E = sort_by_expert(experts_TR.reshape(-1), w_gate_EDF.shape[0])
+    y_UD = grouped_mlp(x_TD[order_U // R], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+    y_TRD = y_UD[jnp.argsort(order_U)].reshape(T, R, -1)  # back in token order
+    return jnp.einsum("trd,tr->td", y_TRD, gates_TR.astype(y_TRD.dtype))
 
 
 def exchanged_experts(
-    x_ND, experts_NR, gates_NR, w_gate_EDF, w_up_EDF, w_down_EFD, axis: str
+    x_TD, experts_TR, gates_TR, w_gate_EDF, w_up_EDF, w_down_EFD, axis: str
 ):
     """local_experts with the experts split over ``axis``: this device holds experts
-    i E_l ... (i + 1) E_l - 1 of E = E_l x devices. Its pairs go to their experts'
-    devices in an all_to_all of worst-case buffers, are computed there, and come back
-    in a second."""
-    devices = jax.lax.axis_size(axis)
-    N, R = experts_NR.shape  # noqa: N806
-    S, E_l = N * R, w_gate_EDF.shape[0]  # noqa: N806
-    experts_S = experts_NR.reshape(-1)
-    order_S, sizes_E = sort_by_expert(experts_S, E_l * devices)
-    to_S = experts_S[order_S] // E_l  # each sorted pair's device
-    per_device = sizes_E.reshape(devices, E_l).sum(1)
-    row_S = jnp.arange(S) - (jnp.cumsum(per_device) - per_device)[to_S]
-    send_ISD = jnp.zeros((devices, S, x_ND.shape[1]), x_ND.dtype)
-    send_ISD = send_ISD.at[to_S, row_S].set(x_ND[order_S // R])
-    local_IS = jnp.full((devices, S), E_l, jnp.int32)  # E_l: an empty row
-    local_IS = local_IS.at[to_S, row_S].set(experts_S[order_S] % E_l)
-    got_ISD = jax.lax.all_to_all(send_ISD, axis, 0, 0)  # got[i]: device i's pairs
-    got_experts = jax.lax.all_to_all(local_IS, axis, 0, 0).reshape(-1)
-    order, sizes = sort_by_expert(got_experts, E_l + 1)  # the empty rows last
+    i L ... (i + 1) L - 1 of E = X L, X the devices of ``axis``. Its pairs go to their
+    experts' devices in an all_to_all of worst-case buffers, are computed there, and
+    come back in a second."""
+    X = jax.lax.axis_size(axis)  # noqa: N806
+    T, R = experts_TR.shape  # noqa: N806
+    U, L = T * R, w_gate_EDF.shape[0]  # noqa: N806
+    experts_U = experts_TR.reshape(-1)
+    order_U, sizes_E = sort_by_expert(experts_U, L * X)
+    to_U = experts_U[order_U] // L  # each sorted pair's device
+    per_device = sizes_E.reshape(X, L).sum(1)
+    row_U = jnp.arange(U) - (jnp.cumsum(per_device) - per_device)[to_U]
+    send_XUD = jnp.zeros((X, U, x_TD.shape[1]), x_TD.dtype)
+    send_XUD = send_XUD.at[to_U, row_U].set(x_TD[order_U // R])
+    local_XU = jnp.full((X, U), L, jnp.int32)  # L: an empty row
+    local_XU = local_XU.at[to_U, row_U].set(experts_U[order_U] % L)
+    got_XUD = jax.lax.all_to_all(send_XUD, axis, 0, 0)  # got[x]: device x's pairs
+    got_experts = jax.lax.all_to_all(local_XU, axis, 0, 0).reshape(-1)
+    order, sizes = sort_by_expert(got_experts, L + 1)  # the empty rows last
     y = grouped_mlp(
-        got_ISD.reshape(devices * S, -1)[order], sizes[:E_l],
+        got_XUD.reshape(X * U, -1)[order], sizes[:L],
         w_gate_EDF, w_up_EDF, w_down_EFD,
     )  # fmt: skip
-    y_ISD = y[jnp.argsort(order)].reshape(devices, S, -1)
-    back_ISD = jax.lax.all_to_all(y_ISD, axis, 0, 0)  # back[i]: from device i
-    y_SD = back_ISD[to_S, row_S]  # sorted by expert, as sent
-    y_NRD = y_SD[jnp.argsort(order_S)].reshape(N, R, -1)
-    return jnp.einsum("nrd,nr->nd", y_NRD, gates_NR.astype(y_NRD.dtype))
+    y_XUD = y[jnp.argsort(order)].reshape(X, U, -1)
+    back_XUD = jax.lax.all_to_all(y_XUD, axis, 0, 0)  # back[x]: from device x
+    y_UD = back_XUD[to_U, row_U]  # sorted by expert, as sent
+    y_TRD = y_UD[jnp.argsort(order_U)].reshape(T, R, -1)
+    return jnp.einsum("trd,tr->td", y_TRD, gates_TR.astype(y_TRD.dtype))
 
 
 def on_device(
@@ -90,16 +95,16 @@ def on_device(
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
     flat = flat_tokens(x_BTD, experts_BTR, gates_BTR)
     if expert_axis:
-        y_ND = exchanged_experts(*flat, *weights, axis=expert_axis)
+        y_TD = exchanged_experts(*flat, *weights, axis=expert_axis)
     else:
-        y_ND = local_experts(*flat, *weights)
+        y_TD = local_experts(*flat, *weights)
     if mlp_axis:
-        y_ND = jax.lax.psum(y_ND, mlp_axis)
-    return y_ND.reshape(x_BTD.shape)
+        y_TD = jax.lax.psum(y_TD, mlp_axis)
+    return y_TD.reshape(x_BTD.shape)
 
 
 def flat_tokens(x_BTD, experts_BTR, gates_BTR):
-    """(B, T, ...) -> (B T, ...)."""
+    """(B, T, ...) -> (B T, ...): the batch's tokens flattened."""
     R = experts_BTR.shape[-1]  # noqa: N806
     return (
         x_BTD.reshape(-1, x_BTD.shape[-1]),

@@ -21,6 +21,7 @@ meaning, here and in every module, page and example script::
     R  a token's routes: its top-k expert choices
     G  routing groups (tokens routed together)
     X  devices along the `expert` mesh axis;  L  experts on one device (E = X * L)
+    U  (token, route) pairs, flattened (dropless experts sort them by expert)
     H, W, C  an image's height, width and colour channels (images only)
     P  pixel values of one patch (ViT)
 """
