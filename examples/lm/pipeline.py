@@ -18,6 +18,8 @@ activations to the next stage and another hands gradients back.
   inputs, whatever M: its own backward is written here, not by jax.grad.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import schedules
@@ -92,18 +94,20 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
     are as in gpipe. Each device holds its stages' inputs, and the gradients it gets
     back, in pools of slots the table sizes (schedules.slot_tables)."""
     arrays, num_inputs, num_grads = schedules.slot_tables(table)
-    V, P_ = chunks_shape(chunks)  # noqa: N806
+    V, P_ = jax.tree.leaves(chunks)[0].shape[:2]  # noqa: N806
     last_chunk = V - 1
     ring = V > 1  # the last device's stage feeds the first device's next one
     to_next = [(p, (p + 1) % P_) for p in range(P_ if ring else P_ - 1)]
-    to_prev = [(p, (p - 1) % P_) for p in range(1 if not ring else 0, P_)]
+    to_prev = [(p, (p - 1) % P_) for p in range(0 if ring else 1, P_)]
 
     def per_device(chunks, rest, x_MBTD, per_micro):
         device = jax.lax.axis_index(AXIS)
         tabs = {k: jnp.asarray(a)[:, device] for k, a in arrays.items()}
         chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # (V, L / (P V), ...)
         zero_BTD = jnp.zeros_like(x_MBTD[0])
-        f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        zeros32 = lambda tree: jax.tree.map(
+            partial(jnp.zeros_like, dtype=jnp.float32), tree
+        )
 
         def forward(carry, m, c, slot, gslot):
             inputs, grads_in, sums = carry
@@ -126,10 +130,10 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
                 value, (g_head, g_y) = jax.value_and_grad(last, argnums=(0, 1))(
                     rest, y_BTD, micro
                 )
-                return value.astype(jnp.float32), f32like(g_head), g_y
+                return value.astype(jnp.float32), high(g_head), g_y
 
             def inner():  # any other: the gradient the next stage sent back
-                return jnp.zeros((), jnp.float32), f32(rest), grads_in[gslot]
+                return jnp.zeros((), jnp.float32), zeros32(rest), grads_in[gslot]
 
             is_last = (device == P_ - 1) & (c == last_chunk)
             value, g_head, g_y = jax.lax.cond(is_last, head, inner)
@@ -159,12 +163,9 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
             grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
             return (inputs, grads_in, sums), None
 
-        def f32like(tree):
-            return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
         pool = lambda n: jnp.zeros((n, *zero_BTD.shape), zero_BTD.dtype)
         zero = jnp.zeros((), jnp.float32)
-        sums = (f32(chunks), f32(rest), jnp.zeros_like(x_MBTD), zero, zero)
+        sums = (zeros32(chunks), zeros32(rest), jnp.zeros_like(x_MBTD), zero, zero)
         start = (pool(num_inputs), pool(num_grads), sums)
         steps = jnp.arange(len(table))
         (_, _, (g_chunks, g_rest, g_x_MBTD, loss, aux)), _ = jax.lax.scan(
@@ -206,8 +207,3 @@ def low(tree, dtype):
     """high's float32 leaves back in ``dtype``."""
     back = lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a
     return jax.tree.map(back, tree)
-
-
-def chunks_shape(chunks) -> tuple[int, int]:
-    """(V, P) of layers' weights laid out as (V, P, L / (P V), ...)."""
-    return jax.tree.leaves(chunks)[0].shape[:2]
