@@ -3,6 +3,7 @@ equal a dense loop over the experts, on one device and split over an 'expert' ax
 the recipe, --dispatch dropless gives the same steps on any mesh, and the same steps as
 a capacity large enough to drop nothing."""
 
+import functools
 import pathlib
 import sys
 
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import compiled as lm_compiled  # noqa: E402
 import dropless  # noqa: E402
 import train  # noqa: E402
 from test_lm_recipe import COMMON, steps_on  # noqa: E402
@@ -69,18 +71,50 @@ def test_dropless_equals_a_loop_over_experts():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_experts_split_over_devices_give_the_same_tokens_and_gradients():
-    """exchanged_experts on 4 devices of an 'expert' axis, 2 experts each, every device
-    with its own 16 tokens (expert 0's device gets most of the pairs, expert 5's none of
-    its own): the outputs and gradients of local_experts on all 64, to 1e-5."""
+def ragged_all_to_all_by_gathers(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+    axis_name,
+):  # fmt: skip
+    """jax.lax.ragged_all_to_all as its docstring defines it, from all_gathers (XLA:CPU
+    has no ragged-all-to-all): the slice operand[input_offsets[j]:][:send_sizes[j]]
+    of each device goes to device j, at output_offsets[j] there."""
+    me, rows = jax.lax.axis_index(axis_name), jnp.arange(output.shape[0])
+    gather = lambda a: jax.lax.all_gather(a, axis_name)
+    sent, starts, sizes, lands = map(
+        gather, (operand, input_offsets, send_sizes, output_offsets)
+    )
+    for source in range(jax.lax.axis_size(axis_name)):
+        at, size = lands[source, me], sizes[source, me]
+        take = (rows >= at) & (rows < at + size)
+        row = jnp.clip(rows - at + starts[source, me], 0, operand.shape[0] - 1)
+        output = jnp.where(take[:, None], sent[source][row], output)
+    return output
+
+
+EXCHANGES = {
+    "padded": dropless.padded_experts,
+    "ragged": functools.partial(
+        dropless.ragged_experts, exchange=ragged_all_to_all_by_gathers
+    ),
+}
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_experts_split_over_devices_give_the_same_tokens_and_gradients(exchange):
+    """Both exchanges (padded all_to_alls; ragged_all_to_all, here written with
+    all_gathers) on 4 devices of an 'expert' axis, 2 experts each, every device with its
+    own 16 tokens (expert 0's device gets most of the pairs, expert 5's none of its
+    own): the outputs and gradients of local_experts on all 64, to 1e-5."""
     x_TD, experts_TR, gates_TR, weights = problem(64, seed=1)
     mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:4])  # fmt: skip
-    split = jax.shard_map(
-        lambda x, e, g, *w: dropless.exchanged_experts(x, e, g, *w, axis="expert"),
-        mesh=mesh,
-        in_specs=(P("expert"), P("expert"), P("expert"), *[P("expert")] * 3),
-        out_specs=P("expert"),
+    split = jax.jit(
+        jax.shard_map(
+            lambda x, e, g, *w: EXCHANGES[exchange](x, e, g, *w, axis="expert"),
+            mesh=mesh,
+            in_specs=(P("expert"), P("expert"), P("expert"), *[P("expert")] * 3),
+            out_specs=P("expert"),
+        )
     )
 
     def loss(fn, x, g, w):
@@ -91,12 +125,33 @@ def test_experts_split_over_devices_give_the_same_tokens_and_gradients():
         dropless.local_experts(x_TD, experts_TR, gates_TR, *weights),
         rtol=1e-5, atol=1e-5,
     )  # fmt: skip
-    ours = jax.grad(loss, argnums=(1, 2, 3))(split, x_TD, gates_TR, weights)
-    theirs = jax.grad(loss, argnums=(1, 2, 3))(
+    ours = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(
+        split, x_TD, gates_TR, weights
+    )
+    theirs = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(
         dropless.local_experts, x_TD, gates_TR, weights
     )
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_on_a_gpu_the_recipe_exchanges_with_ragged_all_to_all(monkeypatch):
+    """Dropless on data=2,expert=4: where the backend is a GPU, train.py picks the
+    ragged exchange, and the step lowered for CUDA calls ragged_all_to_all 6 times
+    (a layer's two exchanges in the forward, again in the remat's recomputation, and
+    their two transposes in the backward); on this CPU, the padded one, none."""
+    flags = [*COMMON, "--mesh", "data=2,expert=4", "--experts", "8", "--top-k", "2",
+             "--dispatch", "dropless", "--attention", "chunked"]  # fmt: skip
+    args = train.parse_args(flags)
+    calls = {}
+    for backend in ("cpu", "gpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        mesh, model, _, step, shapes, _ = train.setup(args)
+        monkeypatch.undo()
+        text = lm_compiled.lower_step(step, shapes, args, mesh, "cuda").as_text()
+        calls[model.config.exchange] = text.count("@ragged_all_to_all(")
+    assert calls == {"padded": 0, "ragged": 6}
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")

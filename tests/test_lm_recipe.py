@@ -795,6 +795,36 @@ def test_an_offloaded_optimizer_trains_resumes_and_sits_in_host_memory(
     assert lm_compiled.host_argument_bytes(text) == 2 * local + 2 * 4
 
 
+def test_offloaded_activations_train_the_same_and_go_to_host_in_the_gpu_program():
+    """--offload activations on fsdp=4,tensor=2 with 2 micro-batches: the same 3 steps
+    as without it. XLA:CPU's program places nothing in host memory; the program lowered
+    for CUDA moves one value a layer there, the layer's input (a micro-batch of 8 rows,
+    128 tokens, width 128), and --compile-only counts each device's shard of it
+    (2 rows x 64 tokens, split over fsdp and tensor) for 4 layers and 2 micro-batches.
+    Without the flag that program moves nothing; with --remat dots it stops."""
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(3)]
+    flags = [*COMMON, "--mesh", "fsdp=4,tensor=2", "--grad-accum", "2"]
+    runs, placed = [], []
+    for extra in ((), ("--offload", "activations")):
+        args = train.parse_args([*flags, *extra])
+        mesh, _, _, step, shapes, init = train.setup(args)
+        runs.append(steps_on(step, shapes, init, mesh, batches))
+        cuda = lm_compiled.lower_step(step, shapes, args, mesh, "cuda").as_text()
+        placed.append(lm_compiled.host_placements(cuda))
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-6)
+    assert placed == [[], [("f32", (8, 128, 128))]]
+    cpu = lm_compiled.lower_step(step, shapes, args, mesh).compile().as_text()
+    assert "S(5)" not in cpu  # XLA:CPU's program: no host memory space
+    line = lm_compiled.offloaded_activations(step, shapes, args, mesh, layers=4)
+    assert "f32[2,64,128] a device" in line
+    assert f"= {2 * 64 * 128 * 4 * 4 * 2} B" in line, line
+    with pytest.raises(SystemExit, match="needs --remat full and no pipeline"):
+        train.setup(
+            train.parse_args([*flags, "--offload", "activations", "--remat", "dots"])
+        )
+
+
 def test_zero1_splits_the_optimizer_over_data_and_trains_the_same():
     """--zero1 on data=8: the same 3 steps as data=8 without it; the compiled step's
     arguments are every state leaf's shard on one device (Adam's moments an eighth

@@ -3,12 +3,14 @@ assigns each device and the bytes of every collective in the compiled program.
 """
 
 import collections
+import math
 import re
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import model as model_lib
 import numpy as np
 import schedules
 from jax.sharding import NamedSharding
@@ -88,18 +90,64 @@ def host_argument_bytes(hlo_text: str) -> int:
     )
 
 
-def lower_step(step, shapes, args, mesh) -> jax.stages.Lowered:
-    """The step lowered for the state's shapes and a global batch of tokens' shapes."""
+def lower_step(step, shapes, args, mesh, platform=None) -> jax.stages.Lowered:
+    """The step lowered for the state's shapes and a global batch of tokens' shapes;
+    for this machine's backend, or for ``platform`` ("cuda": the program a GPU gets,
+    which needs no GPU to write)."""
     tokens = jax.ShapeDtypeStruct(
         (args.global_batch, args.seq_len + 1),
         jnp.int32,
         sharding=NamedSharding(mesh, P(BATCH)),
     )
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        return step.lower(shapes, tokens)
+        if platform is None:
+            return step.lower(shapes, tokens)
+        return step.trace(shapes, tokens).lower(lowering_platforms=(platform,))
 
 
-def compile_only(step, shapes, args, mesh) -> None:
+def host_placements(lowered_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, global shape) of each value a lowered program moves to host memory: its
+    annotate_device_placement calls that name "pinned_host" (how JAX lowers a
+    device_put to a memory kind for GPUs and TPUs; for XLA:CPU it writes none)."""
+    types = re.findall(
+        r"@annotate_device_placement\(.*\"pinned_host\".*: \(tensor<([^>]*)>\)",
+        lowered_text,
+    )
+    return [
+        (dtype, tuple(int(d) for d in dims))
+        for *dims, dtype in (t.split("x") for t in types)
+    ]
+
+
+def offloaded_activations(step, shapes, args, mesh, layers: int) -> str:
+    """--offload activations, read from the step's program lowered for CUDA (XLA:CPU's
+    program drops the placement): what goes to host memory, and the bytes a device
+    moves there and back each step. Stops if it is not one layer input a layer (JAX's
+    offloading under scan and remat has been silently ineffective: jax#23869)."""
+    placed = host_placements(lower_step(step, shapes, args, mesh, "cuda").as_text())
+    rows = args.global_batch // args.grad_accum  # a micro-batch's
+    inputs = [
+        (dtype, shape) for dtype, shape in placed if shape[:2] == (rows, args.seq_len)
+    ]
+    if len(inputs) != 1:  # (the rest: the optimizer's state, with --offload optimizer)
+        raise SystemExit(
+            f"--offload activations: the program lowered for CUDA moves {inputs} to "
+            f"host memory, not one ({rows}, {args.seq_len}, width) layer input"
+        )
+    [(dtype, shape)] = inputs
+    residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)  # as the layers
+    local = NamedSharding(mesh, residual).shard_shape(shape)
+    sent = SIZES[dtype] * math.prod(local) * layers * args.grad_accum
+    return (
+        f"in host memory (the program lowered for CUDA; XLA:CPU's keeps all in device "
+        f"memory): each layer's input, {dtype}[{','.join(map(str, shape))}] a "
+        f"micro-batch, {dtype}[{','.join(map(str, local))}] a device; {layers} layers "
+        f"x {args.grad_accum} micro-batches = {sent} B ({sent / 1e9:.3f} GB) a "
+        f"device, moved to the host and back each step"
+    )
+
+
+def compile_only(step, shapes, args, mesh, layers: int) -> None:
     """Compile one step for the requested sizes, allocating nothing; print its costs."""
     start = time.perf_counter()
     compiled = lower_step(step, shapes, args, mesh).compile()
@@ -129,6 +177,8 @@ def compile_only(step, shapes, args, mesh) -> None:
             f"{host / 1e9:.3f} GB, moved to the device and back each step; "
             f"on the device: arguments {(arguments - host) / 1e9:.3f} GB"
         )
+    if "activations" in args.offload:
+        print(offloaded_activations(step, shapes, args, mesh, layers))
     stages, micro = mesh.shape["pipeline"], args.grad_accum
     if stages > 1:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))

@@ -7,16 +7,19 @@ number of slots and drops the choices that find it full. Here each device sorts 
 expert's weights in one grouped GEMM, the layout of MegaBlocks (Gale et al. 2022,
 arXiv:2211.15841), MaxText's ragged MoE and Megatron-LM's grouped GEMM.
 
-Across an 'expert' axis the pairs go to the devices that hold their experts with an
-all_to_all of worst-case-sized buffers: each device sends every other one room for all
-of its pairs (a device's tokens may all choose one device's experts), so the buffers
-are 'expert' times the pairs. jax.lax.ragged_all_to_all sends only the rows there are;
-XLA:CPU, where this recipe is tested, does not have it, so it is not used yet.
+Across an 'expert' axis the pairs go to the devices that hold their experts, and come
+back, in one of two exchanges. "ragged" (GPUs and TPUs): jax.lax.ragged_all_to_all
+sends each device only the rows it gets. "padded" (XLA:CPU, which does not have
+ragged_all_to_all): an all_to_all of worst-case-sized buffers, each device sending every
+other one room for all of its pairs (a device's tokens may all choose one device's
+experts), 'expert' times the pairs. Either way the receiving buffer has that worst-case
+size.
 
 Shape suffixes as in model.py's legend (T a batch's tokens flattened, R a token's
 routes, E experts, D and F the widths), and the book's for the exchange: X the devices
 of the 'expert' axis, L the experts on one device (E = X L), U the (token, route) pairs
-flattened, T R of them.
+flattened, T R of them; Y the rows a device can receive, X U (room for every device's
+pairs).
 """
 
 import flax.linen as nn
@@ -47,7 +50,7 @@ def local_experts(x_TD, experts_TR, gates_TR, w_gate_EDF, w_up_EDF, w_down_EFD):
     return jnp.einsum("trd,tr->td", y_TRD, gates_TR.astype(y_TRD.dtype))
 
 
-def exchanged_experts(
+def padded_experts(
     x_TD, experts_TR, gates_TR, w_gate_EDF, w_up_EDF, w_down_EFD, axis: str
 ):
     """local_experts with the experts split over ``axis``: this device holds experts
@@ -80,14 +83,60 @@ def exchanged_experts(
     return jnp.einsum("trd,tr->td", y_TRD, gates_TR.astype(y_TRD.dtype))
 
 
+def ragged_experts(
+    x_TD,
+    experts_TR,
+    gates_TR,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    axis: str,
+    exchange=jax.lax.ragged_all_to_all,
+):
+    """padded_experts with ragged_all_to_all (``exchange``): each device's pairs, sorted
+    by expert and so by device, are sent as one slice a device; device x writes the
+    slices it gets one after another in source order (the offsets come from an
+    all_to_all of the counts), sorts them by its experts, and sends the outputs back
+    to where their pairs came from."""
+    X = jax.lax.axis_size(axis)  # noqa: N806
+    T, R = experts_TR.shape  # noqa: N806
+    U, L = T * R, w_gate_EDF.shape[0]  # noqa: N806
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    experts_U = experts_TR.reshape(-1)
+    order_U, sizes_E = sort_by_expert(experts_U, L * X)
+    sizes_XL = sizes_E.reshape(X, L)  # pairs for each device's experts
+    sent_X = sizes_XL.sum(1)
+    starts_X = jnp.cumsum(sent_X) - sent_X  # where each device's slice starts here
+    got_XL = jax.lax.all_to_all(sizes_XL, axis, 0, 0)  # got[x, l]: from device x
+    got_X = got_XL.sum(1)
+    at_X = jnp.cumsum(got_X) - got_X  # where device x's slice starts on this one
+    lands_X = jax.lax.all_to_all(at_X, axis, 0, 0, tiled=True)  # where ours land
+    room_YD = jnp.zeros((X * U, x_TD.shape[1]), x_TD.dtype)  # Y = X U: worst case
+    x_UD = x_TD[order_U // R]  # sorted by expert
+    got_YD = exchange(x_UD, room_YD, starts_X, sent_X, lands_X, got_X, axis_name=axis)
+    # Each received row's expert: slices in source order, within each by expert;
+    # L for the rows past them.
+    segments = jnp.append(jnp.tile(jnp.arange(L), X), L)
+    lengths = jnp.append(got_XL.reshape(-1), X * U - got_X.sum())
+    local_Y = jnp.repeat(segments, lengths, total_repeat_length=X * U)
+    order_Y = jnp.argsort(local_Y, stable=True)
+    y_YD = grouped_mlp(got_YD[order_Y], got_XL.sum(0), *weights)
+    y_YD = y_YD[jnp.argsort(order_Y)]  # back in the order received
+    back_X = jax.lax.all_to_all(starts_X, axis, 0, 0, tiled=True)  # as they were sent
+    room_UD = jnp.zeros((U, y_YD.shape[1]), y_YD.dtype)
+    y_UD = exchange(y_YD, room_UD, at_X, got_X, back_X, sent_X, axis_name=axis)
+    y_TRD = y_UD[jnp.argsort(order_U)].reshape(T, R, -1)
+    return jnp.einsum("trd,tr->td", y_TRD, gates_TR.astype(y_TRD.dtype))
+
+
 def on_device(
     x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD,
-    expert_axis=None, width_axis=None, mlp_axis=None,
+    expert_axis=None, width_axis=None, mlp_axis=None, exchange="padded",
 ):  # fmt: skip
     """One device's share, in a jax.shard_map over the mesh (model.Experts): its
     tokens; the weights gathered over ``width_axis`` (FSDP); the experts split over
-    ``expert_axis``; the MLP width split over ``mlp_axis`` (tensor parallelism: the
-    partial outputs summed after)."""
+    ``expert_axis``, exchanged "padded" or "ragged"; the MLP width split over
+    ``mlp_axis`` (tensor parallelism: the partial outputs summed after)."""
     if width_axis:
         gather = lambda w, dim: jax.lax.all_gather(w, width_axis, axis=dim, tiled=True)
         w_gate_EDF, w_up_EDF = gather(w_gate_EDF, 1), gather(w_up_EDF, 1)
@@ -95,7 +144,8 @@ def on_device(
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
     flat = flat_tokens(x_BTD, experts_BTR, gates_BTR)
     if expert_axis:
-        y_TD = exchanged_experts(*flat, *weights, axis=expert_axis)
+        exchanged = {"padded": padded_experts, "ragged": ragged_experts}[exchange]
+        y_TD = exchanged(*flat, *weights, axis=expert_axis)
     else:
         y_TD = local_experts(*flat, *weights)
     if mlp_axis:

@@ -113,6 +113,12 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
             f"--schedule interleaved runs micro-batches in groups of pipeline="
             f"{stages}: set --grad-accum to a multiple of {stages}"
         )
+    if "activations" in args.offload and (args.remat != "full" or stages > 1):
+        raise SystemExit(
+            "--offload activations moves the one input a layer keeps under full remat "
+            "to host memory: it needs --remat full and no pipeline axis (a "
+            "pipeline keeps its stage inputs itself)"
+        )
     if args.global_batch % batch_ways:
         raise SystemExit(
             f"--global-batch {args.global_batch} does not split over data x fsdp "

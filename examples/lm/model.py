@@ -38,6 +38,7 @@ import dropless
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 
@@ -73,6 +74,9 @@ class ModelConfig:
     )
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
     dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
+    # Dropless across 'expert': "padded" all_to_alls or "ragged" (ragged_all_to_all,
+    # GPUs and TPUs; train.py picks it where the backend has it).
+    exchange: str = "padded"
     balance: str = "loss"  # Switch's loss, or "bias": DeepSeek-V3's routing bias
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
@@ -101,6 +105,17 @@ REMAT_POLICIES = {
     # keep the matmuls' outputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+# --offload activations: full remat, with each layer's input (the one activation that
+# full remat keeps) moved to the host's pinned memory in the forward pass and back for
+# the backward (JAX's memory kinds, the policy of the JAX docs' "Gradient
+# checkpointing" page). Block names its input LAYER_INPUT for it.
+LAYER_INPUT = "layer_input"
+OFFLOADED = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[LAYER_INPUT],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -775,6 +790,7 @@ class Experts(nn.Module):
             y_BTD = dropless_experts(
                 x_BTD, experts_BGTR.reshape(B, length, R),
                 gates_BGTR.reshape(B, length, R), w_gate_EDF, w_up_EDF, w_down_EFD,
+                exchange=c.exchange,
             )  # fmt: skip
             return y_BTD, aux_loss
         # Each device fills its rows' slots, then the slots move to their experts'
@@ -813,10 +829,13 @@ def only(spec: P, axes: set[str]) -> P:
     return P(*(keep(part) for part in spec))
 
 
-def dropless_experts(x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD):
+def dropless_experts(
+    x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD, exchange="padded"
+):
     """Every token's experts, nothing dropped (dropless.py), in a jax.shard_map over
     the mesh: each device's tokens as the rules split them ("batch", "act_seq"), the
-    weights as they lie ("experts", "embed", "mlp"). Unwrapped outside a mesh."""
+    weights as they lie ("experts", "embed", "mlp"); across 'expert', ``exchange``
+    "padded" or "ragged". Unwrapped outside a mesh."""
     args = (x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD)
     if jax.sharding.get_abstract_mesh().empty:
         return dropless.on_device(*args)
@@ -832,7 +851,7 @@ def dropless_experts(x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down
     on_each = jax.shard_map(
         functools.partial(
             dropless.on_device, expert_axis=expert_axis, width_axis=width_axis,
-            mlp_axis=mlp_axis,
+            mlp_axis=mlp_axis, exchange=exchange,
         ),
         in_specs=(tokens, tokens, tokens, up, up, down),
         out_specs=tokens,
@@ -865,6 +884,7 @@ class Block(nn.Module):
         self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
         c = self.config
+        x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)  # what OFFLOADED sends to the host
         # Each block's input is gathered whole along the sequence (an all-gather where
         # the residual is split over 'tensor'), then split by heads or MLP columns.
         h = constrain(
@@ -911,6 +931,8 @@ class Transformer(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32  # the compute type; weights stay float32
     remat: str = "full"
+    # With remat "full": each layer's input kept in the host's memory (OFFLOADED).
+    offload_activations: bool = False
     # Layers per loop iteration; num_layers leaves no loop (XLA's cost_analysis counts a
     # loop's body once, whatever its trip count).
     scan_unroll: int = 1
@@ -942,9 +964,17 @@ class Transformer(nn.Module):
             ),
         )
         block = Block
+        if self.offload_activations and self.remat != "full":
+            raise ValueError(
+                f"offloading activations is full remat with each layer's input in "
+                f"host memory; remat is {self.remat!r}"
+            )
         if self.remat != "none":
+            policy = REMAT_POLICIES[self.remat]
             block = nn.remat(
-                Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False
+                Block,
+                policy=OFFLOADED if self.offload_activations else policy,
+                prevent_cse=False,
             )
         self.layers = nn.scan(
             block,

@@ -4,6 +4,7 @@ its gradient over one batch or over --grad-accum micro-batches; the held-out los
 
 import dataclasses
 import math
+from collections.abc import Collection
 
 import flax.linen as nn
 import jax
@@ -60,10 +61,10 @@ def make_optimizer(args) -> optax.GradientTransformation:
 
 
 def abstract_state(
-    model, tx, mesh, seq_len: int, offload: str = "none", zero1: bool = False
+    model, tx, mesh, seq_len: int, offload: Collection[str] = (), zero1: bool = False
 ):
     """The train state's shapes and shardings, from tracing init under the rules; with
-    ``offload`` "optimizer", Adam's state kept in the host's pinned memory; with
+    "optimizer" in ``offload``, Adam's state kept in the host's pinned memory; with
     ``zero1``, split over 'data' (ZeRO stage 1)."""
 
     # The weights are the same whatever the attention and the experts' dispatch: traced
@@ -87,7 +88,7 @@ def abstract_state(
             strip(boxed).opt_state,
         )  # fmt: skip
         shardings = shardings.replace(opt_state=moments)
-    if offload == "optimizer":  # JAX's memory kinds: the moments live in host memory
+    if "optimizer" in offload:  # JAX's memory kinds: the moments live in host memory
         host = lambda s: s.with_memory_kind("pinned_host")
         shardings = shardings.replace(opt_state=jax.tree.map(host, shardings.opt_state))
     shapes = jax.tree.map(
@@ -381,7 +382,7 @@ def make_train_step(
         return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
 
     host_kinds = {s.memory_kind for s in jax.tree.leaves(shardings.opt_state)}
-    in_host = host_kinds == {"pinned_host"}  # abstract_state(offload="optimizer")
+    in_host = host_kinds == {"pinned_host"}  # abstract_state(offload={"optimizer"})
 
     def moved(tree, kind: str):
         """``tree`` (the optimizer's state) put in memory ``kind``, as laid out."""

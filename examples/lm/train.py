@@ -71,6 +71,18 @@ from step import (  # noqa: E402
     make_train_step,
 )
 
+OFFLOADS = ("optimizer", "activations")
+
+
+def offloads(text: str) -> frozenset[str]:
+    """--offload's value: "none", or some of OFFLOADS joined by commas."""
+    chosen = frozenset(text.split(",")) - {"none"}
+    if unknown := sorted(chosen - set(OFFLOADS)):
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: expected none or some of {', '.join(OFFLOADS)}"
+        )
+    return chosen
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -174,10 +186,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add(
         "--offload",
-        default="none",
-        choices=["none", "optimizer"],
-        help="optimizer: keep Adam's moments in the host's pinned memory, moved to "
-        "the device for each update",
+        default=frozenset(),
+        type=offloads,
+        help="what to keep in the host's pinned memory, comma-separated: optimizer "
+        "(Adam's moments, moved to the device for each update), activations (each "
+        "layer's saved input, moved back for the backward pass); or none",
     )
     add(
         "--attention",
@@ -438,17 +451,21 @@ def setup(args):
     mesh = make_mesh(args.mesh)
     config = model_config(args)
     check_fits(config, mesh, args)
+    # dropless.py's exchange: ragged_all_to_all where the backend has it
+    ragged = jax.default_backend() in ("gpu", "tpu")
+    config = dataclasses.replace(config, exchange="ragged" if ragged else "padded")
     dropless_split = config.dispatch == "dropless" and mesh.shape["expert"] > 1
-    if dropless_split and jax.process_index() == 0:  # once: dropless.py's exchange
+    if dropless_split and not ragged and jax.process_index() == 0:  # said once
         print(
             f"dropless experts on expert={mesh.shape['expert']}: all_to_alls of "
-            "worst-case buffers (room for all of a device's choices for every "
-            "device), not jax.lax.ragged_all_to_all"
+            f"worst-case buffers (room for all of a device's choices for every "
+            f"device): {jax.default_backend()} has no jax.lax.ragged_all_to_all"
         )
     model = model_lib.Transformer(
         config,
         jnp.dtype(args.dtype),
         args.remat,
+        offload_activations="activations" in args.offload,
         context_parallel=mesh.shape["sequence"] > 1,
         attention=attention_kind(args.attention),
         lookup=lookup(config, mesh, args),
@@ -480,7 +497,7 @@ def main(argv=None) -> None:
     join_processes()
     mesh, model, tx, step, shapes, init = setup(args)
     if args.compile_only:
-        return compile_only(step, shapes, args, mesh)
+        return compile_only(step, shapes, args, mesh, model.config.num_layers)
     train(args, mesh, model, tx, step, shapes, init)
 
 

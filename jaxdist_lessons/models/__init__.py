@@ -22,6 +22,7 @@ meaning, here and in every module, page and example script::
     G  routing groups (tokens routed together)
     X  devices along the `expert` mesh axis;  L  experts on one device (E = X * L)
     U  (token, route) pairs, flattened (dropless experts sort them by expert)
+    Y  rows a device can receive over `expert`: X * U, room for every device's pairs
     H, W, C  an image's height, width and colour channels (images only)
     P  pixel values of one patch (ViT)
 """

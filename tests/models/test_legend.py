@@ -96,7 +96,7 @@ LETTERS = legend_letters(PACKAGE)
 def test_the_legend_gives_each_letter_one_meaning() -> None:
     keys = [letter for key in PACKAGE for letter in key.split(", ")]
     assert len(keys) == len(set(keys))
-    assert sorted(LETTERS) == sorted("BTSDNKQAFVOEMRGXLUHWCP")
+    assert sorted(LETTERS) == sorted("BTSDNKQAFVOEMRGXLUYHWCP")
     assert PACKAGE["K"].startswith("key/value heads")  # as in STYLE.md, item 4
     assert PACKAGE["A"] == "width of one attention head"
     assert PACKAGE["H, W, C"].endswith("colour channels (images only)")
