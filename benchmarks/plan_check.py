@@ -1,9 +1,9 @@
-"""The planner (``jaxdist_lessons.plan``) against the compiler, on 33 (model, devices, layout)s.
+"""The planner (``jaxdist_lessons.plan``) against the compiler, on 35 (model, devices, layout)s.
 
 For each, ``examples/lm/train.py``'s step is compiled on simulated CPU devices (XLA:CPU, JAX
 0.10.2) and its per-device argument bytes and bytes per collective kind are set beside the
 planner's predictions; the activation estimate beside XLA:CPU's temporaries. The set covers
-DP, FSDP, HSDP, FSDP+TP, ring attention and experts; GQA (every preset), tied embeddings (1b),
+DP, FSDP, HSDP, FSDP+TP, ring attention and experts (with a capacity and dropless); GQA (every preset), tied embeddings (1b),
 device counts of 4, 6, 8, 12 and 16, and both ways XLA:CPU compiles the embedding lookup
 (``plan.gathers_the_table``). Writes ``book/data/plan_check.json``, which
 ``tests/test_plan.py`` checks (and recompiles three rows of, live).
@@ -72,6 +72,17 @@ COMBOS = [
     ("125m", 4, 1, "FSDP+TP", "fsdp=2,tensor=2", 256, 8, {}),
     ("tiny", 4, 1, "sequence", "fsdp=2,sequence=2", 256, 8, {}),
     ("125m", 4, 1, "sequence", "fsdp=2,sequence=2", 256, 8, {}),
+    ("tiny", 8, 2, "experts dropless", "fsdp=2,expert=4", 128, 16, MOE),
+    (
+        "125m",
+        8,
+        2,
+        "experts dropless",
+        "fsdp=4,expert=2",
+        256,
+        16,
+        {"num_experts": 8, "top_k": 2},
+    ),
 ]
 
 
@@ -84,7 +95,8 @@ def prediction(combo: tuple) -> tuple[plan.Run, dict]:
     run = plan.Run(
         model, shape, devices, nodes, hardware.chip("H100 80GB"), seq_len, batch
     )
-    candidate = plan.Candidate(strategy, plan.mesh_sizes(mesh))
+    dispatch = "dropless" if "dropless" in strategy else "capacity"
+    candidate = plan.Candidate(strategy, plan.mesh_sizes(mesh), dispatch=dispatch)
     assert not plan.problems(run, candidate), (combo, plan.problems(run, candidate))
     return run, plan.row(run, candidate)
 

@@ -44,7 +44,9 @@ class Chip:
     ``link_bytes_per_s`` is what one chip can send to its peers at once, one way (``None`` where
     the vendor gives no chip-to-chip figure). ``network_bytes_per_s`` is what one chip can send
     to other nodes (hosts, slices) at once, one way, through the adapters its reference system
-    gives each chip (``None`` where none is recorded). ``sources`` maps each field to its page.
+    gives each chip (``None`` where none is recorded). ``host_bytes_per_s`` is what one chip
+    can move to or from its host's memory, one way (PCIe; ``None`` where none is recorded).
+    ``sources`` maps each field to its page.
     """
 
     name: str
@@ -59,6 +61,7 @@ class Chip:
     sources: dict[str, str]
     network_bytes_per_s: float | None = None
     network: str = ""
+    host_bytes_per_s: float | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -89,15 +92,20 @@ def _chip(
     link: tuple[str, float | None],
     words: dict[str, str],
     network: tuple[str, float, str] | None = None,
+    host: tuple[float, str] | None = None,
 ) -> Chip:
     """A chip from its vendor's page: ``memory`` as (figure, unit), ``tflops`` as (bf16, fp32),
     ``link`` as (name, GB/s over both directions, of which half goes each way); ``network`` as
-    (name, Gb/s one way per chip, the source's page and words)."""
+    (name, Gb/s one way per chip, the source's page and words); ``host`` as (GB/s over both
+    directions, the page's words)."""
     link_name, both_ways = link
     across = {}
     if network is not None:
         across = {"network_bytes_per_s": network[1] * 1e9 / 8, "network": network[0]}
         words = {**words, "network_bytes_per_s": network[2]}
+    if host is not None:
+        across["host_bytes_per_s"] = host[0] / 2 * 1e9
+        words = {**words, "host_bytes_per_s": host[1]}
     kinds_source = _TPU_KINDS if name.startswith("TPU") else _CUDA_NAME
     return Chip(
         name,
@@ -137,6 +145,7 @@ _DGX_A100 = (
     "8x single-port ConnectX-6 VPI 200 Gb/s HDR InfiniBand, one per GPU",
 )
 
+_A100_HOST = (64, "Interconnect: PCIe Gen4 64GB/s")
 _A100_WORDS = {
     "peak_bf16_flops": "BF16 Tensor Core 312 TFLOPS (624 with sparsity)",
     "peak_fp32_flops": "FP32 19.5 TFLOPS",
@@ -161,6 +170,7 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
             _DGX_A100,
+            _A100_HOST,
         ),
         _chip(
             "A100 40GB PCIe",
@@ -175,6 +185,7 @@ CHIPS: dict[str, Chip] = {
                 "memory": "A100 40GB PCIe, GPU memory 40GB HBM2",
                 "hbm_bytes_per_s": "GPU memory bandwidth 1,555GB/s",
             },
+            host=_A100_HOST,
         ),
         _chip(
             "A100 80GB",
@@ -191,6 +202,7 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "Interconnect, SXM: NVLink 600GB/s",
             },
             _DGX_A100,
+            _A100_HOST,
         ),
         _chip(
             "A100 80GB PCIe",
@@ -205,6 +217,7 @@ CHIPS: dict[str, Chip] = {
                 "memory": "A100 80GB PCIe, GPU memory 80GB HBM2e",
                 "hbm_bytes_per_s": "GPU memory bandwidth 1,935GB/s",
             },
+            host=_A100_HOST,
         ),
         _chip(
             "H100 80GB",
@@ -222,6 +235,7 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "H100 SXM, NVIDIA NVLink 900GB/s",
             },
             _DGX_H,
+            (128, "Interconnect: PCIe Gen5 128GB/s"),
         ),
         _chip(
             "H100 PCIe",
@@ -237,6 +251,7 @@ CHIPS: dict[str, Chip] = {
                 "peak_bf16_flops": "H100 PCIe, BF16 Tensor Core 1,513 teraFLOPS with sparsity, so 756 dense",
                 "hbm_bytes_per_s": "H100 PCIe, GPU memory bandwidth 2TB/s",
             },
+            host=(128, "Interconnect: PCIe Gen5 128GB/s"),
         ),
         _chip(
             # An H200 NVL, with a lower peak, may report the same name: pass its own figures.
@@ -255,6 +270,7 @@ CHIPS: dict[str, Chip] = {
                 "link_bytes_per_s": "H200 SXM, NVIDIA NVLink 900GB/s",
             },
             _DGX_H,
+            (128, "Interconnect: PCIe Gen5 128GB/s"),
         ),
         _chip(
             "TPU v4",

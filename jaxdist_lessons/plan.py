@@ -5,14 +5,16 @@
 
 One row per candidate layout of the LM recipe (``examples/lm/train.py``): DP, ZeRO-1, FSDP,
 HSDP, FSDP with tensor parallelism inside a node, ring attention over a ``sequence`` axis,
-experts over an ``expert`` axis, and pipeline schedules. Each row gives the memory per device,
+experts over an ``expert`` axis (with a capacity, or dropless), pipeline schedules, and FSDP
+with Adam's moments and the saved activations in host memory (priced over the chip's PCIe
+link). Each row gives the memory per device,
 the bytes each device sends per step inside a node and across nodes, a predicted step time and
 MFU, and the recipe's flags. ``--check`` compiles the best rows with the recipe's
 ``--compile-only`` on simulated CPU devices and prints predicted and compiled numbers side by side.
 
 The collective bytes are those of the program XLA:CPU compiles from the recipe (JAX 0.10.2):
 every collective moves float32, even under ``--dtype bfloat16``, and the counts per layer below
-were read from compiled programs (``benchmarks/plan_check.py`` checks them on 33 layouts). A GPU
+were read from compiled programs (``benchmarks/plan_check.py`` checks them on 35 layouts). A GPU
 compiler makes other choices (reduce-scatters, bf16 gathers): step times and MFU are predictions
 from those bytes and the chip's datasheet, at peak flops, with no overlap of communication.
 Written here rather than taken from a library: no planner we know of reads JAX meshes.
@@ -21,6 +23,7 @@ Written here rather than taken from a library: no planner we know of reads JAX m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,6 +33,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +162,8 @@ class Candidate:
     stages: int = 1
     schedule: str = ""  # GPipe, 1F1B, interleaved
     virtual: int = 1
+    offload: bool = False  # Adam's moments and the layers' inputs in host memory
+    dispatch: str = "capacity"  # the experts': or "dropless"
 
     def size(self, axis: str) -> int:
         """Devices along one of ``AXES``."""
@@ -173,8 +179,9 @@ class Candidate:
         """Whether ``--check`` compares this row with the compiled recipe. Not yet for
         pipelines (their predicted bytes and memory are not the compiled program's),
         nor ZeRO-1 (XLA:CPU all-reduces the gradient where the prediction has a
-        reduce-scatter)."""
-        return self.stages == 1 and self.strategy != "ZeRO-1"
+        reduce-scatter), nor offloading (XLA:CPU's program keeps everything in device
+        memory)."""
+        return self.stages == 1 and self.strategy != "ZeRO-1" and not self.offload
 
     @property
     def mesh_flag(self) -> str:
@@ -229,7 +236,14 @@ def candidates(run: Run) -> list[Candidate]:
     out += [Candidate("FSDP+TP", mesh(fsdp=n // t, tensor=t)) for t in inside]
     out += [Candidate("sequence", mesh(fsdp=n // s, sequence=s)) for s in inside]
     if m.num_experts:
-        out += [Candidate("experts", mesh(fsdp=n // e, expert=e)) for e in inside]
+        for dispatch, name in (
+            ("capacity", "experts"),
+            ("dropless", "experts dropless"),
+        ):
+            out += [Candidate(name, mesh(fsdp=n // e, expert=e), dispatch=dispatch)
+                    for e in inside]  # fmt: skip
+    if run.chip.host_bytes_per_s and n > 1:
+        out.append(Candidate("FSDP + offload", mesh(fsdp=n), offload=True))
     stages = run.nodes if run.nodes > 1 else 2
     if n % stages == 0 and n > 1:
         for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
@@ -303,22 +317,43 @@ def argument_bytes(run: Run, c: Candidate) -> int:
     return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
 
 
+def kept_input_bytes(run: Run, c: Candidate) -> float:
+    """Each layer's input, which remat 'full' keeps for the backward (the inputs of the
+    micro-batches in flight, in a pipeline): what ``--offload activations`` sends to the
+    host."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    itemsize = 2 if run.dtype == "bfloat16" else 4
+    rows = run.global_batch // c.batch_ways
+    in_flight = rows if c.schedule in ("", "GPipe") else min(rows, c.stages)
+    tokens = run.seq_len // s
+    return in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
+
+
+def host_bytes(run: Run, c: Candidate) -> float:
+    """What ``--offload optimizer,activations`` moves over the host link each step, one
+    way and back: Adam's two float32 moments of the local weights, and the layers'
+    inputs."""
+    if not c.offload:
+        return 0.0
+    return 2 * (2 * F32 * local_weights(run, c) + kept_input_bytes(run, c))
+
+
 def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
     """What the step keeps besides its state (an estimate, to set against XLA's temporaries):
     each layer's input (remat 'full'), one layer's activations while it is recomputed
     (Korthikanti et al. 2022; with ``flash``, no T x T scores), and the float32 logits and their
     gradient. A pipeline runs one sequence per microbatch and keeps the inputs of the
-    microbatches in flight: all of them under GPipe, one per stage under 1F1B."""
+    microbatches in flight (``kept_input_bytes``); with ``--offload``, the host does."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     itemsize = 2 if run.dtype == "bfloat16" else 4
-    rows = run.global_batch // c.batch_ways
-    in_flight = rows if c.schedule in ("", "GPipe") else min(rows, c.stages)
-    micro = rows if c.stages == 1 else 1
+    micro = run.global_batch // c.batch_ways if c.stages == 1 else 1
     tokens = run.seq_len // s
-    kept = in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
+    kept = 0 if c.offload else kept_input_bytes(run, c)
     # XLA's attention on a CPU keeps the T x T scores; cuDNN's fused kernel (GPUs) does not.
     layer = layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
-    layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * m.capacity_factor)
+    # Experts: a capacity's slots, or dropless's worst-case buffers (expert times the pairs)
+    copies = m.capacity_factor if c.dispatch == "capacity" else c.size("expert")
+    layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * copies)
     logits = micro * tokens * m.vocab_size / t * (4 + 4)
     return kept + layer + logits
 
@@ -353,6 +388,7 @@ def memory(run: Run, c: Candidate) -> Memory:
     local = local_weights(run, c)
     zero1 = c.strategy == "ZeRO-1"
     optimizer = 2 * F32 * (param_count(m) / run.devices if zero1 else local)
+    optimizer *= not c.offload  # in host memory
     weights, gradients = F32 * local, F32 * local
     if f > 1:
         itemsize = 2 if run.dtype == "bfloat16" else 4
@@ -403,8 +439,13 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     )
     gathered += unembed * (2 if t > 1 else 1) / t
     out += _t("all-gather", F32 * gathered, c, "fsdp", what="weights (FSDP)")
-    out += _t("all-reduce", F32 * (L * layer / t + norms + unembed / t), c, "fsdp",
-              what="gradients (FSDP)")  # fmt: skip
+    reduced = L * layer / t + norms + unembed / t
+    if m.num_experts and c.dispatch == "dropless":  # dropless.gathered's float32 sums
+        experts = L * 3 * m.num_experts * D * m.mlp_width / (e * t)
+        reduced -= experts
+        out += _t("reduce-scatter", F32 * experts / f, c, "fsdp",
+                  what="experts' gradients (FSDP)")  # fmt: skip
+    out += _t("all-reduce", F32 * reduced, c, "fsdp", what="gradients (FSDP)")
     rest = P - V * D  # the embedding table's gradient: embedding_transfers
     for axis in ("data", "sequence"):
         out += _t("all-reduce", F32 * rest / f, c, axis, what=f"gradients over {axis}")
@@ -519,6 +560,12 @@ def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
             F32 * 2 * L * B * T * m.num_experts
         )  # gathered forward and for the backward
         out += _t("all-gather", logits, c, "fsdp", "expert", what="router logits")
+        if c.dispatch == "dropless":  # dropless.padded_experts: worst-case buffers
+            pairs = rows * T * m.top_k
+            tokens = L * 6 * e * pairs * D * F32  # forward, remat, backward: 2 each
+            ids = L * 2 * e * pairs * 4  # int32 expert ids, forward and remat
+            return out + _t("all-to-all", tokens + ids, c, "expert",
+                            what="pairs to experts and back (worst case)")  # fmt: skip
         group = min(m.group_size, T)
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
         buffer = F32 * m.num_experts * rows * (T // group) * slots * D
@@ -590,8 +637,9 @@ def _crosses(mesh: tuple[int, ...], per_node: int, axes: tuple[str, ...]) -> boo
 
 
 def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
-    """Bytes one device sends per step (ring algorithms) inside its node and across nodes."""
-    out = {"inside": 0.0, "across": 0.0}
+    """Bytes one device sends per step (ring algorithms) inside its node and across nodes,
+    and to its host and back (``--offload``)."""
+    out = {"inside": 0.0, "across": 0.0, "host": host_bytes(run, c)}
     for move in transfers(run, c):
         link = "across" if crosses_nodes(run, c, move.axes) else "inside"
         out[link] += sent_bytes(move)
@@ -618,6 +666,8 @@ def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
     comm = links["inside"] / chip.link_bytes_per_s
     if links["across"]:
         comm += links["across"] / chip.network_bytes_per_s
+    if links["host"]:
+        comm += links["host"] / chip.host_bytes_per_s
     step = compute + comm
     return {"compute": compute, "comm": comm, "step": step,
             "mfu": flops / step / (run.devices * peak)}  # fmt: skip
@@ -627,20 +677,30 @@ def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
 
 
 def recipe_flags(run: Run, c: Candidate) -> str:
-    """The flags of ``examples/lm/train.py`` that run this layout."""
+    """The flags of ``examples/lm/train.py`` that run this layout: ``--model`` for a
+    preset's shape, otherwise ``--model-config config.json`` (``hf_config`` writes it)."""
     m = run.shape
     dense = dataclasses.replace(
         m, num_experts=0, top_k=1, capacity_factor=1.25, group_size=512
     )
-    if dense != PRESETS.get(run.model):
-        return "n/a (train.py runs its presets' shapes)"
-    flags = [f"--model {run.model}", f"--mesh {c.mesh_flag}", f"--seq-len {run.seq_len}",
+    model = (
+        f"--model {run.model}"
+        if dense == PRESETS.get(run.model)
+        else f"--model-config {CONFIG_FILE}"
+    )
+    flags = [model, f"--mesh {c.mesh_flag}", f"--seq-len {run.seq_len}",
              f"--global-batch {run.global_batch}", f"--dtype {run.dtype}"]  # fmt: skip
     if m.num_experts:
-        flags += [f"--experts {m.num_experts}", f"--top-k {m.top_k}",
-                  f"--capacity-factor {m.capacity_factor:g}", f"--group-size {m.group_size}"]  # fmt: skip
+        flags += [f"--experts {m.num_experts}", f"--top-k {m.top_k}"]
+        if c.dispatch == "dropless":
+            flags.append("--dispatch dropless")
+        else:
+            flags += [f"--capacity-factor {m.capacity_factor:g}",
+                      f"--group-size {m.group_size}"]  # fmt: skip
     if c.strategy == "ZeRO-1":
         flags.append("--zero1")
+    if c.offload:
+        flags.append("--offload optimizer,activations")
     if c.stages > 1:  # one sequence per device per microbatch, as step_seconds counts
         flags[1] = f"--mesh pipeline={c.stages},{c.mesh_flag}"
         flags += [f"--grad-accum {run.global_batch // c.batch_ways}",
@@ -648,6 +708,18 @@ def recipe_flags(run: Run, c: Candidate) -> str:
         if c.virtual > 1:
             flags.append(f"--virtual-stages {c.virtual}")
     return " ".join(flags)
+
+
+CONFIG_FILE = "config.json"  # a custom shape's, from --write-config
+
+
+def hf_config(m: LMShape) -> dict[str, Any]:
+    """A shape as the Hugging Face Llama config.json that ``--model-config`` reads
+    (examples/lm/model.py's ``config_from_hf``)."""
+    return {"model_type": "llama", "hidden_act": "silu", "vocab_size": m.vocab_size,
+            "num_hidden_layers": m.num_layers, "hidden_size": m.width,
+            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
+            "intermediate_size": m.mlp_width, "tie_word_embeddings": m.tie_embeddings}  # fmt: skip
 
 
 def temporaries_estimate(run: Run, c: Candidate, mem: Memory) -> float:
@@ -686,7 +758,7 @@ def plan(run: Run) -> list[dict[str, Any]]:
 
 
 HEADERS = ["strategy", "mesh", "fits", "weights GB", "optimizer GB", "grads GB",
-           "activations GB", "total GB", "in-node GB", "across GB",
+           "activations GB", "total GB", "in-node GB", "across GB", "host GB",
            "step s (predicted)", "MFU (predicted)"]  # fmt: skip
 
 
@@ -697,6 +769,7 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
               *(gb(r["memory_bytes"][k]) for k in ("weights", "optimizer", "gradients",
                                                   "activations", "total")),
               gb(r["sent_bytes"]["inside"]), gb(r["sent_bytes"]["across"]),
+              gb(r["sent_bytes"]["host"]),
               r["predicted_step_s"], f"{r['predicted_mfu']:.1%}"] for r in rows]  # fmt: skip
     title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
              f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
@@ -724,8 +797,9 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
 
     for argv in runs:
         args = train.parse_args([*argv, "--compile-only"])
-        try:
-            mesh, _, _, step, shapes, _ = train.setup(args)
+        try:  # what setup says (once-only notes) goes to stderr: stdout is the JSON
+            with contextlib.redirect_stdout(sys.stderr):
+                mesh, _, _, step, shapes, _ = train.setup(args)
             compiled = recipe_compiled.lower_step(step, shapes, args, mesh).compile()
         except (Exception, SystemExit) as error:  # the next layout may still compile
             print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
@@ -948,6 +1022,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="compile the best rows on simulated devices",
     )
     add("--check-rows", type=int, default=3, help="how many rows --check compiles")
+    add(
+        "--write-config",
+        metavar="PATH",
+        help="write the model's shape as the config.json that train.py's "
+        "--model-config reads (for a shape that is not a preset)",
+    )
     return parser.parse_args(argv)
 
 
@@ -987,17 +1067,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         run = make_run(args)
         rows = fitting_plan(run)
-        if args.check and all(r["flags"].startswith("n/a") for r in rows):
-            raise PlanError(
-                "--check compiles the recipe, which runs its presets only: use --model"
-            )
     except PlanError as error:
         print(f"plan: {error}", file=sys.stderr)
         return 2
+    custom = any(f"--model-config {CONFIG_FILE}" in r["flags"] for r in rows)
+    if args.write_config:
+        pathlib.Path(args.write_config).write_text(json.dumps(hf_config(run.shape)))
+        for r in rows:
+            r["flags"] = r["flags"].replace(
+                f"--model-config {CONFIG_FILE}", f"--model-config {args.write_config}"
+            )
     checks = []
     if args.check:
         chosen = [r for r in rows if r["checked"]][: args.check_rows]  # fitting first
-        compiled = compile_flags(run.devices, [r["flags"] for r in chosen])
+        with tempfile.TemporaryDirectory() as folder:
+            config = pathlib.Path(folder, CONFIG_FILE)
+            config.write_text(json.dumps(hf_config(run.shape)))
+            lines = [r["flags"].replace(f"--model-config {CONFIG_FILE}",
+                                        f"--model-config {config}") for r in chosen]  # fmt: skip
+            compiled = compile_flags(run.devices, lines)
         checks = [compare(r, c) for r, c in zip(chosen, compiled)]
     if args.json:
         out: dict[str, Any] = {"run": run_summary(run), "rows": rows}
@@ -1010,6 +1098,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "on this machine):")  # fmt: skip
     for number, r in enumerate(rows, 1):
         print(f"{number:>3}. {r['strategy']:<22} {r['flags']}")
+    if custom and not args.write_config:
+        print(f"\n{CONFIG_FILE}: this shape for --model-config; add --write-config "
+              f"{CONFIG_FILE} to write it")  # fmt: skip
     if args.check:
         print()
         print(check_table(chosen, checks))

@@ -155,6 +155,22 @@ def test_on_a_gpu_the_recipe_exchanges_with_ragged_all_to_all(monkeypatch):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_dropless_compiles_in_bfloat16_with_float32_sums_of_gradients():
+    """In bfloat16 on data=2,expert=4 and fsdp=2,expert=2,tensor=2: XLA:CPU compiles the
+    step (it aborts on a bfloat16 sum that a shard_map's transpose writes, so the sums of
+    the tokens' and weights' gradients are float32, dropless.in_compute_type), and the
+    experts' weight gradients are reduce-scattered over fsdp (dropless.gathered)."""
+    for mesh_flag in ("data=2,expert=4", "fsdp=2,expert=2,tensor=2"):
+        args = train.parse_args([*COMMON, "--mesh", mesh_flag, "--experts", "8",
+                                 "--top-k", "2", "--dispatch", "dropless",
+                                 "--dtype", "bfloat16"])  # fmt: skip
+        mesh, _, _, step, shapes, _ = train.setup(args)
+        text = lm_compiled.lower_step(step, shapes, args, mesh).compile().as_text()
+        sent = lm_compiled.collective_bytes(text)
+        assert ("reduce-scatter" in sent) == ("fsdp" in mesh_flag), sent
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
     """8 experts, top-2, 3 steps in float32: --dispatch dropless on data=8, on
     data=2,expert=4 (worst-case all_to_alls) and on fsdp=2,expert=2,tensor=2 (weights

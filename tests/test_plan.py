@@ -223,21 +223,42 @@ def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
     assert [c["arguments"]["ratio"] for c in checks] == pytest.approx([1 / 0.9] * 2)
 
 
-def test_a_model_given_by_its_shape():
-    """GQA and experts from flags: the experts' rows appear; train.py runs presets only, so no
-    row has flags, and --check says why."""
+def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
+    """GQA and experts from flags: the experts' rows appear, each with --model-config;
+    --write-config writes the config.json that train.py reads into this shape, the flags
+    name it and the recipe takes them; --check compiles them with a config of its own."""
     shape = ["--layers", "4", "--width", "512", "--heads", "8", "--kv-heads", "2",
              "--mlp-width", "1024", "--vocab", "8000", "--experts", "8", "--top-k", "2",
              "--devices", "8", "--nodes", "2", "--global-batch", "16"]  # fmt: skip
-    status, as_json, _ = run_main([*shape, "--json"])
+    status, printed, _ = run_main(shape)
+    assert status == 0 and "add --write-config config.json to write it" in printed
+    config = tmp_path / "shape.json"
+    status, as_json, _ = run_main([*shape, "--json", "--write-config", str(config)])
     assert status == 0
     out = json.loads(as_json)
     assert out["run"]["shape"]["num_kv_heads"] == 2 and out["run"]["model"] == "custom"
     experts = [r["mesh"] for r in out["rows"] if r["strategy"] == "experts"]
     assert sorted(experts) == ["fsdp=2,expert=4", "fsdp=4,expert=2"]
-    assert all(r["flags"].startswith("n/a") for r in out["rows"])
-    status, _, error = run_main([*shape, "--check"])
-    assert status == 2 and "--check compiles the recipe" in error
+    recipe = model_lib.config_from_hf(str(config))
+    assert (recipe.num_layers, recipe.width, recipe.num_kv_heads, recipe.vocab_size) == (
+        4, 512, 2, 8000,
+    )  # fmt: skip
+    for r in out["rows"]:
+        assert r["flags"].startswith(f"--model-config {config} ")
+        assert_the_recipe_takes(r["flags"])
+    asked = []
+
+    def compiled(devices, flag_lines, progress=True):
+        asked.extend(flag_lines)
+        path = flag_lines[0].split()[1]
+        assert model_lib.config_from_hf(path) == recipe
+        return [
+            {"arguments": 1, "temporaries": 1, "collectives": {}} for _ in flag_lines
+        ]
+
+    monkeypatch.setattr(plan, "compile_flags", compiled)
+    status, _, _ = run_main([*shape, "--check", "--check-rows", "2"])
+    assert status == 0 and len(asked) == 2
     status, _, error = run_main([*shape[:-2], "--global-batch", "16", "--heads", "0"])
     assert status == 2 and error == "plan: the model's sizes must be positive\n"
 
@@ -283,13 +304,23 @@ def test_page_json_is_the_tables_cells_or_the_error_line():
     [["--model", "70b", "--devices", "64", "--nodes", "8", "--chip", "h100",
       "--seq-len", "4096", "--global-batch", "256"],
      ["--model", "8b", "--devices", "16", "--nodes", "2", "--chip", "h100",
-      "--seq-len", "8192", "--global-batch", "32"]],
+      "--seq-len", "8192", "--global-batch", "32"],
+     ["--model", "1b", "--experts", "8", "--top-k", "2", "--devices", "8",
+      "--chip", "a100", "--seq-len", "2048", "--global-batch", "32"]],
 )  # fmt: skip
 def test_every_ranked_row_has_flags_the_recipe_takes(request_):
-    """Pipelines (with their schedule and micro-batches) and ZeRO-1 included."""
+    """Pipelines (with their schedule and micro-batches), ZeRO-1, host offload and
+    dropless experts included: none says "n/a"."""
     status, as_json, _ = run_main([*request_, "--json"])
     assert status == 0
     rows = json.loads(as_json)["rows"]
-    assert any("pipeline" in r["strategy"] for r in rows)
+    strategies = {r["strategy"] for r in rows}
+    assert {"pipeline 1F1B", "FSDP + offload"} <= strategies
+    if "--experts" in request_:
+        assert "experts dropless" in strategies
     for r in rows:
         assert_the_recipe_takes(r["flags"])
+        assert ("--offload optimizer,activations" in r["flags"]) == (
+            r["strategy"] == "FSDP + offload"
+        )
+        assert ("--dispatch dropless" in r["flags"]) == ("dropless" in r["strategy"])

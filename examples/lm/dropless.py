@@ -22,6 +22,8 @@ flattened, T R of them; Y the rows a device can receive, X U (room for every dev
 pairs).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -132,25 +134,57 @@ def ragged_experts(
 def on_device(
     x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD,
     expert_axis=None, width_axis=None, mlp_axis=None, exchange="padded",
+    dtype=jnp.float32,
 ):  # fmt: skip
     """One device's share, in a jax.shard_map over the mesh (model.Experts): its
     tokens; the weights gathered over ``width_axis`` (FSDP); the experts split over
     ``expert_axis``, exchanged "padded" or "ragged"; the MLP width split over
-    ``mlp_axis`` (tensor parallelism: the partial outputs summed after)."""
-    if width_axis:
-        gather = lambda w, dim: jax.lax.all_gather(w, width_axis, axis=dim, tiled=True)
-        w_gate_EDF, w_up_EDF = gather(w_gate_EDF, 1), gather(w_up_EDF, 1)
-        w_down_EFD = gather(w_down_EFD, 2)
-    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    ``mlp_axis`` (tensor parallelism: the partial outputs summed after). The tokens,
+    gates and weights come in float32 and are computed with in ``dtype``."""
+    x_BTD, gates_BTR = (in_compute_type(a, dtype) for a in (x_BTD, gates_BTR))
+    weights = [in_compute_type(w, dtype) for w in (w_gate_EDF, w_up_EDF, w_down_EFD)]
+    if width_axis:  # the width's dimension: 1 in gate and up (E, D, F), 2 in down
+        weights = [gathered(w, width_axis, dim) for w, dim in zip(weights, (1, 1, 2))]
     flat = flat_tokens(x_BTD, experts_BTR, gates_BTR)
     if expert_axis:
         exchanged = {"padded": padded_experts, "ragged": ragged_experts}[exchange]
         y_TD = exchanged(*flat, *weights, axis=expert_axis)
     else:
         y_TD = local_experts(*flat, *weights)
-    if mlp_axis:
-        y_TD = jax.lax.psum(y_TD, mlp_axis)
+    if mlp_axis:  # summed in float32 (see in_compute_type)
+        y_TD = jax.lax.psum(y_TD.astype(jnp.float32), mlp_axis).astype(dtype)
     return y_TD.reshape(x_BTD.shape)
+
+
+def in_compute_type(a_f32, dtype):
+    """A float32 input, made varying over the manual axes that do not split it while
+    still float32, then cast: the sums over devices of its gradient that shard_map's
+    transpose writes (one for each such axis) run in float32. XLA:CPU cannot compile
+    a bfloat16 one ("Invalid binary instruction opcode copy"), and a float32 sum of
+    gradients is what FSDP's reduce_dtype asks for."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    missing = tuple(a for a in manual if a not in jax.typeof(a_f32).mat.varying)
+    return jax.lax.pcast(a_f32, missing, to="varying").astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gathered(w, axis: str, dim: int):
+    """FSDP's gather of a weight's shards along ``dim``, in the weight's type; its
+    gradient reduce-scattered in float32 (as in_compute_type's sums)."""
+    return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+
+
+def _gathered_forward(w, axis, dim):
+    return gathered(w, axis, dim), None
+
+
+def _gathered_backward(axis, dim, _, g):
+    g32 = jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=dim,
+                               tiled=True)  # fmt: skip
+    return (g32.astype(g.dtype),)
+
+
+gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def flat_tokens(x_BTD, experts_BTR, gates_BTR):

@@ -836,9 +836,13 @@ def dropless_experts(
     the mesh: each device's tokens as the rules split them ("batch", "act_seq"), the
     weights as they lie ("experts", "embed", "mlp"); across 'expert', ``exchange``
     "padded" or "ragged". Unwrapped outside a mesh."""
-    args = (x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD)
+    # In float32, cast inside (dropless.in_compute_type): the sums of their gradients
+    # over devices then run in float32.
+    f32 = [a.astype(jnp.float32) for a in (x_BTD, gates_BTR, w_gate_EDF, w_up_EDF,
+                                           w_down_EFD)]  # fmt: skip
+    args = (f32[0], experts_BTR, *f32[1:])
     if jax.sharding.get_abstract_mesh().empty:
-        return dropless.on_device(*args)
+        return dropless.on_device(*args, dtype=x_BTD.dtype)
     names = [("batch", "act_seq", None), ("experts", "embed", "mlp"),
              ("experts", "mlp", "embed")]  # fmt: skip
     specs = [nn.logical_to_mesh_axes(n) for n in names]  # tokens, up, down
@@ -851,7 +855,7 @@ def dropless_experts(
     on_each = jax.shard_map(
         functools.partial(
             dropless.on_device, expert_axis=expert_axis, width_axis=width_axis,
-            mlp_axis=mlp_axis, exchange=exchange,
+            mlp_axis=mlp_axis, exchange=exchange, dtype=x_BTD.dtype,
         ),
         in_specs=(tokens, tokens, tokens, up, up, down),
         out_specs=tokens,
