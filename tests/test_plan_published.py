@@ -1,0 +1,38 @@
+"""benchmarks/plan_published.py: the planner against published GPU runs. The JSON the book
+shows is today's planner (recomputed here), and each run's measured figure is the one its
+quoted source gives."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import plan_published  # noqa: E402
+
+
+def test_the_json_is_todays_planner():
+    saved = json.loads(plan_published.OUT.read_text())["rows"]
+    fresh = json.loads(json.dumps(plan_published.table()))
+    assert [r["name"] for r in saved] == [r["name"] for r in fresh]
+    for was, now in zip(saved, fresh, strict=True):
+        assert was["ratio"] == pytest.approx(now["ratio"], rel=1e-12), now["name"]
+        assert was["predicted"] == pytest.approx(now["predicted"], rel=1e-12)
+
+
+@pytest.mark.parametrize("run", plan_published.RUNS, ids=lambda r: r["name"])
+def test_each_measured_figure_is_its_sources(run):
+    """The tokens per second per GPU: a torchtitan table's TPS/GPU as printed, or
+    MaxText's sequences per second times the sequence length over the GPUs."""
+    words = run["words"]
+    if "TPS/GPU" in words:
+        assert f"{run['measured']:,} TPS/GPU" in words
+    else:
+        per_second = float(words.split("Sequences/Sec ")[1].split()[0])
+        assert run["measured"] == per_second * run["seq_len"] / run["devices"]
+    assert f"{run['devices']} GPUs" in words or f"| {run['devices']} |" in words
+    assert run["source"].startswith("https://github.com/")
