@@ -816,7 +816,7 @@ def test_offloaded_activations_train_the_same_and_go_to_host_in_the_gpu_program(
     assert placed == [[], [("f32", (8, 128, 128))]]
     cpu = lm_compiled.lower_step(step, shapes, args, mesh).compile().as_text()
     assert "S(5)" not in cpu  # XLA:CPU's program: no host memory space
-    line = lm_compiled.offloaded_activations(step, shapes, args, mesh, layers=4)
+    line = lm_compiled.offloaded_activations(step, shapes, args, mesh)
     assert "f32[2,64,128] a device" in line
     assert f"= {2 * 64 * 128 * 4 * 4 * 2} B" in line, line
     with pytest.raises(SystemExit, match="needs --remat full and no pipeline"):

@@ -119,7 +119,7 @@ def host_placements(lowered_text: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def offloaded_activations(step, shapes, args, mesh, layers: int) -> str:
+def offloaded_activations(step, shapes, args, mesh) -> str:
     """--offload activations, read from the step's program lowered for CUDA (XLA:CPU's
     program drops the placement): what goes to host memory, and the bytes a device
     moves there and back each step. Stops if it is not one layer input a layer (JAX's
@@ -135,6 +135,7 @@ def offloaded_activations(step, shapes, args, mesh, layers: int) -> str:
             f"host memory, not one ({rows}, {args.seq_len}, width) layer input"
         )
     [(dtype, shape)] = inputs
+    layers = jax.tree.leaves(shapes.params["layers"])[0].shape[0]  # the scan's stack
     residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)  # as the layers
     local = NamedSharding(mesh, residual).shard_shape(shape)
     sent = SIZES[dtype] * math.prod(local) * layers * args.grad_accum
@@ -147,7 +148,7 @@ def offloaded_activations(step, shapes, args, mesh, layers: int) -> str:
     )
 
 
-def compile_only(step, shapes, args, mesh, layers: int) -> None:
+def compile_only(step, shapes, args, mesh) -> None:
     """Compile one step for the requested sizes, allocating nothing; print its costs."""
     start = time.perf_counter()
     compiled = lower_step(step, shapes, args, mesh).compile()
@@ -178,7 +179,7 @@ def compile_only(step, shapes, args, mesh, layers: int) -> None:
             f"on the device: arguments {(arguments - host) / 1e9:.3f} GB"
         )
     if "activations" in args.offload:
-        print(offloaded_activations(step, shapes, args, mesh, layers))
+        print(offloaded_activations(step, shapes, args, mesh))
     stages, micro = mesh.shape["pipeline"], args.grad_accum
     if stages > 1:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))

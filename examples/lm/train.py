@@ -497,7 +497,7 @@ def main(argv=None) -> None:
     join_processes()
     mesh, model, tx, step, shapes, init = setup(args)
     if args.compile_only:
-        return compile_only(step, shapes, args, mesh, model.config.num_layers)
+        return compile_only(step, shapes, args, mesh)
     train(args, mesh, model, tx, step, shapes, init)
 
 
