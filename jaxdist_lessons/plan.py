@@ -618,31 +618,46 @@ def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
     return out
 
 
-def crosses_nodes(run: Run, c: Candidate, axes: Sequence[str]) -> bool:
-    """Whether a group along ``axes`` spans nodes: devices are numbered over the mesh in
-    ``AXES`` order (as ``jax.make_mesh`` lays them out), ``per_node`` to a node; pipeline
-    stages are outermost, a node or more each."""
+def crossing_share(run: Run, c: Candidate, axes: Sequence[str]) -> float:
+    """The share of a ring's sends over ``axes`` that cross nodes: a ring through a group
+    of G devices on k nodes (k > 1) has k of its G edges between nodes, k / G; 0 inside a
+    node. Devices are numbered over the mesh in ``AXES`` order (as ``jax.make_mesh`` lays
+    them out), ``per_node`` to a node; pipeline stages are outermost, a node or more each,
+    and every send between them crosses. With one network adapter per GPU, as in NVIDIA's
+    reference systems (``hardware``'s network sources), NCCL runs a ring on each rail, so
+    each device's adapter carries that share of its own sends."""
     if "pipeline" in axes:
-        return run.nodes > 1
-    return _crosses(c.mesh, run.per_node, tuple(axes))
+        return 1.0 if run.nodes > 1 else 0.0
+    return _crossing_share(c.mesh, run.per_node, tuple(axes))
 
 
 @functools.cache  # a step has a dozen collectives over the same few groups
-def _crosses(mesh: tuple[int, ...], per_node: int, axes: tuple[str, ...]) -> bool:
+def _crossing_share(
+    mesh: tuple[int, ...], per_node: int, axes: tuple[str, ...]
+) -> float:
     nodes: dict[tuple[int, ...], set[int]] = {}
+    sizes: dict[tuple[int, ...], int] = {}
     for device, coords in enumerate(itertools.product(*(range(n) for n in mesh))):
         group = tuple(i for a, i in zip(AXES, coords) if a not in axes)
         nodes.setdefault(group, set()).add(device // per_node)
-    return any(len(found) > 1 for found in nodes.values())
+        sizes[group] = sizes.get(group, 0) + 1
+    return max(
+        (
+            len(found) / sizes[g] if len(found) > 1 else 0.0
+            for g, found in nodes.items()
+        ),
+        default=0.0,
+    )
 
 
 def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
-    """Bytes one device sends per step (ring algorithms) inside its node and across nodes,
-    and to its host and back (``--offload``)."""
+    """Bytes one device sends per step (ring algorithms) inside its node and across nodes
+    (``crossing_share`` of each collective's), and to its host and back (``--offload``)."""
     out = {"inside": 0.0, "across": 0.0, "host": host_bytes(run, c)}
     for move in transfers(run, c):
-        link = "across" if crosses_nodes(run, c, move.axes) else "inside"
-        out[link] += sent_bytes(move)
+        sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
+        out["across"] += share * sent
+        out["inside"] += (1 - share) * sent
     return out
 
 
@@ -914,7 +929,7 @@ def make_run(args: argparse.Namespace) -> Run:
             raise PlanError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
-    if args.devices > MAX_DEVICES:  # crosses_nodes walks every device of every mesh
+    if args.devices > MAX_DEVICES:  # crossing_share walks every device of every mesh
         raise PlanError(
             f"--devices {args.devices}: the planner plans up to {MAX_DEVICES:,}"
         )
