@@ -108,6 +108,42 @@ def predicted(entry: dict) -> dict:
     }
 
 
+_SCALING_BOOK = "https://jax-ml.github.io/scaling-book/gpus/"
+THRESHOLD = {
+    "source": _SCALING_BOOK,
+    "words": "Within a node, we just need the per-GPU token batch size > 990e12 / 450e9 = "
+    "2200. Within an SU or at the spine level, BS > 990e12 / 400e9 = 2475.",
+    "inside": 2200,
+    "across": 2475,
+}
+
+
+def fsdp_threshold(devices: int, nodes: int, seq_len: int = 4096) -> float:
+    """Tokens per GPU above which the planner predicts Llama 3 8B under FSDP on H100s to
+    be compute-bound (its compute time above its communication time): where the two
+    lines through global batches of one and two sequences a GPU cross (compute is
+    linear in the tokens, the weights' bytes are constant, the lookup's grow with them)."""
+    times = []
+    for rows in (1, 2):
+        run = plan.Run("8b", plan.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
+                       seq_len, rows * devices)  # fmt: skip
+        t = plan.step_seconds(
+            run, plan.Candidate("FSDP", plan.mesh_sizes(f"fsdp={devices}"))
+        )
+        times.append((t["compute"], t["comm"]))
+    (compute1, comm1), (compute2, comm2) = times
+    per_sequence = (compute2 - compute1) - (comm2 - comm1)
+    return (seq_len * (comm1 - compute1) / per_sequence) + seq_len
+
+
+def thresholds() -> dict:
+    """The planner's FSDP threshold inside one node (8 GPUs) and across two (16), beside
+    the scaling book's."""
+    ours = {"inside": fsdp_threshold(8, 1), "across": fsdp_threshold(16, 2)}
+    return {**THRESHOLD, "planner": ours,
+            "ratio": {k: ours[k] / THRESHOLD[k] for k in ours}}  # fmt: skip
+
+
 def table() -> list[dict]:
     """Every run with the planner's prediction and predicted / measured."""
     rows = []
@@ -128,9 +164,11 @@ def main() -> None:
               f"{r['predicted']['tokens_per_second_per_gpu']:>8,.0f}  ratio {r['ratio']:.2f}")  # fmt: skip
     meta = {"chip": "H100 80GB (hardware.CHIPS)", "command": "python benchmarks/plan_published.py",
             "ratio": "predicted / measured tokens per second per GPU"}  # fmt: skip
-    pathlib.Path(args.out).write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
-    )
+    limits = thresholds()
+    print(f"FSDP compute-bound from (tokens per GPU): planner {limits['planner']}, "
+          f"scaling book {limits['inside']} inside a node, {limits['across']} across")  # fmt: skip
+    out = {"meta": meta, "rows": rows, "fsdp_threshold": limits}
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

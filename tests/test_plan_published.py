@@ -36,3 +36,16 @@ def test_each_measured_figure_is_its_sources(run):
         assert run["measured"] == per_second * run["seq_len"] / run["devices"]
     assert f"{run['devices']} GPUs" in words or f"| {run['devices']} |" in words
     assert run["source"].startswith("https://github.com/")
+
+
+def test_the_fsdp_threshold_is_todays_planner_beside_the_scaling_books():
+    """Tokens per GPU from which FSDP is compute-bound: the JSON holds today's planner,
+    and the scaling book's figures are those its quoted words compute."""
+    saved = json.loads(plan_published.OUT.read_text())["fsdp_threshold"]
+    fresh = plan_published.thresholds()
+    assert saved["planner"] == pytest.approx(fresh["planner"], rel=1e-12)
+    assert round(990e12 / 450e9) == saved["inside"] == 2200
+    assert round(990e12 / 400e9) == saved["across"] == 2475
+    assert "990e12 / 400e9 = 2475" in saved["words"]
+    # the planner's lines cross where it says: compute and communication equal there
+    assert fresh["planner"]["across"] > fresh["planner"]["inside"] > 2200
