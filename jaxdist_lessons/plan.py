@@ -208,6 +208,11 @@ class Run:
     def per_node(self) -> int:
         return self.devices // self.nodes
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one value in the compute type (activations, gathered weights)."""
+        return 2 if self.dtype == "bfloat16" else 4
+
 
 def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
     """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``."""
@@ -322,11 +327,10 @@ def kept_input_bytes(run: Run, c: Candidate) -> float:
     micro-batches in flight, in a pipeline): what ``--offload activations`` sends to the
     host."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
-    itemsize = 2 if run.dtype == "bfloat16" else 4
     rows = run.global_batch // c.batch_ways
     in_flight = rows if c.schedule in ("", "GPipe") else min(rows, c.stages)
     tokens = run.seq_len // s
-    return in_flight * tokens / t * m.width * itemsize * m.num_layers / c.stages
+    return in_flight * tokens / t * m.width * run.itemsize * m.num_layers / c.stages
 
 
 def host_bytes(run: Run, c: Candidate) -> float:
@@ -345,7 +349,6 @@ def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
     gradient. A pipeline runs one sequence per microbatch and keeps the inputs of the
     microbatches in flight (``kept_input_bytes``); with ``--offload``, the host does."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
-    itemsize = 2 if run.dtype == "bfloat16" else 4
     micro = run.global_batch // c.batch_ways if c.stages == 1 else 1
     tokens = run.seq_len // s
     kept = 0 if c.offload else kept_input_bytes(run, c)
@@ -353,7 +356,7 @@ def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
     layer = layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
     # Experts: a capacity's slots, or dropless's worst-case buffers (expert times the pairs)
     copies = m.capacity_factor if c.dispatch == "capacity" else c.size("expert")
-    layer *= itemsize / 2 * (1 if not m.num_experts else m.top_k * copies)
+    layer *= run.itemsize / 2 * (1 if not m.num_experts else m.top_k * copies)
     logits = micro * tokens * m.vocab_size / t * (4 + 4)
     return kept + layer + logits
 
@@ -391,9 +394,8 @@ def memory(run: Run, c: Candidate) -> Memory:
     optimizer *= not c.offload  # in host memory
     weights, gradients = F32 * local, F32 * local
     if f > 1:
-        itemsize = 2 if run.dtype == "bfloat16" else 4
         layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
-        weights += (2 * layer + m.vocab_size * m.width) / t * itemsize
+        weights += (2 * layer + m.vocab_size * m.width) / t * run.itemsize
         gradients += F32 * m.vocab_size * m.width / t
     activations = activation_bytes(run, c)
     return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
