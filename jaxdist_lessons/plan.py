@@ -12,11 +12,14 @@ the bytes each device sends per step inside a node and across nodes, a predicted
 MFU, and the recipe's flags. ``--check`` compiles the best rows with the recipe's
 ``--compile-only`` on simulated CPU devices and prints predicted and compiled numbers side by side.
 
-The collective bytes are those of the program XLA:CPU compiles from the recipe (JAX 0.10.2):
-every collective moves float32, even under ``--dtype bfloat16``, and the counts per layer below
-were read from compiled programs (``benchmarks/plan_check.py`` checks them on 35 layouts). A GPU
-compiler makes other choices (reduce-scatters, bf16 gathers): step times and MFU are predictions
-from those bytes and the chip's datasheet, at peak flops, with no overlap of communication.
+The bytes sent and the step time are a GPU's, predicted: weights gathered and gradients
+reduce-scattered in the compute type, Megatron's sequence-parallel activations, the matmuls at
+``COMPUTE_EFFICIENCY`` of the datasheet peak (one constant fitted to published GPU runs,
+``benchmarks/plan_published.py``), FSDP's collectives hidden behind the compute and tensor
+parallelism's waited for. ``--bytes xla-cpu`` prices instead the collectives of the program
+XLA:CPU compiles from the recipe (JAX 0.10.2): every one moves float32, even under
+``--dtype bfloat16``, and their counts per layer were read from compiled programs
+(``benchmarks/plan_check.py`` checks them on 35 layouts); those are what ``--check`` compares.
 Written here rather than taken from a library: no planner we know of reads JAX meshes.
 """
 
@@ -175,15 +178,6 @@ class Candidate:
         return self.size("data") * self.size("fsdp") * self.size("expert")
 
     @property
-    def checked(self) -> bool:
-        """Whether ``--check`` compares this row with the compiled recipe. Not yet for
-        pipelines (their predicted bytes and memory are not the compiled program's),
-        nor ZeRO-1 (XLA:CPU all-reduces the gradient where the prediction has a
-        reduce-scatter), nor offloading (XLA:CPU's program keeps everything in device
-        memory)."""
-        return self.stages == 1 and self.strategy != "ZeRO-1" and not self.offload
-
-    @property
     def mesh_flag(self) -> str:
         """``data=2,fsdp=8``: the axes above 1 (``data=1`` for one device)."""
         return (
@@ -203,6 +197,12 @@ class Run:
     seq_len: int
     global_batch: int
     dtype: str = "bfloat16"
+    remat: str = "full"  # train.py's --remat: none, dots or full
+    grad_accum: int = 1  # train.py's --grad-accum: micro-batches a step
+    bytes: str = (
+        "gpu"  # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
+    )
+    efficiency: float | None = None  # of the chip's peak; None: COMPUTE_EFFICIENCY
 
     @property
     def per_node(self) -> int:
@@ -212,6 +212,23 @@ class Run:
     def itemsize(self) -> int:
         """Bytes of one value in the compute type (activations, gathered weights)."""
         return 2 if self.dtype == "bfloat16" else 4
+
+
+def checked(run: Run, c: Candidate) -> bool:
+    """Whether ``--check`` compares this row with the compiled recipe: the XLA:CPU counts
+    were read under full remat, one micro-batch a step. Not yet for pipelines (their
+    predicted bytes and memory are not the compiled program's), nor ZeRO-1 (XLA:CPU
+    all-reduces the gradient where the prediction has a reduce-scatter), nor offloading
+    (XLA:CPU's program keeps everything in device memory)."""
+    plain = run.remat == "full" and run.grad_accum == 1
+    return plain and c.stages == 1 and c.strategy != "ZeRO-1" and not c.offload
+
+
+def micro_rows(run: Run, c: Candidate) -> int:
+    """Sequences one device runs at once: its rows over --grad-accum, or one in a
+    pipeline (a micro-batch of one sequence a device)."""
+    rows = run.global_batch // c.batch_ways
+    return 1 if c.stages > 1 else rows // run.grad_accum
 
 
 def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
@@ -288,6 +305,11 @@ def problems(run: Run, c: Candidate) -> list[str]:
         out.append(f"fewer sequences per replica than the {c.stages} stages")
     if c.schedule == "interleaved" and micro % c.stages:
         out.append(f"{micro} microbatches do not make groups of the {c.stages} stages")
+    if c.stages == 1 and micro % run.grad_accum:
+        out.append(f"{micro} sequences a device do not split into --grad-accum "
+                   f"{run.grad_accum} micro-batches")  # fmt: skip
+    if c.offload and run.remat != "full":
+        out.append("offloading activations is full remat (--remat full)")
     return out
 
 
@@ -322,43 +344,93 @@ def argument_bytes(run: Run, c: Candidate) -> int:
     return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
 
 
-def kept_input_bytes(run: Run, c: Candidate) -> float:
-    """Each layer's input, which remat 'full' keeps for the backward (the inputs of the
-    micro-batches in flight, in a pipeline): what ``--offload activations`` sends to the
-    host."""
-    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+def in_flight(run: Run, c: Candidate) -> int:
+    """Sequences whose activations a device holds at once: one micro-batch's rows; in a
+    pipeline, every micro-batch (GPipe) or one per stage (1F1B, interleaved)."""
     rows = run.global_batch // c.batch_ways
-    in_flight = rows if c.schedule in ("", "GPipe") else min(rows, c.stages)
+    if c.stages == 1:
+        return micro_rows(run, c)
+    return rows if c.schedule == "GPipe" else min(rows, c.stages)
+
+
+def kept_input_bytes(run: Run, c: Candidate) -> float:
+    """Each layer's input, which remat 'full' keeps for the backward, sequence-parallel
+    under a tensor axis (the inputs of the micro-batches in flight, in a pipeline): what
+    ``--offload activations`` sends to the host for each micro-batch."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     tokens = run.seq_len // s
-    return in_flight * tokens / t * m.width * run.itemsize * m.num_layers / c.stages
+    per_layer = in_flight(run, c) * tokens / t * m.width * run.itemsize
+    return per_layer * m.num_layers / c.stages
 
 
 def host_bytes(run: Run, c: Candidate) -> float:
     """What ``--offload optimizer,activations`` moves over the host link each step, one
     way and back: Adam's two float32 moments of the local weights, and the layers'
-    inputs."""
+    inputs of every micro-batch."""
     if not c.offload:
         return 0.0
-    return 2 * (2 * F32 * local_weights(run, c) + kept_input_bytes(run, c))
+    return 2 * (
+        2 * F32 * local_weights(run, c) + run.grad_accum * kept_input_bytes(run, c)
+    )
 
 
-def activation_bytes(run: Run, c: Candidate, flash: bool = True) -> float:
-    """What the step keeps besides its state (an estimate, to set against XLA's temporaries):
-    each layer's input (remat 'full'), one layer's activations while it is recomputed
-    (Korthikanti et al. 2022; with ``flash``, no T x T scores), and the float32 logits and their
-    gradient. A pipeline runs one sequence per microbatch and keeps the inputs of the
-    microbatches in flight (``kept_input_bytes``); with ``--offload``, the host does."""
+def expert_copies(run: Run, c: Candidate) -> float:
+    """How many times an MoE layer's activations a dense one's are: top-k copies of each
+    token, times a capacity's spare slots or dropless's worst-case buffers (the expert
+    axis times the pairs)."""
+    m = run.shape
+    if not m.num_experts:
+        return 1.0
+    return m.top_k * (
+        m.capacity_factor if c.dispatch == "capacity" else c.size("expert")
+    )
+
+
+def xla_cpu_activation_bytes(run: Run, c: Candidate) -> float:
+    """What XLA:CPU's program keeps besides the state, as estimated to set against its
+    temporaries (remat 'full'): each layer's input, one layer's activations while it is
+    recomputed (Korthikanti et al. 2022, eq. 2, with the T x T scores XLA's attention
+    keeps on a CPU), and the float32 logits and their gradient."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
-    micro = run.global_batch // c.batch_ways if c.stages == 1 else 1
-    tokens = run.seq_len // s
+    micro, tokens = micro_rows(run, c), run.seq_len // s
     kept = 0 if c.offload else kept_input_bytes(run, c)
-    # XLA's attention on a CPU keeps the T x T scores; cuDNN's fused kernel (GPUs) does not.
-    layer = layer_activation_bytes(tokens, micro, m.width, m.num_heads, t, flash)
-    # Experts: a capacity's slots, or dropless's worst-case buffers (expert times the pairs)
-    copies = m.capacity_factor if c.dispatch == "capacity" else c.size("expert")
-    layer *= run.itemsize / 2 * (1 if not m.num_experts else m.top_k * copies)
+    layer = layer_activation_bytes(tokens, micro, m.width, m.num_heads, t)
+    layer *= run.itemsize / 2 * expert_copies(run, c)
     logits = micro * tokens * m.vocab_size / t * (4 + 4)
     return kept + layer + logits
+
+
+def saved_dots_bytes(run: Run, c: Candidate) -> float:
+    """What remat 'dots' keeps of one layer (``dots_with_no_batch_dims_saveable``): the
+    outputs of its weight matmuls, Q, K, V, the attention's output projection, the
+    MLP's gate, up and down, in the compute type, split over the tensor axis."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    width = (m.num_heads + 2 * m.num_kv_heads) * m.head_width + 2 * m.width
+    width += 2 * m.mlp_width
+    tokens = in_flight(run, c) * run.seq_len // s
+    return tokens * width / t * run.itemsize * expert_copies(run, c)
+
+
+def activation_bytes(run: Run, c: Candidate) -> float:
+    """What the step keeps besides its state on a GPU (an estimate). One layer's
+    activations follow Korthikanti et al. 2022 (arXiv:2205.05198): eq. 2, s b h (10 +
+    24/t), or with sequence parallelism (the recipe's residual under a tensor axis, their
+    section 4.2.2) 34/t; with cuDNN's fused attention, no T x T scores. Remat 'full'
+    keeps each layer's input and one layer's activations while it is recomputed; 'dots'
+    each layer's matmul outputs (``saved_dots_bytes``) too; 'none' every layer's. The
+    logits and their gradient in the compute type, one micro-batch's."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    tokens, layers = run.seq_len // s, m.num_layers // c.stages
+    layer = layer_activation_bytes(tokens, in_flight(run, c), m.width, m.num_heads, t,
+                                   flash_attention=True, sequence_parallel=t > 1)  # fmt: skip
+    layer *= run.itemsize / 2 * expert_copies(run, c)
+    if run.remat == "none":
+        kept = layers * layer
+    else:
+        kept = (0 if c.offload else kept_input_bytes(run, c)) + layer
+        kept += layers * saved_dots_bytes(run, c) if run.remat == "dots" else 0
+    logits = micro_rows(run, c) * tokens * m.vocab_size / t * 2 * run.itemsize
+    return kept + logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,10 +455,17 @@ class Memory:
         )
 
 
+def gathered_weights(run: Run, c: Candidate) -> float:
+    """Under FSDP, two layers and the output projection gathered, in the compute type."""
+    m = run.shape
+    layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
+    return (2 * layer + m.vocab_size * m.width) / c.size("tensor") * run.itemsize
+
+
 def memory(run: Run, c: Candidate) -> Memory:
-    """Memory per device for a layout. Under FSDP the weights add two layers and the output
-    projection gathered (in the compute dtype), and the gradients the output projection's
-    whole gradient, before it is reduced."""
+    """Memory per device for a layout, on a GPU. Under FSDP the weights add two layers and
+    the output projection gathered (in the compute dtype), and the gradients the output
+    projection's whole gradient (in the compute type), before it is reduced."""
     m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
     local = local_weights(run, c)
     zero1 = c.strategy == "ZeRO-1"
@@ -394,9 +473,10 @@ def memory(run: Run, c: Candidate) -> Memory:
     optimizer *= not c.offload  # in host memory
     weights, gradients = F32 * local, F32 * local
     if f > 1:
-        layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
-        weights += (2 * layer + m.vocab_size * m.width) / t * run.itemsize
-        gradients += F32 * m.vocab_size * m.width / t
+        weights += gathered_weights(run, c)
+        gradients += run.itemsize * m.vocab_size * m.width / t
+    if run.grad_accum > 1:  # one micro-batch's gradient beside the float32 sum
+        gradients += run.itemsize * local
     activations = activation_bytes(run, c)
     return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
 
@@ -612,6 +692,123 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
     )
 
 
+# --- Collectives (a GPU's program, predicted) -----------------------------------------------------
+
+
+def passes(run: Run) -> int:
+    """How often a layer's forward collectives run in a step: the forward, the backward's
+    transposes, and (remat 'dots' or 'full') the forward again for the backward."""
+    return 2 if run.remat == "none" else 3
+
+
+def gpu_weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """FSDP's moves as the recipe's program would make them on a GPU (predicted): the weights
+    gathered in the compute type (``step.cast`` casts each shard before the gather), each
+    layer's in the forward and again in the backward, the output projection's too, the
+    embedding table's once for the lookup; each micro-batch's gradient reduce-scattered in
+    the compute type (the gradient of a bfloat16 weight is bfloat16; XLA:CPU's float32 is
+    its own normalisation); then one all-reduce over each other batch axis, in float32
+    after an accumulation (the sums), in the compute type otherwise."""
+    m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
+    L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum  # noqa: N806
+    size, P = run.itemsize, param_count(m)  # noqa: N806
+    summed = F32 if G > 1 else size
+    if c.strategy in ("DP", "ZeRO-1") or f == 1:
+        return _t("all-reduce", summed * P, c, "data", what="gradients")
+    per_pass = L * (attention_weights(m) + mlp_weights(m) / e) / t + L * 2 * D + D
+    per_pass += V * D / t  # the output projection (or the tied table as it)
+    table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
+    out = _t("all-gather", G * size * (2 * per_pass + table), c, "fsdp",
+             what="weights (FSDP)")  # fmt: skip
+    out += _t("reduce-scatter", G * size * (per_pass + table) / f, c, "fsdp",
+              what="gradients (FSDP)")  # fmt: skip
+    out += _t("all-reduce", summed * P / f, c, "data", what="gradients over data")
+    out += _t("all-reduce", G * size * P / f, c, "sequence",
+              what="gradients over sequence")  # fmt: skip
+    shared = P - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
+    out += _t("all-reduce", G * size * shared / f, c, "expert",
+              what="gradients of shared weights")  # fmt: skip
+    return out
+
+
+def gpu_activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """What moves activations on a GPU (predicted), in the compute type, each micro-batch:
+    Megatron's sequence parallelism (Korthikanti et al. 2022, section 4.2.2: an all-gather
+    before attention and before the MLP, a reduce-scatter after each, in every pass; one
+    of each for the embedding and the logits), ring attention's K and V, the experts'
+    router logits (float32) and their tokens out and back (dropless: the pairs each
+    device routes, with ``ragged_all_to_all``, not XLA:CPU's worst-case buffers)."""
+    m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
+    T, D, L, G = run.seq_len, m.width, m.num_layers, run.grad_accum  # noqa: N806
+    rows, size, k = micro_rows(run, c), run.itemsize, passes(run)
+    out = []
+    if t > 1:
+        act = size * rows * T * D  # one micro-batch's, whole sequence
+        count = G * (2 * k * L + 2)
+        out += _t("all-gather", count * act, c, "tensor", what="activations (SP)")
+        out += _t("reduce-scatter", count * act / t, c, "tensor",
+                  what="activations (SP)")  # fmt: skip
+    if s > 1:
+        kv = size * rows * (T // s) * m.num_kv_heads * m.head_width
+        out += _t("collective-permute", G * L * k * (s - 1) * 2 * kv, c, "sequence",
+                  what="K and V around the ring")  # fmt: skip
+    if m.num_experts and e > 1:
+        logits = F32 * 2 * L * run.global_batch * T * m.num_experts
+        out += _t("all-gather", logits, c, "fsdp", "expert", what="router logits")
+        if c.dispatch == "dropless":
+            pairs = G * rows * T * m.top_k
+            return out + _t("all-to-all", L * k * 2 * pairs * D * size, c, "expert",
+                            what="pairs to experts and back")  # fmt: skip
+        group = min(m.group_size, T)
+        slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
+        buffer = size * m.num_experts * rows * (T // group) * slots * D
+        out += _t("all-to-all", G * L * k * 2 * buffer, c, "expert",
+                  what="tokens to experts and back")  # fmt: skip
+    return out
+
+
+def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+    """A step's collectives on a GPU (predicted), as (overlapped, exposed): the weights'
+    gathers and the gradients' reductions overlap with compute (XLA:GPU's latency-hiding
+    scheduler and its pipelined collectives, as FSDP2 prefetches), and so do ring
+    attention's sends and a pipeline's; the activations' collectives of tensor
+    parallelism and experts wait on the compute before and hold up the compute after."""
+    if c.stages > 1:
+        m, rows = run.shape, run.global_batch // c.batch_ways
+        act = run.itemsize * rows * run.seq_len * m.width  # every micro-batch's
+        stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
+        per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages,
+                                        grad_accum=1)  # fmt: skip
+        inside = dataclasses.replace(c, stages=1, strategy="FSDP")
+        sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
+                          ("pipeline",))]  # fmt: skip
+        return sends + gpu_weight_transfers(per_stage, inside), []
+    if (
+        c.strategy == "ZeRO-1"
+    ):  # shards of the gradients, then the float32 weights gathered
+        n, P = run.devices, param_count(run.shape)  # noqa: N806
+        summed = F32 if run.grad_accum > 1 else run.itemsize
+        return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
+                Transfer("all-gather", F32 * P, n, "weights", ("data",))], []  # fmt: skip
+    activations = gpu_activation_transfers(run, c)
+    ring = [move for move in activations if move.kind == "collective-permute"]
+    exposed = [move for move in activations if move.kind != "collective-permute"]
+    return gpu_weight_transfers(run, c) + ring, exposed
+
+
+def priced_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+    """The collectives the step time prices, (overlapped, exposed): a GPU's (predicted), or
+    with ``run.bytes == "xla-cpu"`` the program XLA:CPU compiles, split the same way."""
+    if run.bytes == "gpu":
+        return gpu_transfers(run, c)
+    if c.stages > 1 or c.strategy == "ZeRO-1":
+        return transfers(run, c), []
+    activations = activation_transfers(run, c)
+    ring = [move for move in activations if move.kind == "collective-permute"]
+    exposed = [move for move in activations if move.kind != "collective-permute"]
+    return weight_transfers(run, c) + embedding_transfers(run, c) + ring, exposed
+
+
 def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
     """Bytes per collective kind, counted as ``compiled.collective_bytes`` (examples/lm/compiled.py) counts them."""
     out: dict[str, float] = {}
@@ -652,11 +849,11 @@ def _crossing_share(
     )
 
 
-def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
+def link_bytes(run: Run, c: Candidate, moves: Sequence[Transfer]) -> dict[str, float]:
     """Bytes one device sends per step (ring algorithms) inside its node and across nodes
     (``crossing_share`` of each collective's), and to its host and back (``--offload``)."""
     out = {"inside": 0.0, "across": 0.0, "host": host_bytes(run, c)}
-    for move in transfers(run, c):
+    for move in moves:
         sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
         out["across"] += share * sent
         out["inside"] += (1 - share) * sent
@@ -665,28 +862,62 @@ def link_bytes(run: Run, c: Candidate) -> dict[str, float]:
 
 # --- Time ----------------------------------------------------------------------------------------
 
+# Of the chip's datasheet peak that a step's matmuls reach: FITTED, one constant for every
+# chip and run, to the bfloat16 runs of book/data/plan_published.json (least squares in
+# log(predicted / measured); benchmarks/plan_published.py --fit prints it, and
+# tests/test_plan_published.py refits it). --efficiency overrides it.
+COMPUTE_EFFICIENCY = 0.41
 
-def step_seconds(run: Run, c: Candidate) -> dict[str, float]:
-    """Predicted seconds: compute at the chip's peak (remat 'full' runs the forward twice: 4/3
-    of the model's flops), the pipeline's bubble, and the sends at each link's bandwidth, with
-    no overlap."""
+
+def remat_flops(run: Run) -> float:
+    """The flops a step runs over the model's: remat 'full' runs each layer's forward
+    again (4/3: the forward is a third of 6 flops per weight and token); 'dots' only the
+    attention's two batched matmuls (4 L T N A a token), whose outputs it does not keep."""
+    if run.remat == "full":
+        return 4 / 3
+    if run.remat == "dots":
+        m = run.shape
+        attention = 4 * m.num_layers * run.seq_len * m.num_heads * m.head_width
+        return 1 + attention / model_flops_per_token(m, run.seq_len)
+    return 1.0
+
+
+def collective_seconds(run: Run, c: Candidate, moves: Sequence[Transfer]) -> float:
+    """Seconds to send ``moves`` one after another, each a ring whose sends inside the node
+    and across it run at once, on NVLink and the network adapters: the slower sets the
+    pace."""
+    chip, total = run.chip, 0.0
+    for move in moves:
+        sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
+        across = share * sent / chip.network_bytes_per_s if share else 0.0
+        total += max((1 - share) * sent / chip.link_bytes_per_s, across)
+    return total
+
+
+def step_seconds(
+    run: Run, c: Candidate, moves: tuple[list, list] | None = None
+) -> dict[str, float]:
+    """Predicted seconds: the compute at ``COMPUTE_EFFICIENCY`` of the chip's peak, with
+    remat's extra flops and a pipeline's bubble; the collectives that overlap with it
+    (and the host copies) hidden behind it up to its length; the exposed ones added."""
     chip = run.chip
+    overlapped, exposed = moves or priced_transfers(run, c)
     flops = (
         model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
     )
     peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
-    compute = flops * 4 / 3 / run.devices / peak
+    efficiency = run.efficiency or COMPUTE_EFFICIENCY
+    compute = flops * remat_flops(run) / run.devices / (peak * efficiency)
     if c.stages > 1:
         micro = run.global_batch // c.batch_ways
         compute /= 1 - bubble_fraction(c.stages, micro, c.virtual)
-    links = link_bytes(run, c)
-    comm = links["inside"] / chip.link_bytes_per_s
-    if links["across"]:
-        comm += links["across"] / chip.network_bytes_per_s
-    if links["host"]:
-        comm += links["host"] / chip.host_bytes_per_s
-    step = compute + comm
-    return {"compute": compute, "comm": comm, "step": step,
+    hidden = collective_seconds(run, c, overlapped)
+    if c.offload:
+        hidden += host_bytes(run, c) / chip.host_bytes_per_s
+    waited = collective_seconds(run, c, exposed)
+    step = max(compute, hidden) + waited
+    return {"compute": compute, "overlapped": hidden, "exposed": waited,
+            "comm": hidden + waited, "step": step,
             "mfu": flops / step / (run.devices * peak)}  # fmt: skip
 
 
@@ -716,6 +947,10 @@ def recipe_flags(run: Run, c: Candidate) -> str:
                       f"--group-size {m.group_size}"]  # fmt: skip
     if c.strategy == "ZeRO-1":
         flags.append("--zero1")
+    if run.remat != "full":
+        flags.append(f"--remat {run.remat}")
+    if run.grad_accum > 1 and c.stages == 1:
+        flags.append(f"--grad-accum {run.grad_accum}")
     if c.offload:
         flags.append("--offload optimizer,activations")
     if c.stages > 1:  # one sequence per device per microbatch, as step_seconds counts
@@ -739,39 +974,54 @@ def hf_config(m: LMShape) -> dict[str, Any]:
             "intermediate_size": m.mlp_width, "tie_word_embeddings": m.tie_embeddings}  # fmt: skip
 
 
-def temporaries_estimate(run: Run, c: Candidate, mem: Memory) -> float:
+def temporaries_estimate(run: Run, c: Candidate) -> float:
     """What the estimate says XLA:CPU's temporaries hold: the activations with the T x T
-    scores its attention keeps, the gradients and the gathered weights (beyond the arguments)."""
-    gathered = mem.weights - F32 * local_weights(run, c)
-    return activation_bytes(run, c, flash=False) + mem.gradients + gathered
+    scores its attention keeps, the float32 gradients and, under FSDP, the gathered
+    weights (beyond the arguments)."""
+    m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
+    gradients = F32 * local_weights(run, c)
+    gathered = 0.0
+    if f > 1:
+        gathered = gathered_weights(run, c)
+        gradients += F32 * m.vocab_size * m.width / t
+    return xla_cpu_activation_bytes(run, c) + gradients + gathered
 
 
 def row(run: Run, c: Candidate) -> dict[str, Any]:
-    """Everything the table and the JSON say about one layout."""
-    mem, links, time = memory(run, c), link_bytes(run, c), step_seconds(run, c)
+    """Everything the table and the JSON say about one layout; its collectives worked out
+    once for the bytes and the time (and XLA:CPU's, for ``--check``)."""
+    priced = priced_transfers(run, c)
+    mem, time = memory(run, c), step_seconds(run, c, priced)
     label = c.mesh_flag if c.stages == 1 else f"pipeline={c.stages},{c.mesh_flag}"
     if c.schedule == "interleaved":
         label += f" (v={c.virtual})"
+    parts = {**dataclasses.asdict(mem), "total": mem.total}
     return {
         "strategy": c.strategy,
         "mesh": label,
         "fits": mem.total <= USABLE * run.chip.memory_bytes,
-        "memory_bytes": {**dataclasses.asdict(mem), "total": mem.total},
+        "memory_bytes": parts,
+        "memory_gb": {k: v / 1e9 for k, v in parts.items()},
         "arguments_bytes": argument_bytes(run, c),
-        "temporaries_estimate_bytes": temporaries_estimate(run, c, mem),
+        "temporaries_estimate_bytes": temporaries_estimate(run, c),
         "collective_bytes": transfer_bytes_by_kind(transfers(run, c)),
-        "sent_bytes": links,
-        "predicted_step_s": time["step"],
-        "predicted_mfu": time["mfu"],
+        "sent_bytes": link_bytes(run, c, priced[0] + priced[1]),
+        "step_seconds": time["step"],
+        "seconds": {k: time[k] for k in ("compute", "overlapped", "exposed")},
+        "mfu": time["mfu"],
+        "tokens_per_second_per_device": run.global_batch
+        * run.seq_len
+        / time["step"]
+        / run.devices,
         "flags": recipe_flags(run, c),
-        "checked": c.checked,
+        "checked": checked(run, c),
     }
 
 
 def plan(run: Run) -> list[dict[str, Any]]:
     """One row per layout that divides the model, fitting ones first, fastest first."""
     rows = [row(run, c) for c in candidates(run) if not problems(run, c)]
-    return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_seconds"]))
 
 
 HEADERS = ["strategy", "mesh", "fits", "weights GB", "optimizer GB", "grads GB",
@@ -787,10 +1037,14 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
                                                   "activations", "total")),
               gb(r["sent_bytes"]["inside"]), gb(r["sent_bytes"]["across"]),
               gb(r["sent_bytes"]["host"]),
-              r["predicted_step_s"], f"{r['predicted_mfu']:.1%}"] for r in rows]  # fmt: skip
+              r["step_seconds"], f"{r['mfu']:.1%}"] for r in rows]  # fmt: skip
+    sent = {"gpu": "a GPU's program (predicted)",
+            "xla-cpu": "XLA:CPU's program (float32 collectives)"}[run.bytes]  # fmt: skip
     title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
              f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
-             f"step, {run.dtype}; GB sent per device per step by XLA:CPU's program (float32 collectives)")  # fmt: skip
+             f"step, {run.dtype}, remat {run.remat}"
+             f"{f', {run.grad_accum} micro-batches' if run.grad_accum > 1 else ''}; GB sent "
+             f"per device per step by {sent}")  # fmt: skip
     return Table(HEADERS, cells, title=title)
 
 
@@ -926,7 +1180,8 @@ class PlanError(ValueError):
 
 def make_run(args: argparse.Namespace) -> Run:
     """The reader's request, checked; ``PlanError`` says what is wrong."""
-    for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size"):
+    for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size",
+                 "grad_accum"):  # fmt: skip
         if getattr(args, name) < 1:
             raise PlanError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
@@ -960,8 +1215,13 @@ def make_run(args: argparse.Namespace) -> Run:
         raise PlanError(
             f"--top-k {args.top_k} must be between 1 and --experts {shape.num_experts}"
         )
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise PlanError(
+            f"--efficiency {args.efficiency}: a fraction of the peak, in (0, 1]"
+        )
     return Run(args.model or "custom", shape, args.devices, args.nodes, chip, args.seq_len,
-               args.global_batch, args.dtype)  # fmt: skip
+               args.global_batch, args.dtype, args.remat, args.grad_accum, args.bytes,
+               args.efficiency)  # fmt: skip
 
 
 SHAPE_FLAGS = {"layers": "num_layers", "width": "width", "heads": "num_heads",
@@ -1032,6 +1292,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["bfloat16", "float32"],
         help="compute type",
     )
+    add("--remat", default="full", choices=["none", "dots", "full"],
+        help="train.py's --remat: what each layer keeps for the backward")  # fmt: skip
+    add("--grad-accum", type=int, default=1, help="micro-batches a step (train.py's)")
+    add("--bytes", default="gpu", choices=["gpu", "xla-cpu"],
+        help="the collectives to price: a GPU's (predicted) or XLA:CPU's compiled ones")  # fmt: skip
+    add("--efficiency", type=float,
+        help=f"of the chip's peak the matmuls reach (default {COMPUTE_EFFICIENCY}, fitted)")  # fmt: skip
     add("--json", action="store_true", help="print the rows as JSON")
     add(
         "--check",
@@ -1059,8 +1326,8 @@ def fitting_plan(run: Run) -> list[dict[str, Any]]:
         smallest = min(r["memory_bytes"]["total"] for r in rows)
         raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
                         f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
-                        f"{USABLE:.0%} of {run.chip.memory_label} (the recipe has no gradient "
-                        "accumulation: fewer --global-batch or more --devices)")  # fmt: skip
+                        f"{USABLE:.0%} of {run.chip.memory_label} (more --grad-accum, --remat full, "
+                        "or more --devices)")  # fmt: skip
     return rows
 
 
@@ -1128,7 +1395,9 @@ def run_summary(run: Run) -> dict[str, Any]:
     """The request, as JSON."""
     return {"model": run.model, "shape": dataclasses.asdict(run.shape), "devices": run.devices,
             "nodes": run.nodes, "chip": run.chip.name, "seq_len": run.seq_len,
-            "global_batch": run.global_batch, "dtype": run.dtype}  # fmt: skip
+            "global_batch": run.global_batch, "dtype": run.dtype, "remat": run.remat,
+            "grad_accum": run.grad_accum, "bytes": run.bytes,
+            "efficiency": run.efficiency or COMPUTE_EFFICIENCY}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_json_has_the_tables_rows():
         assert float(cells[7]) == pytest.approx(
             r["memory_bytes"]["total"] / 1e9, rel=1e-3
         )
-        assert cells[-1] == f"{r['predicted_mfu']:.1%}"
+        assert cells[-1] == f"{r['mfu']:.1%}"
     strategies = {r["strategy"] for r in rows}
     assert {
         "DP",
@@ -121,6 +121,9 @@ def test_json_has_the_tables_rows():
          "TPU v5p has no float32 peak in hardware.CHIPS"),
         (["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
          "no layout splits 8b on 6 devices: global batch 7 does not split over 6"),
+        (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
+        (["--efficiency", "1.5"], "--efficiency 1.5: a fraction of the peak, in (0, 1]"),
+        (["--remat", "some"], "argument --remat: invalid choice: 'some'"),
     ],
 )  # fmt: skip
 def test_bad_input_gives_one_line_and_status_2(argv, message):
@@ -324,3 +327,94 @@ def test_every_ranked_row_has_flags_the_recipe_takes(request_):
             r["strategy"] == "FSDP + offload"
         )
         assert ("--dispatch dropless" in r["flags"]) == ("dropless" in r["strategy"])
+
+
+def _fsdp(run_flags: list[str]) -> tuple[plan.Run, plan.Candidate]:
+    run = plan.make_run(plan.parse_args(run_flags))
+    return run, plan.Candidate("FSDP", plan.mesh_sizes(f"fsdp={run.devices}"))
+
+
+GPU_8B = [
+    "--model",
+    "8b",
+    "--devices",
+    "8",
+    "--seq-len",
+    "4096",
+    "--global-batch",
+    "16",
+]
+
+
+def test_fsdp_on_a_gpu_sends_three_bf16_copies_of_the_weights_less_one_table():
+    """Gathers in the forward and the backward, a reduce-scatter of the gradient, in
+    bfloat16; the embedding table is gathered once (the lookup), never in the backward:
+    (n-1)/n x 2 bytes x (3 P - V D) a device, a micro-batch; XLA:CPU's are float32."""
+    run, fsdp = _fsdp(GPU_8B)
+    P, V, D = plan.param_count(run.shape), run.shape.vocab_size, run.shape.width  # noqa: N806
+    overlapped, exposed = plan.gpu_transfers(run, fsdp)
+    assert exposed == [] and {m.kind for m in overlapped} == {
+        "all-gather",
+        "reduce-scatter",
+    }
+    sent = sum(plan.sent_bytes(m) for m in overlapped)
+    assert sent == pytest.approx(7 / 8 * 2 * (3 * P - V * D), rel=1e-12)
+    twice = dataclasses.replace(run, grad_accum=2)
+    again = sum(plan.sent_bytes(m) for m in plan.gpu_transfers(twice, fsdp)[0])
+    assert again == pytest.approx(2 * sent, rel=1e-12)  # gathered each micro-batch
+    cpu = dataclasses.replace(run, bytes="xla-cpu")
+    assert plan.priced_transfers(cpu, fsdp)[0] == (
+        plan.weight_transfers(run, fsdp) + plan.embedding_transfers(run, fsdp)
+    )
+    assert {m.bytes for m in plan.weight_transfers(run, fsdp)} != {
+        m.bytes for m in overlapped
+    }
+
+
+def test_overlap_hides_fsdps_collectives_and_waits_for_tensor_parallelisms():
+    run, fsdp = _fsdp(GPU_8B)
+    t = plan.step_seconds(run, fsdp)
+    assert t["exposed"] == 0 and t["step"] == max(t["compute"], t["overlapped"])
+    tp = plan.Candidate("FSDP+TP", plan.mesh_sizes("fsdp=4,tensor=2"))
+    t = plan.step_seconds(run, tp)
+    assert t["exposed"] > 0
+    assert t["step"] == pytest.approx(max(t["compute"], t["overlapped"]) + t["exposed"])
+    # Megatron's sequence parallelism: 6 all-gathers and 6 reduce-scatters a layer under
+    # remat (forward, its recomputation, backward), 4 and 4 without; bf16 activations
+    [gather, scatter] = plan.gpu_activation_transfers(run, tp)
+    whole = 2 * 4 * 4096 * 4096  # bf16 bytes of (B, T, D): 4 rows a device, 16 over 4
+    assert gather.bytes == (6 * 32 + 2) * whole and scatter.bytes == gather.bytes / 2
+    none = dataclasses.replace(run, remat="none")
+    assert plan.gpu_activation_transfers(none, tp)[0].bytes == (4 * 32 + 2) * whole
+
+
+def test_remat_trades_memory_for_flops_and_grad_accum_memory_for_nothing():
+    run, fsdp = _fsdp(GPU_8B)
+    by = {r: dataclasses.replace(run, remat=r) for r in ("none", "dots", "full")}
+    kept = [plan.activation_bytes(by[r], fsdp) for r in ("none", "dots", "full")]
+    assert kept == sorted(kept, reverse=True) and kept[0] > 3 * kept[2]
+    flops = [plan.remat_flops(by[r]) for r in ("none", "dots", "full")]
+    assert flops[0] == 1 < flops[1] < flops[2] == 4 / 3
+    thirds = dataclasses.replace(run, grad_accum=3)
+    assert plan.problems(thirds, fsdp) == [
+        "2 sequences a device do not split into --grad-accum 3 micro-batches"
+    ]
+    halves = dataclasses.replace(run, grad_accum=2)
+    assert plan.activation_bytes(halves, fsdp) == pytest.approx(kept[2] / 2)
+    assert (
+        plan.step_seconds(halves, fsdp)["compute"]
+        == plan.step_seconds(run, fsdp)["compute"]
+    )
+    status, as_json, _ = run_main(
+        [*GPU_8B, "--remat", "dots", "--grad-accum", "2", "--json"]
+    )
+    for r in json.loads(as_json)["rows"]:
+        assert_the_recipe_takes(r["flags"])
+        assert "--remat dots" in r["flags"] and r["strategy"] != "FSDP + offload"
+        assert ("--grad-accum 2" in r["flags"]) == ("pipeline" not in r["strategy"])
+        assert r["tokens_per_second_per_device"] == pytest.approx(
+            16 * 4096 / r["step_seconds"] / 8
+        )
+        assert sum(
+            v for k, v in r["memory_gb"].items() if k != "total"
+        ) == pytest.approx(r["memory_gb"]["total"])
