@@ -199,6 +199,7 @@ class Run:
     dtype: str = "bfloat16"
     remat: str = "full"  # train.py's --remat: none, dots or full
     grad_accum: int = 1  # train.py's --grad-accum: micro-batches a step
+    fit_accum: bool = False  # --grad-accum auto: each layout's fewest that fit (plan)
     bytes: str = (
         "gpu"  # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
     )
@@ -221,7 +222,9 @@ def checked(run: Run, c: Candidate) -> bool:
     all-reduces the gradient where the prediction has a reduce-scatter), nor offloading
     (XLA:CPU's program keeps everything in device memory)."""
     plain = run.remat == "full" and run.grad_accum == 1
-    return plain and c.stages == 1 and c.strategy != "ZeRO-1" and not c.offload
+    return (
+        plain and c.stages == 1 and not c.strategy.startswith("ZeRO") and not c.offload
+    )
 
 
 def micro_rows(run: Run, c: Candidate) -> int:
@@ -248,10 +251,14 @@ def candidates(run: Run) -> list[Candidate]:
     """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
     n, p, m = run.devices, run.per_node, run.shape
     mesh = lambda **sizes: tuple(sizes.get(a, 1) for a in AXES)
-    out = [Candidate("DP", mesh(data=n)), Candidate("ZeRO-1", mesh(data=n))]
+    out = [Candidate("DP", mesh(data=n))]
+    out += [Candidate(z, mesh(data=n)) for z in ("ZeRO-1", "ZeRO-2")]
     out.append(Candidate("FSDP", mesh(fsdp=n)))
-    if run.nodes > 1:
-        out.append(Candidate("HSDP", mesh(data=run.nodes, fsdp=p)))
+    # HSDP: FSDP inside groups of k devices (powers of two, a node's among them), replicas
+    # across them
+    inner = {2**i for i in range(1, n.bit_length()) if n % 2**i == 0 and 2**i < n}
+    inner |= {p} if 1 < p < n else set()
+    out += [Candidate("HSDP", mesh(data=n // k, fsdp=k)) for k in sorted(inner)]
     # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
     # table instead of the activations, which the counts below do not follow.
     inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
@@ -271,7 +278,22 @@ def candidates(run: Run) -> list[Candidate]:
         for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
             out.append(Candidate(f"pipeline {schedule}", mesh(fsdp=n // stages), stages,
                                  schedule, virtual))  # fmt: skip
+        stage = (
+            n // stages
+        )  # tensor parallelism inside each stage's node, FSDP beside it
+        out += [Candidate("pipeline 1F1B + TP", mesh(fsdp=stage // t, tensor=t), stages,
+                          "1F1B") for t in inside if stage % t == 0 and t <= p]  # fmt: skip
     return out
+
+
+NEEDS = {"ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
+                   "the gradients too)"}  # fmt: skip
+
+
+def runnable(c: Candidate) -> bool:
+    """Whether ``examples/lm/train.py`` runs this layout (``NEEDS`` says what the others
+    need)."""
+    return c.strategy not in NEEDS
 
 
 def problems(run: Run, c: Candidate) -> list[str]:
@@ -322,7 +344,7 @@ def local_weights(run: Run, c: Candidate) -> int:
         math.prod(math.ceil(d / (c.size(a) if a else 1)) for d, a in zip(dims, axes))
         for dims, axes in weight_shapes(run.shape)
     )
-    if c.strategy == "ZeRO-1":
+    if c.strategy.startswith("ZeRO"):
         return param_count(run.shape)
     return math.ceil(total / c.stages)
 
@@ -338,7 +360,7 @@ def argument_bytes(run: Run, c: Candidate) -> int:
     weights = local_weights(run, c)
     optimizer = (
         math.ceil(2 * param_count(run.shape) / run.devices)
-        if c.strategy == "ZeRO-1"
+        if c.strategy.startswith("ZeRO")
         else 2 * weights
     )
     return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
@@ -468,8 +490,8 @@ def memory(run: Run, c: Candidate) -> Memory:
     projection's whole gradient (in the compute type), before it is reduced."""
     m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
     local = local_weights(run, c)
-    zero1 = c.strategy == "ZeRO-1"
-    optimizer = 2 * F32 * (param_count(m) / run.devices if zero1 else local)
+    zero = c.strategy.startswith("ZeRO")
+    optimizer = 2 * F32 * (param_count(m) / run.devices if zero else local)
     optimizer *= not c.offload  # in host memory
     weights, gradients = F32 * local, F32 * local
     if f > 1:
@@ -477,6 +499,9 @@ def memory(run: Run, c: Candidate) -> Memory:
         gradients += run.itemsize * m.vocab_size * m.width / t
     if run.grad_accum > 1:  # one micro-batch's gradient beside the float32 sum
         gradients += run.itemsize * local
+    if c.strategy == "ZeRO-2":  # its share, and one layer's whole while it is reduced
+        layer = attention_weights(m) + mlp_weights(m)
+        gradients = F32 * param_count(m) / run.devices + run.itemsize * layer
     activations = activation_bytes(run, c)
     return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
 
@@ -679,9 +704,9 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
     """Every collective of one step on one device."""
     if c.stages > 1:
         return pipeline_transfers(run, c)
-    if (
-        c.strategy == "ZeRO-1"
-    ):  # shards of the gradients, then the updated weights gathered
+    if c.strategy.startswith(
+        "ZeRO"
+    ):  # gradients' shards, then the updated weights gathered
         n, P = run.devices, param_count(run.shape)  # noqa: N806
         return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
@@ -782,10 +807,13 @@ def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer
         inside = dataclasses.replace(c, stages=1, strategy="FSDP")
         sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
                           ("pipeline",))]  # fmt: skip
-        return sends + gpu_weight_transfers(per_stage, inside), []
-    if (
-        c.strategy == "ZeRO-1"
-    ):  # shards of the gradients, then the float32 weights gathered
+        # tensor parallelism inside a stage: each micro-batch (one sequence) in turn
+        each = dataclasses.replace(per_stage, grad_accum=rows)
+        exposed = gpu_activation_transfers(each, c)
+        return sends + gpu_weight_transfers(per_stage, inside), exposed
+    if c.strategy.startswith(
+        "ZeRO"
+    ):  # gradients' shards, then float32 weights gathered
         n, P = run.devices, param_count(run.shape)  # noqa: N806
         summed = F32 if run.grad_accum > 1 else run.itemsize
         return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
@@ -801,7 +829,7 @@ def priced_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Trans
     with ``run.bytes == "xla-cpu"`` the program XLA:CPU compiles, split the same way."""
     if run.bytes == "gpu":
         return gpu_transfers(run, c)
-    if c.stages > 1 or c.strategy == "ZeRO-1":
+    if c.stages > 1 or c.strategy.startswith("ZeRO"):
         return transfers(run, c), []
     activations = activation_transfers(run, c)
     ring = [move for move in activations if move.kind == "collective-permute"]
@@ -926,7 +954,10 @@ def step_seconds(
 
 def recipe_flags(run: Run, c: Candidate) -> str:
     """The flags of ``examples/lm/train.py`` that run this layout: ``--model`` for a
-    preset's shape, otherwise ``--model-config config.json`` (``hf_config`` writes it)."""
+    preset's shape, otherwise ``--model-config config.json`` (``hf_config`` writes it);
+    for a layout the recipe does not run, what it needs."""
+    if not runnable(c):
+        return NEEDS[c.strategy]
     m = run.shape
     dense = dataclasses.replace(
         m, num_experts=0, top_k=1, capacity_factor=1.25, group_size=512
@@ -1013,18 +1044,39 @@ def row(run: Run, c: Candidate) -> dict[str, Any]:
         * run.seq_len
         / time["step"]
         / run.devices,
+        "grad_accum": run.grad_accum if c.stages == 1 else 0,  # 0: a pipeline's own
         "flags": recipe_flags(run, c),
+        "runnable": runnable(c),
         "checked": checked(run, c),
     }
 
 
+def accumulated(run: Run, c: Candidate) -> Run:
+    """``run`` with ``--grad-accum auto`` settled for this layout: the fewest micro-batches
+    (a divisor of its rows a device) whose memory fits, or one a row if none does. A
+    pipeline's micro-batches are its own (one sequence each)."""
+    if not run.fit_accum or c.stages > 1:
+        return run
+    rows = run.global_batch // c.batch_ways
+    for k in (k for k in range(1, rows + 1) if rows % k == 0):
+        tried = dataclasses.replace(run, grad_accum=k)
+        if memory(tried, c).total <= USABLE * run.chip.memory_bytes:
+            return tried
+    return dataclasses.replace(run, grad_accum=rows)
+
+
 def plan(run: Run) -> list[dict[str, Any]]:
-    """One row per layout that divides the model, fitting ones first, fastest first."""
-    rows = [row(run, c) for c in candidates(run) if not problems(run, c)]
-    return sorted(rows, key=lambda r: (not r["fits"], r["step_seconds"]))
+    """One row per layout that divides the model: fitting ones first, then those the
+    recipe runs, fastest first."""
+    rows = [
+        row(accumulated(run, c), c) for c in candidates(run) if not problems(run, c)
+    ]
+    return sorted(
+        rows, key=lambda r: (not r["fits"], not r["runnable"], r["step_seconds"])
+    )
 
 
-HEADERS = ["strategy", "mesh", "fits", "weights GB", "optimizer GB", "grads GB",
+HEADERS = ["strategy", "mesh", "fits", "micro-batches", "weights GB", "optimizer GB", "grads GB",
            "activations GB", "total GB", "in-node GB", "across GB", "host GB",
            "step s (predicted)", "MFU (predicted)"]  # fmt: skip
 
@@ -1033,6 +1085,7 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
     """The rows as a ``tables.Table``."""
     gb = lambda x: x / 1e9
     cells = [[r["strategy"], r["mesh"], "yes" if r["fits"] else "no",
+              r["grad_accum"] or "pipeline",
               *(gb(r["memory_bytes"][k]) for k in ("weights", "optimizer", "gradients",
                                                   "activations", "total")),
               gb(r["sent_bytes"]["inside"]), gb(r["sent_bytes"]["across"]),
@@ -1042,8 +1095,7 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
             "xla-cpu": "XLA:CPU's program (float32 collectives)"}[run.bytes]  # fmt: skip
     title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
              f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
-             f"step, {run.dtype}, remat {run.remat}"
-             f"{f', {run.grad_accum} micro-batches' if run.grad_accum > 1 else ''}; GB sent "
+             f"step, {run.dtype}, remat {run.remat}; GB sent "
              f"per device per step by {sent}")  # fmt: skip
     return Table(HEADERS, cells, title=title)
 
@@ -1180,8 +1232,7 @@ class PlanError(ValueError):
 
 def make_run(args: argparse.Namespace) -> Run:
     """The reader's request, checked; ``PlanError`` says what is wrong."""
-    for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size",
-                 "grad_accum"):  # fmt: skip
+    for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size"):
         if getattr(args, name) < 1:
             raise PlanError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
@@ -1215,13 +1266,17 @@ def make_run(args: argparse.Namespace) -> Run:
         raise PlanError(
             f"--top-k {args.top_k} must be between 1 and --experts {shape.num_experts}"
         )
+    accum = args.grad_accum
+    if accum != "auto" and not (accum.isdigit() and int(accum) > 0):
+        raise PlanError(f"--grad-accum must be a positive integer or auto, got {accum}")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise PlanError(
             f"--efficiency {args.efficiency}: a fraction of the peak, in (0, 1]"
         )
     return Run(args.model or "custom", shape, args.devices, args.nodes, chip, args.seq_len,
-               args.global_batch, args.dtype, args.remat, args.grad_accum, args.bytes,
-               args.efficiency)  # fmt: skip
+               args.global_batch, args.dtype, args.remat,
+               1 if accum == "auto" else int(accum), fit_accum=accum == "auto",
+               bytes=args.bytes, efficiency=args.efficiency)  # fmt: skip
 
 
 SHAPE_FLAGS = {"layers": "num_layers", "width": "width", "heads": "num_heads",
@@ -1294,7 +1349,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--remat", default="full", choices=["none", "dots", "full"],
         help="train.py's --remat: what each layer keeps for the backward")  # fmt: skip
-    add("--grad-accum", type=int, default=1, help="micro-batches a step (train.py's)")
+    add("--grad-accum", default="auto",
+        help="micro-batches a step (train.py's); auto: each layout's fewest that fit")  # fmt: skip
     add("--bytes", default="gpu", choices=["gpu", "xla-cpu"],
         help="the collectives to price: a GPU's (predicted) or XLA:CPU's compiled ones")  # fmt: skip
     add("--efficiency", type=float,
@@ -1326,8 +1382,9 @@ def fitting_plan(run: Run) -> list[dict[str, Any]]:
         smallest = min(r["memory_bytes"]["total"] for r in rows)
         raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
                         f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
-                        f"{USABLE:.0%} of {run.chip.memory_label} (more --grad-accum, --remat full, "
-                        "or more --devices)")  # fmt: skip
+                        f"{USABLE:.0%} of {run.chip.memory_label} ("
+                        f"{'' if run.fit_accum else 'more --grad-accum, '}--remat full, a "
+                        "shorter --seq-len or more --devices)")  # fmt: skip
     return rows
 
 
@@ -1396,7 +1453,7 @@ def run_summary(run: Run) -> dict[str, Any]:
     return {"model": run.model, "shape": dataclasses.asdict(run.shape), "devices": run.devices,
             "nodes": run.nodes, "chip": run.chip.name, "seq_len": run.seq_len,
             "global_batch": run.global_batch, "dtype": run.dtype, "remat": run.remat,
-            "grad_accum": run.grad_accum, "bytes": run.bytes,
+            "grad_accum": "auto" if run.fit_accum else run.grad_accum, "bytes": run.bytes,
             "efficiency": run.efficiency or COMPUTE_EFFICIENCY}  # fmt: skip
 
 

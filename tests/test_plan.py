@@ -76,7 +76,8 @@ def test_json_has_the_tables_rows():
     for line, r in zip(table_rows, rows):
         cells = re.split(r"\s{2,}", line.strip())
         assert cells[:3] == [r["strategy"], r["mesh"], "yes" if r["fits"] else "no"]
-        assert float(cells[7]) == pytest.approx(
+        assert cells[3] == str(r["grad_accum"] or "pipeline")
+        assert float(cells[8]) == pytest.approx(
             r["memory_bytes"]["total"] / 1e9, rel=1e-3
         )
         assert cells[-1] == f"{r['mfu']:.1%}"
@@ -94,6 +95,9 @@ def test_json_has_the_tables_rows():
     assert fits == sorted(fits, reverse=True)  # fitting rows first
     for r in rows:  # each printed flag line is the row's, and the recipe takes it
         assert f"{r['strategy']:<22} {r['flags']}" in printed
+        if not r["runnable"]:
+            assert r["flags"] == plan.NEEDS[r["strategy"]]
+            continue
         assert_the_recipe_takes(r["flags"])
         assert ("--zero1" in r["flags"]) == (r["strategy"] == "ZeRO-1")
         if "pipeline" in r["strategy"]:  # the recipe's flags for its schedule
@@ -121,7 +125,7 @@ def test_json_has_the_tables_rows():
          "TPU v5p has no float32 peak in hardware.CHIPS"),
         (["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
          "no layout splits 8b on 6 devices: global batch 7 does not split over 6"),
-        (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
+        (["--grad-accum", "0"], "--grad-accum must be a positive integer or auto, got 0"),
         (["--efficiency", "1.5"], "--efficiency 1.5: a fraction of the peak, in (0, 1]"),
         (["--remat", "some"], "argument --remat: invalid choice: 'some'"),
     ],
@@ -246,7 +250,7 @@ def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
     assert (recipe.num_layers, recipe.width, recipe.num_kv_heads, recipe.vocab_size) == (
         4, 512, 2, 8000,
     )  # fmt: skip
-    for r in out["rows"]:
+    for r in filter(lambda r: r["runnable"], out["rows"]):
         assert r["flags"].startswith(f"--model-config {config} ")
         assert_the_recipe_takes(r["flags"])
     asked = []
@@ -312,16 +316,27 @@ def test_page_json_is_the_tables_cells_or_the_error_line():
       "--chip", "a100", "--seq-len", "2048", "--global-batch", "32"]],
 )  # fmt: skip
 def test_every_ranked_row_has_flags_the_recipe_takes(request_):
-    """Pipelines (with their schedule and micro-batches), ZeRO-1, host offload and
-    dropless experts included: none says "n/a"."""
+    """Pipelines (with their schedule and micro-batches, tensor parallelism inside the
+    stages), ZeRO-1, host offload and dropless experts included; the one the recipe does
+    not run (ZeRO-2) says what it needs, and ranks after every runnable row that fits."""
     status, as_json, _ = run_main([*request_, "--json"])
     assert status == 0
     rows = json.loads(as_json)["rows"]
     strategies = {r["strategy"] for r in rows}
-    assert {"pipeline 1F1B", "FSDP + offload"} <= strategies
+    assert {
+        "pipeline 1F1B",
+        "pipeline 1F1B + TP",
+        "FSDP + offload",
+        "ZeRO-2",
+    } <= strategies
     if "--experts" in request_:
         assert "experts dropless" in strategies
+    order = [(not r["fits"], not r["runnable"]) for r in rows]
+    assert order == sorted(order)
     for r in rows:
+        if r["strategy"] == "ZeRO-2":
+            assert not r["runnable"] and r["flags"].startswith("needs: ZeRO-2")
+            continue
         assert_the_recipe_takes(r["flags"])
         assert ("--offload optimizer,activations" in r["flags"]) == (
             r["strategy"] == "FSDP + offload"
@@ -408,7 +423,7 @@ def test_remat_trades_memory_for_flops_and_grad_accum_memory_for_nothing():
     status, as_json, _ = run_main(
         [*GPU_8B, "--remat", "dots", "--grad-accum", "2", "--json"]
     )
-    for r in json.loads(as_json)["rows"]:
+    for r in filter(lambda r: r["runnable"], json.loads(as_json)["rows"]):
         assert_the_recipe_takes(r["flags"])
         assert "--remat dots" in r["flags"] and r["strategy"] != "FSDP + offload"
         assert ("--grad-accum 2" in r["flags"]) == ("pipeline" not in r["strategy"])
@@ -418,3 +433,32 @@ def test_remat_trades_memory_for_flops_and_grad_accum_memory_for_nothing():
         assert sum(
             v for k, v in r["memory_gb"].items() if k != "total"
         ) == pytest.approx(r["memory_gb"]["total"])
+
+
+def test_grad_accum_auto_takes_each_layouts_fewest_micro_batches_that_fit():
+    """8b on 16 H100s, 256 x 8192 a step: FSDP fits with 2 micro-batches, not 1; ZeRO-2
+    (gradients split too) needs fewer than ZeRO-1; tensor parallelism inside a pipeline's
+    stages waits on its activations' collectives."""
+    argv = ["--model", "8b", "--devices", "16", "--nodes", "2", "--seq-len", "8192",
+            "--global-batch", "256"]  # fmt: skip
+    rows = {
+        (r["strategy"], r["mesh"]): r
+        for r in json.loads(run_main([*argv, "--json"])[1])["rows"]
+    }
+    fsdp = rows[("FSDP", "fsdp=16")]
+    assert (
+        fsdp["fits"] and fsdp["grad_accum"] == 2 and "--grad-accum 2" in fsdp["flags"]
+    )
+    run = plan.make_run(plan.parse_args(argv))
+    one = dataclasses.replace(run, fit_accum=False)
+    assert not plan.row(one, plan.Candidate("FSDP", plan.mesh_sizes("fsdp=16")))["fits"]
+    zero1, zero2 = rows[("ZeRO-1", "data=16")], rows[("ZeRO-2", "data=16")]
+    assert zero2["grad_accum"] < zero1["grad_accum"]
+    assert zero2["memory_bytes"]["optimizer"] == zero1["memory_bytes"]["optimizer"]
+    assert zero2["memory_bytes"]["gradients"] < zero1["memory_bytes"]["gradients"] / 10
+    staged = rows[("pipeline 1F1B + TP", "pipeline=2,fsdp=4,tensor=2")]
+    assert (
+        staged["seconds"]["exposed"] > 0
+        and "--mesh pipeline=2,fsdp=4,tensor=2" in staged["flags"]
+    )
+    assert rows[("pipeline 1F1B", "pipeline=2,fsdp=8")]["seconds"]["exposed"] == 0

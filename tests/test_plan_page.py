@@ -80,7 +80,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 # The form's select boxes: each of their options comes up among the 100 requests.
 CHOICES = {"model": [*plan.PRESETS, ""], "chip": list(plan.CHIP_NAMES),
-                          "dtype": ["bfloat16", "float32"]}  # fmt: skip
+           "dtype": ["bfloat16", "float32"], "remat": ["full", "dots", "none"]}  # fmt: skip
 
 
 def random_request(rng: random.Random) -> dict[str, str]:
@@ -92,7 +92,9 @@ def random_request(rng: random.Random) -> dict[str, str]:
               "chip": choose("chip"),
               "seq-len": rng.choice([256, 512, 1024, 2048, 4096, 8192]),
               "global-batch": rng.choice([8, 16, 32, 64, 128, 256, 512]),
-              "dtype": choose("dtype"), "experts": 0, "top-k": 1}  # fmt: skip
+              "dtype": choose("dtype"), "remat": choose("remat"),
+              "grad-accum": rng.choice(["auto", "auto", "1", "2"]),
+              "experts": 0, "top-k": 1}  # fmt: skip
     if rng.random() < 0.25:
         values["experts"] = rng.choice([4, 8])
         values["top-k"] = rng.choice([1, 2])
@@ -118,13 +120,15 @@ INVALID = [
     {"experts": "4", "top-k": "5"},
     {"devices": "1000000"},
     {"chip": "v5p", "dtype": "float32"},
+    {"grad-accum": "0"},
 ]  # fmt: skip
 
 
 SHAPE = ["layers", "width", "heads", "kv-heads", "mlp-width", "vocab"]
 # The form's values when the page opens (form.html).
 DEFAULTS = {"model": "8b", "experts": "0", "top-k": "1", "devices": "16", "nodes": "2",
-            "chip": "h100", "seq-len": "8192", "global-batch": "256", "dtype": "bfloat16"}  # fmt: skip
+            "chip": "h100", "seq-len": "8192", "global-batch": "256", "dtype": "bfloat16",
+            "remat": "full", "grad-accum": "auto"}  # fmt: skip
 
 
 def flags(values: dict[str, str]) -> list[str]:
@@ -195,7 +199,7 @@ def test_the_page_gives_the_planners_tables_and_errors(site):
             valid += 1
             requests.append(values)
     # every preset and a custom shape, every chip, both dtypes, experts, several nodes
-    for field in ("model", "chip", "dtype"):
+    for field in ("model", "chip", "dtype", "remat"):
         assert len({v[field] for v in requests}) == len(CHOICES[field])
     assert {v["experts"] for v in requests} > {"0"} and {
         v["nodes"] for v in requests

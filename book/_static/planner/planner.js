@@ -22,7 +22,8 @@
   const PARTS = [["weights", "#4c72b0"], ["optimizer", "#dd8452"], ["gradients", "#55a868"],
                  ["activations", "#c44e52"], ["tokens", "#8172b3"]];
   const SHAPE = ["layers", "width", "heads", "kv-heads", "mlp-width", "vocab"];
-  const FLAGS = ["experts", "top-k", "devices", "nodes", "chip", "seq-len", "global-batch", "dtype"];
+  const FLAGS = ["experts", "top-k", "devices", "nodes", "chip", "seq-len", "global-batch", "dtype",
+                 "remat", "grad-accum"];
   const say = (key, arg) => TEXT[key][ZH ? 1 : 0].replace("%s", arg === undefined ? "" : arg);
   const $ = (id) => document.getElementById(id);
   const SVG = "http://www.w3.org/2000/svg";
