@@ -170,6 +170,11 @@ def test_activation_formula_reduces_to_chapter_1s_without_tensor_parallelism():
     assert costmodel.layer_activation_bytes(10, 1, 100, 4, tensor=2) == 10 * 100 * (
         10 + 12 + 5 * 4 * 10 / 200
     )
+    # With sequence parallelism (their section 4.2.2) the 10 sbh split too: 34 sbh / t.
+    split = costmodel.layer_activation_bytes(
+        10, 1, 100, 4, 2, True, sequence_parallel=True
+    )
+    assert split == 10 * 100 * 34 / 2
 
 
 def test_layouts_checks_and_labels():
