@@ -1071,9 +1071,16 @@ def plan(run: Run) -> list[dict[str, Any]]:
     rows = [
         row(accumulated(run, c), c) for c in candidates(run) if not problems(run, c)
     ]
-    return sorted(
-        rows, key=lambda r: (not r["fits"], not r["runnable"], r["step_seconds"])
-    )
+    return sorted(rows, key=rank)
+
+
+def rank(r: dict[str, Any]) -> tuple:
+    """Fitting rows first, then those the recipe runs, then the fastest (to 3 figures:
+    compute-bound layouts tie), then the fewest bytes across nodes, then to the host,
+    then the least memory."""
+    step, sent = float(f"{r['step_seconds']:.3g}"), r["sent_bytes"]
+    return (not r["fits"], not r["runnable"], step, sent["across"], sent["host"],
+            r["memory_bytes"]["total"])  # fmt: skip
 
 
 HEADERS = ["strategy", "mesh", "fits", "micro-batches", "weights GB", "optimizer GB", "grads GB",
