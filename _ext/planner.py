@@ -1,14 +1,14 @@
 """The "Plan your run" page's files: the planner's Python, Pyodide to run it, the page's script.
 
-The page (``book/plan_your_run.md``) runs ``jaxdist_lessons.plan`` itself in the reader's
+The page (``book/plan_your_run.md``) runs ``jaxdist_lessons.planning`` itself in the reader's
 browser, in Pyodide (CPython compiled to WebAssembly), offline from the built book: one source
 for the arithmetic. ``ship`` copies into the built book's ``_static/planner/``:
 
 - ``book/_static/planner/`` (the page's script and style);
 - Pyodide's runtime from ``node_modules/pyodide`` (``npm ci`` installs the version that
   ``package-lock.json`` pins);
-- ``py/jaxdist_lessons/``: ``plan.py`` and the package modules it imports (standard library
-  only), found by reading its imports.
+- ``py/jaxdist_lessons/``: ``planning/cli.py`` and the package modules it imports (standard
+  library only), found by reading its imports, in their folders.
 
 ``tests/test_plan_page.py`` serves what ``ship`` writes, drives the page in headless Chromium
 and compares it with the planner run here.
@@ -38,22 +38,30 @@ PACKAGE = ROOT / "jaxdist_lessons"
 logger = logging.getLogger(__name__)
 
 
-def planner_modules(name: str = "plan") -> list[str]:
-    """``name`` and every ``jaxdist_lessons`` module it imports, directly or not, by file name."""
+def planner_modules(name: str = "planning.cli") -> list[str]:
+    """``name`` and every ``jaxdist_lessons`` module it imports, directly or not, as paths under
+    the package without ``.py`` (``planning/cli``; a subpackage as its ``planning/__init__``)."""
     found, todo = {"__init__"}, [name]
     while todo:
-        module = todo.pop()
-        if module in found:
+        path = todo.pop().replace(".", "/")
+        if (PACKAGE / path).is_dir():
+            path += "/__init__"
+        if path in found:
             continue
-        found.add(module)
-        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        found.add(path)
+        if "/" in path:  # a subpackage's module: the subpackage's __init__ too
+            todo.append(path.rsplit("/", 1)[0])
+        tree = ast.parse((PACKAGE / f"{path}.py").read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "jaxdist_lessons":
-                todo += [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "jaxdist_lessons."
-            ):
-                todo.append(node.module.split(".")[1])
+            if not isinstance(node, ast.ImportFrom) or not (
+                node.module or ""
+            ).startswith("jaxdist_lessons"):
+                continue
+            base = node.module.removeprefix("jaxdist_lessons").lstrip(".")
+            for alias in node.names:  # a module of the package, or a name in one
+                module = f"{base}.{alias.name}".lstrip(".")
+                exists = (PACKAGE / f"{module.replace('.', '/')}.py").exists()
+                todo.append(module if exists else base)
     return sorted(found)
 
 
@@ -70,10 +78,10 @@ def ship(dest: pathlib.Path) -> list[pathlib.Path]:
     (dest / "pyodide").mkdir()
     (dest / "py" / "jaxdist_lessons").mkdir(parents=True)
     copied = [shutil.copy2(PYODIDE / f, dest / "pyodide") for f in PYODIDE_FILES]
-    copied += [
-        shutil.copy2(PACKAGE / f"{m}.py", dest / "py" / "jaxdist_lessons")
-        for m in planner_modules()
-    ]
+    for m in planner_modules():
+        target = dest / "py" / "jaxdist_lessons" / f"{m}.py"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copied.append(shutil.copy2(PACKAGE / f"{m}.py", target))
     (dest / "py" / "modules.txt").write_text(
         "".join(f"{m}\n" for m in planner_modules())
     )

@@ -18,7 +18,7 @@ import platform
 
 import jax
 
-from jaxdist_lessons import plan
+from jaxdist_lessons.planning import checking
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "pipeline_memory.json"
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     runs = [(s, m) for m in MICROBATCHES for s in SCHEDULES]
-    compiled = plan.compile_flags(DEVICES, [flags(s, m) for s, m in runs])
+    compiled = checking.compile_flags(DEVICES, [flags(s, m) for s, m in runs])
     rows = [
         {"schedule": s, "microbatches": m, "flags": flags(s, m), **result}
         for (s, m), result in zip(runs, compiled)

@@ -1,12 +1,12 @@
-"""The planner (``jaxdist_lessons.plan``) against the compiler, on 35 (model, devices, layout)s.
+"""The planner (``jaxdist_lessons.planning``) against the compiler, on 35 (model, devices, layout)s.
 
 For each, ``examples/lm/train.py``'s step is compiled on simulated CPU devices (XLA:CPU, JAX
 0.10.2) and its per-device argument bytes and bytes per collective kind are set beside the
 planner's predictions; the activation estimate beside XLA:CPU's temporaries. The set covers
 DP, FSDP, HSDP, FSDP+TP, ring attention and experts (with a capacity and dropless); GQA (every preset), tied embeddings (1b),
 device counts of 4, 6, 8, 12 and 16, and both ways XLA:CPU compiles the embedding lookup
-(``plan.gathers_the_table``). Writes ``book/data/plan_check.json``, which
-``tests/test_plan.py`` checks (and recompiles three rows of, live).
+(``xla_cpu.gathers_the_table``). Writes ``book/data/plan_check.json``, which
+``tests/planning/test_checking.py`` checks (and recompiles three rows of, live).
 
     python benchmarks/plan_check.py                 # ~15 min on 2 busy cores
     python benchmarks/plan_check.py --reuse         # compile only the combinations not in the JSON
@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import pathlib
 import platform
 
 import jax
 
-from jaxdist_lessons import hardware, plan
+from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import (
+    checking,
+    layouts,
+    ranking,
+    shapes,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_check.json"
@@ -86,19 +93,22 @@ COMBOS = [
 ]
 
 
-def prediction(combo: tuple) -> tuple[plan.Run, dict]:
+def prediction(combo: tuple) -> tuple[layouts.Run, dict]:
     """The planner's row for one combination (on H100s: the chip sets only time and fit)."""
     model, devices, nodes, strategy, mesh, seq_len, batch, moe = combo
-    shape = plan.PRESETS[model]
+    shape = shapes.PRESETS[model]
     if moe:
-        shape = plan.dataclasses.replace(shape, **moe)
-    run = plan.Run(
+        shape = dataclasses.replace(shape, **moe)
+    run = layouts.Run(
         model, shape, devices, nodes, hardware.chip("H100 80GB"), seq_len, batch
     )
     dispatch = "dropless" if "dropless" in strategy else "capacity"
-    candidate = plan.Candidate(strategy, plan.mesh_sizes(mesh), dispatch=dispatch)
-    assert not plan.problems(run, candidate), (combo, plan.problems(run, candidate))
-    return run, plan.row(run, candidate)
+    candidate = layouts.Candidate(strategy, layouts.mesh_sizes(mesh), dispatch=dispatch)
+    assert not layouts.problems(run, candidate), (
+        combo,
+        layouts.problems(run, candidate),
+    )
+    return run, ranking.row(run, candidate)
 
 
 def key(combo: tuple) -> str:
@@ -114,7 +124,9 @@ def compile_all(combos: list[tuple], known: dict[str, dict]) -> list[dict]:
     compiled = [known.get(key(combo), {}) for combo in combos]
     for devices, indices in sorted(by_devices.items()):
         flags = [prediction(combos[i])[1]["flags"] for i in indices]
-        for i, result in zip(indices, plan.compile_flags(devices, flags, strict=False)):
+        for i, result in zip(
+            indices, checking.compile_flags(devices, flags, strict=False)
+        ):
             compiled[i] = result
     return compiled
 
@@ -135,16 +147,16 @@ def main() -> None:
             print(f"{combo}: {result['error']}")
             continue
         run, predicted = prediction(combo)
-        check = plan.compare(predicted, result)
+        check = checking.compare(predicted, result)
         rows.append({"combo": combo, "model": combo[0], "devices": combo[1], "nodes": combo[2],
                      "strategy": combo[3], "mesh": combo[4], "seq_len": combo[5],
                      "global_batch": combo[6], "experts": combo[7], "flags": predicted["flags"],
                      "compiled": result, "check": check,
-                     "agrees": plan.agrees(check)})  # fmt: skip
+                     "agrees": checking.agrees(check)})  # fmt: skip
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     meta = {"compiler": f"XLA:CPU, simulated devices, JAX {jax.__version__}",
-            "machine": platform.machine(), "tolerance": 0.1, "minor_fraction": plan.MINOR,
+            "machine": platform.machine(), "tolerance": 0.1, "minor_fraction": checking.MINOR,
             "command": "python benchmarks/plan_check.py"}  # fmt: skip
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n"
@@ -176,11 +188,11 @@ def summarize(rows: list[dict]) -> dict:
             "worst_ratio_of_minor_kinds": minor,
             "activation_estimate_over_temporaries": {"min": min(temps), "max": max(temps)},
             "note": "ratios are predicted / compiled; a minor kind carries under "
-                    f"{plan.MINOR:.0%} of its program's collective bytes and is not held to "
+                    f"{checking.MINOR:.0%} of its program's collective bytes and is not held to "
                     "10%; the activation estimate (remat 'full' layer inputs, one layer's "
                     "activations with the T x T scores, float32 logits and their gradient, "
                     "plus the gradients and, under FSDP, the gathered weights: "
-                    "plan.temporaries_estimate) is the given fraction of XLA:CPU's "
+                    "footprint.temporaries_estimate) is the given fraction of XLA:CPU's "
                     "temporaries; what "
                     "XLA:CPU keeps beyond it is not broken down here. GPU compiles: not yet "
                     "compared (no GPU at hand)"}  # fmt: skip

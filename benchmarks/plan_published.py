@@ -1,6 +1,6 @@
 """The planner's step time against published GPU runs: predicted / measured tokens per second.
 
-Each run is modelled as closely as ``jaxdist_lessons.plan`` can: the model's shape, the GPU
+Each run is modelled as closely as ``jaxdist_lessons.planning`` can: the model's shape, the GPU
 count and nodes, the sequence length and batch, the mesh. Its settings are read from the
 run's source (quoted in ``RUNS``); what the planner cannot express (Float8 matmuls, selective
 activation checkpointing, ``torch.compile``, a 500 W H100 variant) is said in the row's note,
@@ -18,7 +18,8 @@ import json
 import math
 import pathlib
 
-from jaxdist_lessons import hardware, plan
+from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import layouts, ranking, shapes, timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_published.json"
@@ -39,7 +40,7 @@ _MAXTEXT = (
     "https://github.com/NVIDIA/JAX-Toolbox/blob/main/docs/frameworks/maxtext/README.md"
 )
 # Llama 2 7B (meta-llama/Llama-2-7b-hf, config.json): no GQA, a 32,000-token vocabulary.
-LLAMA2_7B = plan.LMShape(32_000, 32, 4096, 32, 32, 11_008)
+LLAMA2_7B = shapes.LMShape(32_000, 32, 4096, 32, 32, 11_008)
 
 # name, source, its words, shape, chip, devices, nodes, mesh, seq_len, global batch,
 # measured tokens/s per GPU, what the planner does not model
@@ -97,13 +98,15 @@ RUNS = [
 def predicted(entry: dict, efficiency: float | None = None) -> dict:
     """The planner's row for one published run, and its tokens per second per GPU."""
     shape = (
-        LLAMA2_7B if entry.get("shape") == "llama2-7b" else plan.PRESETS[entry["model"]]
+        LLAMA2_7B
+        if entry.get("shape") == "llama2-7b"
+        else shapes.PRESETS[entry["model"]]
     )
-    run = plan.Run(entry.get("model", entry.get("shape")), shape, entry["devices"],
+    run = layouts.Run(entry.get("model", entry.get("shape")), shape, entry["devices"],
                    entry["nodes"], hardware.chip("H100 80GB"), entry["seq_len"],
                    entry["global_batch"], remat=entry["remat"], efficiency=efficiency)  # fmt: skip
-    candidate = plan.Candidate("published", plan.mesh_sizes(entry["mesh"]))
-    row = plan.row(run, candidate)
+    candidate = layouts.Candidate("published", layouts.mesh_sizes(entry["mesh"]))
+    row = ranking.row(run, candidate)
     return {
         "tokens_per_second_per_gpu": row["tokens_per_second_per_device"],
         "step_seconds": row["step_seconds"],
@@ -131,11 +134,11 @@ def fsdp_threshold(devices: int, nodes: int, seq_len: int = 4096) -> float:
     linear in the tokens, the weights' bytes are constant, the lookup's grow with them)."""
     times = []
     for rows in (1, 2):
-        run = plan.Run("8b", plan.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
+        run = layouts.Run("8b", shapes.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
                        seq_len, rows * devices)  # fmt: skip
         run = dataclasses.replace(run, remat="none", efficiency=1.0)
-        t = plan.step_seconds(
-            run, plan.Candidate("FSDP", plan.mesh_sizes(f"fsdp={devices}"))
+        t = timing.step_seconds(
+            run, layouts.Candidate("FSDP", layouts.mesh_sizes(f"fsdp={devices}"))
         )
         times.append((t["compute"], t["comm"]))
     (compute1, comm1), (compute2, comm2) = times
@@ -193,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fit:
         print(f"compute efficiency, fitted: {fit_efficiency()} "
-              f"(plan.COMPUTE_EFFICIENCY is {plan.COMPUTE_EFFICIENCY})")  # fmt: skip
+              f"(timing.COMPUTE_EFFICIENCY is {timing.COMPUTE_EFFICIENCY})")  # fmt: skip
         return
     rows = table()
     for r in rows:
@@ -202,7 +205,7 @@ def main() -> None:
               f"implied efficiency {r['implied_efficiency']:.2f}")  # fmt: skip
     meta = {"chip": "H100 80GB (hardware.CHIPS)", "command": "python benchmarks/plan_published.py",
             "ratio": "predicted / measured tokens per second per GPU",
-            "efficiency": plan.COMPUTE_EFFICIENCY, "fitted_efficiency": fit_efficiency()}  # fmt: skip
+            "efficiency": timing.COMPUTE_EFFICIENCY, "fitted_efficiency": fit_efficiency()}  # fmt: skip
     limits = thresholds()
     print(f"FSDP compute-bound from (tokens per GPU): planner {limits['planner']}, "
           f"scaling book {limits['inside']} inside a node, {limits['across']} across")  # fmt: skip

@@ -1,6 +1,6 @@
 """Activation bytes a Transformer block keeps for its backward pass (Korthikanti et al. 2022).
 
-Standard library only, so that the planner (``plan.py``) also runs in the browser, in the
+Standard library only, so that the planner (``planning``) also runs in the browser, in the
 "Plan your run" page's Pyodide; ``costmodel`` imports it from here.
 """
 

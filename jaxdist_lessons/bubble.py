@@ -1,6 +1,6 @@
 """A pipeline's bubble: the share of a step its stages sit idle, as a formula.
 
-Standard library only, so that the planner (``plan.py``) also runs in the browser, in the
+Standard library only, so that the planner (``planning``) also runs in the browser, in the
 "Plan your run" page's Pyodide; ``pipeline`` (the schedules, run with JAX) imports it from here.
 """
 

@@ -1,6 +1,6 @@
 """What a collective sends, as arithmetic: ring algorithms, ``Transfer`` records, seconds on a link.
 
-Standard library only (no JAX, no NumPy), so that the planner (``plan.py``) also runs in the
+Standard library only (no JAX, no NumPy), so that the planner (``planning``) also runs in the
 browser, in the "Plan your run" page's Pyodide. ``comms`` reads the same collectives out of
 compiled programs and ``costmodel`` predicts them; both import what is here.
 """

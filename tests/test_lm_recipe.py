@@ -740,12 +740,12 @@ def test_the_8b_pipeline_table_is_current():
     the recipe's: its GPipe and 1F1B rows at 8 micro-batches compile again, on 32
     simulated devices, to the same argument and temporary bytes and collective bytes
     (in bfloat16, which XLA:CPU once could not compile for a pipeline)."""
-    from jaxdist_lessons import plan
+    from jaxdist_lessons.planning import checking
 
     table = json.loads((ROOT / "book" / "data" / "pipeline_memory.json").read_text())
     rows = [r for r in table["rows"] if r["microbatches"] == 8 and
             r["schedule"] in ("gpipe", "1f1b")]  # fmt: skip
-    compiled = plan.compile_flags(32, [r["flags"] for r in rows], progress=False)
+    compiled = checking.compile_flags(32, [r["flags"] for r in rows], progress=False)
     for row, result in zip(rows, compiled, strict=True):
         kept = {k: row[k] for k in ("arguments", "temporaries", "collectives")}
         assert result == kept, row["schedule"]

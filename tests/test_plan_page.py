@@ -4,7 +4,7 @@ Serves on localhost the files the book ships for the page (``_ext/planner.py``'s
 page's form and script, Pyodide from ``node_modules``, the planner's modules), opens them in
 headless Chromium (Debian's ``chromium``, driven by Playwright from PyPI), fills the form for
 100 random valid requests (seeded) and a few invalid ones, and compares every table cell, the
-figure's bars and every error message with ``jaxdist_lessons.plan`` run in this process.
+figure's bars and every error message with ``jaxdist_lessons.planning`` run in this process.
 Pyodide loads once for the whole test. Skipped when Chromium, Playwright or ``npm ci``'s
 Pyodide is missing, unless ``JAXDIST_REQUIRE_BROWSER=1`` (CI sets it).
 """
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from jaxdist_lessons import plan
+from jaxdist_lessons.planning import cli, ranking, shapes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "_ext"))
@@ -79,7 +79,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 # The form's select boxes: each of their options comes up among the 100 requests.
-CHOICES = {"model": [*plan.PRESETS, ""], "chip": list(plan.CHIP_NAMES),
+CHOICES = {"model": [*shapes.PRESETS, ""], "chip": list(cli.CHIP_NAMES),
            "dtype": ["bfloat16", "float32"], "remat": ["full", "dots", "none"]}  # fmt: skip
 
 
@@ -144,12 +144,12 @@ def expected(argv: list[str]) -> dict:
     """What the planner here says: the table's cells, or ``main``'s line on stderr."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-        status = plan.main(argv)
+        status = cli.main(argv)
     if status:
         return {"error": stderr.getvalue().strip()}
-    run = plan.make_run(plan.parse_args(argv))
-    rows = plan.fitting_plan(run)
-    shown = plan.table(run, rows)
+    run = cli.make_run(cli.parse_args(argv))
+    rows = cli.fitting_plan(run)
+    shown = ranking.table(run, rows)
     return {"title": shown.title, "headers": shown.headers, "cells": shown.rows,
             "totals": [r["memory_bytes"]["total"] for r in rows]}  # fmt: skip
 
@@ -225,7 +225,7 @@ def test_the_page_gives_the_planners_tables_and_errors(site):
             else:
                 assert got == want, values
             assert page.text_content("#planner-command") == " ".join(
-                ["python -m jaxdist_lessons.plan", *flags(values)]
+                ["python -m jaxdist_lessons.planning", *flags(values)]
             )
         browser.close()
     seconds = time.perf_counter() - start

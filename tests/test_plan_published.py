@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_published  # noqa: E402
 
-from jaxdist_lessons import plan  # noqa: E402
+from jaxdist_lessons.planning import timing  # noqa: E402
 
 
 def test_the_json_is_todays_planner():
@@ -28,11 +28,11 @@ def test_the_json_is_todays_planner():
 
 
 def test_the_compute_efficiency_is_the_one_fitted_to_the_bf16_runs():
-    """plan.COMPUTE_EFFICIENCY is refitted here; between the runs' implied efficiencies,
+    """timing.COMPUTE_EFFICIENCY is refitted here; between the runs' implied efficiencies,
     and each run predicted at its own implied efficiency comes within 2% of it."""
-    assert plan_published.fit_efficiency() == plan.COMPUTE_EFFICIENCY
+    assert plan_published.fit_efficiency() == timing.COMPUTE_EFFICIENCY
     implied = [r["implied_efficiency"] for r in plan_published.table()]
-    assert min(implied) < plan.COMPUTE_EFFICIENCY < max(implied)
+    assert min(implied) < timing.COMPUTE_EFFICIENCY < max(implied)
     for entry, efficiency in zip(plan_published.RUNS, implied):
         guess = plan_published.predicted(entry, efficiency)
         assert guess["tokens_per_second_per_gpu"] / entry["measured"] == pytest.approx(

@@ -1,6 +1,6 @@
-// The "Plan your run" page: jaxdist_lessons.plan, the Python planner itself, run in Pyodide
+// The "Plan your run" page: jaxdist_lessons.planning, the Python planner itself, run in Pyodide
 // (CPython in WebAssembly), served with the book: no server, no network. The form's values
-// become the command line's flags, plan.page_json answers with the table and the rows (or the
+// become the command line's flags, planning.cli.page_json answers with the table and the rows (or the
 // planner's one-line error), and this script draws them. Installed by _ext/planner.py.
 "use strict";
 (function () {
@@ -137,17 +137,19 @@
       });
       const pyodide = await loadPyodide({ indexURL: BASE + "pyodide/" });
       const names = (await (await fetch(BASE + "py/modules.txt")).text()).split("\n").filter(Boolean);
-      pyodide.FS.mkdirTree("/home/pyodide/jaxdist_lessons");
-      for (const name of names) {
+      for (const name of names) {  // "hardware", "planning/cli": paths under the package
+        const path = `/home/pyodide/jaxdist_lessons/${name}.py`;
+        pyodide.FS.mkdirTree(path.slice(0, path.lastIndexOf("/")));
         const source = await (await fetch(`${BASE}py/jaxdist_lessons/${name}.py`)).text();
-        pyodide.FS.writeFile(`/home/pyodide/jaxdist_lessons/${name}.py`, source);
+        pyodide.FS.writeFile(path, source);
       }
       const pageJson = pyodide.runPython(
-        "import sys\nsys.path.insert(0, '/home/pyodide')\nfrom jaxdist_lessons import plan\nplan.page_json");
+        "import sys\nsys.path.insert(0, '/home/pyodide')\n" +
+        "from jaxdist_lessons.planning import cli\ncli.page_json");
       form.addEventListener("submit", (event) => {
         event.preventDefault();
         const flags = argv(form);
-        $("planner-command").textContent = "python -m jaxdist_lessons.plan " + flags.join(" ");
+        $("planner-command").textContent = "python -m jaxdist_lessons.planning " + flags.join(" ");
         let result;
         try {
           const py = pyodide.toPy(flags);

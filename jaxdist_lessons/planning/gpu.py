@@ -1,0 +1,145 @@
+"""The collectives the recipe's program would send on a GPU (predicted: no GPU has compiled them
+for this book): weights gathered and gradients reduce-scattered in the compute type,
+Megatron's sequence-parallel activations, ring attention's K and V, the experts' tokens; split
+into those that overlap with the compute and those it waits for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxdist_lessons.planning.footprint import F32
+from jaxdist_lessons.planning.layouts import Candidate, Run, micro_rows
+from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights, param_count
+from jaxdist_lessons.planning.xla_cpu import (
+    activation_transfers,
+    collective,
+    embedding_transfers,
+    transfers,
+    weight_transfers,
+)
+from jaxdist_lessons.traffic import Transfer
+
+
+def passes(run: Run) -> int:
+    """How often a layer's forward collectives run in a step: the forward, the backward's
+    transposes, and (remat 'dots' or 'full') the forward again for the backward."""
+    return 2 if run.remat == "none" else 3
+
+
+def gpu_weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """FSDP's moves as the recipe's program would make them on a GPU (predicted): the weights
+    gathered in the compute type (``step.cast`` casts each shard before the gather), each
+    layer's in the forward and again in the backward, the output projection's too, the
+    embedding table's once for the lookup; each micro-batch's gradient reduce-scattered in
+    the compute type (the gradient of a bfloat16 weight is bfloat16; XLA:CPU's float32 is
+    its own normalisation); then one all-reduce over each other batch axis, in float32
+    after an accumulation (the sums), in the compute type otherwise."""
+    m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
+    L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum  # noqa: N806
+    size, P = run.itemsize, param_count(m)  # noqa: N806
+    summed = F32 if G > 1 else size
+    if c.strategy in ("DP", "ZeRO-1") or f == 1:
+        return collective("all-reduce", summed * P, c, "data", what="gradients")
+    per_pass = L * (attention_weights(m) + mlp_weights(m) / e) / t + L * 2 * D + D
+    per_pass += V * D / t  # the output projection (or the tied table as it)
+    table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
+    out = collective("all-gather", G * size * (2 * per_pass + table), c, "fsdp",
+             what="weights (FSDP)")  # fmt: skip
+    out += collective("reduce-scatter", G * size * (per_pass + table) / f, c, "fsdp",
+              what="gradients (FSDP)")  # fmt: skip
+    out += collective(
+        "all-reduce", summed * P / f, c, "data", what="gradients over data"
+    )
+    out += collective("all-reduce", G * size * P / f, c, "sequence",
+              what="gradients over sequence")  # fmt: skip
+    shared = P - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
+    out += collective("all-reduce", G * size * shared / f, c, "expert",
+              what="gradients of shared weights")  # fmt: skip
+    return out
+
+
+def gpu_activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+    """What moves activations on a GPU (predicted), in the compute type, each micro-batch:
+    Megatron's sequence parallelism (Korthikanti et al. 2022, section 4.2.2: an all-gather
+    before attention and before the MLP, a reduce-scatter after each, in every pass; one
+    of each for the embedding and the logits), ring attention's K and V, the experts'
+    router logits (float32) and their tokens out and back (dropless: the pairs each
+    device routes, with ``ragged_all_to_all``, not XLA:CPU's worst-case buffers)."""
+    m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
+    T, D, L, G = run.seq_len, m.width, m.num_layers, run.grad_accum  # noqa: N806
+    rows, size, k = micro_rows(run, c), run.itemsize, passes(run)
+    out = []
+    if t > 1:
+        act = size * rows * T * D  # one micro-batch's, whole sequence
+        count = G * (2 * k * L + 2)
+        out += collective(
+            "all-gather", count * act, c, "tensor", what="activations (SP)"
+        )
+        out += collective("reduce-scatter", count * act / t, c, "tensor",
+                  what="activations (SP)")  # fmt: skip
+    if s > 1:
+        kv = size * rows * (T // s) * m.num_kv_heads * m.head_width
+        out += collective("collective-permute", G * L * k * (s - 1) * 2 * kv, c, "sequence",
+                  what="K and V around the ring")  # fmt: skip
+    if m.num_experts and e > 1:
+        logits = F32 * 2 * L * run.global_batch * T * m.num_experts
+        out += collective(
+            "all-gather", logits, c, "fsdp", "expert", what="router logits"
+        )
+        if c.dispatch == "dropless":
+            pairs = G * rows * T * m.top_k
+            return out + collective("all-to-all", L * k * 2 * pairs * D * size, c, "expert",
+                            what="pairs to experts and back")  # fmt: skip
+        group = min(m.group_size, T)
+        slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
+        buffer = size * m.num_experts * rows * (T // group) * slots * D
+        out += collective("all-to-all", G * L * k * 2 * buffer, c, "expert",
+                  what="tokens to experts and back")  # fmt: skip
+    return out
+
+
+def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+    """A step's collectives on a GPU (predicted), as (overlapped, exposed): the weights'
+    gathers and the gradients' reductions overlap with compute (XLA:GPU's latency-hiding
+    scheduler and its pipelined collectives, as FSDP2 prefetches), and so do ring
+    attention's sends and a pipeline's; the activations' collectives of tensor
+    parallelism and experts wait on the compute before and hold up the compute after."""
+    if c.stages > 1:
+        m, rows = run.shape, run.global_batch // c.batch_ways
+        act = run.itemsize * rows * run.seq_len * m.width  # every micro-batch's
+        stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
+        per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages,
+                                        grad_accum=1)  # fmt: skip
+        inside = dataclasses.replace(c, stages=1, strategy="FSDP")
+        sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
+                          ("pipeline",))]  # fmt: skip
+        # tensor parallelism inside a stage: each micro-batch (one sequence) in turn
+        each = dataclasses.replace(per_stage, grad_accum=rows)
+        exposed = gpu_activation_transfers(each, c)
+        return sends + gpu_weight_transfers(per_stage, inside), exposed
+    if c.strategy.startswith(
+        "ZeRO"
+    ):  # gradients' shards, then float32 weights gathered
+        n, P = run.devices, param_count(run.shape)  # noqa: N806
+        summed = F32 if run.grad_accum > 1 else run.itemsize
+        return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
+                Transfer("all-gather", F32 * P, n, "weights", ("data",))], []  # fmt: skip
+    activations = gpu_activation_transfers(run, c)
+    ring = [move for move in activations if move.kind == "collective-permute"]
+    exposed = [move for move in activations if move.kind != "collective-permute"]
+    return gpu_weight_transfers(run, c) + ring, exposed
+
+
+def priced_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+    """The collectives the step time prices, (overlapped, exposed): a GPU's (predicted), or
+    with ``run.bytes == "xla-cpu"`` the program XLA:CPU compiles, split the same way."""
+    if run.bytes == "gpu":
+        return gpu_transfers(run, c)
+    if c.stages > 1 or c.strategy.startswith("ZeRO"):
+        return transfers(run, c), []
+    activations = activation_transfers(run, c)
+    ring = [move for move in activations if move.kind == "collective-permute"]
+    exposed = [move for move in activations if move.kind != "collective-permute"]
+    return weight_transfers(run, c) + embedding_transfers(run, c) + ring, exposed

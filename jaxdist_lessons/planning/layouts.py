@@ -1,0 +1,204 @@
+"""The request and the layouts: ``Run`` (a model, a batch, the machines, the recipe's flags that
+change a step: remat, micro-batches), ``Candidate`` (devices per mesh axis of the recipe's
+``layout.AXES``, or a pipeline of stages), every candidate the devices allow, and why the
+recipe cannot split a model a given way (``problems``, as ``layout.check_fits`` says).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxdist_lessons import hardware
+from jaxdist_lessons.planning.shapes import LMShape
+
+AXES = (
+    "data",
+    "fsdp",
+    "expert",
+    "sequence",
+    "tensor",
+)  # layout.AXES (examples/lm/layout.py), in its order
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout: devices per mesh axis (``layout.AXES``), or a pipeline of ``stages`` (FSDP
+    inside each stage), or ZeRO-1 over all devices; only the recipe's own meshes run."""
+
+    strategy: str
+    mesh: tuple[int, int, int, int, int]  # data, fsdp, expert, sequence, tensor
+    stages: int = 1
+    schedule: str = ""  # GPipe, 1F1B, interleaved
+    virtual: int = 1
+    offload: bool = False  # Adam's moments and the layers' inputs in host memory
+    dispatch: str = "capacity"  # the experts': or "dropless"
+
+    def size(self, axis: str) -> int:
+        """Devices along one of ``AXES``."""
+        return self.mesh[AXES.index(axis)]
+
+    @property
+    def batch_ways(self) -> int:
+        """Mesh axes that split the batch rows: data, fsdp, expert (layout.BATCH)."""
+        return self.size("data") * self.size("fsdp") * self.size("expert")
+
+    @property
+    def mesh_flag(self) -> str:
+        """``data=2,fsdp=8``: the axes above 1 (``data=1`` for one device)."""
+        return (
+            ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the reader asks for: a model, a batch and the machines."""
+
+    model: str
+    shape: LMShape
+    devices: int
+    nodes: int
+    chip: hardware.Chip
+    seq_len: int
+    global_batch: int
+    dtype: str = "bfloat16"
+    remat: str = "full"  # train.py's --remat: none, dots or full
+    grad_accum: int = 1  # train.py's --grad-accum: micro-batches a step
+    fit_accum: bool = False  # --grad-accum auto: each layout's fewest that fit (plan)
+    bytes: str = (
+        "gpu"  # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
+    )
+    efficiency: float | None = None  # of the chip's peak; None: COMPUTE_EFFICIENCY
+
+    @property
+    def per_node(self) -> int:
+        return self.devices // self.nodes
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one value in the compute type (activations, gathered weights)."""
+        return 2 if self.dtype == "bfloat16" else 4
+
+
+def checked(run: Run, c: Candidate) -> bool:
+    """Whether ``--check`` compares this row with the compiled recipe: the XLA:CPU counts
+    were read under full remat, one micro-batch a step. Not yet for pipelines (their
+    predicted bytes and memory are not the compiled program's), nor ZeRO-1 (XLA:CPU
+    all-reduces the gradient where the prediction has a reduce-scatter), nor offloading
+    (XLA:CPU's program keeps everything in device memory)."""
+    plain = run.remat == "full" and run.grad_accum == 1
+    return (
+        plain and c.stages == 1 and not c.strategy.startswith("ZeRO") and not c.offload
+    )
+
+
+def micro_rows(run: Run, c: Candidate) -> int:
+    """Sequences one device runs at once: its rows over --grad-accum, or one in a
+    pipeline (a micro-batch of one sequence a device)."""
+    rows = run.global_batch // c.batch_ways
+    return 1 if c.stages > 1 else rows // run.grad_accum
+
+
+def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
+    """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``."""
+    sizes = dict.fromkeys(AXES, 1)
+    for item in flag.split(","):
+        axis, _, size = item.partition("=")
+        if axis not in sizes or not size.isdigit() or int(size) < 1:
+            raise PlanError(
+                f"mesh {flag!r}: expected axis=size with axes {', '.join(AXES)}"
+            )
+        sizes[axis] = int(size)
+    return tuple(sizes.values())
+
+
+def candidates(run: Run) -> list[Candidate]:
+    """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
+    n, p, m = run.devices, run.per_node, run.shape
+    mesh = lambda **sizes: tuple(sizes.get(a, 1) for a in AXES)
+    out = [Candidate("DP", mesh(data=n))]
+    out += [Candidate(z, mesh(data=n)) for z in ("ZeRO-1", "ZeRO-2")]
+    out.append(Candidate("FSDP", mesh(fsdp=n)))
+    # HSDP: FSDP inside groups of k devices (powers of two, a node's among them), replicas
+    # across them
+    inner = {2**i for i in range(1, n.bit_length()) if n % 2**i == 0 and 2**i < n}
+    inner |= {p} if 1 < p < n else set()
+    out += [Candidate("HSDP", mesh(data=n // k, fsdp=k)) for k in sorted(inner)]
+    # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
+    # table instead of the activations, which the counts below do not follow.
+    inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
+    out += [Candidate("FSDP+TP", mesh(fsdp=n // t, tensor=t)) for t in inside]
+    out += [Candidate("sequence", mesh(fsdp=n // s, sequence=s)) for s in inside]
+    if m.num_experts:
+        for dispatch, name in (
+            ("capacity", "experts"),
+            ("dropless", "experts dropless"),
+        ):
+            out += [Candidate(name, mesh(fsdp=n // e, expert=e), dispatch=dispatch)
+                    for e in inside]  # fmt: skip
+    if run.chip.host_bytes_per_s and n > 1:
+        out.append(Candidate("FSDP + offload", mesh(fsdp=n), offload=True))
+    stages = run.nodes if run.nodes > 1 else 2
+    if n % stages == 0 and n > 1:
+        for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
+            out.append(Candidate(f"pipeline {schedule}", mesh(fsdp=n // stages), stages,
+                                 schedule, virtual))  # fmt: skip
+        stage = (
+            n // stages
+        )  # tensor parallelism inside each stage's node, FSDP beside it
+        out += [Candidate("pipeline 1F1B + TP", mesh(fsdp=stage // t, tensor=t), stages,
+                          "1F1B") for t in inside if stage % t == 0 and t <= p]  # fmt: skip
+    return out
+
+
+NEEDS = {"ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
+                   "the gradients too)"}  # fmt: skip
+
+
+def runnable(c: Candidate) -> bool:
+    """Whether ``examples/lm/train.py`` runs this layout (``NEEDS`` says what the others
+    need)."""
+    return c.strategy not in NEEDS
+
+
+def problems(run: Run, c: Candidate) -> list[str]:
+    """Why the recipe (or the pipeline's stages) cannot split this model this way (layout.check_fits)."""
+    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
+    out = [f"{name} {getattr(m, name)} does not split over tensor={t}"
+           for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
+           if getattr(m, name) % t]  # fmt: skip
+    for name, axis in (("width", "fsdp"), ("num_experts", "expert")):
+        if getattr(m, name) % c.size(axis):  # JAX shards evenly or not at all
+            out.append(
+                f"{name} {getattr(m, name)} does not split over {axis}={c.size(axis)}"
+            )
+    if run.global_batch % c.batch_ways:
+        out.append(
+            f"global batch {run.global_batch} does not split over {c.batch_ways}"
+        )
+    if s > 1 and run.seq_len % (2 * s * t):
+        out.append(f"seq-len {run.seq_len} does not split into 2 x sequence={s} chunks")
+    if t > 1 and run.seq_len % t:
+        out.append(f"seq-len {run.seq_len} does not split over tensor={t}")
+    group = min(m.group_size, run.seq_len)
+    if m.num_experts and (run.seq_len % group or (run.seq_len // group) % s):
+        out.append(f"seq-len {run.seq_len} does not make groups of {group} tokens")
+    if c.stages > 1 and m.num_layers % (c.stages * c.virtual):
+        out.append(
+            f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages"
+        )
+    micro = run.global_batch // c.batch_ways  # one sequence per device per microbatch
+    if c.stages > 1 and micro < c.stages:
+        out.append(f"fewer sequences per replica than the {c.stages} stages")
+    if c.schedule == "interleaved" and micro % c.stages:
+        out.append(f"{micro} microbatches do not make groups of the {c.stages} stages")
+    if c.stages == 1 and micro % run.grad_accum:
+        out.append(f"{micro} sequences a device do not split into --grad-accum "
+                   f"{run.grad_accum} micro-batches")  # fmt: skip
+    if c.offload and run.remat != "full":
+        out.append("offloading activations is full remat (--remat full)")
+    return out
+
+
+class PlanError(ValueError):
+    """Input the planner cannot plan for; the command line prints it on one line, status 2."""

@@ -1,0 +1,120 @@
+"""From bytes to seconds: which share of each ring crosses nodes, the bytes each device sends
+inside its node, across nodes and to its host, and the step time: the matmuls at
+``COMPUTE_EFFICIENCY`` of the chip's peak (one constant fitted to published GPU runs), the
+overlapped collectives hidden behind the compute, the exposed ones added.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+from jaxdist_lessons.bubble import bubble_fraction
+from jaxdist_lessons.planning.footprint import host_bytes
+from jaxdist_lessons.planning.gpu import priced_transfers
+from jaxdist_lessons.planning.layouts import AXES, Candidate, Run
+from jaxdist_lessons.planning.shapes import model_flops_per_token
+from jaxdist_lessons.traffic import Transfer, sent_bytes
+
+
+def crossing_share(run: Run, c: Candidate, axes: Sequence[str]) -> float:
+    """The share of a ring's sends over ``axes`` that cross nodes: a ring through a group
+    of G devices on k nodes (k > 1) has k of its G edges between nodes, k / G; 0 inside a
+    node. Devices are numbered over the mesh in ``AXES`` order (as ``jax.make_mesh`` lays
+    them out), ``per_node`` to a node; pipeline stages are outermost, a node or more each,
+    and every send between them crosses. With one network adapter per GPU, as in NVIDIA's
+    reference systems (``hardware``'s network sources), NCCL runs a ring on each rail, so
+    each device's adapter carries that share of its own sends."""
+    if "pipeline" in axes:
+        return 1.0 if run.nodes > 1 else 0.0
+    return _crossing_share(c.mesh, run.per_node, tuple(axes))
+
+
+@functools.cache  # a step has a dozen collectives over the same few groups
+def _crossing_share(
+    mesh: tuple[int, ...], per_node: int, axes: tuple[str, ...]
+) -> float:
+    nodes: dict[tuple[int, ...], set[int]] = {}
+    sizes: dict[tuple[int, ...], int] = {}
+    for device, coords in enumerate(itertools.product(*(range(n) for n in mesh))):
+        group = tuple(i for a, i in zip(AXES, coords) if a not in axes)
+        nodes.setdefault(group, set()).add(device // per_node)
+        sizes[group] = sizes.get(group, 0) + 1
+    return max(
+        (
+            len(found) / sizes[g] if len(found) > 1 else 0.0
+            for g, found in nodes.items()
+        ),
+        default=0.0,
+    )
+
+
+def link_bytes(run: Run, c: Candidate, moves: Sequence[Transfer]) -> dict[str, float]:
+    """Bytes one device sends per step (ring algorithms) inside its node and across nodes
+    (``crossing_share`` of each collective's), and to its host and back (``--offload``)."""
+    out = {"inside": 0.0, "across": 0.0, "host": host_bytes(run, c)}
+    for move in moves:
+        sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
+        out["across"] += share * sent
+        out["inside"] += (1 - share) * sent
+    return out
+
+
+# Of the chip's datasheet peak that a step's matmuls reach: FITTED, one constant for every
+# chip and run, to the bfloat16 runs of book/data/plan_published.json (least squares in
+# log(predicted / measured); benchmarks/plan_published.py --fit prints it, and
+# tests/test_plan_published.py refits it). --efficiency overrides it.
+COMPUTE_EFFICIENCY = 0.41
+
+
+def remat_flops(run: Run) -> float:
+    """The flops a step runs over the model's: remat 'full' runs each layer's forward
+    again (4/3: the forward is a third of 6 flops per weight and token); 'dots' only the
+    attention's two batched matmuls (4 L T N A a token), whose outputs it does not keep."""
+    if run.remat == "full":
+        return 4 / 3
+    if run.remat == "dots":
+        m = run.shape
+        attention = 4 * m.num_layers * run.seq_len * m.num_heads * m.head_width
+        return 1 + attention / model_flops_per_token(m, run.seq_len)
+    return 1.0
+
+
+def collective_seconds(run: Run, c: Candidate, moves: Sequence[Transfer]) -> float:
+    """Seconds to send ``moves`` one after another, each a ring whose sends inside the node
+    and across it run at once, on NVLink and the network adapters: the slower sets the
+    pace."""
+    chip, total = run.chip, 0.0
+    for move in moves:
+        sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
+        across = share * sent / chip.network_bytes_per_s if share else 0.0
+        total += max((1 - share) * sent / chip.link_bytes_per_s, across)
+    return total
+
+
+def step_seconds(
+    run: Run, c: Candidate, moves: tuple[list, list] | None = None
+) -> dict[str, float]:
+    """Predicted seconds: the compute at ``COMPUTE_EFFICIENCY`` of the chip's peak, with
+    remat's extra flops and a pipeline's bubble; the collectives that overlap with it
+    (and the host copies) hidden behind it up to its length; the exposed ones added."""
+    chip = run.chip
+    overlapped, exposed = moves or priced_transfers(run, c)
+    flops = (
+        model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
+    )
+    peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
+    efficiency = run.efficiency or COMPUTE_EFFICIENCY
+    compute = flops * remat_flops(run) / run.devices / (peak * efficiency)
+    if c.stages > 1:
+        micro = run.global_batch // c.batch_ways
+        compute /= 1 - bubble_fraction(c.stages, micro, c.virtual)
+    hidden = collective_seconds(run, c, overlapped)
+    if c.offload:
+        hidden += host_bytes(run, c) / chip.host_bytes_per_s
+    waited = collective_seconds(run, c, exposed)
+    step = max(compute, hidden) + waited
+    return {"compute": compute, "overlapped": hidden, "exposed": waited,
+            "comm": hidden + waited, "step": step,
+            "mfu": flops / step / (run.devices * peak)}  # fmt: skip

@@ -1,0 +1,52 @@
+"""What the planning package's tests share: the recipe's modules (examples/lm/), the sweep's
+benchmark, one request, and two helpers."""
+
+import contextlib
+import io
+import pathlib
+import sys
+from types import SimpleNamespace
+
+from jaxdist_lessons.planning import cli, layouts
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import layout  # noqa: E402
+import model as model_lib  # noqa: E402, F401  (the tests' name for the recipe's model.py)
+import plan_check  # noqa: E402, F401
+import train  # noqa: E402
+
+CHECKED_JSON = ROOT / "book" / "data" / "plan_check.json"
+EXAMPLE = ["--model", "125m", "--devices", "8", "--nodes", "2", "--chip", "h100",
+           "--seq-len", "2048", "--global-batch", "16"]  # fmt: skip
+GPU_8B = [
+    "--model",
+    "8b",
+    "--devices",
+    "8",
+    "--seq-len",
+    "4096",
+    "--global-batch",
+    "16",
+]
+
+
+def assert_the_recipe_takes(flags: str) -> None:
+    """train.py parses ``flags``, and its layout checks pass for the mesh they name."""
+    args = train.parse_args(flags.split())
+    sizes = dict.fromkeys(layout.AXES, 1)
+    sizes.update((a, int(n)) for a, n in (i.split("=") for i in args.mesh.split(",")))
+    layout.check_fits(train.model_config(args), SimpleNamespace(shape=sizes), args)
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli.main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def fsdp_run(run_flags: list[str]) -> tuple[layouts.Run, layouts.Candidate]:
+    run = cli.make_run(cli.parse_args(run_flags))
+    return run, layouts.Candidate("FSDP", layouts.mesh_sizes(f"fsdp={run.devices}"))
