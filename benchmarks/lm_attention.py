@@ -55,12 +55,12 @@ def compile_one(recipe: str, model: str, layers: int | None, seq_len: int,
 
     jax.config.update("jax_num_cpu_devices", DEVICES)
     sys.path.insert(0, recipe)
-    import model as model_lib  # noqa: PLC0415  (the recipe's, by path)
+    import model_config  # noqa: PLC0415
     import train  # noqa: PLC0415
 
     if layers:
-        preset = model_lib.PRESETS[model]
-        model_lib.PRESETS[model] = dataclasses.replace(preset, num_layers=layers)
+        preset = model_config.PRESETS[model]
+        model_config.PRESETS[model] = dataclasses.replace(preset, num_layers=layers)
     argv = [
         "--model",
         model,

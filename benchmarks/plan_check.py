@@ -24,12 +24,7 @@ import platform
 import jax
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import (
-    checking,
-    layouts,
-    ranking,
-    shapes,
-)
+from jaxdist_lessons.planning import checking, layouts, model_config, ranking
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_check.json"
@@ -96,7 +91,7 @@ COMBOS = [
 def prediction(combo: tuple) -> tuple[layouts.Run, dict]:
     """The planner's row for one combination (on H100s: the chip sets only time and fit)."""
     model, devices, nodes, strategy, mesh, seq_len, batch, moe = combo
-    shape = shapes.PRESETS[model]
+    shape = model_config.PRESETS[model]
     if moe:
         shape = dataclasses.replace(shape, **moe)
     run = layouts.Run(

@@ -19,7 +19,7 @@ import math
 import pathlib
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import layouts, ranking, shapes, timing
+from jaxdist_lessons.planning import layouts, model_config, ranking, timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_published.json"
@@ -40,7 +40,7 @@ _MAXTEXT = (
     "https://github.com/NVIDIA/JAX-Toolbox/blob/main/docs/frameworks/maxtext/README.md"
 )
 # Llama 2 7B (meta-llama/Llama-2-7b-hf, config.json): no GQA, a 32,000-token vocabulary.
-LLAMA2_7B = shapes.LMShape(32_000, 32, 4096, 32, 32, 11_008)
+LLAMA2_7B = model_config.ModelConfig(32_000, 32, 4096, 32, 32, 11_008)
 
 # name, source, its words, shape, chip, devices, nodes, mesh, seq_len, global batch,
 # measured tokens/s per GPU, what the planner does not model
@@ -100,7 +100,7 @@ def predicted(entry: dict, efficiency: float | None = None) -> dict:
     shape = (
         LLAMA2_7B
         if entry.get("shape") == "llama2-7b"
-        else shapes.PRESETS[entry["model"]]
+        else model_config.PRESETS[entry["model"]]
     )
     run = layouts.Run(entry.get("model", entry.get("shape")), shape, entry["devices"],
                    entry["nodes"], hardware.chip("H100 80GB"), entry["seq_len"],
@@ -134,7 +134,7 @@ def fsdp_threshold(devices: int, nodes: int, seq_len: int = 4096) -> float:
     linear in the tokens, the weights' bytes are constant, the lookup's grow with them)."""
     times = []
     for rows in (1, 2):
-        run = layouts.Run("8b", shapes.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
+        run = layouts.Run("8b", model_config.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
                        seq_len, rows * devices)  # fmt: skip
         run = dataclasses.replace(run, remat="none", efficiency=1.0)
         t = timing.step_seconds(

@@ -1127,7 +1127,7 @@ def _ch09(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     from jaxdist_lessons import hardware
 
-    rows, lm_model = ctx["rows"], ctx["lm_model"]
+    rows, lm_config = ctx["rows"], ctx["lm_config"]
 
     def fitting(chip: str) -> frozenset[str]:
         limit = hardware.chip(chip).memory_bytes / 1e9
@@ -1141,7 +1141,7 @@ def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 
     h100, h200 = fitting("H100 80GB"), fitting("H200 141GB")
     models = {r["model"] for r in rows}
-    flops = lm_model.flops_per_token(lm_model.PRESETS["8b"], 4096) * 32 * 4096
+    flops = lm_config.flops_per_token(lm_config.PRESETS["8b"], 4096) * 32 * 4096
     peak = hardware.chip("H100 80GB").peak_bf16_flops
     step = flops / (16 * peak * 0.4)
     too_many = Hint(

@@ -171,6 +171,10 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
         str(python.parent.parent) in installed.stdout
     )  # the wheel, not the editable copy
     assert python_in(python, show_jax, content).stdout == jax_before
+    # The planner's model_config.py is a link to the recipe's file: the wheel holds the file.
+    planned = python_in(python, "from jaxdist_lessons.planning import model_config as m; "
+                        "print(m.PRESETS['8b'].width)", content)  # fmt: skip
+    assert (planned.returncode, planned.stdout.strip()) == (0, "4096"), planned.stderr
 
 
 def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path):

@@ -125,10 +125,10 @@ def _ch09():
 
 def _ch10():
     sys.path.insert(0, str(ROOT / "examples" / "lm"))
-    import model as lm_model
+    import model_config as lm_config
 
     scale = json.loads((ROOT / "book" / "data" / "lm_scale.json").read_text())
-    return {"rows": scale["rows"], "lm_model": lm_model}
+    return {"rows": scale["rows"], "lm_config": lm_config}
 
 
 CHAPTERS_CONTEXT = {

@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import layout  # noqa: E402
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 import train  # noqa: E402
 
 B, T, N, K, A = 2, 64, 4, 2, 16  # noqa: N816  GQA: Q = N / K = 2 query heads per key
@@ -144,7 +145,7 @@ def test_the_model_gives_xla_logits_with_chunked_attention():
     """The tiny preset (4 layers, 4 heads sharing 2 key/value heads) on 2 x 128 tokens,
     under train.py's rules on data=4 x tensor=2 (chunked attention placed by rows and
     heads): the logits of XLA's attention, with the same weights."""
-    config = model_lib.PRESETS["tiny"]
+    config = model_config.PRESETS["tiny"]
     tokens_BT = jax.random.randint(jax.random.key(1), (4, 128), 0, config.vocab_size)
     xla = model_lib.Transformer(config, attention="xla")
     params = nn.meta.unbox(xla.init(jax.random.key(2), tokens_BT))
@@ -214,7 +215,7 @@ LENGTHS = (16, 32, 16)  # three documents packed into one row of 64, each ending
 def packed():
     """The tiny preset (depth 2), its weights, and 4 rows of 64 tokens, each three
     documents that end in EOD (no other EOD in them)."""
-    config = dataclasses.replace(model_lib.PRESETS["tiny"], num_layers=2)
+    config = dataclasses.replace(model_config.PRESETS["tiny"], num_layers=2)
     tokens_BT = jax.random.randint(jax.random.key(3), (4, 64), 1, config.vocab_size)
     tokens_BT = tokens_BT.at[:, np.cumsum(LENGTHS) - 1].set(EOD)
     model = model_lib.Transformer(config, remat="none", attention="xla")

@@ -32,6 +32,7 @@ import convert  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 import train  # noqa: E402
 
 # Llama 3.1's rope_scaling (meta-llama/Llama-3.1-8B, config.json); with head_dim 16 and
@@ -93,7 +94,7 @@ def converted(request, tmp_path_factory):
 
 def test_logits_match_transformers(converted):
     case, hf_model, hf_dir, checkpoint = converted
-    config = model_lib.config_from_hf(str(hf_dir / "config.json"))
+    config = model_config.config_from_hf(str(hf_dir / "config.json"))
     assert config.tie_embeddings == (case == "tied_llama3_rope")
     assert (config.rope_scaling is not None) == (case == "tied_llama3_rope")
     params, _ = convert.restore_params(checkpoint, config, None)
@@ -101,7 +102,7 @@ def test_logits_match_transformers(converted):
     with torch.no_grad():
         expected = hf_model(torch.tensor(tokens)).logits.numpy()
 
-    def logits(config: model_lib.ModelConfig, params: dict) -> np.ndarray:
+    def logits(config: model_config.ModelConfig, params: dict) -> np.ndarray:
         model = model_lib.Transformer(config, jnp.float32, "none")
         return np.asarray(model.apply({"params": params}, jnp.asarray(tokens))[0])
 
@@ -188,15 +189,15 @@ def test_config_json_of_the_hub_and_head_dim(tmp_path):
            "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0}}  # fmt: skip
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hub))
-    config = model_lib.config_from_hf(str(path))
+    config = model_config.config_from_hf(str(path))
     assert config == model_lib.dataclasses.replace(
-        model_lib.PRESETS["1b"],
+        model_config.PRESETS["1b"],
         norm_eps=1e-5,
-        rope_scaling=model_lib.RopeScaling(32.0, 1.0, 4.0, 8192),
+        rope_scaling=model_config.RopeScaling(32.0, 1.0, 4.0, 8192),
     )
     path.write_text(json.dumps({**hub, "head_dim": 128}))
     with pytest.raises(SystemExit, match="head_dim 128 x 32 heads != hidden_size"):
-        model_lib.config_from_hf(str(path))
+        model_config.config_from_hf(str(path))
 
 
 def test_rope_frequencies_match_transformers():
@@ -208,7 +209,7 @@ def test_rope_frequencies_match_transformers():
         rope_scaling=LLAMA3_SCALING,
     )  # fmt: skip
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    scaling = model_lib.RopeScaling(8.0, 1.0, 4.0, 8192)
+    scaling = model_config.RopeScaling(8.0, 1.0, 4.0, 8192)
     ours = model_lib.rope_frequencies(64, 500_000.0, scaling)
     np.testing.assert_allclose(np.asarray(ours), expected.numpy(), rtol=1e-6)
     unscaled = model_lib.rope_frequencies(64, 500_000.0)
@@ -239,9 +240,9 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(back[name], tensor, err_msg=name)
 
 
-@pytest.mark.parametrize("preset", sorted(model_lib.PRESETS))
+@pytest.mark.parametrize("preset", sorted(model_config.PRESETS))
 def test_a_presets_config_json_reads_back_as_the_preset(preset, tmp_path):
-    """to-hf --model PRESET writes config_to_hf's config.json: the same shape."""
+    """to-hf --model PRESET writes model_config.config_to_hf's config.json: the same shape."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(convert.config_to_hf(model_lib.PRESETS[preset])))
-    assert model_lib.config_from_hf(str(path)) == model_lib.PRESETS[preset]
+    path.write_text(json.dumps(model_config.config_to_hf(model_config.PRESETS[preset])))
+    assert model_config.config_from_hf(str(path)) == model_config.PRESETS[preset]

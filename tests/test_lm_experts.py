@@ -15,13 +15,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 import step as step_lib  # noqa: E402
 import train  # noqa: E402
 from test_lm_recipe import COMMON, steps_on  # noqa: E402
 
 E, R = 8, 2
 CONFIG = dataclasses.replace(
-    model_lib.PRESETS["tiny"], num_experts=E, top_k=R, group_size=64,
+    model_config.PRESETS["tiny"], num_experts=E, top_k=R, group_size=64,
     capacity_factor=E / R, balance="bias",
 )  # fmt: skip
 
@@ -103,7 +104,7 @@ def test_shared_experts_add_one_mlp_every_token_goes_through():
     wide = dataclasses.replace(shared, mlp_width=2 * shared.mlp_width)
     mlp = model_lib.MLP(wide, jnp.float32).apply({"params": params["shared"]}, x_BTD)
     np.testing.assert_allclose(y_BTD, routed + mlp, rtol=1e-5, atol=1e-6)
-    assert model_lib.count_params(shared) == model_lib.count_params(CONFIG) + (
+    assert model_config.count_params(shared) == model_config.count_params(CONFIG) + (
         shared.num_layers * 3 * shared.width * 2 * shared.mlp_width
     )
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import compiled as lm_compiled  # noqa: E402
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 import train  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -201,7 +202,7 @@ def test_ring_and_expert_bytes_match_the_formulas():
     """Bytes per device in the compiled step (float32; tiny: L = 4 layers, D = 128, K = 2
     key/value heads of A = 32; batch 16 x 128 tokens), against what the layers send. Each
     layer runs three times: forward, remat's recomputation, backward."""
-    c, B, T = model_lib.PRESETS["tiny"], 16, 128  # noqa: N806
+    c, B, T = model_config.PRESETS["tiny"], 16, 128  # noqa: N806
     L, K, A = c.num_layers, c.num_kv_heads, c.head_width  # noqa: N806
     # Ring attention over sequence=4, batch over data=2: each pass sends K and V of its own
     # T/4 tokens and B/2 rows n - 1 = 3 times. Measured 4,718,592 B.
@@ -272,7 +273,7 @@ def test_bad_meshes_and_batches_say_why():
 
     def fits(*flags, mesh="data=8"):
         args = train.parse_args([*COMMON, "--mesh", mesh, *flags])
-        train.check_fits(train.model_config(args), train.make_mesh(mesh), args)
+        train.check_fits(train.config_from_args(args), train.make_mesh(mesh), args)
 
     with pytest.raises(SystemExit, match=r"^--experts 6 does not split over expert=4$"):
         fits("--experts", "6", mesh="data=2,expert=4")
@@ -322,7 +323,7 @@ def test_bad_meshes_and_batches_say_why():
         fits("--virtual-stages", "2", "--grad-accum", "2", mesh="pipeline=2,data=4")
     args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
     with pytest.raises(SystemExit) as raised:
-        train.check_fits(model_lib.PRESETS["tiny"], train.make_mesh("data=8"), args)
+        train.check_fits(model_config.PRESETS["tiny"], train.make_mesh("data=8"), args)
     assert (
         str(raised.value)
         == "--global-batch 6 does not split over data x fsdp x expert = 8 devices"
@@ -372,7 +373,7 @@ def test_model_flops_match_the_compiled_programs(dirs):
     """6 flops per matmul weight per token, plus attention's, against XLA's count for one
     training step's gradient (forward and backward) of the 125m preset. The layers are unrolled
     (cost_analysis counts a loop's body once) and not rematerialised (6N assumes no recompute)."""
-    config = model_lib.PRESETS["125m"]
+    config = model_config.PRESETS["125m"]
     batch, seq_len = 1, 512
     model = model_lib.Transformer(
         config, jnp.float32, "none", scan_unroll=config.num_layers
@@ -390,7 +391,7 @@ def test_model_flops_match_the_compiled_programs(dirs):
     # Arguments with no sharding: one device's program, whatever the device count.
     compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
     counted = compiled.cost_analysis()["flops"]
-    estimate = model_lib.flops_per_token(config, seq_len) * batch * seq_len
+    estimate = model_config.flops_per_token(config, seq_len) * batch * seq_len
     print(f"flops: estimate {estimate:.4e}, XLA {counted:.4e}")
     assert counted == pytest.approx(estimate, rel=0.02)  # measured: 0.4% apart
 
@@ -398,8 +399,8 @@ def test_model_flops_match_the_compiled_programs(dirs):
 def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     """Llama 3 8B at sequence 2048, global batch 16, on 16 simulated devices (one process
     compiles the three meshes: tests/lm_compile_driver.py). Bytes are per device, float32."""
-    config = model_lib.PRESETS["8b"]
-    params = model_lib.count_params(config)
+    config = model_config.PRESETS["8b"]
+    params = model_config.count_params(config)
     assert params == 8_030_261_248
     V, D, L = config.vocab_size, config.width, config.num_layers  # noqa: N806
     layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
@@ -661,7 +662,7 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
     args = train.parse_args([*COMMON, "--mesh", "data=8", "--eod-id", "2048"])
     message = "--eod-id 2048 is not a token id: the vocabulary has 2048 (0 to 2047)"
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
-        train.model_config(args)
+        train.config_from_args(args)
 
 
 PIPELINES = [  # mesh, schedule: each with --grad-accum 4
@@ -944,7 +945,9 @@ INIT_PRESETS = {"tiny": 2, "125m": 2, "1b": 2, "8b": 1}
 def test_each_preset_starts_near_a_uniform_guess(name):
     """The loss at initialisation is within 1 nat of ln V, the loss of a uniform guess
     (1b's tied embedding at N(0, 1) started at 609; model.embedding_stddev)."""
-    config = dataclasses.replace(model_lib.PRESETS[name], num_layers=INIT_PRESETS[name])
+    config = dataclasses.replace(
+        model_config.PRESETS[name], num_layers=INIT_PRESETS[name]
+    )
     model = model_lib.Transformer(config, jnp.float32, "none")
     tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, config.vocab_size)
 

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from jaxdist_lessons.planning import cli, ranking, shapes
+from jaxdist_lessons.planning import cli, model_config, ranking
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "_ext"))
@@ -79,7 +79,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 # The form's select boxes: each of their options comes up among the 100 requests.
-CHOICES = {"model": [*shapes.PRESETS, ""], "chip": list(cli.CHIP_NAMES),
+CHOICES = {"model": [*model_config.PRESETS, ""], "chip": list(cli.CHIP_NAMES),
            "dtype": ["bfloat16", "float32"], "remat": ["full", "dots", "none"]}  # fmt: skip
 
 

@@ -48,11 +48,12 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 import train  # noqa: E402
 
 HF_CONFIG = "hf_config.json"  # beside the step folders, which Orbax lists by number
 Array = np.ndarray
-Config = model_lib.ModelConfig
+Config = model_config.ModelConfig
 
 
 def heads_in(w: Array, c: Config) -> Array:
@@ -189,36 +190,6 @@ def params_to_hf(params: dict, c: Config, dtype: np.dtype) -> dict[str, Array]:
     return {n: np.ascontiguousarray(t.astype(dtype)) for n, t in tensors.items()}
 
 
-def config_to_hf(c: Config) -> dict[str, Any]:
-    """A config.json for a preset (a checkpoint that started from no Llama)."""
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "num_hidden_layers": c.num_layers,
-        "hidden_size": c.width,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_width,
-        "intermediate_size": c.mlp_width,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_embeddings,
-        "torch_dtype": "float32",
-    }
-    if c.rope_scaling:
-        s = c.rope_scaling
-        hf["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_context,
-        }
-    return hf
-
-
 def fresh_state(params: dict, model, args):
     """Step 0: ``params`` and train.py's optimizer state before its first update.
 
@@ -245,7 +216,7 @@ def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     # train.py's defaults for this shape: its optimizer and its checkpoint layout
     args = train.parse_args(["--model-config", str(config_json),
                              "--checkpoint-dir", str(checkpoint_dir)])  # fmt: skip
-    config = train.model_config(args)
+    config = train.config_from_args(args)
     params = params_from_hf(hf_dir, config)
     state = fresh_state(params, model_lib.Transformer(config), args)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +229,9 @@ def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     manager.wait_until_finished()
     manager.close()
     (checkpoint_dir / HF_CONFIG).write_text(config_json.read_text())
-    print(f"{hf_dir} -> {checkpoint_dir} step 0 ({model_lib.count_params(config):,})")
+    print(
+        f"{hf_dir} -> {checkpoint_dir} step 0 ({model_config.count_params(config):,})"
+    )
 
 
 def restore_params(checkpoint_dir: pathlib.Path, config: Config, step: int | None):
@@ -292,16 +265,16 @@ def to_hf(
     checkpoint_dir: pathlib.Path,
     out_dir: pathlib.Path,
     step: int | None,
-    model_config: str | None,
+    config_json: str | None,
     preset: str | None,
 ) -> None:
-    if model_config or (checkpoint_dir / HF_CONFIG).exists():
-        source = pathlib.Path(model_config or checkpoint_dir / HF_CONFIG)
+    if config_json or (checkpoint_dir / HF_CONFIG).exists():
+        source = pathlib.Path(config_json or checkpoint_dir / HF_CONFIG)
         hf = json.loads(source.read_text())
-        config = model_lib.config_from_hf(str(source))
+        config = model_config.config_from_hf(str(source))
     elif preset:
-        config = model_lib.PRESETS[preset]
-        hf = config_to_hf(config)
+        config = model_config.PRESETS[preset]
+        hf = model_config.config_to_hf(config)
     else:
         raise SystemExit(
             f"{checkpoint_dir} has no {HF_CONFIG}: say --model-config or --model"
@@ -328,7 +301,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     back.add_argument("hf_dir", type=pathlib.Path)
     back.add_argument("--step", type=int, help="default: the latest")
     back.add_argument("--model-config", help=f"default: the checkpoint's {HF_CONFIG}")
-    back.add_argument("--model", choices=sorted(model_lib.PRESETS),
+    back.add_argument("--model", choices=sorted(model_config.PRESETS),
                       help="a preset's checkpoint (train.py --model)")  # fmt: skip
     return parser.parse_args(argv)
 

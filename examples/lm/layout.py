@@ -6,7 +6,7 @@ order of ring attention. train.py and the other modules read their layouts here.
 import re
 
 import jax
-import model as model_lib
+import model_config
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -57,7 +57,7 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
+def check_fits(config: model_config.ModelConfig, mesh, args) -> None:
     """Say what does not divide, before JAX says it less clearly."""
     tensor, batch_ways = (
         mesh.shape["tensor"],
@@ -136,7 +136,7 @@ def check_fits(config: model_lib.ModelConfig, mesh, args) -> None:
         )
 
 
-def lookup(config: model_lib.ModelConfig, mesh, args) -> str:
+def lookup(config: model_config.ModelConfig, mesh, args) -> str:
     """How the model looks its tokens up (its ``lookup``). Without batch replicas
     ('data' or 'expert'), or with nothing else, as XLA likes ("xla"): its partitioner
     needs no help there.

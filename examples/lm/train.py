@@ -11,12 +11,13 @@
     python examples/lm/train.py --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
         --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
-This file parses the command line, sets up and runs the loop. Beside it: model.py (the
-decoder), dropless.py (experts without a capacity), data.py (tokens read in place, with
-Grain), layout.py (the mesh, the rules), step.py (the loss, gradients, accumulation,
-AdamW, ZeRO-1 and the optimizer's offload), pipeline.py and schedules.py (the pipeline
-schedules), resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU,
-the metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
+This file parses the command line, sets up and runs the loop. Beside it: model_config.py
+(the shape, the presets, config.json), model.py (the decoder), dropless.py (experts
+without a capacity), data.py (tokens read in place, with Grain), layout.py (the mesh,
+the rules), step.py (the loss, gradients, accumulation, AdamW, ZeRO-1 and the
+optimizer's offload), pipeline.py and schedules.py (the pipeline schedules),
+resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the
+metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
@@ -46,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
+import model_config  # noqa: E402
 from compiled import compile_only  # noqa: E402
 from layout import (  # noqa: E402
     AXES,
@@ -87,7 +89,7 @@ def offloads(text: str) -> frozenset[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", default="tiny", choices=sorted(model_lib.PRESETS))
+    add("--model", default="tiny", choices=sorted(model_config.PRESETS))
     add(
         "--model-config",
         metavar="CONFIG_JSON",
@@ -270,12 +272,12 @@ def join_processes() -> None:
         jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
 
 
-def model_config(args) -> model_lib.ModelConfig:
+def config_from_args(args) -> model_config.ModelConfig:
     """The preset or --model-config's shape, with experts if --experts asks for them."""
     if args.model_config:
-        config = model_lib.config_from_hf(args.model_config)
+        config = model_config.config_from_hf(args.model_config)
     else:
-        config = model_lib.PRESETS[args.model]
+        config = model_config.PRESETS[args.model]
     if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
         raise SystemExit(
             f"--top-k {args.top_k} must be between 1 and --experts {args.experts}"
@@ -358,7 +360,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         state, batches = restore(manager, shapes, batches)
         print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
     tokens_per_step = args.global_batch * args.seq_len
-    flops = model_lib.flops_per_token(model.config, args.seq_len) * tokens_per_step
+    flops = model_config.flops_per_token(model.config, args.seq_len) * tokens_per_step
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
@@ -449,7 +451,7 @@ def attention_kind(requested: str | None) -> str:
 def setup(args):
     """The mesh, the model, the optimizer, the jitted step and the state's shapes."""
     mesh = make_mesh(args.mesh)
-    config = model_config(args)
+    config = config_from_args(args)
     check_fits(config, mesh, args)
     # dropless.py's exchange: ragged_all_to_all where the backend has it
     ragged = jax.default_backend() in ("gpu", "tpu")

@@ -18,8 +18,8 @@ from jaxdist_lessons import hardware
 from jaxdist_lessons.planning.checking import check_table, compare, compile_flags
 from jaxdist_lessons.planning.footprint import USABLE
 from jaxdist_lessons.planning.layouts import PlanError, Run, candidates, problems
+from jaxdist_lessons.planning.model_config import PRESETS, ModelConfig, config_to_hf
 from jaxdist_lessons.planning.ranking import CONFIG_FILE, plan, table
-from jaxdist_lessons.planning.shapes import PRESETS, LMShape, hf_config
 from jaxdist_lessons.planning.timing import COMPUTE_EFFICIENCY
 
 MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
@@ -87,7 +87,7 @@ SHAPE_FLAGS = {"layers": "num_layers", "width": "width", "heads": "num_heads",
                "kv_heads": "num_kv_heads", "mlp_width": "mlp_width", "vocab": "vocab_size"}  # fmt: skip
 
 
-def model_shape(args: argparse.Namespace) -> LMShape:
+def model_shape(args: argparse.Namespace) -> ModelConfig:
     """A preset, or the shape the flags give; experts from --experts and --top-k either way."""
     given = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
              if getattr(args, flag) is not None}  # fmt: skip
@@ -106,7 +106,7 @@ def model_shape(args: argparse.Namespace) -> LMShape:
             f"give --model, or the model's shape: missing {' '.join(missing)}"
         )
     else:
-        shape = LMShape(**given)
+        shape = ModelConfig(**given)
     if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
         raise PlanError(f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
                         "KV heads: heads must divide the width, KV heads the heads")  # fmt: skip
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     custom = any(f"--model-config {CONFIG_FILE}" in r["flags"] for r in rows)
     if args.write_config:
-        pathlib.Path(args.write_config).write_text(json.dumps(hf_config(run.shape)))
+        pathlib.Path(args.write_config).write_text(json.dumps(config_to_hf(run.shape)))
         for r in rows:
             r["flags"] = r["flags"].replace(
                 f"--model-config {CONFIG_FILE}", f"--model-config {args.write_config}"
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [r for r in rows if r["checked"]][: args.check_rows]  # fitting first
         with tempfile.TemporaryDirectory() as folder:
             config = pathlib.Path(folder, CONFIG_FILE)
-            config.write_text(json.dumps(hf_config(run.shape)))
+            config.write_text(json.dumps(config_to_hf(run.shape)))
             lines = [r["flags"].replace(f"--model-config {CONFIG_FILE}",
                                         f"--model-config {config}") for r in chosen]  # fmt: skip
             compiled = compile_flags(run.devices, lines)

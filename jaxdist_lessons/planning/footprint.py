@@ -12,10 +12,10 @@ import math
 
 from jaxdist_lessons.activations import layer_activation_bytes
 from jaxdist_lessons.planning.layouts import Candidate, Run, micro_rows
+from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import (
     attention_weights,
     mlp_weights,
-    param_count,
     weight_shapes,
 )
 
@@ -32,7 +32,7 @@ def local_weights(run: Run, c: Candidate) -> int:
         for dims, axes in weight_shapes(run.shape)
     )
     if c.strategy.startswith("ZeRO"):
-        return param_count(run.shape)
+        return count_params(run.shape)
     return math.ceil(total / c.stages)
 
 
@@ -46,7 +46,7 @@ def argument_bytes(run: Run, c: Candidate) -> int:
     three int32 step counters (TrainState's, Adam's and the schedule's)."""
     weights = local_weights(run, c)
     optimizer = (
-        math.ceil(2 * param_count(run.shape) / run.devices)
+        math.ceil(2 * count_params(run.shape) / run.devices)
         if c.strategy.startswith("ZeRO")
         else 2 * weights
     )
@@ -178,7 +178,7 @@ def memory(run: Run, c: Candidate) -> Memory:
     m, f, t = run.shape, c.size("fsdp"), c.size("tensor")
     local = local_weights(run, c)
     zero = c.strategy.startswith("ZeRO")
-    optimizer = 2 * F32 * (param_count(m) / run.devices if zero else local)
+    optimizer = 2 * F32 * (count_params(m) / run.devices if zero else local)
     optimizer *= not c.offload  # in host memory
     weights, gradients = F32 * local, F32 * local
     if f > 1:
@@ -188,7 +188,7 @@ def memory(run: Run, c: Candidate) -> Memory:
         gradients += run.itemsize * local
     if c.strategy == "ZeRO-2":  # its share, and one layer's whole while it is reduced
         layer = attention_weights(m) + mlp_weights(m)
-        gradients = F32 * param_count(m) / run.devices + run.itemsize * layer
+        gradients = F32 * count_params(m) / run.devices + run.itemsize * layer
     activations = activation_bytes(run, c)
     return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
 

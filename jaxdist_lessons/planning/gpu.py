@@ -11,7 +11,8 @@ import math
 
 from jaxdist_lessons.planning.footprint import F32
 from jaxdist_lessons.planning.layouts import Candidate, Run, micro_rows
-from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights, param_count
+from jaxdist_lessons.planning.model_config import count_params
+from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.planning.xla_cpu import (
     activation_transfers,
     collective,
@@ -38,7 +39,7 @@ def gpu_weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     after an accumulation (the sums), in the compute type otherwise."""
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
     L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum  # noqa: N806
-    size, P = run.itemsize, param_count(m)  # noqa: N806
+    size, P = run.itemsize, count_params(m)  # noqa: N806
     summed = F32 if G > 1 else size
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
         return collective("all-reduce", summed * P, c, "data", what="gradients")
@@ -122,7 +123,7 @@ def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer
     if c.strategy.startswith(
         "ZeRO"
     ):  # gradients' shards, then float32 weights gathered
-        n, P = run.devices, param_count(run.shape)  # noqa: N806
+        n, P = run.devices, count_params(run.shape)  # noqa: N806
         summed = F32 if run.grad_accum > 1 else run.itemsize
         return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))], []  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning.shapes import LMShape
+from jaxdist_lessons.planning.model_config import ModelConfig
 
 AXES = (
     "data",
@@ -55,7 +55,7 @@ class Run:
     """What the reader asks for: a model, a batch and the machines."""
 
     model: str
-    shape: LMShape
+    shape: ModelConfig
     devices: int
     nodes: int
     chip: hardware.Chip

@@ -25,7 +25,7 @@ from jaxdist_lessons.planning.layouts import (
     problems,
     runnable,
 )
-from jaxdist_lessons.planning.shapes import PRESETS
+from jaxdist_lessons.planning.model_config import PRESETS
 from jaxdist_lessons.planning.timing import link_bytes, step_seconds
 from jaxdist_lessons.planning.xla_cpu import transfer_bytes_by_kind, transfers
 from jaxdist_lessons.tables import Table
@@ -33,7 +33,7 @@ from jaxdist_lessons.tables import Table
 
 def recipe_flags(run: Run, c: Candidate) -> str:
     """The flags of ``examples/lm/train.py`` that run this layout: ``--model`` for a
-    preset's shape, otherwise ``--model-config config.json`` (``hf_config`` writes it);
+    preset's shape, otherwise ``--model-config config.json`` (``config_to_hf`` writes it);
     for a layout the recipe does not run, what it needs."""
     if not runnable(c):
         return NEEDS[c.strategy]

@@ -14,7 +14,7 @@ from jaxdist_lessons.bubble import bubble_fraction
 from jaxdist_lessons.planning.footprint import host_bytes
 from jaxdist_lessons.planning.gpu import priced_transfers
 from jaxdist_lessons.planning.layouts import AXES, Candidate, Run
-from jaxdist_lessons.planning.shapes import model_flops_per_token
+from jaxdist_lessons.planning.model_config import flops_per_token
 from jaxdist_lessons.traffic import Transfer, sent_bytes
 
 
@@ -77,7 +77,7 @@ def remat_flops(run: Run) -> float:
     if run.remat == "dots":
         m = run.shape
         attention = 4 * m.num_layers * run.seq_len * m.num_heads * m.head_width
-        return 1 + attention / model_flops_per_token(m, run.seq_len)
+        return 1 + attention / flops_per_token(m, run.seq_len)
     return 1.0
 
 
@@ -101,9 +101,7 @@ def step_seconds(
     (and the host copies) hidden behind it up to its length; the exposed ones added."""
     chip = run.chip
     overlapped, exposed = moves or priced_transfers(run, c)
-    flops = (
-        model_flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
-    )
+    flops = flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
     peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
     efficiency = run.efficiency or COMPUTE_EFFICIENCY
     compute = flops * remat_flops(run) / run.devices / (peak * efficiency)

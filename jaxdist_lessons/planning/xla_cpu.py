@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from jaxdist_lessons.planning.footprint import F32
 from jaxdist_lessons.planning.layouts import Candidate, Run
-from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights, param_count
+from jaxdist_lessons.planning.model_config import count_params
+from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.traffic import Transfer
 
 
@@ -45,7 +46,7 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     unembed = (
         V * D
     )  # untied, or the tied table as the output projection: the same moves
-    P = param_count(m)  # noqa: N806
+    P = count_params(m)  # noqa: N806
     out = []
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
         return collective("all-reduce", F32 * P + 4, c, "data", what="gradients")
@@ -231,7 +232,7 @@ def transfers(run: Run, c: Candidate) -> list[Transfer]:
     if c.strategy.startswith(
         "ZeRO"
     ):  # gradients' shards, then the updated weights gathered
-        n, P = run.devices, param_count(run.shape)  # noqa: N806
+        n, P = run.devices, count_params(run.shape)  # noqa: N806
         return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
     return (

@@ -37,7 +37,7 @@ def assert_the_recipe_takes(flags: str) -> None:
     args = train.parse_args(flags.split())
     sizes = dict.fromkeys(layout.AXES, 1)
     sizes.update((a, int(n)) for a, n in (i.split("=") for i in args.mesh.split(",")))
-    layout.check_fits(train.model_config(args), SimpleNamespace(shape=sizes), args)
+    layout.check_fits(train.config_from_args(args), SimpleNamespace(shape=sizes), args)
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:

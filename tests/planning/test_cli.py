@@ -9,15 +9,10 @@ from planning_helpers import (
     EXAMPLE,
     ROOT,
     assert_the_recipe_takes,
-    model_lib,
     run_main,
 )
 
-from jaxdist_lessons.planning import (
-    cli,
-    footprint,
-    ranking,
-)
+from jaxdist_lessons.planning import cli, footprint, model_config, ranking
 
 
 @pytest.mark.parametrize(
@@ -78,7 +73,7 @@ def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
     assert out["run"]["shape"]["num_kv_heads"] == 2 and out["run"]["model"] == "custom"
     experts = [r["mesh"] for r in out["rows"] if r["strategy"] == "experts"]
     assert sorted(experts) == ["fsdp=2,expert=4", "fsdp=4,expert=2"]
-    recipe = model_lib.config_from_hf(str(config))
+    recipe = model_config.config_from_hf(str(config))
     assert (recipe.num_layers, recipe.width, recipe.num_kv_heads, recipe.vocab_size) == (
         4, 512, 2, 8000,
     )  # fmt: skip
@@ -90,7 +85,7 @@ def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
     def compiled(devices, flag_lines, progress=True):
         asked.extend(flag_lines)
         path = flag_lines[0].split()[1]
-        assert model_lib.config_from_hf(path) == recipe
+        assert model_config.config_from_hf(path) == recipe
         return [
             {"arguments": 1, "temporaries": 1, "collectives": {}} for _ in flag_lines
         ]

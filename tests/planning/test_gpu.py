@@ -8,11 +8,7 @@ from planning_helpers import (
     fsdp_run,
 )
 
-from jaxdist_lessons.planning import (
-    gpu,
-    shapes,
-    xla_cpu,
-)
+from jaxdist_lessons.planning import gpu, model_config, xla_cpu
 from jaxdist_lessons.traffic import sent_bytes
 
 
@@ -21,7 +17,11 @@ def test_fsdp_on_a_gpu_sends_three_bf16_copies_of_the_weights_less_one_table():
     bfloat16; the embedding table is gathered once (the lookup), never in the backward:
     (n-1)/n x 2 bytes x (3 P - V D) a device, a micro-batch; XLA:CPU's are float32."""
     run, fsdp = fsdp_run(GPU_8B)
-    P, V, D = shapes.param_count(run.shape), run.shape.vocab_size, run.shape.width  # noqa: N806
+    P, V, D = (
+        model_config.count_params(run.shape),
+        run.shape.vocab_size,
+        run.shape.width,
+    )  # noqa: N806
     overlapped, exposed = gpu.gpu_transfers(run, fsdp)
     assert exposed == [] and {m.kind for m in overlapped} == {
         "all-gather",

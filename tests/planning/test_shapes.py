@@ -1,32 +1,36 @@
-"""planning.shapes: the presets, parameters and flops are the recipe's."""
+"""planning.shapes: the planner's model is the recipe's own file, and the weights it splits
+add up to the recipe's parameter count."""
 
 import dataclasses
 import math
 
-from planning_helpers import (
-    model_lib,
-)
+from planning_helpers import ROOT
 
-from jaxdist_lessons.planning import (
-    shapes,
-)
+from jaxdist_lessons.planning import model_config, shapes
 
 
-def test_presets_params_and_flops_are_the_recipes():
-    assert shapes.PRESETS.keys() == model_lib.PRESETS.keys()
-    for name, shape in shapes.PRESETS.items():
-        recipe = model_lib.PRESETS[name]
-        for field in dataclasses.fields(shape):
-            assert getattr(shape, field.name) == getattr(recipe, field.name), (
-                name,
-                field,
-            )
+def test_the_planners_model_config_is_the_recipes_file():
+    """planning/model_config.py links to examples/lm/model_config.py: one file, so the
+    presets, parameter counts and flops per token cannot drift apart."""
+    path = ROOT / "jaxdist_lessons" / "planning" / "model_config.py"
+    assert path.is_symlink()
+    assert path.resolve() == (ROOT / "examples" / "lm" / "model_config.py").resolve()
+    assert (
+        path.read_text() == (ROOT / "examples" / "lm" / "model_config.py").read_text()
+    )
+
+
+def test_the_weights_it_splits_are_every_parameter():
+    for name, shape in model_config.PRESETS.items():
         for experts in ({}, {"num_experts": 8, "top_k": 2}):
             ours = dataclasses.replace(shape, **experts)
-            theirs = dataclasses.replace(recipe, **experts)
-            assert shapes.param_count(ours) == model_lib.count_params(theirs)
-            assert shapes.model_flops_per_token(
-                ours, 4096
-            ) == model_lib.flops_per_token(theirs, 4096)
             weights = sum(math.prod(dims) for dims, _ in shapes.weight_shapes(ours))
-            assert weights == shapes.param_count(ours)
+            assert weights == model_config.count_params(ours), (name, experts)
+            # 6 flops per weight a token multiplies, and attention's 12 L T N A
+            lookup = 0 if ours.tie_embeddings else ours.vocab_size * ours.width
+            used = model_config.count_params(ours) - lookup
+            used -= ours.width * (2 * ours.num_layers + 1)  # the norms: no matmul
+            unused = ours.num_experts - ours.top_k if ours.num_experts else 0
+            used -= ours.num_layers * unused * 3 * ours.width * ours.mlp_width
+            attention = 12 * ours.num_layers * 4096 * ours.width
+            assert model_config.flops_per_token(ours, 4096) == 6 * used + attention

@@ -1,0 +1,193 @@
+"""The model's shape: ``ModelConfig``, the presets, a Hugging Face config.json both
+ways, and the arithmetic on a shape alone (parameters, training flops per token).
+
+Standard library only: ``model.py`` builds the Flax model from a ``ModelConfig``, and
+the book's planner (``jaxdist_lessons/planning``, which also runs in a browser) reads
+this same file for its shapes, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of RoPE to a longer context: long wavelengths are divided by
+    ``factor``, short ones kept, those between blended (Hugging Face's rope_scaling with
+    rope_type "llama3"; 3.1 uses factor 8, 3.2 factor 32)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int  # original_max_position_embeddings: 8192 in Llama 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    num_layers: int
+    width: int  # D
+    num_heads: int  # N
+    num_kv_heads: int  # K; Q = N/K query heads share each key/value head (GQA)
+    mlp_width: int  # F
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = False  # the output projection reuses the embedding table
+    norm_eps: float = 1e-5
+    num_experts: int = (
+        0  # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
+    )
+    top_k: int = 1  # experts per token
+    capacity_factor: float = (
+        1.25  # an expert's slots per group: ceil(top_k * group_size * factor / E)
+    )
+    group_size: int = 512  # tokens routed together, a group (at most the sequence)
+    dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
+    # Dropless across 'expert': "padded" all_to_alls or "ragged" (ragged_all_to_all,
+    # GPUs and TPUs; train.py picks it where the backend has it).
+    exchange: str = "padded"
+    balance: str = "loss"  # Switch's loss, or "bias": DeepSeek-V3's routing bias
+    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
+    rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
+
+    @property
+    def head_width(self) -> int:  # A
+        return self.width // self.num_heads
+
+
+# Published shapes: Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, width
+# 2048, 32 heads, 8 KV heads, MLP 8192, tied embeddings) and Llama 3 8B and 70B ("The
+# Llama 3 Herd of Models", arXiv:2407.21783, Table 3). All three use a 128,256-token
+# vocabulary and RoPE base 500,000. "tiny" and "125m" are ours: tiny trains on a CPU in
+# minutes; 125m has GPT-3 Small's depth and width.
+PRESETS = {
+    "tiny": ModelConfig(2048, 4, 128, 4, 2, 384),
+    "125m": ModelConfig(32_768, 12, 768, 12, 4, 2048),
+    "1b": ModelConfig(128_256, 16, 2048, 32, 8, 8192, 500_000.0, tie_embeddings=True),
+    "8b": ModelConfig(128_256, 32, 4096, 32, 8, 14_336, 500_000.0),
+    "70b": ModelConfig(128_256, 80, 8192, 64, 8, 28_672, 500_000.0),
+}
+
+
+def config_from_hf(path: str) -> ModelConfig:
+    """A Hugging Face Llama config.json's shape as a ModelConfig.
+
+    Reads both spellings of RoPE's settings: ``rope_theta`` and ``rope_scaling`` (the
+    Hub's Llama 3.x files, transformers 4) and ``rope_parameters`` (transformers 5
+    writes theta and the scaling there). Stops on what this model does not have.
+    """
+    with open(path) as f:
+        hf: dict[str, Any] = json.load(f)
+    name = path
+    if hf.get("model_type", "llama") != "llama":
+        raise SystemExit(f"{name}: model_type {hf['model_type']!r}, expected 'llama'")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise SystemExit(f"{name}: hidden_act {hf['hidden_act']!r}; the MLP is SwiGLU")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise SystemExit(f"{name}: attention_bias or mlp_bias; this model has none")
+    width, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or width // heads
+    if head_dim * heads != width:
+        raise SystemExit(
+            f"{name}: head_dim {head_dim} x {heads} heads != hidden_size {width}; "
+            "this model's heads are hidden_size / num_attention_heads wide"
+        )
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise SystemExit(f"{name}: rope_type {kind!r}; only 'default' and 'llama3'")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        width=width,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp_width=hf["intermediate_size"],
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10_000.0)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
+        rope_scaling=None
+        if kind == "default"
+        else RopeScaling(
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        ),
+    )
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """A config.json for a preset (a checkpoint that started from no Llama)."""
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "num_hidden_layers": c.num_layers,
+        "hidden_size": c.width,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_width,
+        "intermediate_size": c.mlp_width,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings,
+        "torch_dtype": "float32",
+    }
+    if c.rope_scaling:
+        s = c.rope_scaling
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_context,
+        }
+    return hf
+
+
+def count_params(config: ModelConfig) -> int:
+    """Parameters of a preset, from its shape alone."""
+    c, per_layer = config, 0
+    per_layer += (
+        c.width * c.head_width * (c.num_heads * 2 + c.num_kv_heads * 2)
+    )  # q, out, k, v
+    experts = max(c.num_experts, 1)
+    per_layer += (
+        experts * 3 * c.width * c.mlp_width + 2 * c.width
+    )  # gate, up, down; norms
+    per_layer += c.width * c.num_experts  # the router
+    per_layer += c.num_experts if c.balance == "bias" else 0  # its bias
+    per_layer += 3 * c.width * c.mlp_width * c.shared_experts  # shared experts
+    embeddings = c.vocab_size * c.width * (1 if c.tie_embeddings else 2)
+    return c.num_layers * per_layer + embeddings + c.width
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training flops per token: 6 per weight used in a matmul, plus attention's scores.
+
+    The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
+    arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the
+    two backward matmuls. The embedding lookup is no matmul; with tied embeddings the
+    table is used once, as the output projection. Attention adds 12·layers·T·(N·A) per
+    token (the causal mask is not subtracted). With experts, the weights a token uses:
+    the router and its top_k experts.
+    """
+    c = config
+    matmul_params = count_params(c) - c.vocab_size * c.width * (
+        0 if c.tie_embeddings else 1
+    )
+    matmul_params -= c.width * (
+        2 * c.num_layers + 1
+    )  # norms' scales multiply, no matmul
+    if (
+        c.num_experts
+    ):  # a token passes through top_k experts of the E (dispatch not counted)
+        matmul_params -= (
+            c.num_layers * (c.num_experts - c.top_k) * 3 * c.width * c.mlp_width
+        )
+    return 6 * matmul_params + 12 * c.num_layers * seq_len * c.num_heads * c.head_width

@@ -1,0 +1,1 @@
+../../examples/lm/model_config.py
