@@ -98,7 +98,7 @@ def prediction(combo: tuple) -> tuple[layouts.Run, dict]:
         model, shape, devices, nodes, hardware.chip("H100 80GB"), seq_len, batch
     )
     dispatch = "dropless" if "dropless" in strategy else "capacity"
-    candidate = layouts.Candidate(strategy, layouts.mesh_sizes(mesh), dispatch=dispatch)
+    candidate = layouts.Layout.from_flag(mesh, strategy=strategy, dispatch=dispatch)
     assert not layouts.problems(run, candidate), (
         combo,
         layouts.problems(run, candidate),

@@ -105,7 +105,7 @@ def predicted(entry: dict, efficiency: float | None = None) -> dict:
     run = layouts.Run(entry.get("model", entry.get("shape")), shape, entry["devices"],
                    entry["nodes"], hardware.chip("H100 80GB"), entry["seq_len"],
                    entry["global_batch"], remat=entry["remat"], efficiency=efficiency)  # fmt: skip
-    candidate = layouts.Candidate("published", layouts.mesh_sizes(entry["mesh"]))
+    candidate = layouts.Layout.from_flag(entry["mesh"], strategy="published")
     row = ranking.row(run, candidate)
     return {
         "tokens_per_second_per_gpu": row["tokens_per_second_per_device"],
@@ -138,7 +138,7 @@ def fsdp_threshold(devices: int, nodes: int, seq_len: int = 4096) -> float:
                        seq_len, rows * devices)  # fmt: skip
         run = dataclasses.replace(run, remat="none", efficiency=1.0)
         t = timing.step_seconds(
-            run, layouts.Candidate("FSDP", layouts.mesh_sizes(f"fsdp={devices}"))
+            run, layouts.Layout.from_flag(f"fsdp={devices}", strategy="FSDP")
         )
         times.append((t["compute"], t["comm"]))
     (compute1, comm1), (compute2, comm2) = times

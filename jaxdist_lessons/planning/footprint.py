@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from jaxdist_lessons.activations import layer_activation_bytes
-from jaxdist_lessons.planning.layouts import Candidate, Run, micro_rows
+from jaxdist_lessons.planning.layouts import Layout, Run, micro_rows
 from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import (
     attention_weights,
@@ -25,7 +25,7 @@ F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: floa
 USABLE = 0.9  # of a chip's memory a layout may fill (the rest: runtime, fragmentation)
 
 
-def local_weights(run: Run, c: Candidate) -> int:
+def local_weights(run: Run, c: Layout) -> int:
     """Weights one device holds: each dimension split over its mesh axis, rounded up (XLA pads)."""
     total = sum(
         math.prod(math.ceil(d / (c.size(a) if a else 1)) for d, a in zip(dims, axes))
@@ -36,12 +36,12 @@ def local_weights(run: Run, c: Candidate) -> int:
     return math.ceil(total / c.stages)
 
 
-def token_bytes(run: Run, c: Candidate) -> int:
+def token_bytes(run: Run, c: Layout) -> int:
     """The step's input: this device's rows of (global batch, seq_len + 1) int32 tokens."""
     return run.global_batch // c.batch_ways * (run.seq_len + 1) * 4
 
 
-def argument_bytes(run: Run, c: Candidate) -> int:
+def argument_bytes(run: Run, c: Layout) -> int:
     """The compiled step's arguments: float32 weights and Adam's two moments, the tokens, and
     three int32 step counters (TrainState's, Adam's and the schedule's)."""
     weights = local_weights(run, c)
@@ -53,7 +53,7 @@ def argument_bytes(run: Run, c: Candidate) -> int:
     return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
 
 
-def in_flight(run: Run, c: Candidate) -> int:
+def in_flight(run: Run, c: Layout) -> int:
     """Sequences whose activations a device holds at once: one micro-batch's rows; in a
     pipeline, every micro-batch (GPipe) or one per stage (1F1B, interleaved)."""
     rows = run.global_batch // c.batch_ways
@@ -62,7 +62,7 @@ def in_flight(run: Run, c: Candidate) -> int:
     return rows if c.schedule == "GPipe" else min(rows, c.stages)
 
 
-def kept_input_bytes(run: Run, c: Candidate) -> float:
+def kept_input_bytes(run: Run, c: Layout) -> float:
     """Each layer's input, which remat 'full' keeps for the backward, sequence-parallel
     under a tensor axis (the inputs of the micro-batches in flight, in a pipeline): what
     ``--offload activations`` sends to the host for each micro-batch."""
@@ -72,7 +72,7 @@ def kept_input_bytes(run: Run, c: Candidate) -> float:
     return per_layer * m.num_layers / c.stages
 
 
-def host_bytes(run: Run, c: Candidate) -> float:
+def host_bytes(run: Run, c: Layout) -> float:
     """What ``--offload optimizer,activations`` moves over the host link each step, one
     way and back: Adam's two float32 moments of the local weights, and the layers'
     inputs of every micro-batch."""
@@ -83,7 +83,7 @@ def host_bytes(run: Run, c: Candidate) -> float:
     )
 
 
-def expert_copies(run: Run, c: Candidate) -> float:
+def expert_copies(run: Run, c: Layout) -> float:
     """How many times an MoE layer's activations a dense one's are: top-k copies of each
     token, times a capacity's spare slots or dropless's worst-case buffers (the expert
     axis times the pairs)."""
@@ -95,7 +95,7 @@ def expert_copies(run: Run, c: Candidate) -> float:
     )
 
 
-def xla_cpu_activation_bytes(run: Run, c: Candidate) -> float:
+def xla_cpu_activation_bytes(run: Run, c: Layout) -> float:
     """What XLA:CPU's program keeps besides the state, as estimated to set against its
     temporaries (remat 'full'): each layer's input, one layer's activations while it is
     recomputed (Korthikanti et al. 2022, eq. 2, with the T x T scores XLA's attention
@@ -109,7 +109,7 @@ def xla_cpu_activation_bytes(run: Run, c: Candidate) -> float:
     return kept + layer + logits
 
 
-def saved_dots_bytes(run: Run, c: Candidate) -> float:
+def saved_dots_bytes(run: Run, c: Layout) -> float:
     """What remat 'dots' keeps of one layer (``dots_with_no_batch_dims_saveable``): the
     outputs of its weight matmuls, Q, K, V, the attention's output projection, the
     MLP's gate, up and down, in the compute type, split over the tensor axis."""
@@ -120,7 +120,7 @@ def saved_dots_bytes(run: Run, c: Candidate) -> float:
     return tokens * width / t * run.itemsize * expert_copies(run, c)
 
 
-def activation_bytes(run: Run, c: Candidate) -> float:
+def activation_bytes(run: Run, c: Layout) -> float:
     """What the step keeps besides its state on a GPU (an estimate). One layer's
     activations follow Korthikanti et al. 2022 (arXiv:2205.05198): eq. 2, s b h (10 +
     24/t), or with sequence parallelism (the recipe's residual under a tensor axis, their
@@ -164,14 +164,14 @@ class Memory:
         )
 
 
-def gathered_weights(run: Run, c: Candidate) -> float:
+def gathered_weights(run: Run, c: Layout) -> float:
     """Under FSDP, two layers and the output projection gathered, in the compute type."""
     m = run.shape
     layer = attention_weights(m) + mlp_weights(m) / c.size("expert")
     return (2 * layer + m.vocab_size * m.width) / c.size("tensor") * run.itemsize
 
 
-def memory(run: Run, c: Candidate) -> Memory:
+def memory(run: Run, c: Layout) -> Memory:
     """Memory per device for a layout, on a GPU. Under FSDP the weights add two layers and
     the output projection gathered (in the compute dtype), and the gradients the output
     projection's whole gradient (in the compute type), before it is reduced."""
@@ -193,7 +193,7 @@ def memory(run: Run, c: Candidate) -> Memory:
     return Memory(weights, optimizer, gradients, activations, token_bytes(run, c))
 
 
-def temporaries_estimate(run: Run, c: Candidate) -> float:
+def temporaries_estimate(run: Run, c: Layout) -> float:
     """What the estimate says XLA:CPU's temporaries hold: the activations with the T x T
     scores its attention keeps, the float32 gradients and, under FSDP, the gathered
     weights (beyond the arguments)."""

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from jaxdist_lessons.planning.footprint import F32
-from jaxdist_lessons.planning.layouts import Candidate, Run, micro_rows
+from jaxdist_lessons.planning.layouts import Layout, Run, micro_rows
 from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.planning.xla_cpu import (
@@ -29,7 +29,7 @@ def passes(run: Run) -> int:
     return 2 if run.remat == "none" else 3
 
 
-def gpu_weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     """FSDP's moves as the recipe's program would make them on a GPU (predicted): the weights
     gathered in the compute type (``step.cast`` casts each shard before the gather), each
     layer's in the forward and again in the backward, the output projection's too, the
@@ -61,7 +61,7 @@ def gpu_weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return out
 
 
-def gpu_activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     """What moves activations on a GPU (predicted), in the compute type, each micro-batch:
     Megatron's sequence parallelism (Korthikanti et al. 2022, section 4.2.2: an all-gather
     before attention and before the MLP, a reduce-scatter after each, in every pass; one
@@ -101,7 +101,7 @@ def gpu_activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return out
 
 
-def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
     """A step's collectives on a GPU (predicted), as (overlapped, exposed): the weights'
     gathers and the gradients' reductions overlap with compute (XLA:GPU's latency-hiding
     scheduler and its pipelined collectives, as FSDP2 prefetches), and so do ring
@@ -133,7 +133,7 @@ def gpu_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer
     return gpu_weight_transfers(run, c) + ring, exposed
 
 
-def priced_transfers(run: Run, c: Candidate) -> tuple[list[Transfer], list[Transfer]]:
+def priced_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
     """The collectives the step time prices, (overlapped, exposed): a GPU's (predicted), or
     with ``run.bytes == "xla-cpu"`` the program XLA:CPU compiles, split the same way."""
     if run.bytes == "gpu":

@@ -1,12 +1,13 @@
 """The request and the layouts: ``Run`` (a model, a batch, the machines, the recipe's flags that
-change a step: remat, micro-batches), ``Candidate`` (devices per mesh axis of the recipe's
-``layout.AXES``, or a pipeline of stages), every candidate the devices allow, and why the
+change a step: remat, micro-batches), ``Layout`` (devices per mesh axis of the recipe's
+``layout.AXES``, pipeline stages and what runs on top), every layout the devices allow, and why the
 recipe cannot split a model a given way (``problems``, as ``layout.check_fits`` says).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning.model_config import ModelConfig
@@ -21,21 +22,51 @@ AXES = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One layout: devices per mesh axis (``layout.AXES``), or a pipeline of ``stages`` (FSDP
-    inside each stage), or ZeRO-1 over all devices; only the recipe's own meshes run."""
+class Layout:
+    """How a job lays out its devices: how many along each of the recipe's mesh axes
+    (``AXES``, ``layout.AXES``), in ``stages`` pipeline stages (outermost, each a copy of
+    that mesh) of ``virtual`` stages each, and what the recipe does on top: a pipeline's
+    schedule, host offload, the experts' dispatch. ``strategy`` names it in tables. The
+    planner and chapter 11's cost model (``costmodel``) both describe layouts with it."""
 
-    strategy: str
-    mesh: tuple[int, int, int, int, int]  # data, fsdp, expert, sequence, tensor
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    sequence: int = 1
+    tensor: int = 1
     stages: int = 1
-    schedule: str = ""  # GPipe, 1F1B, interleaved
     virtual: int = 1
+    schedule: str = ""  # GPipe, 1F1B, interleaved
     offload: bool = False  # Adam's moments and the layers' inputs in host memory
     dispatch: str = "capacity"  # the experts': or "dropless"
+    strategy: str = ""
+
+    def __post_init__(self):
+        for name in (*AXES, "stages", "virtual"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(
+                    f"Layout.{name} must be a positive integer, got {size!r}"
+                )
+
+    @classmethod
+    def from_flag(cls, flag: str, **options) -> Layout:
+        """``Layout.from_flag("fsdp=4,tensor=2", strategy="FSDP+TP")``: a recipe's --mesh."""
+        return cls(**mesh_sizes(flag), **options)
 
     def size(self, axis: str) -> int:
         """Devices along one of ``AXES``."""
-        return self.mesh[AXES.index(axis)]
+        return getattr(self, axis)
+
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        """Devices along each of ``AXES``, in order."""
+        return tuple(self.size(a) for a in AXES)
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses."""
+        return math.prod(self.mesh) * self.stages
 
     @property
     def batch_ways(self) -> int:
@@ -48,6 +79,16 @@ class Candidate:
         return (
             ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
         )
+
+    @property
+    def label(self) -> str:
+        """Chapter 11's notation: ``(4,2)`` for (data, tensor), or ``FSDP 8`` (``FSDP 8 x
+        tensor 2``, ``FSDP 4 x data 2``)."""
+        if self.fsdp == 1:
+            return f"({self.data},{self.tensor})"
+        rest = f" x tensor {self.tensor}" if self.tensor > 1 else ""
+        data = f" x data {self.data}" if self.data > 1 else ""
+        return f"FSDP {self.fsdp}{data}{rest}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +121,7 @@ class Run:
         return 2 if self.dtype == "bfloat16" else 4
 
 
-def checked(run: Run, c: Candidate) -> bool:
+def checked(run: Run, c: Layout) -> bool:
     """Whether ``--check`` compares this row with the compiled recipe: the XLA:CPU counts
     were read under full remat, one micro-batch a step. Not yet for pipelines (their
     predicted bytes and memory are not the compiled program's), nor ZeRO-1 (XLA:CPU
@@ -92,14 +133,14 @@ def checked(run: Run, c: Candidate) -> bool:
     )
 
 
-def micro_rows(run: Run, c: Candidate) -> int:
+def micro_rows(run: Run, c: Layout) -> int:
     """Sequences one device runs at once: its rows over --grad-accum, or one in a
     pipeline (a micro-batch of one sequence a device)."""
     rows = run.global_batch // c.batch_ways
     return 1 if c.stages > 1 else rows // run.grad_accum
 
 
-def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
+def mesh_sizes(flag: str) -> dict[str, int]:
     """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``."""
     sizes = dict.fromkeys(AXES, 1)
     for item in flag.split(","):
@@ -109,45 +150,44 @@ def mesh_sizes(flag: str) -> tuple[int, int, int, int, int]:
                 f"mesh {flag!r}: expected axis=size with axes {', '.join(AXES)}"
             )
         sizes[axis] = int(size)
-    return tuple(sizes.values())
+    return sizes
 
 
-def candidates(run: Run) -> list[Candidate]:
+def candidates(run: Run) -> list[Layout]:
     """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
     n, p, m = run.devices, run.per_node, run.shape
-    mesh = lambda **sizes: tuple(sizes.get(a, 1) for a in AXES)
-    out = [Candidate("DP", mesh(data=n))]
-    out += [Candidate(z, mesh(data=n)) for z in ("ZeRO-1", "ZeRO-2")]
-    out.append(Candidate("FSDP", mesh(fsdp=n)))
+    out = [Layout(data=n, strategy=z) for z in ("DP", "ZeRO-1", "ZeRO-2")]
+    out.append(Layout(fsdp=n, strategy="FSDP"))
     # HSDP: FSDP inside groups of k devices (powers of two, a node's among them), replicas
     # across them
     inner = {2**i for i in range(1, n.bit_length()) if n % 2**i == 0 and 2**i < n}
     inner |= {p} if 1 < p < n else set()
-    out += [Candidate("HSDP", mesh(data=n // k, fsdp=k)) for k in sorted(inner)]
+    out += [Layout(data=n // k, fsdp=k, strategy="HSDP") for k in sorted(inner)]
     # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
     # table instead of the activations, which the counts below do not follow.
     inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
-    out += [Candidate("FSDP+TP", mesh(fsdp=n // t, tensor=t)) for t in inside]
-    out += [Candidate("sequence", mesh(fsdp=n // s, sequence=s)) for s in inside]
+    out += [Layout(fsdp=n // t, tensor=t, strategy="FSDP+TP") for t in inside]
+    out += [Layout(fsdp=n // s, sequence=s, strategy="sequence") for s in inside]
     if m.num_experts:
         for dispatch, name in (
             ("capacity", "experts"),
             ("dropless", "experts dropless"),
         ):
-            out += [Candidate(name, mesh(fsdp=n // e, expert=e), dispatch=dispatch)
+            out += [Layout(fsdp=n // e, expert=e, dispatch=dispatch, strategy=name)
                     for e in inside]  # fmt: skip
     if run.chip.host_bytes_per_s and n > 1:
-        out.append(Candidate("FSDP + offload", mesh(fsdp=n), offload=True))
+        out.append(Layout(fsdp=n, offload=True, strategy="FSDP + offload"))
     stages = run.nodes if run.nodes > 1 else 2
     if n % stages == 0 and n > 1:
         for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
-            out.append(Candidate(f"pipeline {schedule}", mesh(fsdp=n // stages), stages,
-                                 schedule, virtual))  # fmt: skip
+            out.append(Layout(fsdp=n // stages, stages=stages, virtual=virtual,
+                              schedule=schedule, strategy=f"pipeline {schedule}"))  # fmt: skip
         stage = (
             n // stages
         )  # tensor parallelism inside each stage's node, FSDP beside it
-        out += [Candidate("pipeline 1F1B + TP", mesh(fsdp=stage // t, tensor=t), stages,
-                          "1F1B") for t in inside if stage % t == 0 and t <= p]  # fmt: skip
+        out += [Layout(fsdp=stage // t, tensor=t, stages=stages, schedule="1F1B",
+                       strategy="pipeline 1F1B + TP")
+                for t in inside if stage % t == 0 and t <= p]  # fmt: skip
     return out
 
 
@@ -155,13 +195,13 @@ NEEDS = {"ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which
                    "the gradients too)"}  # fmt: skip
 
 
-def runnable(c: Candidate) -> bool:
+def runnable(c: Layout) -> bool:
     """Whether ``examples/lm/train.py`` runs this layout (``NEEDS`` says what the others
     need)."""
     return c.strategy not in NEEDS
 
 
-def problems(run: Run, c: Candidate) -> list[str]:
+def problems(run: Run, c: Layout) -> list[str]:
     """Why the recipe (or the pipeline's stages) cannot split this model this way (layout.check_fits)."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     out = [f"{name} {getattr(m, name)} does not split over tensor={t}"

@@ -18,7 +18,7 @@ from jaxdist_lessons.planning.footprint import (
 from jaxdist_lessons.planning.gpu import priced_transfers
 from jaxdist_lessons.planning.layouts import (
     NEEDS,
-    Candidate,
+    Layout,
     Run,
     candidates,
     checked,
@@ -31,7 +31,7 @@ from jaxdist_lessons.planning.xla_cpu import transfer_bytes_by_kind, transfers
 from jaxdist_lessons.tables import Table
 
 
-def recipe_flags(run: Run, c: Candidate) -> str:
+def recipe_flags(run: Run, c: Layout) -> str:
     """The flags of ``examples/lm/train.py`` that run this layout: ``--model`` for a
     preset's shape, otherwise ``--model-config config.json`` (``config_to_hf`` writes it);
     for a layout the recipe does not run, what it needs."""
@@ -75,7 +75,7 @@ def recipe_flags(run: Run, c: Candidate) -> str:
 CONFIG_FILE = "config.json"  # a custom shape's, from --write-config
 
 
-def row(run: Run, c: Candidate) -> dict[str, Any]:
+def row(run: Run, c: Layout) -> dict[str, Any]:
     """Everything the table and the JSON say about one layout; its collectives worked out
     once for the bytes and the time (and XLA:CPU's, for ``--check``)."""
     priced = priced_transfers(run, c)
@@ -108,7 +108,7 @@ def row(run: Run, c: Candidate) -> dict[str, Any]:
     }
 
 
-def accumulated(run: Run, c: Candidate) -> Run:
+def accumulated(run: Run, c: Layout) -> Run:
     """``run`` with ``--grad-accum auto`` settled for this layout: the fewest micro-batches
     (a divisor of its rows a device) whose memory fits, or one a row if none does. A
     pipeline's micro-batches are its own (one sequence each)."""

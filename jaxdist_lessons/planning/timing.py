@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from jaxdist_lessons.bubble import bubble_fraction
 from jaxdist_lessons.planning.footprint import host_bytes
 from jaxdist_lessons.planning.gpu import priced_transfers
-from jaxdist_lessons.planning.layouts import AXES, Candidate, Run
+from jaxdist_lessons.planning.layouts import AXES, Layout, Run
 from jaxdist_lessons.planning.model_config import flops_per_token
 from jaxdist_lessons.traffic import Transfer, sent_bytes
 
 
-def crossing_share(run: Run, c: Candidate, axes: Sequence[str]) -> float:
+def crossing_share(run: Run, c: Layout, axes: Sequence[str]) -> float:
     """The share of a ring's sends over ``axes`` that cross nodes: a ring through a group
     of G devices on k nodes (k > 1) has k of its G edges between nodes, k / G; 0 inside a
     node. Devices are numbered over the mesh in ``AXES`` order (as ``jax.make_mesh`` lays
@@ -50,7 +50,7 @@ def _crossing_share(
     )
 
 
-def link_bytes(run: Run, c: Candidate, moves: Sequence[Transfer]) -> dict[str, float]:
+def link_bytes(run: Run, c: Layout, moves: Sequence[Transfer]) -> dict[str, float]:
     """Bytes one device sends per step (ring algorithms) inside its node and across nodes
     (``crossing_share`` of each collective's), and to its host and back (``--offload``)."""
     out = {"inside": 0.0, "across": 0.0, "host": host_bytes(run, c)}
@@ -81,7 +81,7 @@ def remat_flops(run: Run) -> float:
     return 1.0
 
 
-def collective_seconds(run: Run, c: Candidate, moves: Sequence[Transfer]) -> float:
+def collective_seconds(run: Run, c: Layout, moves: Sequence[Transfer]) -> float:
     """Seconds to send ``moves`` one after another, each a ring whose sends inside the node
     and across it run at once, on NVLink and the network adapters: the slower sets the
     pace."""
@@ -94,7 +94,7 @@ def collective_seconds(run: Run, c: Candidate, moves: Sequence[Transfer]) -> flo
 
 
 def step_seconds(
-    run: Run, c: Candidate, moves: tuple[list, list] | None = None
+    run: Run, c: Layout, moves: tuple[list, list] | None = None
 ) -> dict[str, float]:
     """Predicted seconds: the compute at ``COMPUTE_EFFICIENCY`` of the chip's peak, with
     remat's extra flops and a pipeline's bubble; the collectives that overlap with it

@@ -12,21 +12,21 @@ import math
 from collections.abc import Sequence
 
 from jaxdist_lessons.planning.footprint import F32
-from jaxdist_lessons.planning.layouts import Candidate, Run
+from jaxdist_lessons.planning.layouts import Layout, Run
 from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.traffic import Transfer
 
 
 def collective(
-    kind: str, nbytes: float, c: Candidate, *axes: str, what: str = ""
+    kind: str, nbytes: float, c: Layout, *axes: str, what: str = ""
 ) -> list[Transfer]:
     """One collective over ``axes`` (an empty list if those axes have one device)."""
     group = math.prod(c.size(a) for a in axes)
     return [Transfer(kind, nbytes, group, what, axes)] if group > 1 and nbytes else []
 
 
-def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     """FSDP's weight gathers and the gradients' all-reduces, as XLA:CPU compiles the recipe.
 
     Measured: each layer weight gathered twice (forward, and remat's recomputation for the
@@ -74,7 +74,7 @@ def weight_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return out
 
 
-def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
+def lookup_moves(run: Run, c: Layout) -> list[Transfer]:
     """The embedding lookup with the table left split: the tokens' activations move to the
     table's fsdp shards and back, and its gradient is reduced over the other batch axes. With
     batch replicas (data or expert), the recipe's "rows" lookup (examples/lm/layout.py's
@@ -116,7 +116,7 @@ def lookup_moves(run: Run, c: Candidate) -> list[Transfer]:
                     what="embeddings")  # fmt: skip
 
 
-def table_moves(run: Run, c: Candidate) -> list[Transfer]:
+def table_moves(run: Run, c: Layout) -> list[Transfer]:
     """The embedding lookup in a gathered table: the table gathered over fsdp and its gradient
     all-reduced whole (with batch replicas, the recipe's "table" lookup)."""
     m, f, d = run.shape, c.size("fsdp"), c.size("data")
@@ -136,7 +136,7 @@ def table_moves(run: Run, c: Candidate) -> list[Transfer]:
     )
 
 
-def gathers_the_table(run: Run, c: Candidate) -> bool:
+def gathers_the_table(run: Run, c: Layout) -> bool:
     """Whether the embedding table is gathered for the lookup (``table_moves``) rather than
     activations moved (``lookup_moves``). With batch replicas the recipe chooses
     (examples/lm/layout.py's ``lookup``): with a data axis, the table when each device has at
@@ -155,7 +155,7 @@ def gathers_the_table(run: Run, c: Candidate) -> bool:
     return cost(table_moves(run, c)) < cost(lookup_moves(run, c))
 
 
-def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def embedding_transfers(run: Run, c: Layout) -> list[Transfer]:
     """The embedding lookup and its gradient under FSDP (the table split over fsdp, not over
     the batch), in whichever of its two ways XLA:CPU compiles it (``gathers_the_table``)."""
     if c.size("fsdp") == 1:  # data parallelism: the table is whole on every device
@@ -163,7 +163,7 @@ def embedding_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return table_moves(run, c) if gathers_the_table(run, c) else lookup_moves(run, c)
 
 
-def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     """What moves activations inside the layers: Megatron's sequence-parallel activations,
     ring attention's K and V, the experts' router logits, dispatch and combine. Counts per
     layer read from XLA:CPU's programs."""
@@ -211,7 +211,7 @@ def activation_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return out
 
 
-def pipeline_transfers(run: Run, c: Candidate) -> list[Transfer]:
+def pipeline_transfers(run: Run, c: Layout) -> list[Transfer]:
     """A pipeline's sends between stages (each microbatch's activations forward, their gradient
     back, once per virtual stage) and FSDP inside each stage: predicted, no recipe flag."""
     m = run.shape
@@ -225,7 +225,7 @@ def pipeline_transfers(run: Run, c: Candidate) -> list[Transfer]:
     return sends + weight_transfers(per_stage, inside)
 
 
-def transfers(run: Run, c: Candidate) -> list[Transfer]:
+def transfers(run: Run, c: Layout) -> list[Transfer]:
     """Every collective of one step on one device."""
     if c.stages > 1:
         return pipeline_transfers(run, c)

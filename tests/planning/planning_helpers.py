@@ -47,6 +47,6 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def fsdp_run(run_flags: list[str]) -> tuple[layouts.Run, layouts.Candidate]:
+def fsdp_run(run_flags: list[str]) -> tuple[layouts.Run, layouts.Layout]:
     run = cli.make_run(cli.parse_args(run_flags))
-    return run, layouts.Candidate("FSDP", layouts.mesh_sizes(f"fsdp={run.devices}"))
+    return run, layouts.Layout.from_flag(f"fsdp={run.devices}", strategy="FSDP")

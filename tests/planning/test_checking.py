@@ -46,7 +46,7 @@ def test_the_sweep_agrees_with_the_compiler():
         run, predicted = plan_check.prediction(tuple(r["combo"]))
         regimes.add(
             xla_cpu.gathers_the_table(
-                run, layouts.Candidate("", layouts.mesh_sizes(r["mesh"]))
+                run, layouts.Layout.from_flag(r["mesh"], strategy="")
             )
         )
         check = checking.compare(predicted, r["compiled"])

@@ -115,9 +115,9 @@ def test_grad_accum_auto_takes_each_layouts_fewest_micro_batches_that_fit():
     )
     run = cli.make_run(cli.parse_args(argv))
     one = dataclasses.replace(run, fit_accum=False)
-    assert not ranking.row(
-        one, layouts.Candidate("FSDP", layouts.mesh_sizes("fsdp=16"))
-    )["fits"]
+    assert not ranking.row(one, layouts.Layout.from_flag("fsdp=16", strategy="FSDP"))[
+        "fits"
+    ]
     zero1, zero2 = rows[("ZeRO-1", "data=16")], rows[("ZeRO-2", "data=16")]
     assert zero2["grad_accum"] < zero1["grad_accum"]
     assert zero2["memory_bytes"]["optimizer"] == zero1["memory_bytes"]["optimizer"]

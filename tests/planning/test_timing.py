@@ -19,7 +19,7 @@ def test_overlap_hides_fsdps_collectives_and_waits_for_tensor_parallelisms():
     run, fsdp = fsdp_run(GPU_8B)
     t = timing.step_seconds(run, fsdp)
     assert t["exposed"] == 0 and t["step"] == max(t["compute"], t["overlapped"])
-    tp = layouts.Candidate("FSDP+TP", layouts.mesh_sizes("fsdp=4,tensor=2"))
+    tp = layouts.Layout.from_flag("fsdp=4,tensor=2", strategy="FSDP+TP")
     t = timing.step_seconds(run, tp)
     assert t["exposed"] > 0
     assert t["step"] == pytest.approx(max(t["compute"], t["overlapped"]) + t["exposed"])
