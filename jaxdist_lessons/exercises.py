@@ -1213,13 +1213,13 @@ def _ch10_lm(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
 
 
 def _layout(data: int, tensor: int) -> Any:
-    from jaxdist_lessons import costmodel
+    from jaxdist_lessons.planning import costmodel
 
     return costmodel.Layout(data=data, tensor=tensor)
 
 
 def _crossing(hw: str) -> int:
-    from jaxdist_lessons import costmodel
+    from jaxdist_lessons.planning import costmodel
 
     fine = list(range(8, 1025, 8))
     values = costmodel.speedups_over_batch(

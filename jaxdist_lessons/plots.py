@@ -16,8 +16,9 @@ from jax.sharding import Mesh, NamedSharding
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import comms, costmodel, hardware, memory, pipeline
+from jaxdist_lessons import comms, hardware, memory, pipeline
 from jaxdist_lessons import sharding as sharding_lib
+from jaxdist_lessons.planning import costmodel
 
 if TYPE_CHECKING:
     from jaxdist_lessons import profiling as profiling_lib

@@ -10,8 +10,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.patches import Rectangle
 
-from jaxdist_lessons import comms, costmodel, memory, plots, sharding
+from jaxdist_lessons import comms, memory, plots, sharding
 from jaxdist_lessons import mesh as mesh_lib
+from jaxdist_lessons.planning import costmodel
 
 
 def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():

@@ -21,7 +21,7 @@ AXES = (
 )  # layout.AXES (examples/lm/layout.py), in its order
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)  # Layout(fsdp=4, tensor=2): by name
 class Layout:
     """How a job lays out its devices: how many along each of the recipe's mesh axes
     (``AXES``, ``layout.AXES``), in ``stages`` pipeline stages (outermost, each a copy of

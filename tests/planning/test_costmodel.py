@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 from jaxdist_lessons import (
     comms,
     compiled,
-    costmodel,
     experts,
     hardware,
     memory,
@@ -24,6 +23,7 @@ from jaxdist_lessons import (
     train,
 )
 from jaxdist_lessons.models import vit
+from jaxdist_lessons.planning import costmodel
 
 matplotlib.use("Agg")
 N = jax.device_count()
@@ -80,10 +80,10 @@ def test_vit_b16_data_parallel_on_8_a100_by_hand():
 def test_tensor_parallel_transfers_by_hand():
     spec = costmodel.vit_spec(
         "tiny",
-        hidden=4,
+        width=4,
         num_layers=2,
         num_heads=2,
-        mlp_dim=8,
+        mlp_width=8,
         patch_size=2,
         image_size=4,
         num_classes=3,
@@ -112,7 +112,7 @@ def test_tensor_parallel_transfers_by_hand():
 def test_vocabulary_parallel_lm_by_hand():
     spec = costmodel.gpt_spec(
         "lm",
-        hidden=8,
+        width=8,
         num_layers=3,
         num_heads=2,
         vocab_size=16,
@@ -250,9 +250,7 @@ def compiled_step(request):
     batch = jax.device_put(BATCH, partitioning.batch_sharding(mesh, rules))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         program = step.lower(state, batch).compile()
-    layout = costmodel.Layout(
-        mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
-    )
+    layout = costmodel.Layout(**{a: mesh.shape[a] for a in ("data", "fsdp", "tensor")})
     return strategy, layout, program, state
 
 

@@ -1,4 +1,4 @@
-"""A roofline-style cost model of one training step: time and memory per device (chapter 10).
+"""Chapter 11's roofline cost model of one training step: time and memory per device.
 
 For a Transformer (a ViT or a GPT-style LM), a layout of the devices, and an accelerator, it
 estimates:
@@ -13,10 +13,15 @@ estimates:
 - **memory**: training state (weights, gradients, Adam moments, fp32 master weights) and the
   activations kept for the backward pass (Korthikanti et al. 2022).
 
-A layout is ``(data, fsdp, tensor)``: batch split ``data x fsdp`` ways, parameters split over
-``fsdp`` (ZeRO-3), attention heads and MLP units split over ``tensor`` (Megatron tensor
-parallelism). ``(8, 1)`` in the article's notation is ``Layout(data=8)``, ``(4, 2)`` is
-``Layout(data=4, tensor=2)``.
+A layout is the planner's ``Layout`` (``planning.layouts``) on its ``data``, ``fsdp`` and
+``tensor`` axes: batch split ``data x fsdp`` ways, parameters split over ``fsdp`` (ZeRO-3),
+attention heads and MLP units split over ``tensor`` (Megatron tensor parallelism). ``(8, 1)`` in
+the article's notation is ``Layout(data=8)``, ``(4, 2)`` is ``Layout(data=4, tensor=2)``. The
+sizes follow the planner's vocabulary: ``width``, ``mlp_width``, ``chip``.
+
+Where this model teaches (any Transformer, ViTs included, checked against compiled programs on
+simulated devices), the planner (``python -m jaxdist_lessons.planning``) predicts the recipe's
+runs on GPUs: bytes as a GPU sends them, a fitted compute efficiency, overlap.
 
 Beside the layout's collectives, one layer's collectives for the strategies of chapters 12 and 13,
 each as the ``Transfer`` records ``transfers_from_hlo`` reads from the compiled layer:
@@ -41,13 +46,14 @@ from jaxdist_lessons._checks import positive_int
 # JAX-free arithmetic (traffic.py, activations.py), re-exported: the planner page imports it.
 from jaxdist_lessons.activations import layer_activation_bytes as layer_activation_bytes
 from jaxdist_lessons.models.vit import vit_params
+from jaxdist_lessons.planning.layouts import Layout
 from jaxdist_lessons.traffic import Transfer, comm_seconds
 from jaxdist_lessons.traffic import sent_bytes as sent_bytes
 
 
-def _chip(hw: hardware.Chip | str) -> hardware.Chip:
-    """The chip itself, or the one ``hardware`` calls ``hw``; it must have an interconnect figure."""
-    chip = hardware.chip(hw) if isinstance(hw, str) else hw
+def _chip(chip: hardware.Chip | str) -> hardware.Chip:
+    """The chip itself, or the one ``hardware`` calls ``chip``; it must have an interconnect figure."""
+    chip = hardware.chip(chip) if isinstance(chip, str) else chip
     if chip.link_bytes_per_s is None:
         with_links = [c.name for c in hardware.CHIPS.values() if c.link_bytes_per_s]
         raise ValueError(
@@ -73,9 +79,9 @@ class TransformerSpec:
 
     name: str
     num_layers: int
-    hidden: int
+    width: int
     num_heads: int
-    mlp_dim: int
+    mlp_width: int
     seq_len: int
     params: int
     global_batch: int
@@ -87,7 +93,7 @@ class TransformerSpec:
     @property
     def layer_tp_params(self) -> int:
         """Parameters of one block that tensor parallelism splits: Q, K, V, output and MLP kernels, Q/K/V and up biases."""
-        h, f = self.hidden, self.mlp_dim
+        h, f = self.width, self.mlp_width
         return 4 * h * h + 3 * h + 2 * h * f + f
 
     @property
@@ -105,10 +111,10 @@ class TransformerSpec:
 
 def vit_spec(
     name: str,
-    hidden: int,
+    width: int,
     num_layers: int,
     num_heads: int,
-    mlp_dim: int,
+    mlp_width: int,
     patch_size: int = 16,
     image_size: int = 224,
     num_classes: int = 1000,
@@ -117,25 +123,25 @@ def vit_spec(
     """A ViT (``models/vit.py``'s architecture) as a ``TransformerSpec``."""
     tokens = (image_size // patch_size) ** 2 + 1
     params = vit_params(
-        hidden, num_layers, mlp_dim, patch_size, image_size, num_classes
+        width, num_layers, mlp_width, patch_size, image_size, num_classes
     )
     return TransformerSpec(
         name,
         num_layers,
-        hidden,
+        width,
         num_heads,
-        mlp_dim,
+        mlp_width,
         tokens,
         params,
         global_batch,
-        token_matmul_params=patch_size * patch_size * 3 * hidden,
-        sequence_matmul_params=hidden * num_classes,
+        token_matmul_params=patch_size * patch_size * 3 * width,
+        sequence_matmul_params=width * num_classes,
     )
 
 
 def gpt_spec(
     name: str,
-    hidden: int,
+    width: int,
     num_layers: int,
     num_heads: int,
     vocab_size: int = 50257,
@@ -146,17 +152,17 @@ def gpt_spec(
 
     Tensor parallelism splits its vocabulary too (``vocab_parallel``).
     """
-    params = memory.transformer_params(num_layers, hidden, vocab_size, seq_len)
+    params = memory.transformer_params(num_layers, width, vocab_size, seq_len)
     return TransformerSpec(
         name,
         num_layers,
-        hidden,
+        width,
         num_heads,
-        4 * hidden,
+        4 * width,
         seq_len,
         params,
         global_batch,
-        token_matmul_params=vocab_size * hidden,
+        token_matmul_params=vocab_size * width,
         logits_per_token=vocab_size,
         vocab_parallel=True,
     )
@@ -176,36 +182,6 @@ MODELS: dict[str, TransformerSpec] = {
 # --- Layouts ------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Devices per axis: ``data`` and ``fsdp`` split the batch, ``fsdp`` also the parameters, ``tensor`` the layers."""
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-
-    def __post_init__(self):
-        for axis in ("data", "fsdp", "tensor"):
-            positive_int(f"Layout.{axis}", getattr(self, axis))
-
-    @property
-    def devices(self) -> int:
-        """Devices the layout uses."""
-        return self.data * self.fsdp * self.tensor
-
-    @property
-    def label(self) -> str:
-        """``(4,2)`` in the (data, tensor) notation, or ``FSDP 8`` (``FSDP 8 x tensor 2``)."""
-        if self.fsdp == 1:
-            return f"({self.data},{self.tensor})"
-        rest = f" x tensor {self.tensor}" if self.tensor > 1 else ""
-        return (
-            f"FSDP {self.fsdp}"
-            + (f" x data {self.data}" if self.data > 1 else "")
-            + rest
-        )
-
-
 def article_layouts(num_devices: int = 8) -> list[Layout]:
     """The article's meshes for ``num_devices`` devices, ``(n,1)`` ... ``(1,n)`` over powers of two, then FSDP."""
     tensors = [2**k for k in range(num_devices.bit_length()) if num_devices % 2**k == 0]
@@ -217,13 +193,17 @@ def article_layouts(num_devices: int = 8) -> list[Layout]:
 def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
     """Reasons ``layout`` cannot run ``spec`` as is (an empty list when it can)."""
     problems = []
+    others = [a for a in ("expert", "sequence") if layout.size(a) > 1]
+    if others or layout.stages > 1:
+        problems.append(f"the cost model has data, fsdp and tensor axes only, not "
+                        f"{', '.join(others or ['pipeline stages'])}")  # fmt: skip
     if spec.num_heads % layout.tensor:
         problems.append(
             f"{spec.num_heads} heads do not split over tensor={layout.tensor}"
         )
-    if spec.mlp_dim % layout.tensor:
+    if spec.mlp_width % layout.tensor:
         problems.append(
-            f"MLP width {spec.mlp_dim} does not split over tensor={layout.tensor}"
+            f"MLP width {spec.mlp_width} does not split over tensor={layout.tensor}"
         )
     if spec.vocab_parallel and spec.logits_per_token % layout.tensor:
         problems.append(
@@ -368,7 +348,7 @@ def predict_transfers(
     out = []
     local_tokens = spec.tokens / (layout.data * layout.fsdp)
     if layout.tensor > 1:
-        size = local_tokens * spec.hidden * activation_bytes
+        size = local_tokens * spec.width * activation_bytes
         count = spec.num_layers * tp_allreduces_per_layer + (
             2 if spec.vocab_parallel else 0
         )
@@ -398,9 +378,9 @@ def train_flops(spec: TransformerSpec) -> tuple[float, float]:
     ``3 x 4 x T^2 x H`` per sequence and layer.
     """
     block_matmuls = spec.num_layers * (
-        4 * spec.hidden**2 + 2 * spec.hidden * spec.mlp_dim
+        4 * spec.width**2 + 2 * spec.width * spec.mlp_width
     )
-    attention = 12 * spec.num_layers * spec.seq_len**2 * spec.hidden * spec.global_batch
+    attention = 12 * spec.num_layers * spec.seq_len**2 * spec.width * spec.global_batch
     outside = (
         6 * spec.token_matmul_params * spec.tokens
         + 6 * spec.sequence_matmul_params * spec.global_batch
@@ -423,7 +403,7 @@ class Estimate:
 
     model: str
     layout: Layout
-    hardware: str
+    chip: str
     flops: float
     compute_s: float
     comm_s: float
@@ -451,13 +431,13 @@ class Estimate:
 def estimate(
     spec: TransformerSpec,
     layout: Layout,
-    hw: hardware.Chip | str,
+    chip: hardware.Chip | str,
     optimizer: str = "adam",
     precision: str = "mixed",
     flash_attention: bool = False,
     **transfer_options: Any,
 ) -> Estimate:
-    """Step time and memory per device for ``spec`` on ``layout`` devices of ``hw`` (a roofline estimate).
+    """Step time and memory per device for ``spec`` on ``layout`` devices of ``chip`` (a roofline estimate).
 
     Compute is ``max(flops / peak, HBM traffic / bandwidth)``; the HBM traffic counts weights read
     twice and gradients written once (at the precision's weight width, 2 bytes in ``mixed``, and at
@@ -465,7 +445,7 @@ def estimate(
     activations written forward and read back. The collectives carry weights and gradients at that
     width too, unless ``param_bytes`` says otherwise.
     """
-    hw = _chip(hw)
+    chip = _chip(chip)
     flops = flops_per_device(spec, layout)
     state_per_param = memory.bytes_per_param(
         optimizer, precision
@@ -482,7 +462,7 @@ def estimate(
     activations = spec.num_layers * layer_activation_bytes(
         spec.seq_len,
         local_batch,
-        spec.hidden,
+        spec.width,
         spec.num_heads,
         layout.tensor,
         flash_attention,
@@ -499,15 +479,15 @@ def estimate(
         + local_params * 2 * state_per_param
         + 2 * activations
     )
-    compute = max(flops / hw.peak_bf16_flops, hbm / hw.hbm_bytes_per_s)
+    compute = max(flops / chip.peak_bf16_flops, hbm / chip.hbm_bytes_per_s)
     transfers = tuple(predict_transfers(spec, layout, **transfer_options))
     return Estimate(
         spec.name,
         layout,
-        hw.name,
+        chip.name,
         flops,
         compute,
-        comm_seconds(transfers, hw),
+        comm_seconds(transfers, chip),
         state,
         activations,
         transfers,
@@ -518,12 +498,12 @@ def estimate(
 def estimates(
     specs: Sequence[TransformerSpec],
     layouts: Sequence[Layout],
-    hw: hardware.Chip | str,
+    chip: hardware.Chip | str,
     **options: Any,
 ) -> dict[str, list[Estimate]]:
     """``estimate`` for every model and layout: ``{model name: [Estimate per layout]}``."""
     return {
-        spec.name: [estimate(spec, layout, hw, **options) for layout in layouts]
+        spec.name: [estimate(spec, layout, chip, **options) for layout in layouts]
         for spec in specs
     }
 
@@ -575,15 +555,15 @@ def speedups_over_batch(
     spec: TransformerSpec,
     base: Layout,
     other: Layout,
-    hw: hardware.Chip | str,
+    chip: hardware.Chip | str,
     global_batches: Sequence[int],
     overlapped: bool = False,
 ) -> list[float]:
     """``speedup(base, other)`` for each global batch: how the answer to "which mesh?" moves with the batch."""
     return [
         speedup(
-            estimate(with_batch(spec, b), base, hw),
-            estimate(with_batch(spec, b), other, hw),
+            estimate(with_batch(spec, b), base, chip),
+            estimate(with_batch(spec, b), other, chip),
             overlapped,
         )
         for b in global_batches
