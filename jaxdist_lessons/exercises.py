@@ -1219,10 +1219,10 @@ def _layout(data: int, tensor: int) -> Any:
 
 
 def _crossing(hw: str) -> int:
-    from jaxdist_lessons.planning import costmodel
+    from jaxdist_lessons.planning import costmodel, roofline
 
     fine = list(range(8, 1025, 8))
-    values = costmodel.speedups_over_batch(
+    values = roofline.speedups_over_batch(
         costmodel.MODELS["ViT-L/16"], _layout(8, 1), _layout(4, 2), hw, fine
     )
     return max(b // 8 for b, v in zip(fine, values) if v > 1)

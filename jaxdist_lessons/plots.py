@@ -18,7 +18,7 @@ from matplotlib.patches import Rectangle
 
 from jaxdist_lessons import comms, hardware, memory, pipeline
 from jaxdist_lessons import sharding as sharding_lib
-from jaxdist_lessons.planning import costmodel
+from jaxdist_lessons.planning import costmodel, roofline
 
 if TYPE_CHECKING:
     from jaxdist_lessons import profiling as profiling_lib
@@ -446,9 +446,9 @@ def profile_timeline(
 
 
 def cost_estimates(
-    results: Mapping[str, list[costmodel.Estimate]], hw: hardware.Chip | str
+    results: Mapping[str, list[roofline.Estimate]], hw: hardware.Chip | str
 ) -> Figure:
-    """``costmodel.estimates``' predicted step time (compute and communication stacked) and memory per device, one column per model."""
+    """``roofline.estimates``' predicted step time (compute and communication stacked) and memory per device, one column per model."""
     hw = hardware.chip(hw) if isinstance(hw, str) else hw
     fig, axes = plt.subplots(
         2, len(results), figsize=(3.6 * len(results), 6), squeeze=False
@@ -520,7 +520,7 @@ def cost_speedups(
         for i, other in enumerate(others):
             color = f"C{i}"
             for overlapped, style in ((False, "-"), (True, "--")):
-                values = costmodel.speedups_over_batch(
+                values = roofline.speedups_over_batch(
                     spec, base, other, hw, global_batches, overlapped
                 )
                 ax.plot(

@@ -12,7 +12,7 @@ from matplotlib.patches import Rectangle
 
 from jaxdist_lessons import comms, memory, plots, sharding
 from jaxdist_lessons import mesh as mesh_lib
-from jaxdist_lessons.planning import costmodel
+from jaxdist_lessons.planning import costmodel, roofline
 
 
 def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
@@ -191,7 +191,7 @@ def test_image_grid():
 def test_plot_has_a_time_and_a_memory_panel_per_model():
     specs = [costmodel.MODELS["ViT-B/16"], costmodel.MODELS["GPT-2 (124M)"]]
     fig = plots.cost_estimates(
-        costmodel.estimates(specs, costmodel.article_layouts(8), "A100 40GB"),
+        roofline.estimates(specs, costmodel.article_layouts(8), "A100 40GB"),
         "A100 40GB",
     )
     axes = fig.get_axes()
@@ -219,7 +219,7 @@ def test_speedup_figure_has_a_solid_and_a_dashed_line_per_layout():
     curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 3]
     assert [line.get_linestyle() for line in curves] == ["-", "--", "-", "--"]
     assert list(curves[0].get_xdata()) == [1, 8, 64]  # images per device
-    expected = costmodel.speedups_over_batch(
+    expected = roofline.speedups_over_batch(
         spec, costmodel.Layout(data=8), others[0], "A100 40GB", [8, 64, 512]
     )
     assert list(curves[0].get_ydata()) == pytest.approx(expected)

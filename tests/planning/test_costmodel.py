@@ -23,7 +23,8 @@ from jaxdist_lessons import (
     train,
 )
 from jaxdist_lessons.models import vit
-from jaxdist_lessons.planning import costmodel
+from jaxdist_lessons.planning import costmodel, layer_collectives, roofline
+from jaxdist_lessons.traffic import comm_seconds
 
 matplotlib.use("Agg")
 N = jax.device_count()
@@ -55,7 +56,7 @@ def test_bytes_sent_by_each_kind_of_collective():
 
 def test_vit_b16_data_parallel_on_8_a100_by_hand():
     spec = costmodel.MODELS["ViT-B/16"]
-    e = costmodel.estimate(spec, costmodel.Layout(data=8), "A100 40GB")
+    e = roofline.estimate(spec, costmodel.Layout(data=8), "A100 40GB")
     # One all-reduce of the bf16 gradients, 86,567,656 x 2 bytes; a ring sends 2 x 7/8 of it at 300 GB/s.
     assert [(t.kind, t.bytes, t.group_size) for t in e.transfers] == [
         ("all-reduce", 86_567_656 * 2, 8)
@@ -137,22 +138,22 @@ def test_vocabulary_parallel_lm_by_hand():
 
 def test_the_precision_sets_the_width_of_the_weights_that_are_sent_and_read():
     spec, layout = costmodel.MODELS["ViT-B/16"], costmodel.Layout(data=8)
-    mixed = costmodel.estimate(spec, layout, "A100 40GB", precision="mixed")
-    fp32 = costmodel.estimate(spec, layout, "A100 40GB", precision="fp32")
+    mixed = roofline.estimate(spec, layout, "A100 40GB", precision="mixed")
+    fp32 = roofline.estimate(spec, layout, "A100 40GB", precision="fp32")
     assert [t.bytes for t in mixed.transfers] == [86_567_656 * 2]  # bf16 gradients
     assert [t.bytes for t in fp32.transfers] == [86_567_656 * 4]  # fp32 gradients
     assert fp32.comm_s == pytest.approx(2 * mixed.comm_s)
     assert (
         fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16
     )  # Adam: 16 bytes either way
-    explicit = costmodel.estimate(
+    explicit = roofline.estimate(
         spec, layout, "A100 40GB", precision="fp32", param_bytes=2
     )
     assert explicit.transfers == mixed.transfers  # an explicit width still wins
-    fsdp_mixed = costmodel.estimate(
+    fsdp_mixed = roofline.estimate(
         spec, costmodel.Layout(fsdp=8), "A100 40GB", precision="mixed"
     )
-    fsdp_fp32 = costmodel.estimate(
+    fsdp_fp32 = roofline.estimate(
         spec, costmodel.Layout(fsdp=8), "A100 40GB", precision="fp32"
     )
     # FSDP also holds two gathered layers, at the weights' width.
@@ -214,7 +215,7 @@ def test_layouts_checks_and_labels():
 
 def test_the_cost_model_needs_a_chip_with_a_link_figure():
     with pytest.raises(ValueError, match="H100 PCIe has no chip-to-chip bandwidth"):
-        costmodel.estimate(
+        roofline.estimate(
             costmodel.MODELS["ViT-B/16"], costmodel.Layout(data=8), "H100 PCIe"
         )
 
@@ -261,7 +262,7 @@ def compiled_step(request):
 )
 def test_predicted_collectives_match_the_compiled_program(compiled_step):
     strategy, layout, program, _ = compiled_step
-    measured = costmodel.transfers_from_hlo(program.as_text())
+    measured = layer_collectives.transfers_from_hlo(program.as_text())
     # XLA on CPU all-reduces the input gradients of Q, K and V one by one: 6 activation all-reduces per block.
     predicted = costmodel.predict_transfers(
         SPEC, layout, param_bytes=4, activation_bytes=4, tp_allreduces_per_layer=6
@@ -283,8 +284,8 @@ def test_predicted_collectives_match_the_compiled_program(compiled_step):
         )
         assert sent == pytest.approx(3 * (N - 1) / N * SPEC.params * 4, rel=0.01)
     hw = hardware.chip("A100 40GB")
-    assert costmodel.comm_seconds(measured, hw) == pytest.approx(
-        costmodel.comm_seconds(predicted, hw), rel=0.01, abs=1e-9
+    assert comm_seconds(measured, hw) == pytest.approx(
+        comm_seconds(predicted, hw), rel=0.01, abs=1e-9
     )
 
 
@@ -326,8 +327,10 @@ def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
     attention = sequence.over_sequence(
         sequence.ATTENTIONS[kind], axis_mesh("sequence", n)
     )
-    measured = costmodel.transfers_from_hlo(comms.compiled_text(attention, q, q, q))
-    predicted = costmodel.context_parallel_transfers(kind, B, T, N, A, n)
+    measured = layer_collectives.transfers_from_hlo(
+        comms.compiled_text(attention, q, q, q)
+    )
+    predicted = layer_collectives.context_parallel_transfers(kind, B, T, N, A, n)
     assert records(measured) == records(predicted)
     # and a ring sends what chapter 12's formula says
     sent = sum(map(costmodel.sent_bytes, predicted))
@@ -336,7 +339,7 @@ def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
 
 def test_context_parallel_transfers_reject_an_unknown_attention():
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
-        costmodel.context_parallel_transfers("flash", 1, 32, 8, 4, 4)
+        layer_collectives.context_parallel_transfers("flash", 1, 32, 8, 4, 4)
 
 
 @pytest.mark.parametrize("n", [4, 8])
@@ -346,10 +349,10 @@ def test_expert_parallel_transfers_are_the_compiled_layer(n):
     mesh = axis_mesh("expert", n)
     layer = jax.jit(lambda p, x: experts.moe_all_to_all(p, x, top_k, factor, mesh))
     x_TD = jax.ShapeDtypeStruct((tokens * n, width), jnp.float32)
-    measured = costmodel.transfers_from_hlo(
+    measured = layer_collectives.transfers_from_hlo(
         layer.lower(params, x_TD).compile().as_text()
     )
-    predicted = costmodel.expert_parallel_transfers(
+    predicted = layer_collectives.expert_parallel_transfers(
         tokens, num_experts, top_k, factor, width, n
     )
     exchanged = [t for t in measured if t.kind == "all-to-all"]
@@ -387,8 +390,10 @@ def test_tensor_parallel_transfers_are_the_compiled_megatron_block(
     )
     shapes = [(B, T, D), (D, F), (F, D)]
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    measured = costmodel.transfers_from_hlo(comms.compiled_text(block, *args))
-    predicted = costmodel.tensor_parallel_transfers(B * T * D * 4, n, sequence_parallel)
+    measured = layer_collectives.transfers_from_hlo(comms.compiled_text(block, *args))
+    predicted = layer_collectives.tensor_parallel_transfers(
+        B * T * D * 4, n, sequence_parallel
+    )
     assert records(measured) == records(predicted)
     # a ring sends 2 (n-1)/n of the activation either way: chapter 12's Megatron formula
     theory = sequence.megatron_bytes(B, T, D, n)
