@@ -16,8 +16,9 @@ It prints, and checks where it can:
 - the XLA, JAX, NCCL and CUDA variables set;
 - known traps: ``LD_LIBRARY_PATH`` set beside pip's CUDA libraries (it can shadow them,
   the installation guide warns); a SLURM task that sees a single GPU while others share
-  its node (``--gpus-per-task=1`` fences each GPU off by cgroup, and NCCL then cannot
-  reach the other processes' GPUs directly: https://github.com/NVIDIA/nccl/issues/1066);
+  its node (under srun JAX gives task i the GPU numbered SLURM_LOCALID among those it
+  sees, so every task must see them all; --gpus-per-task=1 breaks that,
+  https://github.com/jax-ml/jax/issues/28194, as examples/slurm/gpu.sbatch says);
   and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` above what the processes sharing a GPU can
   each have (https://docs.jax.dev/en/latest/gpu_memory_allocation.html).
 
@@ -252,10 +253,10 @@ def traps(
             Finding(
                 "WARN",
                 "SLURM",
-                f"--gpus-per-task=1 with {sharing} tasks a "
-                "node: each task's GPU is fenced off from the others' (NCCL "
-                "cannot use NVLink between them); ask --gpus-per-node and "
-                "let JAX give each process its GPU",
+                f"--gpus-per-task=1 with {sharing} tasks a node: JAX gives task i "
+                "the GPU numbered SLURM_LOCALID among those it sees, and each sees "
+                "one (jax-ml/jax#28194); ask --gpus-per-node so that every task "
+                "sees them all",
             )
         )
     fraction = environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
