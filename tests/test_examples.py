@@ -228,3 +228,24 @@ def test_smoke_exits_1_saying_what_is_wrong():
 
 def test_smoke_imports_nothing_from_the_package():
     assert "jaxdist_lessons" not in (EXAMPLES / "smoke.py").read_text()
+
+
+def test_the_container_job_checks_each_node_before_it_trains():
+    """examples/slurm/container.sbatch: valid bash, the gpu.sbatch shape, pyxis's
+    --container-image, the preflight on one task a node, then the bandwidth floor."""
+    script = EXAMPLES / "slurm" / "container.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8"):
+        assert f"#SBATCH {line}\n" in text
+    assert (
+        "source examples/slurm/gpu_env.sh" in text
+        and '--container-image="$IMAGE"' in text
+    )
+    order = [text.index(s) for s in ("preflight.py --expect-gpus 8",
+                                     "bandwidth.py --collective all-reduce",
+                                     "smoke.py --expect-devices")]  # fmt: skip
+    assert (
+        order == sorted(order)
+        and "--ntasks-per-node=1 python examples/preflight" in text
+    )
