@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxdist_lessons import hlo
+from jaxdist_lessons import comms, hlo
 from jaxdist_lessons._checks import positive_int
 
 
@@ -177,6 +178,70 @@ def time_by_kind(events: Iterable[OpEvent]) -> dict[str, float]:
     for e in events:
         totals[e.kind] += e.duration_us
     return totals
+
+
+def collective_axes(
+    hlo_text: str, mesh: jax.sharding.Mesh
+) -> dict[str, tuple[str, str]]:
+    """Each collective of a compiled program by its HLO name (``'all-gather.3'``, or
+    ``'psum.7'`` where ``jax.shard_map`` named it; an async pair's ``-start`` and ``-done``
+    too): its kind, and the mesh axes its groups span (``'fsdp'``, ``'data+fsdp'``), read
+    from its replica groups or a permute's pairs."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    position = {int(i): at for at, i in np.ndenumerate(ids)}
+    out = {}
+    for c in comms.collectives(hlo_text):
+        groups = hlo.replica_group_lists(c.replica_groups, mesh.size)
+        spanned = {
+            mesh.axis_names[k]
+            for group in groups
+            for k in range(ids.ndim)
+            if len({position[d][k] for d in group}) > 1
+        }
+        axes = "+".join(a for a in mesh.axis_names if a in spanned) or "none"
+        out[c.name] = (c.kind, axes)
+        for phase in ("-start", "-done"):  # an async pair's two ops, one collective
+            out[c.name.replace(c.kind, c.kind + phase, 1)] = (c.kind, axes)
+    return out
+
+
+def _overlap_us(start: float, end: float, busy: list[tuple[float, float]]) -> float:
+    """Microseconds of [start, end) covered by the sorted, disjoint ``busy`` intervals."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+
+
+def time_by_axis(
+    events: Iterable[OpEvent], collectives: dict[str, tuple[str, str]]
+) -> dict[str, dict]:
+    """Compute time and, per mesh axis (``collective_axes``), the collectives' time and
+    their exposed time, the part during which the same device computed nothing (all in
+    microseconds, summed over devices), and which collectives ran (``{kind: names}``).
+    An operation is a collective when the compiled program says so."""
+    events = list(events)
+    is_collective = lambda e: e.op in collectives or e.kind == "collective"  # noqa: E731
+    busy: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in sorted(events, key=lambda e: e.start_us):
+        if is_collective(e):
+            continue
+        spans, end = busy[e.device], e.start_us + e.duration_us
+        if spans and e.start_us <= spans[-1][1]:  # merge into one busy interval
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((e.start_us, end))
+    out: dict[str, dict] = {"compute": {"time_us": 0.0}}
+    for e in events:
+        if not is_collective(e):
+            out["compute"]["time_us"] += e.duration_us
+            continue
+        kind, axis = collectives.get(e.op, (hlo.opcode_of(e.op), "unknown"))
+        row = out.setdefault(axis, {"time_us": 0.0, "exposed_us": 0.0, "ops": {}})
+        end = e.start_us + e.duration_us
+        row["time_us"] += e.duration_us
+        row["exposed_us"] += e.duration_us - _overlap_us(
+            e.start_us, end, busy[e.device]
+        )
+        row["ops"].setdefault(kind, set()).add(e.op)
+    return out
 
 
 def perfetto_instructions(log_dir: str | pathlib.Path) -> str:

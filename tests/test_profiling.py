@@ -116,3 +116,44 @@ def test_missing_traces_are_reported_clearly(tmp_path):
         profiling.read_xplane(tmp_path)
     with pytest.raises(ValueError, match="positive integer"):
         profiling.capture(jnp.sin, jnp.ones(2), steps=0)
+
+
+@pytest.mark.skipif(N < 4 or N % 2, reason="a data x fsdp mesh of 2 x N/2")
+def test_each_collective_of_the_trace_is_put_on_the_mesh_axes_it_spans():
+    """A step that all-gathers over fsdp and all-reduces over data: the trace's collectives,
+    attributed by the compiled program's replica groups, are the program's own, axis by
+    axis (same kinds, same ops); a collective never shows more exposed time than time."""
+    mesh = jax.make_mesh(
+        (2, N // 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+    )
+
+    def step(w_block, x_block):
+        w = jax.lax.all_gather(w_block, "fsdp", tiled=True)
+        return jax.lax.psum(jnp.tanh(x_block @ w).sum(0, keepdims=True), "data")
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P("fsdp"), P("data")),
+            out_specs=P(),
+            check_vma=False,
+        )  # the gathered weights are the same on every device
+    )
+    w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("fsdp")))
+    x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("data")))
+    text = comms.compiled_text(fn, w, x)
+    axes = profiling.collective_axes(text, mesh)
+    compiled = {}
+    for c in comms.collectives(text):
+        kind, axis = axes[c.name]
+        compiled.setdefault(axis, {}).setdefault(kind, set()).add(c.name)
+    assert set(compiled) == {"data", "fsdp"}
+    assert compiled["fsdp"].keys() == {"all-gather"}
+    assert compiled["data"].keys() == {"all-reduce"}
+    events = profiling.read_trace(profiling.capture(fn, w, x, steps=2))
+    seen = profiling.time_by_axis(events, axes)
+    assert {a: r["ops"] for a, r in seen.items() if a != "compute"} == compiled
+    for axis in compiled:
+        assert 0 <= seen[axis]["exposed_us"] <= seen[axis]["time_us"]
+    assert seen["compute"]["time_us"] > 0
