@@ -235,8 +235,7 @@ def main(argv=None) -> int:
         print(
             f"# {jax.device_count()} devices ({kind}) on {nodes} node(s), "
             f"{jax.process_count()} process(es); groups of {n} over --axis "
-            f"{args.axis}; "
-            f"jax {jax.__version__}; {time.strftime('%Y-%m-%d %H:%M')}",
+            f"{args.axis}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}",
             flush=True,
         )
     rows = []
