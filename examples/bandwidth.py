@@ -24,6 +24,11 @@ devices). With --expect-gbps X, every process exits with status 1 when the large
 message's bus bandwidth of any collective is below X GB/s: a job script can refuse to
 start on a node whose NCCL fell back to sockets. One process per GPU under srun and
 mpirun, as JAX starts them; JAX and NumPy only.
+
+With one device there is nothing to send between devices: it times copies between the
+host's pinned memory and the device instead (host-to-device, device-to-host: the copies
+that offloading makes), as CUDA's bandwidthTest does; --collective chooses one of them
+on any machine.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ COLLECTIVES = (
     "all-to-all",
     "collective-permute",
 )
+COPIES = ("host-to-device", "device-to-host")  # one device's copies, not collectives
 ITEMSIZE = 4  # float32
 
 
@@ -57,7 +63,7 @@ def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' bus bandwidth over algorithm bandwidth, for a group of ``n``."""
     if collective == "all-reduce":
         return 2 * (n - 1) / n
-    if collective == "collective-permute":
+    if collective == "collective-permute" or collective in COPIES:
         return 1.0
     return (n - 1) / n
 
@@ -154,6 +160,19 @@ def program(collective: str, mesh: Mesh, axis: str, size: int):
     return step, make()
 
 
+def copy_program(direction: str, size: int):
+    """A copy of S bytes (float32 ones) between this process's first device and its
+    pinned host memory, in ``direction``, and its input."""
+    device = jax.local_devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    source, target = (
+        (host, on_device) if direction == "host-to-device" else (on_device, host)
+    )
+    x = jax.device_put(np.ones(size // ITEMSIZE, np.float32), source)
+    return (lambda x: jax.device_put(x, target)), x
+
+
 def timed(step, x, iters: int, warmup: int) -> float:
     """Seconds for one run of ``step`` (the slowest process's mean over ``iters`` runs,
     after ``warmup``)."""
@@ -169,7 +188,9 @@ def timed(step, x, iters: int, warmup: int) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--collective", default="all", choices=["all", *COLLECTIVES])
+    parser.add_argument(
+        "--collective", default="all", choices=["all", *COLLECTIVES, *COPIES]
+    )
     parser.add_argument("--axis", default="all", choices=["all", "inside", "across"])
     parser.add_argument("--min-bytes", type=int, default=8)
     parser.add_argument(
@@ -216,7 +237,8 @@ def main(argv=None) -> int:
     mesh = node_mesh(args.per_node)
     axis = {"all": ("node", "local"), "inside": "local", "across": "node"}[args.axis]
     n = mesh.size if args.axis == "all" else mesh.shape[axis]
-    if n < 2:
+    copies_only = n < 2 and args.axis == "all" and args.collective == "all"
+    if n < 2 and not copies_only and args.collective not in COPIES:
         raise SystemExit(
             f"--axis {args.axis} has groups of {n} device: nothing to send "
             f"(mesh: {dict(mesh.shape)} nodes x devices)"
@@ -238,6 +260,11 @@ def main(argv=None) -> int:
             f"{args.axis}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}",
             flush=True,
         )
+    if copies_only:
+        chosen = COPIES
+        if lead:
+            print("# one device: no collective to time; copies between pinned host "
+                  "memory and the device instead")  # fmt: skip
     rows = []
     for collective in chosen:
         if lead:
@@ -248,14 +275,17 @@ def main(argv=None) -> int:
                 flush=True,
             )
         for size in sizes(collective, n, args.min_bytes, high):
-            step, x = program(collective, mesh, axis, size)
+            if collective in COPIES:
+                step, x = copy_program(collective, size)
+            else:
+                step, x = program(collective, mesh, axis, size)
             seconds = timed(step, x, args.iters, args.warmup)
             algbw = size / seconds / 1e9
             row = {
                 "collective": collective,
                 "size": size,
                 "count": size // ITEMSIZE,
-                "group": n,
+                "group": 1 if collective in COPIES else n,
                 "seconds": seconds,
                 "algbw_gbps": algbw,
                 "busbw_gbps": algbw * bus_factor(collective, n),

@@ -273,7 +273,10 @@ def replica_group_lists(
 
     ``{{0,1},{2,3}}`` lists them; ``[2,4]<=[4,2]T(1,0)`` is an iota (ids ``0..7`` reshaped to
     ``[4,2]``, transposed, then cut into 2 groups of 4); ``mesh['a'=2,'b'=4] {'b'}`` groups the
-    devices of a mesh along the named axes (its ids are an iota, or ``device_ids=(...)``).
+    devices of a mesh along the named axes (its ids are an iota, or ``device_ids=(...)``),
+    or along a sub-axis: ``{'b':(2)2}`` is the part of size 2 of ``b`` that comes after a
+    major part of size 2 (Shardy's notation,
+    https://github.com/openxla/shardy/blob/main/docs/sharding_representation.md).
     ``{}`` is one group of all ``num_devices`` devices.
     """
     text = replica_groups.strip()
@@ -296,15 +299,22 @@ def replica_group_lists(
         r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}",
         text,
     )
-    if mesh and ":" not in mesh["over"]:
+    if mesh:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh["axes"])}
-        names, shape = list(sizes), tuple(sizes.values())
-        over = re.findall(r"'([^']+)'", mesh["over"])
-        if set(over) <= set(names):
-            ids = _mesh_device_ids(mesh["ids"], shape)
-            axes = [names.index(a) for a in over]
-            rest = [i for i in range(len(names)) if i not in axes]
-            size = math.prod(sizes[a] for a in over)
+        over = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", mesh["over"])
+        if {name for name, _, _ in over} <= set(sizes):
+            # An axis named as a sub-axis 'a':(pre)size splits into (pre, size, rest),
+            # major to minor; the group runs along the named parts.
+            cut = {name: (int(pre), int(size)) for name, pre, size in over if size}
+            dims, at = [], {}
+            for name, n in sizes.items():
+                pre, size = cut.get(name, (1, n))
+                at[name] = len(dims) + 1
+                dims += [pre, size, n // (pre * size)]
+            ids = _mesh_device_ids(mesh["ids"], tuple(sizes.values())).reshape(dims)
+            axes = [at[name] for name, _, _ in over]
+            rest = [i for i in range(len(dims)) if i not in axes]
+            size = math.prod(dims[i] for i in axes)
             return ids.transpose(rest + axes).reshape(-1, size).tolist()
     raise ValueError(f"cannot read replica groups {replica_groups!r}")
 

@@ -12,12 +12,15 @@ with ``jax.profiler.ProfileData``, which ships with jax.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gzip
+import io
 import json
 import pathlib
+import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +28,8 @@ import numpy as np
 
 from jaxdist_lessons import comms, hlo
 from jaxdist_lessons._checks import positive_int
+
+RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +247,38 @@ def time_by_axis(
         )
         row["ops"].setdefault(kind, set()).add(e.op)
     return out
+
+
+def recipe_program(flags: Sequence[str]) -> tuple[str, jax.sharding.Mesh]:
+    """The compiled text of ``examples/lm/train.py``'s step for ``flags`` (what
+    ``--compile-only`` compiles, on this process's devices) and its mesh: the program a
+    ``--profile`` trace of the same flags ran."""
+    if str(RECIPE) not in sys.path:
+        sys.path.insert(0, str(RECIPE))
+    import compiled
+    import train
+
+    args = train.parse_args([*flags, "--compile-only"])
+    with contextlib.redirect_stdout(io.StringIO()):  # setup's once-only notes
+        mesh, _, _, step, shapes, _ = train.setup(args)
+    return compiled.lower_step(step, shapes, args, mesh).compile().as_text(), mesh
+
+
+def recipe_time_by_axis(flags: Sequence[str], trace_dir: str | pathlib.Path) -> dict:
+    """``time_by_axis`` of the recipe's step in the trace under ``trace_dir`` (one
+    process's, ``--profile DIR`` writes ``DIR/process_0``), as JSON: per axis its
+    milliseconds, exposed milliseconds and collectives counted by kind."""
+    text, mesh = recipe_program(flags)
+    events = [e for e in read_trace(trace_dir) if e.module == "jit_train_step"]
+    by_axis = time_by_axis(events, collective_axes(text, mesh))
+    return {
+        axis: {
+            "ms": row["time_us"] / 1e3,
+            "exposed_ms": row.get("exposed_us", 0.0) / 1e3,
+            "collectives": {kind: len(ops) for kind, ops in row.get("ops", {}).items()},
+        }
+        for axis, row in by_axis.items()
+    }
 
 
 def perfetto_instructions(log_dir: str | pathlib.Path) -> str:

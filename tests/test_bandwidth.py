@@ -83,6 +83,29 @@ def test_the_table_agrees_with_itself_and_a_slow_link_fails(tmp_path):
         assert f"\n{size:>12} {size // 4:>11} " in done.stdout
 
 
+def test_one_device_times_host_copies_instead(tmp_path):
+    """One device has no collective to time: the two copies between pinned host memory
+    and the device, each a table with bus factor 1, and the note that says so."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "examples/bandwidth.py", "--num-devices", "1", "--max-bytes",
+         "64", "--iters", "2", "--warmup", "1", "--json", str(out)],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        "# one device: no collective to time; copies between pinned host" in done.stdout
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["collective"], r["size"]) for r in rows] == [
+        (copy, size) for copy in bandwidth.COPIES for size in (8, 16, 32, 64)
+    ]
+    assert all(r["busbw_gbps"] == r["algbw_gbps"] and r["group"] == 1 for r in rows)
+    step, x = bandwidth.copy_program("device-to-host", 64)
+    assert step(x).sharding.memory_kind == "pinned_host"
+    assert x.sharding.memory_kind == "device" and x.size == 16
+
+
 def test_it_runs_under_mpirun_across_two_simulated_nodes():
     """mpirun -np 2, 4 CPU devices a process, a node a process (--per-node 4): all-reduce
     across the nodes, groups of 2; process 0 alone prints the table."""

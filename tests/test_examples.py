@@ -249,3 +249,36 @@ def test_the_container_job_checks_each_node_before_it_trains():
         order == sorted(order)
         and "--ntasks-per-node=1 python examples/preflight" in text
     )
+
+
+def test_the_tuning_settings_are_opt_in_and_this_xla_knows_each_flag():
+    """JAXDIST_TUNE=1 adds PGLE and the combine and pipelining flags; an XLA that did not
+    know a flag would abort at start-up (XLA:CPU reads the GPU flags too)."""
+    program = (
+        "source examples/slurm/gpu_env.sh; echo $XLA_FLAGS; python -c "
+        "'import jax; jax.numpy.ones(1).block_until_ready(); "
+        "print(jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs)'"
+    )
+    base = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    words = {}
+    for tune in ("0", "1"):
+        result = subprocess.run(
+            ["bash", "-c", program], cwd=ROOT, env={**base, "JAXDIST_TUNE": tune},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        words[tune] = result.stdout.split()
+    assert words["0"] == [
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "False",
+        "3",
+    ]
+    assert words["1"][-2:] == ["True", "3"]
+    assert words["1"][1:-2] == [
+        "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=1073741824",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+        "--xla_gpu_enable_pipelined_all_gather=true",
+        "--xla_gpu_enable_pipelined_reduce_scatter=true",
+        "--xla_gpu_enable_pipelined_all_reduce=true",
+    ]

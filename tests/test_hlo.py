@@ -174,6 +174,20 @@ def test_empty_groups_mean_every_device():
         hlo.replica_group_lists("{}")
 
 
+def test_a_sub_axis_groups_the_devices_along_its_part_of_the_axis():
+    # Shardy's 'a':(pre)size: the part of size `size` after `pre` major ones
+    assert hlo.replica_group_lists("mesh['a'=4] {'a':(2)2}") == [[0, 1], [2, 3]]
+    assert hlo.replica_group_lists("mesh['a'=4] {'a':(1)2}") == [[0, 2], [1, 3]]
+    assert hlo.replica_group_lists("mesh['a'=2,'b'=4] {'a','b':(2)2}") == [
+        [0, 1, 4, 5],
+        [2, 3, 6, 7],
+    ]
+    # from the recipe's tiny model at --mesh pipeline=2,fsdp=4: ids 0,1,4,5,2,3,6,7
+    text = "mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) "
+    groups = hlo.replica_group_lists(text + "{'axis_2':(2)2}")
+    assert groups == [[0, 1], [4, 5], [2, 3], [6, 7]]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -181,7 +195,7 @@ def test_empty_groups_mean_every_device():
         "{0,1}",
         "[2,2]<=",
         "mesh['a'=2] {'b'}",
-        "mesh['a'=4] {'a':(2)2}",
+        "mesh['a'=4] {'b':(2)2}",
         "source_target_pairs",
     ],
 )

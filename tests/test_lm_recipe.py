@@ -925,6 +925,19 @@ def test_mfu_knows_the_device_kinds_of_the_hardware_table():
     }
 
 
+def test_peak_memory_reads_the_devices_counts_and_none_on_xla_cpu():
+    class Device:  # what a GPU's memory_stats() holds (among other counts)
+        def __init__(self, peak):
+            self.stats = {"peak_bytes_in_use": peak, "bytes_limit": 127_000_000_000}
+
+        def memory_stats(self):
+            return self.stats
+
+    line = train.peak_memory([Device(31_400_000_000), Device(30_000_000_000)])
+    assert line == "peak memory per device 31.40 GB (of 127.00 GB JAX may use)"
+    assert train.peak_memory(jax.local_devices()) is None  # XLA:CPU counts nothing
+
+
 def test_a_signal_to_another_process_is_named_as_such():
     preemption = train.Preemption(train.make_mesh("data=8"))
     assert preemption.reason() == "a preemption signal to another process"

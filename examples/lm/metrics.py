@@ -27,6 +27,21 @@ PEAK_FLOPS = {
 }
 
 
+def peak_memory(devices) -> str | None:
+    """The most memory one of ``devices`` held during the run (``memory_stats()``'s
+    ``peak_bytes_in_use``, PyTorch's ``max_memory_allocated``) and the limit JAX set
+    itself; None where the devices keep no count (XLA:CPU's)."""
+    stats = [device.memory_stats() for device in devices]
+    if not stats or not all(stats):
+        return None
+    peak = max(s["peak_bytes_in_use"] for s in stats)
+    limit = min(s.get("bytes_limit", 0) for s in stats)
+    return (
+        f"peak memory per device {peak / 1e9:.2f} GB "
+        f"(of {limit / 1e9:.2f} GB JAX may use)"
+    )
+
+
 class MetricsLog:
     """Each step's numbers, on process 0: a line on the terminal, and with --log-dir a
     JSON-lines file (metrics.jsonl) and TensorBoard's event files (tensorboardX)."""

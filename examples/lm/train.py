@@ -58,7 +58,7 @@ from layout import (  # noqa: E402
     make_mesh,
     process_rows,
 )
-from metrics import PEAK_FLOPS, MetricsLog  # noqa: E402
+from metrics import PEAK_FLOPS, MetricsLog, peak_memory  # noqa: E402
 from resilience import (  # noqa: E402
     Preemption,
     StepDeadline,
@@ -426,6 +426,8 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             break
     if pending:
         report(*pending)
+    if peak := peak_memory(jax.local_devices()):  # a GPU's or a TPU's
+        print0(peak, flush=True)
     if args.profile and first < 6 <= now < 9:  # stopped before step 9: end the trace
         jax.profiler.stop_trace()
     if deadline:

@@ -22,3 +22,22 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
 # with the previous layer's matmuls).
 # https://docs.jax.dev/en/latest/gpu_performance_tips.html
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+
+# Once the job runs, export JAXDIST_TUNE=1 before sbatch for the settings a team adds
+# next (the book's "Running on GPU clusters" page; none measured by the book yet).
+if [ "${JAXDIST_TUNE:-0}" = 1 ]; then
+    # Profile-guided latency estimation: JAX profiles the step's first runs, then
+    # compiles it again with the measured costs for the latency-hiding scheduler.
+    # https://docs.jax.dev/en/latest/gpu_performance_tips.html
+    export JAX_ENABLE_PGLE=${JAX_ENABLE_PGLE:-true}
+    export JAX_PGLE_PROFILING_RUNS=${JAX_PGLE_PROFILING_RUNS:-3}
+    # Merge small collectives into large ones and pipeline them over the layers' loop:
+    # JAX-Toolbox's MaxText values (1 GiB gathers and all-reduces, 128 MiB scatters).
+    # https://github.com/NVIDIA/JAX-Toolbox/blob/main/docs/frameworks/maxtext/README.md
+    export XLA_FLAGS="$XLA_FLAGS --xla_gpu_all_gather_combine_threshold_bytes=1073741824
+        --xla_gpu_all_reduce_combine_threshold_bytes=1073741824
+        --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728
+        --xla_gpu_enable_pipelined_all_gather=true
+        --xla_gpu_enable_pipelined_reduce_scatter=true
+        --xla_gpu_enable_pipelined_all_reduce=true"
+fi
