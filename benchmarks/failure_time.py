@@ -1,4 +1,4 @@
-"""How long a multi-process job takes to end after one of its processes dies (chapter 8).
+"""How long a multi-process job takes to end after one of its processes dies (chapter 08_multi_host).
 
 Starts ``jaxdist_lessons.multihost_demo train`` with ``mpirun`` (and with ``srun
 --kill-on-bad-exit=1`` where SLURM runs), makes process 1 fail as the first epoch begins (it

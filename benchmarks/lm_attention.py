@@ -55,8 +55,8 @@ def compile_one(recipe: str, model: str, layers: int | None, seq_len: int,
 
     jax.config.update("jax_num_cpu_devices", DEVICES)
     sys.path.insert(0, recipe)
-    import model_config  # noqa: PLC0415
-    import train  # noqa: PLC0415
+    import model_config
+    import train
 
     if layers:
         preset = model_config.PRESETS[model]

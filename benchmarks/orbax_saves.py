@@ -1,6 +1,6 @@
-"""Seconds Orbax takes to save chapter 5's train state, with and without replica-parallel writing.
+"""Seconds Orbax takes to save chapter 05_resnet50's train state, with and without replica-parallel writing.
 
-The state is chapter 5's on a laptop (ResNet50 at width 1/8 for 16x16 images, with Adam's
+The state is chapter 05_resnet50's on a laptop (ResNet50 at width 1/8 for 16x16 images, with Adam's
 moments: 591 arrays, 4.5 MB), replicated over the simulated devices, saved three times by a
 ``CheckpointManager`` in a fresh process per row:
 

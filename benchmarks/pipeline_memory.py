@@ -4,7 +4,7 @@
 sequence per device per micro-batch (so the global batch is 8 M), compiled for GPipe, 1F1B
 and interleaved 1F1B (2 stages per device) at M = 8, 16 and 32 micro-batches on 32
 simulated CPU devices (XLA:CPU, nothing allocated). Writes ``book/data/pipeline_memory.json``
-for chapter 11, which ``tests/test_lm_recipe.py`` checks by compiling one row again.
+for chapter 11_pipelines_mesh_shape, which ``tests/test_lm_recipe.py`` checks by compiling one row again.
 
     python benchmarks/pipeline_memory.py            # about 3 minutes on 2 cores
 """

@@ -1,6 +1,6 @@
 """ResNet50 training throughput (images per second) and model flops utilisation, data parallel.
 
-The step is chapter 5's (``train.make_steps``: cross-entropy, SGD with momentum, BatchNorm, donated
+The step is chapter 05_resnet50's (``train.make_steps``: cross-entropy, SGD with momentum, BatchNorm, donated
 state), the batch sharded over every device present, the model computing in bf16 (``--dtype``) with
 fp32 parameters. The utilisation is the flops XLA's ``cost_analysis()`` counts for one device's share
 of a step, over the step time multiplied by that device's peak for the compute dtype: the bf16 peak

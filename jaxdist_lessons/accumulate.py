@@ -1,4 +1,4 @@
-"""Gradient accumulation over micro-batches, two ways, and how often each one communicates (chapter 6).
+"""Gradient accumulation over micro-batches, two ways, and how often each one communicates (chapter 06_performance).
 
 Both compute the gradient of the mean loss over the whole global batch, split into ``num_micro``
 micro-batches that ``lax.scan`` visits one after the other:

@@ -1,10 +1,10 @@
-"""Measuring speed: wall-clock time per call, flops utilisation, and the strategy benchmark (chapter 6).
+"""Measuring speed: wall-clock time per call, flops utilisation, and the strategy benchmark (chapter 06_performance).
 
 - ``time_per_call``: median wall-clock seconds per call, for benchmarks only (never in tests);
 - ``mfu``: flops utilisation against a chip's peak (``hardware.peak_flops``);
 - ``strategy_table``: one table per strategy of ``zero`` for a ``Workload``: collective bytes
   measured against expected, memory per device, step time and throughput. ``benchmarks/``
-  prints them on real hardware; chapter 6 shows them on simulated devices.
+  prints them on real hardware; chapter 06_performance shows them on simulated devices.
 """
 
 from __future__ import annotations

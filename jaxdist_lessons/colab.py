@@ -85,14 +85,6 @@ def cell_markdown() -> str:
     return f"```{{code-cell}}\n:tags: [{', '.join(TAGS)}]\n\n{INSTALL_CELL}```\n"
 
 
-def first_code_cell(text: str) -> str:
-    """The code of the first code cell of a MyST Markdown notebook."""
-    match = _FIRST_CELL.search(text)
-    if match is None:
-        raise ValueError("no code cell found")
-    return match.group("code")
-
-
 def with_install_cell(text: str) -> str:
     """``text`` (a MyST Markdown chapter) with the install cell first: replaced, or inserted."""
     match = _FIRST_CELL.search(text)

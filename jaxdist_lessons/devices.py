@@ -231,9 +231,9 @@ def save_replicated_arrays_from_one_replica() -> None:
     Orbax's own default does so only when ``JAX_PLATFORMS`` names a GPU platform; elsewhere
     the replicas share the writing of a replicated array (``use_replica_parallel``), each
     slicing out its part with a program compiled for that array's shape. Simulated CPU
-    devices share one machine, so there the slicing is all cost: chapter 5's first save
+    devices share one machine, so there the slicing is all cost: chapter 05_resnet50's first save
     compiles hundreds of slicing programs (``benchmarks/orbax_saves.py`` times both ways).
-    ``setup`` calls this when it simulates CPU devices, as chapter 8's demo does.
+    ``setup`` calls this when it simulates CPU devices, as chapter 08_multi_host's demo does.
     """
     import orbax.checkpoint as ocp
 

@@ -1,9 +1,9 @@
-"""The error catalogue: known distributed-JAX errors, each with its cause and fix (chapter 7).
+"""The error catalogue: known distributed-JAX errors, each with its cause and fix (chapter 07_troubleshooting).
 
 ``explain(exc)`` matches an exception against ``KNOWN_ERRORS`` (exception types and a pattern
 on the real message of jax 0.10.2) and fills in the cause and the fix from the message; for
 an error it does not know, it says so plainly. ``caught(fn, ...)`` returns the exception a call
-raises, so that a chapter can pass it on. ``catalogue()`` reproduces every error chapter 7 meets,
+raises, so that a chapter can pass it on. ``catalogue()`` reproduces every error chapter 07_troubleshooting meets,
 one call each, for ``explain_calls`` to tabulate. The tests raise every entry and compare the
 messages, so a JAX upgrade that rewords one fails a test before a reader meets the new text.
 """
@@ -207,7 +207,7 @@ KNOWN_ERRORS: tuple[KnownError, ...] = (
     KnownError(
         "out of memory",
         (jax.errors.JaxRuntimeError,),
-        # the CPU says "allocating N bytes" (chapter 7 raises it); on GPUs users report "while trying to
+        # the CPU says "allocating N bytes" (chapter 07_troubleshooting raises it); on GPUs users report "while trying to
         # allocate N bytes" (e.g. github.com/jax-ml/jax/issues/13428), which nothing here raises (no GPU)
         r"RESOURCE_EXHAUSTED: Out of memory (while trying to allocate|allocating) (?P<size>\d+ bytes)",
         "one device was asked for {size} more than it had free",
@@ -228,7 +228,7 @@ def caught(fn: Callable, *args: Any, **kwargs: Any) -> BaseException:
     """The exception ``fn(*args, **kwargs)`` raises (after waiting for its result); ``AssertionError`` if none."""
     try:
         jax.block_until_ready(fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - catching everything is the point
+    except Exception as exc:
         return exc
     raise AssertionError(f"{getattr(fn, '__name__', fn)} raised nothing")
 
@@ -269,7 +269,7 @@ def explain_calls(calls: Mapping[str, Callable[[], Any]], title: str = "") -> Ta
 
 
 def catalogue() -> dict[str, Callable[[], Any]]:
-    """Chapter 7's errors, one call each that raises it: what was done -> a call with no arguments.
+    """Chapter 07_troubleshooting's errors, one call each that raises it: what was done -> a call with no arguments.
 
     Built on all devices (at least 2: one device divides every batch); the batch has ``4n + 1``
     rows, one more than a multiple of the ``n`` devices. Pass it to ``explain_calls``.

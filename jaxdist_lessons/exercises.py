@@ -646,7 +646,7 @@ def _ch04(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                 equals(
                     1,
                     "that would be right only if the gradients were not summed already: "
-                    "remember chapter 4's trap.",
+                    "remember chapter 04_gradients's trap.",
                 ),
             ),
         ),
@@ -714,7 +714,7 @@ def checker(chapter: str, **context: Any) -> Checker:
     return Checker(chapter, context)
 
 
-# --- Chapters 5 to 13 and the appendix ----------------------------------------------------------
+# --- Chapters 05_resnet50 to 13_experts and the appendix ----------------------------------------------------------
 
 
 def _names(ex_names: Any) -> frozenset[str]:
@@ -911,7 +911,7 @@ def _ch07(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             expected=None,
             kind="tuple",
             why="'batch' was the pmap's axis name and the mesh binds other names; renamed, the "
-            "step still hits chapter 4's trap, so average the loss, not the gradients.",
+            "step still hits chapter 04_gradients's trap, so average the loss, not the gradients.",
             parts=(
                 Exercise(
                     asks="an axis name",
@@ -932,7 +932,7 @@ def _ch07(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
                     hints=(
                         equals(
                             1,
-                            "run it: renaming the axis alone leaves chapter 4's trap in place."
+                            "run it: renaming the axis alone leaves chapter 04_gradients's trap in place."
                             if n != 1
                             else "",
                         ),
@@ -1228,7 +1228,7 @@ def _crossing(hw: str) -> int:
     return max(b // 8 for b, v in zip(fine, values) if v > 1)
 
 
-def _ch10_pipe(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
+def _ch11_pipe(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     from jaxdist_lessons import pipeline
 
     m = next(m for m in range(1, 1000) if pipeline.bubble_fraction(4, m) <= 0.1)
@@ -1424,7 +1424,7 @@ def _appendix(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             asks="(the exception's class name, the chapter's number)",
             expected=None,
             kind="tuple",
-            why="Explicit axes need the sharding of every ambiguous result stated; chapter 5 "
+            why="Explicit axes need the sharding of every ambiguous result stated; chapter 05_resnet50 "
             "shows it, and Auto axes (or out_sharding=) fix it.",
             parts=(
                 Exercise(
@@ -1491,7 +1491,7 @@ CHAPTERS.update(
         "08_multi_host": _ch08,
         "09_flax_partitioning": _ch09,
         "10_language_model": _ch10_lm,
-        "10_pipelines_mesh_shape": _ch10_pipe,
+        "11_pipelines_mesh_shape": _ch11_pipe,
         "12_long_sequences": _ch12,
         "13_experts": _ch13,
         "appendix_seed_errata": _appendix,

@@ -1,4 +1,4 @@
-"""Mixture of experts: a top-k router with a capacity, dispatch by einsum or by all-to-all (chapter 13).
+"""Mixture of experts: a top-k router with a capacity, dispatch by einsum or by all-to-all (chapter 13_experts).
 
 Shape suffixes: see jaxdist_lessons.models.
 

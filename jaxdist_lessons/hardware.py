@@ -1,7 +1,7 @@
 """The accelerators the book reasons about: one record per chip, every fact with its source.
 
-Chapter 1 divides a model's memory by a chip's; chapter 6 turns flops into utilisation with its
-peak; chapter 10's cost model prices communication with its interconnect. They all read this one
+Chapter 01_why_distribute divides a model's memory by a chip's; chapter 06_performance turns flops into utilisation with its
+peak; chapter 10_language_model's cost model prices communication with its interconnect. They all read this one
 table. Each fact names the page it comes from, and quotes the page's own words and unit:
 NVIDIA writes memory in GB (10^9 bytes), Google writes TPU v4 and v5p memory in GiB (2^30 bytes)
 and v5e memory in GB, so ``memory_bytes`` follows the unit each vendor uses.

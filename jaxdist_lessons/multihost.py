@@ -1,4 +1,4 @@
-"""Several JAX processes as one program (chapter 8): join them, mesh their devices, share data and results.
+"""Several JAX processes as one program (chapter 08_multi_host): join them, mesh their devices, share data and results.
 
 JAX's multi-controller model: a cluster tool (``mpirun``, ``srun``, a Kubernetes JobSet, Cloud
 TPU's ``--worker=all``) starts the same script once per host, and every copy calls

@@ -1,4 +1,4 @@
-"""The program chapter 8 starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
+"""The program chapter 08_multi_host starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
 
 Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU devices each::
 
@@ -7,7 +7,7 @@ Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU
 
 ``hello`` shows what each process sees and runs an all-reduce across processes. ``hybrid``
 builds a hybrid mesh and shows which all-reduces stay inside a process. ``train`` trains
-a small CNN data-parallel over every process's devices with chapter 5's digits pipeline and
+a small CNN data-parallel over every process's devices with chapter 05_resnet50's digits pipeline and
 train module, can checkpoint after every epoch and resume from the latest checkpoint, saves at
 the next step and exits 0 on a preemption notice (SIGTERM or SIGUSR1), and can make one of its
 processes fail on purpose (killed, raising, or hanging). With ``--out DIR`` every
@@ -176,14 +176,6 @@ class Preemption:
         return bool(stop)
 
 
-class Preempted(Exception):
-    """Raised before a step once every process agreed to stop; carries the state to save."""
-
-    def __init__(self, state: Any) -> None:
-        super().__init__("preempted")
-        self.state = state
-
-
 def train_digits(
     epochs: int = 3,
     steps_per_epoch: int = 4,
@@ -198,7 +190,7 @@ def train_digits(
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits; returns the losses.
 
-    Every process's devices take part. Chapter 5's loop (``train.train_and_evaluate``)
+    Every process's devices take part. Chapter 05_resnet50's loop (``train.train_and_evaluate``)
     does the work. ``devices`` (default: all) takes the first devices of
     ``jax.devices()``. Checkpoints after every epoch into ``checkpoint_dir``, keyed by
     step, and starts from its latest checkpoint. Process ``fail_rank`` fails when epoch

@@ -1,6 +1,6 @@
-"""Out of memory, before it happens: does a training setup fit a device, and which levers help (chapter 7).
+"""Out of memory, before it happens: does a training setup fit a device, and which levers help (chapter 07_troubleshooting).
 
-- ``fits`` is chapter 1's arithmetic as a pre-flight: the bytes one device needs for a model,
+- ``fits`` is chapter 01_why_distribute's arithmetic as a pre-flight: the bytes one device needs for a model,
   a strategy and a precision, against a chip's memory; ``compiled_fits`` does the same with the
   compiler's own figures for a program that exists;
 - ``Lever`` and ``step_program`` / ``step_memory`` measure the levers (a smaller per-device
@@ -105,7 +105,7 @@ def fits(
     activation_bytes: float = 0.0,
     usable_fraction: float = 1.0,
 ) -> Fit:
-    """Chapter 1's arithmetic as a pre-flight: does training ``num_params`` with ``strategy`` fit per device?
+    """Chapter 01_why_distribute's arithmetic as a pre-flight: does training ``num_params`` with ``strategy`` fit per device?
 
     ``devices`` is a mesh (all its devices share the work) or a count; ``budget`` is bytes, an
     accelerator name or a jax device (``device_budget``); ``activation_bytes`` are for the

@@ -1,4 +1,4 @@
-"""Flax partitioning by logical axis names: one model, many layouts, chosen by rules (chapter 9).
+"""Flax partitioning by logical axis names: one model, many layouts, chosen by rules (chapter 09_flax_partitioning).
 
 A model names the dimensions of its parameters and activations with *logical* names
 (``'embed'``, ``'mlp'``, ``'heads'``, ``'batch'``...; see ``models/vit.py``). A rule set maps each
@@ -11,12 +11,12 @@ strategy:
 - ``hybrid``: ``data`` and ``tensor`` together on a 2-D mesh;
 - ``fsdp+tensor``: ``fsdp`` and ``tensor`` together.
 
-The Linen recipe is chapter 5's, ``train.create_train_state``: ``jax.eval_shape(init)`` gives boxed
+The Linen recipe is chapter 05_resnet50's, ``train.create_train_state``: ``jax.eval_shape(init)`` gives boxed
 (``nn.LogicallyPartitioned``) shapes, ``nn.get_partition_spec`` their logical specs,
 ``nn.logical_to_mesh_sharding`` the ``NamedSharding`` of every leaf under a rule set, and
 ``jax.jit(init, out_shardings=...)`` creates the state already sharded; ``train.fit`` trains it.
 The step runs inside ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)``, which the
-caller enters. Chapter 9 writes the same, and the NNX version, in its cells.
+caller enters. Chapter 09_flax_partitioning writes the same, and the NNX version, in its cells.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def train_strategy(
     """Train ``model`` on ``batches`` (one step each) on ``mesh`` under the logical
     ``rules``.
 
-    Chapter 9's training cell as a function. ``loss_fn(params, batch)``; ``sample`` is
+    Chapter 09_flax_partitioning's training cell as a function. ``loss_fn(params, batch)``; ``sample`` is
     what ``model.init`` is called on (by default the first example of the first batch's
     first array). The state is ``train.create_train_state``'s, the step
     ``make_train_step``'s, compiled once, ahead of time, and ``train.fit`` runs it. Call

@@ -1,4 +1,4 @@
-"""Pipeline schedules over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 11).
+"""Pipeline schedules over a ``'pipeline'`` mesh axis, with ``jax.shard_map`` and ``ppermute`` (chapter 11_pipelines_mesh_shape).
 
 Naming a mesh axis ``'pipeline'`` pipelines nothing: JAX has no pipeline scheduler. Here are three.
 The model is cut into stages of the same shape (for example, transformer blocks); device ``d`` on
@@ -59,13 +59,6 @@ def sequential_apply(stage_fn: StageFn, stage_params: Any, x: jax.Array) -> jax.
     for s in range(num_stages):
         x = stage_fn(jax.tree.map(lambda p, s=s: p[s], stage_params), x)
     return x
-
-
-def sequential_loss(
-    stage_fn: StageFn, loss_fn: LossFn, stage_params: Any, x: jax.Array, y: jax.Array
-) -> jax.Array:
-    """The reference: ``loss_fn`` of the sequential model, per microbatch, summed."""
-    return loss_fn(sequential_apply(stage_fn, stage_params, x), y)
 
 
 def _check(

@@ -824,7 +824,7 @@ def memory_vs_sequence(
     return fig
 
 
-# --- Chapter 13: mixture of experts ------------------------------------------------------------
+# --- Chapter 13_experts: mixture of experts ------------------------------------------------------------
 
 
 def dropped_tokens(

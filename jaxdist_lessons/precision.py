@@ -1,4 +1,4 @@
-"""Mixed precision: which dtype the weights are stored, computed and communicated in (chapter 6).
+"""Mixed precision: which dtype the weights are stored, computed and communicated in (chapter 06_performance).
 
 A ``Policy`` names three dtypes:
 

@@ -1,6 +1,6 @@
 """Profile a jitted step: capture a ``jax.profiler`` trace, read it back, and split compute from collectives.
 
-Chapter 7 uses it. ``jax.profiler.trace(log_dir)`` writes, under
+Chapter 07_troubleshooting uses it. ``jax.profiler.trace(log_dir)`` writes, under
 ``log_dir/plugins/profile/<run>/``, a ``<host>.xplane.pb`` (the XSpace protobuf that
 TensorBoard's profile plugin and XProf read) and a ``<host>.trace.json.gz`` (the Chrome
 trace-event format that Perfetto opens). The JSON needs only the standard library to read:
@@ -223,7 +223,7 @@ def time_by_axis(
     microseconds, summed over devices), and which collectives ran (``{kind: names}``).
     An operation is a collective when the compiled program says so."""
     events = list(events)
-    is_collective = lambda e: e.op in collectives or e.kind == "collective"  # noqa: E731
+    is_collective = lambda e: e.op in collectives or e.kind == "collective"
     busy: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     for e in sorted(events, key=lambda e: e.start_us):
         if is_collective(e):

@@ -1,4 +1,4 @@
-"""Counting compilations: a recompile on every step shows up as a number, or an error (chapter 7).
+"""Counting compilations: a recompile on every step shows up as a number, or an error (chapter 07_troubleshooting).
 
 ``count_compiles`` listens to the ``jax.monitoring`` events JAX itself records for every trace
 and backend compilation, so it counts what JAX really did; with ``limit=`` it raises

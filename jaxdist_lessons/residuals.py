@@ -1,8 +1,8 @@
-"""What autodiff keeps from the forward pass for the backward pass, in bytes (chapter 6).
+"""What autodiff keeps from the forward pass for the backward pass, in bytes (chapter 06_performance).
 
 ``jax.ad_checkpoint.print_saved_residuals`` is JAX's only public view of the residuals, and it
 prints; ``saved_residuals`` parses what it prints into records with their bytes. Remat
-(``jax.checkpoint``) shrinks them; chapter 6 measures by how much.
+(``jax.checkpoint``) shrinks them; chapter 06_performance measures by how much.
 
 Shape suffixes: see jaxdist_lessons.models.
 """

@@ -43,7 +43,7 @@ CHAPTERS = {
     "08_multi_host": "8. Multi-host",
     "09_flax_partitioning": "9. Logical rules: one model, any strategy",
     "10_language_model": "10. Training a transformer language model",
-    "10_pipelines_mesh_shape": "11. Pipelines and the mesh-shape question",
+    "11_pipelines_mesh_shape": "11. Pipelines and the mesh-shape question",
     "12_long_sequences": "12. Long sequences",
 }
 
@@ -198,7 +198,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("mesh-shape-speedup", "end",
           "on 8×A100, a (4,2) mesh is 1.8× faster than pure data parallel for ViT; "
           "LMs prefer (2,4)",
-          "unverified", "10_pipelines_mesh_shape", ()),
+          "unverified", "11_pipelines_mesh_shape", ()),
 )
 # fmt: on
 

@@ -4,9 +4,9 @@ The recipe (big_vision's, nanodo's, and the JAX docs'), all in ``create_train_st
 
 1. ``jax.eval_shape(init)`` gives the state's shapes without computing anything (once);
 2. a ``shardings_fn`` gives each leaf a ``NamedSharding``: ``rule_shardings(mesh, rules)`` speaks
-   regex rules on the leaves' paths (``sharding.shardings_from_rules``, chapter 5) or Flax's
+   regex rules on the leaves' paths (``sharding.shardings_from_rules``, chapter 05_resnet50) or Flax's
    logical rules on the names a model gives its parameters (``nn.logical_to_mesh_sharding``,
-   chapter 9);
+   chapter 09_flax_partitioning);
 3. ``jax.jit(init, out_shardings=...)`` creates the state *already sharded*: no device ever holds
    the whole thing (or, with ``abstract=True``, the placed shapes: a restore or compile target).
 

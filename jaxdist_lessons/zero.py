@@ -1,6 +1,6 @@
-"""Data parallelism, ZeRO-1 and FSDP (ZeRO-3): the sharding rule, the bytes theory says they move (chapter 6).
+"""Data parallelism, ZeRO-1 and FSDP (ZeRO-3): the sharding rule, the bytes theory says they move (chapter 06_performance).
 
-Chapter 6 writes FSDP the way a reader would, as ``jax.jit`` of the one-device step with the state
+Chapter 06_performance writes FSDP the way a reader would, as ``jax.jit`` of the one-device step with the state
 sharded by ``fsdp_spec``: the compiler inserts the collectives. This module holds the rule, the
 arithmetic, and the same three strategies written with ``shard_map`` (``make_step``), so that every
 collective is one we asked for (``gather_shards``, ``mean_scatter``):

@@ -1,4 +1,4 @@
-"""Every error chapter 7 catalogues, reproduced: the message JAX raises today, and explain() recognising it.
+"""Every error chapter 07_troubleshooting catalogues, reproduced: the message JAX raises today, and explain() recognising it.
 
 If a JAX upgrade rewords one of these messages, a test here fails, and we update the chapter
 (and ``errors.KNOWN_ERRORS``) before a reader meets the new text.

@@ -1,6 +1,6 @@
 """The recipes in examples/, run as far as this machine allows.
 
-``examples/train.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter 8, which checks
+``examples/train.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter 08_multi_host, which checks
 their losses and output on several layouts and with a hostfile: here, only what the chapter does
 not run (``smoke.py``'s errors, what the scripts import). ``examples/recipe.py`` runs in one
 process and under ``mpirun``. The Kubernetes JobSet cannot run here: it is parsed, and what it

@@ -1,6 +1,6 @@
-"""The hang lab under SLURM: the cases ``srun`` adds to chapter 7's.
+"""The hang lab under SLURM: the cases ``srun`` adds to chapter 07_troubleshooting's.
 
-Chapter 7 runs every case of ``jaxdist_lessons.hang_lab`` under ``mpirun`` (all at once, with
+Chapter 07_troubleshooting runs every case of ``jaxdist_lessons.hang_lab`` under ``mpirun`` (all at once, with
 JAX's timeouts set short) and checks that each ends within 60 s, with the message that names
 its cause, leaving no process behind. The SLURM cases here need a running cluster
 (``.ci/slurm-up``): they skip without one, and fail instead under ``JAXDIST_REQUIRE_SLURM=1``,

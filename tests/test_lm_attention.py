@@ -27,7 +27,7 @@ import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
 import train  # noqa: E402
 
-B, T, N, K, A = 2, 64, 4, 2, 16  # noqa: N816  GQA: Q = N / K = 2 query heads per key
+B, T, N, K, A = 2, 64, 4, 2, 16
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 
 

@@ -174,10 +174,10 @@ def test_every_mesh_gives_the_same_losses(mesh_runs):
 
 
 # A mesh with a 'sequence' axis beside fsdp and tensor: the tokens in zigzag order, ring
-# attention over the axis. Chapter 12 runs data x sequence (data=2,sequence=4 at 8 devices).
+# attention over the axis. Chapter 12_long_sequences runs data x sequence (data=2,sequence=4 at 8 devices).
 CONTEXT_MESHES = ["fsdp=2,sequence=2,tensor=2"]
 # 4 experts, top-2, capacity factor 2 = E / k: an expert has a slot for every token of a group.
-# Chapter 13 runs them on data=8 and data=2,expert=4, and checks that the losses are the same.
+# Chapter 13_experts runs them on data=8 and data=2,expert=4, and checks that the losses are the same.
 EXPERTS = ("--experts", "4", "--top-k", "2", "--capacity-factor", "2")
 
 
@@ -202,8 +202,8 @@ def test_ring_and_expert_bytes_match_the_formulas():
     """Bytes per device in the compiled step (float32; tiny: L = 4 layers, D = 128, K = 2
     key/value heads of A = 32; batch 16 x 128 tokens), against what the layers send. Each
     layer runs three times: forward, remat's recomputation, backward."""
-    c, B, T = model_config.PRESETS["tiny"], 16, 128  # noqa: N806
-    L, K, A = c.num_layers, c.num_kv_heads, c.head_width  # noqa: N806
+    c, B, T = model_config.PRESETS["tiny"], 16, 128
+    L, K, A = c.num_layers, c.num_kv_heads, c.head_width
     # Ring attention over sequence=4, batch over data=2: each pass sends K and V of its own
     # T/4 tokens and B/2 rows n - 1 = 3 times. Measured 4,718,592 B.
     ring = compiled_collectives("data=2,sequence=4")
@@ -222,7 +222,7 @@ def test_ring_and_expert_bytes_match_the_formulas():
     # B/8 rows (one group of 128 tokens; C = 2 x 128 x 2 / 4 = 128) go out to the experts'
     # devices and come back: two all-to-alls a pass. Measured 12,582,912 B.
     moe = compiled_collectives("data=2,expert=4", EXPERTS)
-    E, C = 4, 128  # noqa: N806
+    E, C = 4, 128
     assert moe["all-to-all"] == L * 3 * 2 * E * (B // 8) * C * c.width * 4
 
 
@@ -402,7 +402,7 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     config = model_config.PRESETS["8b"]
     params = model_config.count_params(config)
     assert params == 8_030_261_248
-    V, D, L = config.vocab_size, config.width, config.num_layers  # noqa: N806
+    V, D, L = config.vocab_size, config.width, config.num_layers
     layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
     out_projection = L * config.num_heads * config.head_width * D
     result = subprocess.run(
@@ -737,7 +737,7 @@ def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
 
 
 def test_the_8b_pipeline_table_is_current():
-    """book/data/pipeline_memory.json (benchmarks/pipeline_memory.py, chapter 11) is
+    """book/data/pipeline_memory.json (benchmarks/pipeline_memory.py, chapter 11_pipelines_mesh_shape) is
     the recipe's: its GPipe and 1F1B rows at 8 micro-batches compile again, on 32
     simulated devices, to the same argument and temporary bytes and collective bytes
     (in bfloat16, which XLA:CPU once could not compile for a pipeline)."""

@@ -30,7 +30,7 @@ from jaxdist_lessons import comms, hang_lab, hlo, multihost, multihost_demo
 # The demo's processes, to check that a job leaves none behind.
 DEMO = "jaxdist_lessons.multihost_demo"
 
-# processes x devices per process: 8 devices each time. Chapter 8 runs more layouts of
+# processes x devices per process: 8 devices each time. Chapter 08_multi_host runs more layouts of
 # examples/train.py (8 x 1 and a hostfile among them) and checks their losses.
 LAYOUTS = [(2, 4), (1, 8)]
 TRAIN = ["--epochs", "2", "--steps-per-epoch", "2"]

@@ -124,6 +124,17 @@ def test_toc_lists_every_notebook_and_nothing_else():
     )
 
 
+def test_numbered_chapters_follow_one_another_in_the_toc():
+    """A chapter's file starts with its number: 00, 01, 02, ... in the order the book
+    lists them, none repeated, none skipped (pages without a number sit between)."""
+    numbers = [
+        int(name.split("/")[-1][:2])
+        for name in toc_files()
+        if name.split("/")[-1][:2].isdigit()
+    ]
+    assert numbers == list(range(len(numbers)))
+
+
 def test_pages_are_plain_markdown_without_code():
     for name in PAGES:
         text = (ROOT / "book" / f"{name}.md").read_text()

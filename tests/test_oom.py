@@ -1,4 +1,4 @@
-"""oom: chapter 1's arithmetic as a pre-flight, and the out-of-memory levers measured on compiled steps."""
+"""oom: chapter 01_why_distribute's arithmetic as a pre-flight, and the out-of-memory levers measured on compiled steps."""
 
 import jax
 import numpy as np

@@ -117,7 +117,7 @@ def test_same_losses_under_every_strategy_and_state_born_sharded():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_nnx_partitioning_survives_an_optimizer_step(axis_type):
-    # Chapter 9's NNX cells: created under nnx.jit in the mesh, one nnx.value_and_grad step.
+    # Chapter 09_flax_partitioning's NNX cells: created under nnx.jit in the mesh, one nnx.value_and_grad step.
     tensor_size = min(2, N)
     mesh = jax.make_mesh(
         (N // tensor_size, tensor_size), ("data", "tensor"), axis_types=(axis_type,) * 2

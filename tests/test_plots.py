@@ -342,7 +342,7 @@ def test_memory_vs_sequence_draws_one_line_per_attention():
         plots.memory_vs_sequence([8192], {"ring": [1.0, 2.0]})
 
 
-# --- dropped_tokens (chapter 13) ---------------------------------------------------------------
+# --- dropped_tokens (chapter 13_experts) ---------------------------------------------------------------
 
 
 def test_dropped_tokens_draws_one_line_per_curve():

@@ -2,7 +2,7 @@
 
 ``srun`` starts the processes and JAX's own SLURM detection joins them, with no arguments to
 ``initialize``; ``--kill-on-bad-exit=1`` ends a job whose task failed, leaving nothing behind;
-chapter 8's batch script (``examples/slurm/train.sbatch``) runs through ``sbatch``.
+chapter 08_multi_host's batch script (``examples/slurm/train.sbatch``) runs through ``sbatch``.
 
 Without SLURM these tests skip, saying why; with ``JAXDIST_REQUIRE_SLURM=1`` (as CI sets) they
 fail instead, so a CI run cannot pass by skipping them.

@@ -109,7 +109,7 @@ def test_the_three_strategies_train_identically(case):
 
 
 def jit_fsdp_step(loss_fn, tx, params, mesh):
-    """Chapter 6's FSDP: the one-device step under ``jax.jit``, the state sharded by ``fsdp_spec``."""
+    """Chapter 06_performance's FSDP: the one-device step under ``jax.jit``, the state sharded by ``fsdp_spec``."""
 
     def shardings(tree):
         return jax.tree.map(
@@ -153,10 +153,10 @@ def test_fsdp_by_jit_with_the_rule_trains_as_the_shard_map_step(case):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or N == 1, reason="XLA:CPU's choice")
 def test_fsdp_by_jit_gathers_the_sharded_bytes_and_all_reduces_every_gradient():
-    """On chapter 6's MLP, XLA:CPU gathers each sharded parameter once and all-reduces the whole gradient.
+    """On chapter 06_performance's MLP, XLA:CPU gathers each sharded parameter once and all-reduces the whole gradient.
 
     (On tiny arrays it may move activations instead: the compiler chooses.) If a new jaxlib
-    turns the all-reduce into a reduce-scatter, update chapter 6's prose (section "FSDP: jit
+    turns the all-reduce into a reduce-scatter, update chapter 06_performance's prose (section "FSDP: jit
     with a sharding rule") and this test to ``expected_collectives``.
     """
     work = benchmark.mlp_workload(N, width=32 * N)

@@ -211,7 +211,7 @@ def unclosed_bold(text: str) -> list[str]:
     for k, at in enumerate(marks):
         before = text[at - 1] if at > 0 else " "
         after = text[at + 2] if at + 2 < len(text) else " "
-        letter = lambda ch: not ch.isspace() and not _punct(ch)  # noqa: E731
+        letter = lambda ch: not ch.isspace() and not _punct(ch)
         if k % 2 and _punct(before) and letter(after):
             found.append(text[max(0, at - 12) : at + 6])
         if not k % 2 and letter(before) and _punct(after):

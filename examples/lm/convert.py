@@ -47,9 +47,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
+import model as model_lib
+import model_config
+import train
 
 HF_CONFIG = "hf_config.json"  # beside the step folders, which Orbax lists by number
 Array = np.ndarray

@@ -45,7 +45,7 @@ def sort_by_expert(experts_U, num_experts: int):
 
 def local_experts(x_TD, experts_TR, gates_TR, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Each token's output, sum_r gate_r expert_r(x), every expert on this device."""
-    T, R = experts_TR.shape  # noqa: N806
+    T, R = experts_TR.shape
     order_U, sizes_E = sort_by_expert(experts_TR.reshape(-1), w_gate_EDF.shape[0])
     y_UD = grouped_mlp(x_TD[order_U // R], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
     y_TRD = y_UD[jnp.argsort(order_U)].reshape(T, R, -1)  # back in token order
@@ -59,9 +59,9 @@ def padded_experts(
     i L ... (i + 1) L - 1 of E = X L, X the devices of ``axis``. Its pairs go to their
     experts' devices in an all_to_all of worst-case buffers, are computed there, and
     come back in a second."""
-    X = jax.lax.axis_size(axis)  # noqa: N806
-    T, R = experts_TR.shape  # noqa: N806
-    U, L = T * R, w_gate_EDF.shape[0]  # noqa: N806
+    X = jax.lax.axis_size(axis)
+    T, R = experts_TR.shape
+    U, L = T * R, w_gate_EDF.shape[0]
     experts_U = experts_TR.reshape(-1)
     order_U, sizes_E = sort_by_expert(experts_U, L * X)
     to_U = experts_U[order_U] // L  # each sorted pair's device
@@ -100,9 +100,9 @@ def ragged_experts(
     slices it gets one after another in source order (the offsets come from an
     all_to_all of the counts), sorts them by its experts, and sends the outputs back
     to where their pairs came from."""
-    X = jax.lax.axis_size(axis)  # noqa: N806
-    T, R = experts_TR.shape  # noqa: N806
-    U, L = T * R, w_gate_EDF.shape[0]  # noqa: N806
+    X = jax.lax.axis_size(axis)
+    T, R = experts_TR.shape
+    U, L = T * R, w_gate_EDF.shape[0]
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
     experts_U = experts_TR.reshape(-1)
     order_U, sizes_E = sort_by_expert(experts_U, L * X)
@@ -189,7 +189,7 @@ gathered.defvjp(_gathered_forward, _gathered_backward)
 
 def flat_tokens(x_BTD, experts_BTR, gates_BTR):
     """(B, T, ...) -> (B T, ...): the batch's tokens flattened."""
-    R = experts_BTR.shape[-1]  # noqa: N806
+    R = experts_BTR.shape[-1]
     return (
         x_BTD.reshape(-1, x_BTD.shape[-1]),
         experts_BTR.reshape(-1, R),

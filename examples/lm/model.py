@@ -361,8 +361,8 @@ def merge(part_a, part_b) -> tuple[jax.Array, jax.Array]:
 
 def grouped(q_BTNA, num_kv_heads: int) -> jax.Array:
     """Queries -> float32, scaled by 1/sqrt(A), grouped by the key/value head used."""
-    B, T, N, A = q_BTNA.shape  # noqa: N806
-    K = num_kv_heads  # noqa: N806
+    B, T, N, A = q_BTNA.shape
+    K = num_kv_heads
     return q_BTNA.reshape(B, T, K, N // K, A).astype(jnp.float32) * A**-0.5
 
 
@@ -397,7 +397,7 @@ def ring_attention(
     starts (``starts_BT``), if given, come whole along the sequence too, in the tokens'
     order."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    T = q_BTNA.shape[1]  # noqa: N806
+    T = q_BTNA.shape[1]
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
     row_share = lambda device: (
         None
@@ -508,7 +508,7 @@ class Attention(nn.Module):
         self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> jax.Array:
         c = self.config
-        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width  # noqa: N806
+        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width
         # RoPE counts from each document's start, if documents are masked
         rope_positions = positions_T if starts_BT is None else positions_T - starts_BT
         # Column-parallel: each 'tensor' device computes its own heads, whole.
@@ -628,7 +628,7 @@ class Experts(nn.Module):
         load above the mean, moves the bias by sign descent (step.make_optimizer):
         an overloaded expert's bias goes down by --bias-rate each step."""
         c = self.config
-        D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k  # noqa: N806
+        D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k
         router_DE = self.param(
             "router",
             weight(nn.initializers.normal(D**-0.5), ("embed", None)),
@@ -658,11 +658,11 @@ class Experts(nn.Module):
     def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The routed experts' output, and the auxiliary loss."""
         c = self.config
-        B, length, D = x_BTD.shape  # noqa: N806
-        E, R, F = c.num_experts, c.top_k, c.mlp_width  # noqa: N806
-        T = min(c.group_size, length)  # noqa: N806
-        G = length // T  # noqa: N806
-        M = math.ceil(R * T * c.capacity_factor / E)  # noqa: N806
+        B, length, D = x_BTD.shape
+        E, R, F = c.num_experts, c.top_k, c.mlp_width
+        T = min(c.group_size, length)
+        G = length // T
+        M = math.ceil(R * T * c.capacity_factor / E)
         x_BGTD = x_BTD.reshape(B, G, T, D)
         gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss = self.route(x_BGTD)
         # A slot for each (choice, token): how many earlier pairs chose the same expert.

@@ -38,10 +38,10 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
     the layers) whole on every stage. ``x_MBTD`` is every micro-batch's input to the
     first stage; ``per_micro`` is a pytree of arrays with a leading M, the
     micro-batch's own (targets, document starts) given to both."""
-    M = x_MBTD.shape[0]  # noqa: N806
+    M = x_MBTD.shape[0]
 
     def per_stage(layers, rest, x_MBTD, per_micro):
-        P_ = jax.lax.axis_size(AXIS)  # noqa: N806
+        P_ = jax.lax.axis_size(AXIS)
         index = jax.lax.axis_index(AXIS)
         to_next = [(p, p + 1) for p in range(P_ - 1)]  # the last stage sends nothing
 
@@ -94,7 +94,7 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
     are as in gpipe. Each device holds its stages' inputs, and the gradients it gets
     back, in pools of slots the table sizes (schedules.slot_tables)."""
     arrays, num_inputs, num_grads = schedules.slot_tables(table)
-    V, P_ = jax.tree.leaves(chunks)[0].shape[:2]  # noqa: N806
+    V, P_ = jax.tree.leaves(chunks)[0].shape[:2]
     last_chunk = V - 1
     ring = V > 1  # the last device's stage feeds the first device's next one
     to_next = [(p, (p + 1) % P_) for p in range(P_ if ring else P_ - 1)]

@@ -2,8 +2,8 @@
 
 GPipe, 1F1B and interleaved 1F1B, built by one simulator, in Python and NumPy only.
 pipeline.py runs them over the 'pipeline' mesh axis; the book's package
-(jaxdist_lessons.pipeline, chapter 11) loads this file and tests these tables, so the
-recipe and the book run the same schedules.
+(jaxdist_lessons.pipeline, chapter 11_pipelines_mesh_shape) loads this file and tests
+these tables, so the recipe and the book run the same schedules.
 
 The model is cut into S x v stages of equal depth; device d holds stages d, d + S,
 d + 2S, ... (v = 1: stage d alone). The batch is cut into M micro-batches. An operation
@@ -88,8 +88,8 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
     """1F1B: ``S - 1 - d`` warm-up forwards on device ``d``, then one forward, one
     backward."""
-    S = _positive("num_stages", num_stages)  # noqa: N806
-    M = _positive("num_microbatches", num_microbatches)  # noqa: N806
+    S = _positive("num_stages", num_stages)
+    M = _positive("num_microbatches", num_microbatches)
     orders = []
     for d in range(S):
         warmup = min(S - 1 - d, M)
@@ -104,8 +104,8 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
 def interleaved_schedule(num_stages: int, num_microbatches: int, virtual: int) -> Table:
     """Megatron's interleaved 1F1B: device ``d`` holds stages ``d, d + S, ...``; ``M``
     a multiple of ``S``."""
-    S = _positive("num_stages", num_stages)  # noqa: N806
-    M = _positive("num_microbatches", num_microbatches)  # noqa: N806
+    S = _positive("num_stages", num_stages)
+    M = _positive("num_microbatches", num_microbatches)
     v = _positive("virtual", virtual)
     if M % S:
         raise ValueError(
@@ -174,7 +174,7 @@ def slot_tables(table: Table) -> tuple[dict[str, np.ndarray], int, int]:
     ``recv_b``, one more than the slot an arrival fills, 0 for none) and the two pool
     sizes: the most inputs, and the most gradients, any device holds at once.
     """
-    S = len(table[0])  # noqa: N806
+    S = len(table[0])
     last = max(op.stage for row in table for op in row if op)
     names = ("kind", "micro", "chunk", "slot", "gslot", "recv_f", "recv_b")
     a = {k: np.zeros((len(table), S), np.int32) for k in names}

@@ -121,7 +121,7 @@ def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Arra
     the batch, so each micro-batch takes B / (K x devices) rows from every device and
     no row moves (a block split would put micro-batch 0 on the first devices alone).
     """
-    B, *rest = tokens_BT.shape  # noqa: N806  (rest: T, or T x D for activations)
+    B, *rest = tokens_BT.shape
     micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, *rest).swapaxes(0, 1)
     return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
 
@@ -302,7 +302,7 @@ def make_pipeline_grads(
         )  # fmt: skip
         g_cast = {**g_rest, "layers": from_chunks(g_chunks)}
         g_cast = jax.tree.map(lambda g, w: g.astype(w.dtype), g_cast, cast_params)
-        B, *rest_shape = x_BTD.shape  # noqa: N806  (undo micro_batches' split)
+        B, *rest_shape = x_BTD.shape
         g_x_BTD = g_x_MBTD.swapaxes(0, 1).reshape(B, *rest_shape)
         (grads,) = front_vjp((g_cast, g_x_BTD))
         mean = lambda a: a / microbatches
@@ -372,7 +372,7 @@ def make_train_step(
         replicas = mesh.shape["data"]
         if replicas == 1:
             return accumulate(apply_fn, params, tokens_BT, BATCH)
-        B, T = tokens_BT.shape  # noqa: N806
+        B, T = tokens_BT.shape
         parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
         with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
             losses_R, grads_R = jax.vmap(

@@ -45,11 +45,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-from compiled import compile_only  # noqa: E402
-from layout import (  # noqa: E402
+import data
+import model as model_lib
+import model_config
+from compiled import compile_only
+from layout import (
     AXES,
     BATCH,
     RULES,
@@ -58,15 +58,15 @@ from layout import (  # noqa: E402
     make_mesh,
     process_rows,
 )
-from metrics import PEAK_FLOPS, MetricsLog, peak_memory  # noqa: E402
-from resilience import (  # noqa: E402
+from metrics import PEAK_FLOPS, MetricsLog, peak_memory
+from resilience import (
     Preemption,
     StepDeadline,
     checkpoint_manager,
     restore,
 )
-from schedules import SCHEDULES  # noqa: E402
-from step import (  # noqa: E402
+from schedules import SCHEDULES
+from step import (
     abstract_state,
     make_eval_step,
     make_optimizer,

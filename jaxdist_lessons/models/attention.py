@@ -1,4 +1,4 @@
-"""Scaled dot-product attention, the part that the decoder (chapter 6) and the ViT (chapter 9) share.
+"""Scaled dot-product attention, the part that the decoder (chapter 06_performance) and the ViT (chapter 09_flax_partitioning) share.
 
 The two models differ in their projections (Flax's ``DenseGeneral`` in the decoder, one einsum
 with logically named kernels in the ViT) and in the mask (causal in the decoder, none in the

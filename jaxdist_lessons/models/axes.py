@@ -1,7 +1,7 @@
 """Logical axis names for the models' parameters and activations, and the helpers that attach them.
 
 Both Transformer stacks (``transformer.Decoder`` and ``vit.ViT``) name their dimensions with this
-one set of names; chapter 9's rules (``partitioning.RULES``) map each name to a mesh axis, or
+one set of names; chapter 09_flax_partitioning's rules (``partitioning.RULES``) map each name to a mesh axis, or
 to nothing (replicated)::
 
     parameters:  vocab (vocabulary), embed (hidden), mlp (MLP hidden), heads, kv (per head),

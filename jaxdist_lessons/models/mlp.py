@@ -1,4 +1,4 @@
-"""A deep MLP whose blocks can be rematerialised one by one: the out-of-memory levers' model (chapter 7)."""
+"""A deep MLP whose blocks can be rematerialised one by one: the out-of-memory levers' model (chapter 07_troubleshooting)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Small models for the lessons: an MLP and a CNN with BatchNorm (Linen), and a Megatron-split MLP (NNX).
 
-``MLP`` and ``SmallCNN`` are chapter 4's stand-ins for real models: one without batch statistics and
+``MLP`` and ``SmallCNN`` are chapter 04_gradients's stand-ins for real models: one without batch statistics and
 one with them, because batch statistics are where data parallelism gets subtle. Both take an
 ``axis_name`` (BatchNorm averages its statistics over it under ``pmap`` or ``shard_map``).
-``NNXMLP`` is chapter 9's NNX example: its kernels carry partition metadata.
+``NNXMLP`` is chapter 09_flax_partitioning's NNX example: its kernels carry partition metadata.
 
 Shape suffixes: see jaxdist_lessons.models.
 """

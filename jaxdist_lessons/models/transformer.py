@@ -1,6 +1,6 @@
 """A small GPT-style decoder in Flax Linen: pre-LayerNorm blocks of causal self-attention and an MLP.
 
-Chapter 6 measures its collectives and memory; chapter 9 shards it by logical axis names.
+Chapter 06_performance measures its collectives and memory; chapter 09_flax_partitioning shards it by logical axis names.
 The parameter count matches ``memory.transformer_params``: ``12 h^2 + 13 h`` per block, token and
 position embeddings, a final LayerNorm, and an output projection tied to the token embedding.
 
@@ -17,7 +17,7 @@ Parameter paths (what sharding rules match against), for block ``i``::
 ``dtype=jnp.bfloat16`` with the default ``param_dtype=jnp.float32`` is mixed precision.
 
 ``logical_axes=True`` (default ``False``, which leaves the parameters plain arrays) creates every
-parameter through ``axes.named``, with ``models/axes.py``'s logical names, which chapter 9's rules
+parameter through ``axes.named``, with ``models/axes.py``'s logical names, which chapter 09_flax_partitioning's rules
 (``jaxdist_lessons.partitioning.RULES``) map to the mesh::
 
     embed/embedding ('vocab', 'embed'), position ('posn', 'embed')

@@ -1,4 +1,4 @@
-"""A small Vision Transformer (ViT) whose parameters and activations carry logical axis names (chapter 9).
+"""A small Vision Transformer (ViT) whose parameters and activations carry logical axis names (chapter 09_flax_partitioning).
 
 Every parameter is created through ``axes.named``, so it carries logical names such as
 ``('embed', 'mlp')`` (``models/axes.py``'s set, shared with ``transformer.Decoder``) rather than

@@ -30,6 +30,6 @@ XLA:CPU compiles), ``gpu`` (a GPU's, predicted), ``timing`` (links and the step 
 (the command line and the page), with the model's shape from ``model_config``, a link to the
 recipe's own file. Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
 in the browser, in Pyodide (``tests/planning/test_cli.py`` imports them with JAX made
-unimportable). Beside them, ``costmodel``: chapter 11's roofline model of any Transformer,
+unimportable). Beside them, ``costmodel``: chapter 11_pipelines_mesh_shape's roofline model of any Transformer,
 checked against compiled programs with JAX, on the same ``Layout`` and vocabulary.
 """

@@ -1,4 +1,4 @@
-"""Chapter 11's cost model of one training step: a Transformer's flops, weights and
+"""Chapter 11_pipelines_mesh_shape's cost model of one training step: a Transformer's flops, weights and
 collectives per device, for a layout of the devices.
 
 For a Transformer (a ViT or a GPT-style LM) it counts:
@@ -12,7 +12,7 @@ For a Transformer (a ViT or a GPT-style LM) it counts:
 - **memory**: the parameters each device holds (``params_per_device``).
 
 ``roofline`` turns them into seconds and bytes per device on a chip (the roofline estimate),
-and ``layer_collectives`` holds one layer's collectives for chapters 12 and 13.
+and ``layer_collectives`` holds one layer's collectives for chapters 12_long_sequences and 13_experts.
 
 A layout is the planner's ``Layout`` (``planning.layouts``) on its ``data``, ``fsdp`` and
 ``tensor`` axes: batch split ``data x fsdp`` ways, parameters split over ``fsdp`` (ZeRO-3),
@@ -31,7 +31,7 @@ import dataclasses
 
 from jaxdist_lessons import memory
 
-# traffic.py's and activations.py's arithmetic, re-exported for chapter 11's cells.
+# traffic.py's and activations.py's arithmetic, re-exported for chapter 11_pipelines_mesh_shape's cells.
 from jaxdist_lessons.activations import layer_activation_bytes as layer_activation_bytes
 from jaxdist_lessons.models.vit import vit_params
 from jaxdist_lessons.planning.layer_collectives import tensor_parallel_transfers

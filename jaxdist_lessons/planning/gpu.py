@@ -38,8 +38,8 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     its own normalisation); then one all-reduce over each other batch axis, in float32
     after an accumulation (the sums), in the compute type otherwise."""
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
-    L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum  # noqa: N806
-    size, P = run.itemsize, count_params(m)  # noqa: N806
+    L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum
+    size, P = run.itemsize, count_params(m)
     summed = F32 if G > 1 else size
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
         return collective("all-reduce", summed * P, c, "data", what="gradients")
@@ -69,7 +69,7 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     router logits (float32) and their tokens out and back (dropless: the pairs each
     device routes, with ``ragged_all_to_all``, not XLA:CPU's worst-case buffers)."""
     m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
-    T, D, L, G = run.seq_len, m.width, m.num_layers, run.grad_accum  # noqa: N806
+    T, D, L, G = run.seq_len, m.width, m.num_layers, run.grad_accum
     rows, size, k = micro_rows(run, c), run.itemsize, passes(run)
     out = []
     if t > 1:
@@ -123,7 +123,7 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
     if c.strategy.startswith(
         "ZeRO"
     ):  # gradients' shards, then float32 weights gathered
-        n, P = run.devices, count_params(run.shape)  # noqa: N806
+        n, P = run.devices, count_params(run.shape)
         summed = F32 if run.grad_accum > 1 else run.itemsize
         return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))], []  # fmt: skip

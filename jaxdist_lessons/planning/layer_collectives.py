@@ -1,4 +1,4 @@
-"""One layer's collectives for the strategies of chapters 11 to 13, as the ``Transfer`` records
+"""One layer's collectives for the strategies of chapters 11_pipelines_mesh_shape to 13_experts, as the ``Transfer`` records
 that ``comms`` reads from a compiled program (``transfers_from_hlo`` reads them): tensor
 parallelism's all-reduce, or Megatron sequence parallelism's all-gather and reduce-scatter;
 context parallelism's ring permutes, all-gather of K and V, or Ulysses's all-to-alls; and the
@@ -57,7 +57,7 @@ def context_parallel_transfers(
     num_devices: int,
     itemsize: int = 4,
 ) -> list[Transfer]:
-    """One causal attention's forward collectives with the sequence split over ``num_devices`` (chapter 12).
+    """One causal attention's forward collectives with the sequence split over ``num_devices`` (chapter 12_long_sequences).
 
     ``kind`` is a key of ``sequence.ATTENTIONS``. ``heads`` are the K/V heads (all of them for
     Ulysses, whose Q, K, V and output have as many). With ``block`` one device's share of K (or V):
@@ -89,7 +89,7 @@ def expert_parallel_transfers(
     expert_devices: int,
     itemsize: int = 4,
 ) -> list[Transfer]:
-    """One mixture-of-experts layer's forward collectives over an ``expert`` axis (chapter 13).
+    """One mixture-of-experts layer's forward collectives over an ``expert`` axis (chapter 13_experts).
 
     Each device fills a buffer of ``E x C`` slots of ``width`` (``experts.capacity`` of its own
     tokens), all-to-alls it to the experts' devices (dispatch), and the results come back the same

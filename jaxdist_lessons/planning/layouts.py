@@ -27,7 +27,7 @@ class Layout:
     (``AXES``, ``layout.AXES``), in ``stages`` pipeline stages (outermost, each a copy of
     that mesh) of ``virtual`` stages each, and what the recipe does on top: a pipeline's
     schedule, host offload, the experts' dispatch. ``strategy`` names it in tables. The
-    planner and chapter 11's cost model (``costmodel``) both describe layouts with it."""
+    planner and chapter 11_pipelines_mesh_shape's cost model (``costmodel``) both describe layouts with it."""
 
     data: int = 1
     fsdp: int = 1
@@ -82,7 +82,7 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """Chapter 11's notation: ``(4,2)`` for (data, tensor), or ``FSDP 8`` (``FSDP 8 x
+        """Chapter 11_pipelines_mesh_shape's notation: ``(4,2)`` for (data, tensor), or ``FSDP 8`` (``FSDP 8 x
         tensor 2``, ``FSDP 4 x data 2``)."""
         if self.fsdp == 1:
             return f"({self.data},{self.tensor})"

@@ -1,4 +1,4 @@
-"""Chapter 11's roofline estimate of one training step, from ``costmodel``'s flops, memory and
+"""Chapter 11_pipelines_mesh_shape's roofline estimate of one training step, from ``costmodel``'s flops, memory and
 collectives: compute is the slower of the flops at the chip's peak and the HBM traffic at its
 bandwidth; communication is the collectives at the interconnect's bandwidth; the step time is
 bracketed, with no overlap (``Estimate.step_s``) and full overlap (``Estimate.overlapped_s``);

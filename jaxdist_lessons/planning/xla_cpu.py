@@ -39,14 +39,14 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     them and the loss.
     """
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
-    L, D, V = m.num_layers, m.width, m.vocab_size  # noqa: N806
+    L, D, V = m.num_layers, m.width, m.vocab_size
     layer = attention_weights(m) + mlp_weights(m) / e
     out_projection = L * m.num_heads * m.head_width * D
     norms = L * 2 * D
     unembed = (
         V * D
     )  # untied, or the tied table as the output projection: the same moves
-    P = count_params(m)  # noqa: N806
+    P = count_params(m)
     out = []
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
         return collective("all-reduce", F32 * P + 4, c, "data", what="gradients")
@@ -81,7 +81,7 @@ def lookup_moves(run: Run, c: Layout) -> list[Transfer]:
     ``lookup``): its output laid out as the table first, an all-to-all each way."""
     m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
                         c.size("data"), c.size("tensor"))  # fmt: skip
-    B, T, D = run.global_batch, run.seq_len, m.width  # noqa: N806
+    B, T, D = run.global_batch, run.seq_len, m.width
     rows, table, everything = B // c.batch_ways, F32 * m.vocab_size * D, F32 * B * T * D
     out = [t_ for axis in ("data", "sequence", "expert")
            for t_ in collective("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
@@ -168,7 +168,7 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     ring attention's K and V, the experts' router logits, dispatch and combine. Counts per
     layer read from XLA:CPU's programs."""
     m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
-    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers  # noqa: N806
+    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers
     rows = B // c.batch_ways
     out = []
     if (
@@ -232,7 +232,7 @@ def transfers(run: Run, c: Layout) -> list[Transfer]:
     if c.strategy.startswith(
         "ZeRO"
     ):  # gradients' shards, then the updated weights gathered
-        n, P = run.devices, count_params(run.shape)  # noqa: N806
+        n, P = run.devices, count_params(run.shape)
         return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
                 Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
     return (

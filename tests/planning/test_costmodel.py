@@ -305,7 +305,7 @@ def test_predicted_flops_and_parameters_match_the_compiled_program(compiled_step
     )
 
 
-# --- One layer's collectives against the compiled layer (chapters 12 and 13), at 4 and 8 devices --
+# --- One layer's collectives against the compiled layer (chapters 12_long_sequences and 13_experts), at 4 and 8 devices --
 
 
 def records(transfers):
@@ -332,7 +332,7 @@ def test_context_parallel_transfers_are_the_compiled_attention(kind, n):
     )
     predicted = layer_collectives.context_parallel_transfers(kind, B, T, N, A, n)
     assert records(measured) == records(predicted)
-    # and a ring sends what chapter 12's formula says
+    # and a ring sends what chapter 12_long_sequences's formula says
     sent = sum(map(costmodel.sent_bytes, predicted))
     assert sent == sequence.predicted_bytes(kind, B, T, N, A, n)["sent"]
 
@@ -395,7 +395,7 @@ def test_tensor_parallel_transfers_are_the_compiled_megatron_block(
         B * T * D * 4, n, sequence_parallel
     )
     assert records(measured) == records(predicted)
-    # a ring sends 2 (n-1)/n of the activation either way: chapter 12's Megatron formula
+    # a ring sends 2 (n-1)/n of the activation either way: chapter 12_long_sequences's Megatron formula
     theory = sequence.megatron_bytes(B, T, D, n)
     name = "tensor + sequence" if sequence_parallel else "tensor"
     assert sum(map(costmodel.sent_bytes, predicted)) == theory[name]["sent"]

@@ -21,7 +21,7 @@ def test_fsdp_on_a_gpu_sends_three_bf16_copies_of_the_weights_less_one_table():
         model_config.count_params(run.shape),
         run.shape.vocab_size,
         run.shape.width,
-    )  # noqa: N806
+    )
     overlapped, exposed = gpu.gpu_transfers(run, fsdp)
     assert exposed == [] and {m.kind for m in overlapped} == {
         "all-gather",

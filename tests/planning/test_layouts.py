@@ -1,4 +1,4 @@
-"""planning.layouts: one Layout type for the planner and chapter 11's cost model."""
+"""planning.layouts: one Layout type for the planner and chapter 11_pipelines_mesh_shape's cost model."""
 
 import pytest
 
