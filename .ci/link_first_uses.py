@@ -225,9 +225,8 @@ def find_first_uses(text: str) -> list[tuple[int, int, str]]:
                 if kind == "url":
                     new = f"[{word}]({target})"
                 else:
-                    ref = (
-                        word if target == "ZeRO" else target
-                    )  # ZeRO-1, -2, -3 are entries too
+                    # ZeRO-1, -2, -3 are entries too
+                    ref = word if target == "ZeRO" else target
                     new = (
                         f"{{term}}`{word}`"
                         if word == ref

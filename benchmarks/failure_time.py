@@ -31,14 +31,18 @@ def launchers(processes: int) -> dict[str, list[str]]:
     """The launch commands to time: mpirun always, srun where SLURM runs a job now."""
     found = {"mpirun": ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", str(processes)]}
     reason = multihost_demo.slurm_unavailable()
-    if (
-        reason is not None
-    ):  # installed with its controller down, sinfo fails: say so, skip it
+    # installed with its controller down, sinfo fails: say so, skip it
+    if reason is not None:
         print(f"srun skipped: {reason}")
     else:
         found["srun --kill-on-bad-exit=1"] = [
-            "srun", "--overcommit", "--kill-on-bad-exit=1", "-u", "-n", str(processes)
-        ]  # fmt: skip
+            "srun",
+            "--overcommit",
+            "--kill-on-bad-exit=1",
+            "-u",
+            "-n",
+            str(processes),
+        ]
     return found
 
 
@@ -59,10 +63,25 @@ def time_one(
 ) -> tuple[float, int]:
     """Seconds from process 1's "fails" line to the launcher's exit, and its exit status."""
     command = [
-        *launch, sys.executable, "-m", "jaxdist_lessons.multihost_demo",
-        "--devices", str(devices), *extra, "train", "--epochs", "2", "--steps-per-epoch", "2",
-        "--fail-rank", "1", "--fail-at-epoch", "1", "--fail-how", how,
-    ]  # fmt: skip
+        *launch,
+        sys.executable,
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "--devices",
+        str(devices),
+        *extra,
+        "train",
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "2",
+        "--fail-rank",
+        "1",
+        "--fail-at-epoch",
+        "1",
+        "--fail-how",
+        how,
+    ]
     env = {**os.environ, **ROOT_OK, "PATH": f"{BIN}:{os.environ['PATH']}"}
     job = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

@@ -47,8 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEVICES = 8
 
 
-def compile_one(recipe: str, model: str, layers: int | None, seq_len: int,
-                attention: str | None) -> dict:  # fmt: skip
+def compile_one(
+    recipe: str, model: str, layers: int | None, seq_len: int, attention: str | None
+) -> dict:
     """In this process (a fresh one, with 8 CPU devices): compile one step, return the
     temporaries, the arguments and the seconds the compile took."""
     import jax
@@ -75,7 +76,7 @@ def compile_one(recipe: str, model: str, layers: int | None, seq_len: int,
         "--compile-only",
         "--compilation-cache",
         tempfile.mkdtemp(),
-    ]  # fmt: skip: a real compile
+    ]
     if attention:  # an older recipe has no --attention
         argv += ["--attention", attention]
     printed, start = io.StringIO(), time.perf_counter()
@@ -91,8 +92,12 @@ def compile_one(recipe: str, model: str, layers: int | None, seq_len: int,
 
 def run(recipe, model, layers, seq_len, attention) -> dict:
     """compile_one in a fresh process (JAX's device count is set once a process)."""
-    command = [sys.executable, __file__, "--one", json.dumps(
-        [recipe, model, layers, seq_len, attention])]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        json.dumps([recipe, model, layers, seq_len, attention]),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -114,21 +119,33 @@ def main() -> None:
     versions = ", ".join(
         f"{name} {importlib.metadata.version(name)}" for name in ("jax", "flax")
     )
-    print(f"{args.model} ({args.layers or 'all'} layers), --mesh sequence=8 on "
-          f"{DEVICES} simulated CPU devices, bf16, 1 sequence; {versions}; "
-          f"{os.cpu_count()} cores, {datetime.date.today()}")  # fmt: skip
-    print(f"{'attention':>9} {'seq':>6} {'temps GB':>9} {'args GB':>8} "
-          f"{'x previous':>10} {'+ GB':>7} {'compile s':>9}")  # fmt: skip
+    print(
+        f"{args.model} ({args.layers or 'all'} layers), --mesh sequence=8 on "
+        f"{DEVICES} simulated CPU devices, bf16, 1 sequence; {versions}; "
+        f"{os.cpu_count()} cores, {datetime.date.today()}"
+    )
+    print(
+        f"{'attention':>9} {'seq':>6} {'temps GB':>9} {'args GB':>8} "
+        f"{'x previous':>10} {'+ GB':>7} {'compile s':>9}"
+    )
     for attention in args.attentions:
         previous = None
         for seq_len in args.seq_lens:
-            row = run(args.recipe, args.model, args.layers, seq_len,
-                      None if attention == "none" else attention)  # fmt: skip
+            row = run(
+                args.recipe,
+                args.model,
+                args.layers,
+                seq_len,
+                None if attention == "none" else attention,
+            )
             ratio = row["temporaries"] / previous if previous else float("nan")
             more = row["temporaries"] - previous if previous else float("nan")
-            print(f"{attention:>9} {seq_len:>6} {row['temporaries']:>9.3f} "
-                  f"{row['arguments']:>8.3f} {ratio:>10.2f} {more:>7.3f} "
-                  f"{row['seconds']:>9.1f}", flush=True)  # fmt: skip
+            print(
+                f"{attention:>9} {seq_len:>6} {row['temporaries']:>9.3f} "
+                f"{row['arguments']:>8.3f} {ratio:>10.2f} {more:>7.3f} "
+                f"{row['seconds']:>9.1f}",
+                flush=True,
+            )
             previous = row["temporaries"]
 
 

@@ -58,12 +58,27 @@ def parse_line(output: str) -> dict:
 def compile_row(model: str, devices: int, strategy: str) -> dict:
     """Compile one configuration in a fresh process and return its row."""
     mesh = mesh_for(strategy, devices)
-    command = [sys.executable, str(TRAIN), "--model", model, "--mesh", mesh,
-               "--seq-len", str(SEQ_LEN), "--global-batch", str(devices), "--dtype",
-               "bfloat16", "--num-devices", str(devices), "--compile-only",
-               # the table was compiled with XLA's reference attention (train.py's
-               # default before --attention; on a CPU it is now chunked)
-               "--attention", "xla"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(TRAIN),
+        "--model",
+        model,
+        "--mesh",
+        mesh,
+        "--seq-len",
+        str(SEQ_LEN),
+        "--global-batch",
+        str(devices),
+        "--dtype",
+        "bfloat16",
+        "--num-devices",
+        str(devices),
+        "--compile-only",
+        # the table was compiled with XLA's reference attention (train.py's
+        # default before --attention; on a CPU it is now chunked)
+        "--attention",
+        "xla",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
@@ -84,17 +99,28 @@ def main() -> None:
     ]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda config: compile_row(*config), configs))
-    print(f"{'model':>5} {'devices':>7} {'strategy':>8} {'args GB':>8} {'temps GB':>8} "
-          f"{'total GB':>8} {'gathered GB':>11} {'reduced GB':>10}")  # fmt: skip
+    print(
+        f"{'model':>5} {'devices':>7} {'strategy':>8} {'args GB':>8} {'temps GB':>8} "
+        f"{'total GB':>8} {'gathered GB':>11} {'reduced GB':>10}"
+    )
     for row in rows:
         gathered = row["collectives"].get("all-gather", 0) / 1e9
-        reduced = (row["collectives"].get("all-reduce", 0)
-                   + row["collectives"].get("reduce-scatter", 0)) / 1e9  # fmt: skip
-        print(f"{row['model']:>5} {row['devices']:>7} {row['strategy']:>8} "
-              f"{row['arguments']:>8.3f} {row['temporaries']:>8.3f} {row['total']:>8.3f} "
-              f"{gathered:>11.2f} {reduced:>10.2f}")  # fmt: skip
-    meta = {"seq_len": SEQ_LEN, "sequences_per_device": 1, "dtype": "bfloat16",
-            "compiler": "XLA:CPU, simulated devices", "command": "python benchmarks/lm_scale.py"}  # fmt: skip
+        reduced = (
+            row["collectives"].get("all-reduce", 0)
+            + row["collectives"].get("reduce-scatter", 0)
+        ) / 1e9
+        print(
+            f"{row['model']:>5} {row['devices']:>7} {row['strategy']:>8} "
+            f"{row['arguments']:>8.3f} {row['temporaries']:>8.3f} {row['total']:>8.3f} "
+            f"{gathered:>11.2f} {reduced:>10.2f}"
+        )
+    meta = {
+        "seq_len": SEQ_LEN,
+        "sequences_per_device": 1,
+        "dtype": "bfloat16",
+        "compiler": "XLA:CPU, simulated devices",
+        "command": "python benchmarks/lm_scale.py",
+    }
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"

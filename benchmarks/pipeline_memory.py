@@ -47,12 +47,16 @@ def main() -> None:
         for (s, m), result in zip(runs, compiled)
     ]
     for r in rows:
-        print(f"{r['schedule']:<12} M={r['microbatches']:<3} temporaries "
-              f"{r['temporaries'] / 1e9:7.2f} GB, arguments {r['arguments'] / 1e9:.2f} GB, "
-              f"all-gather {r['collectives'].get('all-gather', 0) / 1e9:7.1f} GB")  # fmt: skip
-    meta = {"compiler": f"XLA:CPU, {DEVICES} simulated devices, JAX {jax.__version__}",
-            "machine": platform.machine(),
-            "command": "python benchmarks/pipeline_memory.py"}  # fmt: skip
+        print(
+            f"{r['schedule']:<12} M={r['microbatches']:<3} temporaries "
+            f"{r['temporaries'] / 1e9:7.2f} GB, arguments {r['arguments'] / 1e9:.2f} GB, "
+            f"all-gather {r['collectives'].get('all-gather', 0) / 1e9:7.1f} GB"
+        )
+    meta = {
+        "compiler": f"XLA:CPU, {DEVICES} simulated devices, JAX {jax.__version__}",
+        "machine": platform.machine(),
+        "command": "python benchmarks/pipeline_memory.py",
+    }
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
     )

@@ -143,16 +143,32 @@ def main() -> None:
             continue
         run, predicted = prediction(combo)
         check = checking.compare(predicted, result)
-        rows.append({"combo": combo, "model": combo[0], "devices": combo[1], "nodes": combo[2],
-                     "strategy": combo[3], "mesh": combo[4], "seq_len": combo[5],
-                     "global_batch": combo[6], "experts": combo[7], "flags": predicted["flags"],
-                     "compiled": result, "check": check,
-                     "agrees": checking.agrees(check)})  # fmt: skip
+        rows.append(
+            {
+                "combo": combo,
+                "model": combo[0],
+                "devices": combo[1],
+                "nodes": combo[2],
+                "strategy": combo[3],
+                "mesh": combo[4],
+                "seq_len": combo[5],
+                "global_batch": combo[6],
+                "experts": combo[7],
+                "flags": predicted["flags"],
+                "compiled": result,
+                "check": check,
+                "agrees": checking.agrees(check),
+            }
+        )
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
-    meta = {"compiler": f"XLA:CPU, simulated devices, JAX {jax.__version__}",
-            "machine": platform.machine(), "tolerance": 0.1, "minor_fraction": checking.MINOR,
-            "command": "python benchmarks/plan_check.py"}  # fmt: skip
+    meta = {
+        "compiler": f"XLA:CPU, simulated devices, JAX {jax.__version__}",
+        "machine": platform.machine(),
+        "tolerance": 0.1,
+        "minor_fraction": checking.MINOR,
+        "command": "python benchmarks/plan_check.py",
+    }
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n"
     )
@@ -173,24 +189,34 @@ def summarize(rows: list[dict]) -> dict:
                 into[kind] = v["ratio"]
     temps = [r["check"]["temporaries"]["ratio"] for r in rows]
     for r in rows:
-        print(f"{r['model']:>5} {r['devices']:>3} {r['mesh']:<20} agrees={r['agrees']} "
-              + " ".join(f"{k}={v['ratio']:.3f}" for k, v in
-                         {"arguments": r["check"]["arguments"], **r["check"]["collectives"]}.items()
-                         if v["ratio"] is not None)
-              + f" temps={r['check']['temporaries']['ratio']:.2f}")  # fmt: skip
-    return {"combinations": len(rows), "all_agree": all(r["agrees"] for r in rows),
-            "worst_ratio": worst,
-            "worst_ratio_of_minor_kinds": minor,
-            "activation_estimate_over_temporaries": {"min": min(temps), "max": max(temps)},
-            "note": "ratios are predicted / compiled; a minor kind carries under "
-                    f"{checking.MINOR:.0%} of its program's collective bytes and is not held to "
-                    "10%; the activation estimate (remat 'full' layer inputs, one layer's "
-                    "activations with the T x T scores, float32 logits and their gradient, "
-                    "plus the gradients and, under FSDP, the gathered weights: "
-                    "footprint.temporaries_estimate) is the given fraction of XLA:CPU's "
-                    "temporaries; what "
-                    "XLA:CPU keeps beyond it is not broken down here. GPU compiles: not yet "
-                    "compared (no GPU at hand)"}  # fmt: skip
+        print(
+            f"{r['model']:>5} {r['devices']:>3} {r['mesh']:<20} agrees={r['agrees']} "
+            + " ".join(
+                f"{k}={v['ratio']:.3f}"
+                for k, v in {
+                    "arguments": r["check"]["arguments"],
+                    **r["check"]["collectives"],
+                }.items()
+                if v["ratio"] is not None
+            )
+            + f" temps={r['check']['temporaries']['ratio']:.2f}"
+        )
+    return {
+        "combinations": len(rows),
+        "all_agree": all(r["agrees"] for r in rows),
+        "worst_ratio": worst,
+        "worst_ratio_of_minor_kinds": minor,
+        "activation_estimate_over_temporaries": {"min": min(temps), "max": max(temps)},
+        "note": "ratios are predicted / compiled; a minor kind carries under "
+        f"{checking.MINOR:.0%} of its program's collective bytes and is not held to "
+        "10%; the activation estimate (remat 'full' layer inputs, one layer's "
+        "activations with the T x T scores, float32 logits and their gradient, "
+        "plus the gradients and, under FSDP, the gathered weights: "
+        "footprint.temporaries_estimate) is the given fraction of XLA:CPU's "
+        "temporaries; what "
+        "XLA:CPU keeps beyond it is not broken down here. GPU compiles: not yet "
+        "compared (no GPU at hand)",
+    }
 
 
 if __name__ == "__main__":

@@ -51,8 +51,14 @@ RUNS = [
         "words": "Table 1 1D Parallelism (FSDP). Llama 3.1 8B model. 8 GPUs. Local batch "
         "size 2, global batch size 16. Selective activation checkpointing. FSDP: 5,762 "
         f"TPS/GPU. {_TITAN_HARDWARE}. seq_len = 8192 ({_TITAN_8B_TOML})",
-        "model": "8b", "devices": 8, "nodes": 1, "mesh": "fsdp=8", "seq_len": 8192,
-        "global_batch": 16, "measured": 5762, "remat": "dots",
+        "model": "8b",
+        "devices": 8,
+        "nodes": 1,
+        "mesh": "fsdp=8",
+        "seq_len": 8192,
+        "global_batch": 16,
+        "measured": 5762,
+        "remat": "dots",
         "unmodelled": "selective activation checkpointing, which saves the outputs of "
         "all but every second matmul (torchtitan's activation_checkpoint.py; the planner's "
         "nearest, --remat dots, saves them all); a 500 W H100 with HBM2e, below the SXM's "
@@ -65,8 +71,14 @@ RUNS = [
         "size 2, global batch size 256. Selective activation checkpointing. FSDP: 5,605 "
         f"TPS/GPU. {_TITAN_HARDWARE}; hosts inter-connected with backend RDMA network "
         "with 400 Gb/s per GPU",
-        "model": "8b", "devices": 128, "nodes": 16, "mesh": "fsdp=128", "seq_len": 8192,
-        "global_batch": 256, "measured": 5605, "remat": "dots",
+        "model": "8b",
+        "devices": 128,
+        "nodes": 16,
+        "mesh": "fsdp=128",
+        "seq_len": 8192,
+        "global_batch": 256,
+        "measured": 5605,
+        "remat": "dots",
         "unmodelled": "selective activation checkpointing (all but every second matmul's "
         "output saved; modelled as --remat dots); the 500 W H100 variant",
     },
@@ -76,8 +88,14 @@ RUNS = [
         "words": "Table 4 2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1 "
         "70B model. 256 GPUs (FSDP 32, TP 8). Local batch size 16, global batch size 512. "
         f"Full activation checkpointing. 2D: 829 TPS/GPU. {_TITAN_HARDWARE}",
-        "model": "70b", "devices": 256, "nodes": 32, "mesh": "fsdp=32,tensor=8",
-        "seq_len": 8192, "global_batch": 512, "measured": 829, "remat": "full",
+        "model": "70b",
+        "devices": 256,
+        "nodes": 32,
+        "mesh": "fsdp=32,tensor=8",
+        "seq_len": 8192,
+        "global_batch": 512,
+        "measured": 829,
+        "remat": "full",
         "unmodelled": "Float8 matmuls (the planner prices bfloat16: not like for like); "
         "torch.compile; the 500 W H100 variant",
     },
@@ -86,13 +104,19 @@ RUNS = [
         "source": _MAXTEXT,
         "words": "7B | H100 80G SXM | BF16 | 4096 | 8 | 2 | DP 1 | FSDP 8 | TP 1 | GBS 16 "
         "| Flash | minimal_flash | Scan Off | Step Time (s) 0.721 | Sequences/Sec 22.19",
-        "shape": "llama2-7b", "devices": 8, "nodes": 1, "mesh": "fsdp=8", "seq_len": 4096,
-        "global_batch": 16, "measured": 22.19 * 4096 / 8, "remat": "dots",
+        "shape": "llama2-7b",
+        "devices": 8,
+        "nodes": 1,
+        "mesh": "fsdp=8",
+        "seq_len": 4096,
+        "global_batch": 16,
+        "measured": 22.19 * 4096 / 8,
+        "remat": "dots",
         "unmodelled": "the 'minimal_flash' remat policy, which saves the attention's "
         "output too (modelled as --remat dots, which recomputes it); layers unrolled "
         "('Scan Off'), the planner's recipe scans them",
     },
-]  # fmt: skip
+]
 
 
 def predicted(entry: dict, efficiency: float | None = None) -> dict:
@@ -102,9 +126,17 @@ def predicted(entry: dict, efficiency: float | None = None) -> dict:
         if entry.get("shape") == "llama2-7b"
         else model_config.PRESETS[entry["model"]]
     )
-    run = layouts.Run(entry.get("model", entry.get("shape")), shape, entry["devices"],
-                   entry["nodes"], hardware.chip("H100 80GB"), entry["seq_len"],
-                   entry["global_batch"], remat=entry["remat"], efficiency=efficiency)  # fmt: skip
+    run = layouts.Run(
+        entry.get("model", entry.get("shape")),
+        shape,
+        entry["devices"],
+        entry["nodes"],
+        hardware.chip("H100 80GB"),
+        entry["seq_len"],
+        entry["global_batch"],
+        remat=entry["remat"],
+        efficiency=efficiency,
+    )
     candidate = layouts.Layout.from_flag(entry["mesh"], strategy="published")
     row = ranking.row(run, candidate)
     return {
@@ -134,8 +166,15 @@ def fsdp_threshold(devices: int, nodes: int, seq_len: int = 4096) -> float:
     linear in the tokens, the weights' bytes are constant, the lookup's grow with them)."""
     times = []
     for rows in (1, 2):
-        run = layouts.Run("8b", model_config.PRESETS["8b"], devices, nodes, hardware.chip("H100 80GB"),
-                       seq_len, rows * devices)  # fmt: skip
+        run = layouts.Run(
+            "8b",
+            model_config.PRESETS["8b"],
+            devices,
+            nodes,
+            hardware.chip("H100 80GB"),
+            seq_len,
+            rows * devices,
+        )
         run = dataclasses.replace(run, remat="none", efficiency=1.0)
         t = timing.step_seconds(
             run, layouts.Layout.from_flag(f"fsdp={devices}", strategy="FSDP")
@@ -150,8 +189,11 @@ def thresholds() -> dict:
     """The planner's FSDP threshold inside one node (8 GPUs) and across two (16), beside
     the scaling book's."""
     ours = {"inside": fsdp_threshold(8, 1), "across": fsdp_threshold(16, 2)}
-    return {**THRESHOLD, "planner": ours,
-            "ratio": {k: ours[k] / THRESHOLD[k] for k in ours}}  # fmt: skip
+    return {
+        **THRESHOLD,
+        "planner": ours,
+        "ratio": {k: ours[k] / THRESHOLD[k] for k in ours},
+    }
 
 
 GRID = [k / 100 for k in range(20, 101)]  # efficiencies tried: 0.20 to 1.00
@@ -159,8 +201,11 @@ GRID = [k / 100 for k in range(20, 101)]  # efficiencies tried: 0.20 to 1.00
 
 def log_error(entries: list[dict], efficiency: float) -> float:
     """Sum over ``entries`` of log(predicted / measured) squared, at ``efficiency``."""
-    return sum(math.log(predicted(e, efficiency)["tokens_per_second_per_gpu"]
-                        / e["measured"]) ** 2 for e in entries)  # fmt: skip
+    return sum(
+        math.log(predicted(e, efficiency)["tokens_per_second_per_gpu"] / e["measured"])
+        ** 2
+        for e in entries
+    )
 
 
 def fit_efficiency() -> float:
@@ -183,32 +228,51 @@ def table() -> list[dict]:
     for entry in RUNS:
         guess = predicted(entry)
         ratio = guess["tokens_per_second_per_gpu"] / entry["measured"]
-        rows.append({**entry, "predicted": guess, "ratio": ratio,
-                     "implied_efficiency": implied_efficiency(entry)})  # fmt: skip
+        rows.append(
+            {
+                **entry,
+                "predicted": guess,
+                "ratio": ratio,
+                "implied_efficiency": implied_efficiency(entry),
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(OUT))
-    parser.add_argument("--fit", action="store_true",
-                        help="print the fitted compute efficiency and stop")  # fmt: skip
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="print the fitted compute efficiency and stop",
+    )
     args = parser.parse_args()
     if args.fit:
-        print(f"compute efficiency, fitted: {fit_efficiency()} "
-              f"(timing.COMPUTE_EFFICIENCY is {timing.COMPUTE_EFFICIENCY})")  # fmt: skip
+        print(
+            f"compute efficiency, fitted: {fit_efficiency()} "
+            f"(timing.COMPUTE_EFFICIENCY is {timing.COMPUTE_EFFICIENCY})"
+        )
         return
     rows = table()
     for r in rows:
-        print(f"{r['name']:<58} measured {r['measured']:>8,.0f}  predicted "
-              f"{r['predicted']['tokens_per_second_per_gpu']:>8,.0f}  ratio {r['ratio']:.2f}  "
-              f"implied efficiency {r['implied_efficiency']:.2f}")  # fmt: skip
-    meta = {"chip": "H100 80GB (hardware.CHIPS)", "command": "python benchmarks/plan_published.py",
-            "ratio": "predicted / measured tokens per second per GPU",
-            "efficiency": timing.COMPUTE_EFFICIENCY, "fitted_efficiency": fit_efficiency()}  # fmt: skip
+        print(
+            f"{r['name']:<58} measured {r['measured']:>8,.0f}  predicted "
+            f"{r['predicted']['tokens_per_second_per_gpu']:>8,.0f}  ratio {r['ratio']:.2f}  "
+            f"implied efficiency {r['implied_efficiency']:.2f}"
+        )
+    meta = {
+        "chip": "H100 80GB (hardware.CHIPS)",
+        "command": "python benchmarks/plan_published.py",
+        "ratio": "predicted / measured tokens per second per GPU",
+        "efficiency": timing.COMPUTE_EFFICIENCY,
+        "fitted_efficiency": fit_efficiency(),
+    }
     limits = thresholds()
-    print(f"FSDP compute-bound from (tokens per GPU): planner {limits['planner']}, "
-          f"scaling book {limits['inside']} inside a node, {limits['across']} across")  # fmt: skip
+    print(
+        f"FSDP compute-bound from (tokens per GPU): planner {limits['planner']}, "
+        f"scaling book {limits['inside']} inside a node, {limits['across']} across"
+    )
     out = {"meta": meta, "rows": rows, "fsdp_threshold": limits}
     pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

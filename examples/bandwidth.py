@@ -263,8 +263,10 @@ def main(argv=None) -> int:
     if copies_only:
         chosen = COPIES
         if lead:
-            print("# one device: no collective to time; copies between pinned host "
-                  "memory and the device instead")  # fmt: skip
+            print(
+                "# one device: no collective to time; copies between pinned host "
+                "memory and the device instead"
+            )
     rows = []
     for collective in chosen:
         if lead:
@@ -301,9 +303,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"axis": args.axis, "group": n, "rows": rows}, f, indent=1)
     if args.expect_gbps is not None:
-        largest = {
-            r["collective"]: r for r in rows
-        }  # each collective's last, largest size
+        # each collective's last, largest size
+        largest = {r["collective"]: r for r in rows}
         slow = [r for r in largest.values() if r["busbw_gbps"] < args.expect_gbps]
         if slow:
             worst = ", ".join(f"{r['collective']} {r['busbw_gbps']:.3g}" for r in slow)

@@ -23,8 +23,11 @@ from sklearn.datasets import load_digits
 # Sharding rules: the first parameter path (a regex) that matches gives the spec, and
 # the rest are replicated. Megatron's MLP split: hidden units over 'tensor', the batch
 # over 'data'.
-RULES = [(r"Dense_0/kernel", P(None, "tensor")), (r"Dense_0/bias", P("tensor")),
-         (r"Dense_1/kernel", P("tensor", None))]  # fmt: skip
+RULES = [
+    (r"Dense_0/kernel", P(None, "tensor")),
+    (r"Dense_0/bias", P("tensor")),
+    (r"Dense_1/kernel", P("tensor", None)),
+]
 
 
 class MLP(nn.Module):
@@ -51,9 +54,10 @@ def create_state(mesh, learning_rate: float) -> train_state.TrainState:
     """Parameters and Adam's moments, born sharded: a device holds only its shards."""
     model, tx = MLP(), optax.adam(learning_rate)
 
+    # run under jit with out_shardings, each device makes only its shards
     def init(
         rng,
-    ):  # run under jit with out_shardings, each device makes only its shards
+    ):
         params = model.init(rng, jnp.zeros((1, 64)))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
@@ -96,9 +100,8 @@ def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     sharding = NamedSharding(mesh, P("data"))
     for _ in range(steps):
-        rows = rng.choice(
-            len(images), global_batch, replace=False
-        )  # the same on every process
+        # the same on every process
+        rows = rng.choice(len(images), global_batch, replace=False)
         mine = rows.reshape(jax.process_count(), per_process)[jax.process_index()]
         yield tuple(
             jax.make_array_from_process_local_data(
@@ -111,9 +114,8 @@ def global_batches(mesh, global_batch: int, steps: int, seed: int = 0):
 def main(steps: int, checkpoint_dir: str) -> None:
     join_processes()
     n = jax.device_count()
-    tensor_axis = (
-        2 if n % 2 == 0 else 1
-    )  # tensor parallel in pairs where the count allows
+    # tensor parallel in pairs where the count allows
+    tensor_axis = 2 if n % 2 == 0 else 1
     shape, axes = (n // tensor_axis, tensor_axis), ("data", "tensor")
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto, AxisType.Auto))
     state = create_state(mesh, learning_rate=1e-3)
@@ -121,9 +123,8 @@ def main(steps: int, checkpoint_dir: str) -> None:
     batch = 16 * shape[0]  # a multiple of the 'data' axis, hence of the processes
     for step, (images, labels) in enumerate(global_batches(mesh, batch, steps)):
         state, loss = train_step(state, images, labels)
-        loss = float(
-            loss
-        )  # on every process: it waits for the step, so none runs ahead
+        # on every process: it waits for the step, so none runs ahead
+        loss = float(loss)
         if jax.process_index() == 0:
             print(f"step {step:3d}  loss {loss:.4f}", flush=True)
 

@@ -51,9 +51,8 @@ def train_step(w: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax
     return w - 0.1 * grad, loss
 
 
-w = global_array(
-    np.zeros(4, np.float32), P()
-)  # replicated: every process passes all of it
+# replicated: every process passes all of it
+w = global_array(np.zeros(4, np.float32), P())
 for step in range(30):
     x, y = local_batch(step)
     w, loss = train_step(w, global_array(x, P("data")), global_array(y, P("data")))

@@ -129,9 +129,8 @@ def comparison_table(
     The error is the largest difference from the gradient one device computes on the whole batch.
     ``table.values`` holds the numbers, one row per variant under ``COMPARISON_HEADERS``.
     """
-    whole = jax.device_get(
-        (params, batch)
-    )  # one device, the whole batch: the reference
+    # one device, the whole batch: the reference
+    whole = jax.device_get((params, batch))
     reference = jax.jit(jax.grad(loss_fn))(*whole)
     rows = []
     for name, variant in VARIANTS.items():

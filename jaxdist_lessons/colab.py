@@ -71,9 +71,8 @@ if hosted and importlib.util.find_spec("jaxdist_lessons") is None:
     subprocess.run([*pip, source, *keep], check=True)
 """
 
-TAGS = (
-    "hide-cell",
-)  # in the HTML book the cell is folded away; on Colab it runs like any other
+# in the HTML book the cell is folded away; on Colab it runs like any other
+TAGS = ("hide-cell",)
 
 _FIRST_CELL = re.compile(
     r"```\{code-cell\}\n(?::tags: \[[^\]]*\]\n\n)?(?P<code>.*?)```\n", re.S

@@ -93,9 +93,8 @@ class JaxdistDigits(tfds.core.GeneratorBasedBuilder):
         scale = self.IMAGE_SIZE // digits.images.shape[1]
         for i, (image, label) in enumerate(zip(digits.images, digits.target)):
             if (i % 5 == 0) == test:
-                pixels = np.kron(image, np.ones((scale, scale))) * (
-                    255 / 16
-                )  # values 0..16 -> 0..255
+                # values 0..16 -> 0..255
+                pixels = np.kron(image, np.ones((scale, scale))) * (255 / 16)
                 yield (
                     i,
                     {

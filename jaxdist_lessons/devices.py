@@ -311,9 +311,8 @@ def _too_late_message(info: DeviceInfo, requested: int | None, min_devices: int)
     wanted = (
         requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
     )
-    if (
-        info.platform != "cpu"
-    ):  # too few accelerators, and too late to fall back to the CPU
+    # too few accelerators, and too late to fall back to the CPU
+    if info.platform != "cpu":
         return (
             f"this chapter needs at least {min_devices} devices, but JAX had already started "
             f"with {info.count} {info.platform} device(s), and can only switch to {wanted} "

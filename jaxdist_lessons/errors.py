@@ -282,9 +282,8 @@ def catalogue() -> dict[str, Callable[[], Any]]:
     explicit_data = NamedSharding(
         jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,)), P("data")
     )
-    pairs = devices_for_axis(
-        2
-    )  # a 'tensor' axis of 2: on an odd count, all devices but one
+    # a 'tensor' axis of 2: on an odd count, all devices but one
+    pairs = devices_for_axis(2)
     hybrid = jax.make_mesh(
         mesh_shape(len(pairs), data=-1, tensor=2),
         ("data", "tensor"),

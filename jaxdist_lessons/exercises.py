@@ -83,11 +83,28 @@ class Exercise:
 
 _UNITS = {
     "bytes": {
-        "b": 1, "byte": 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "b": 1,
+        "byte": 1,
+        "bytes": 1,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
     },
-    "seconds": {"s": 1, "sec": 1, "second": 1, "seconds": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6},
-}  # fmt: skip
+    "seconds": {
+        "s": 1,
+        "sec": 1,
+        "second": 1,
+        "seconds": 1,
+        "ms": 1e-3,
+        "us": 1e-6,
+        "µs": 1e-6,
+    },
+}
 
 
 def _number(answer: Any, unit: str = "") -> float | None:

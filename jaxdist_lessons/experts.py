@@ -28,9 +28,8 @@ class Routing(NamedTuple):
     dispatch_TEM: jax.Array  # 1 where token t takes slot m of expert e
     combine_TEM: jax.Array  # the token's gate at the same places
     dropped: jax.Array  # (token, choice) pairs that found their expert full
-    fraction_E: (
-        jax.Array
-    )  # share of the (token, choice) pairs that chose expert e (Switch's f)
+    # share of the (token, choice) pairs that chose expert e (Switch's f)
+    fraction_E: jax.Array
     mean_prob_E: jax.Array  # the router's mean probability for expert e (Switch's P)
     z_loss: jax.Array
 
@@ -182,9 +181,8 @@ def moe_all_to_all(
         return y_TD, stats
 
     specs = {"router_DE": P(), "w_in_EDF": P("expert"), "w_out_EFD": P("expert")}
-    if (
-        AxisType.Explicit in mesh.axis_types
-    ):  # arrays carry their sharding: place them first
+    # arrays carry their sharding: place them first
+    if AxisType.Explicit in mesh.axis_types:
         params = jax.reshard(
             params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         )

@@ -149,9 +149,8 @@ def jit_data_parallel_step(
     The step is written as for one device. The compiler sees a mean over a sharded
     dimension and inserts the all-reduce of the gradients itself.
     """
-    model = with_axis_name(
-        model, None
-    )  # BatchNorm sees the global batch: no axis to name
+    # BatchNorm sees the global batch: no axis to name
+    model = with_axis_name(model, None)
 
     def step(state: TrainState, batch: Batch):
         def objective(params):
@@ -170,9 +169,8 @@ def jit_data_parallel_step(
         return state, {"loss": loss, "grads": grads}
 
     replicated = NamedSharding(mesh, P())  # the state: a full copy on every device
-    rows_split = NamedSharding(
-        mesh, P(data_axis)
-    )  # the batch: each device a slice of rows
+    # the batch: each device a slice of rows
+    rows_split = NamedSharding(mesh, P(data_axis))
     return jax.jit(
         step,
         in_shardings=(replicated, rows_split),

@@ -54,11 +54,12 @@ MESSAGES = {
     "unreachable": r"(?s)absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded.*?RPC: \S+RegisterTask",
     "partial": r"(?s)absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded.*?RPC: \S+RegisterTask",
 }
+# the lab's initialization, heartbeat and shutdown timeouts, in seconds
 TIMEOUTS = (
     10,
     5,
     5,
-)  # the lab's initialization, heartbeat and shutdown timeouts, in seconds
+)
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -127,11 +128,26 @@ def run_cases(
     mpirun = shutil.which("mpirun", path=env["PATH"])
     start, jobs = time.monotonic(), {}
     for case, extra in cases.items():
-        command = [mpirun, "--map-by", ":OVERSUBSCRIBE", "-np", "2", sys.executable, "-m",
-                   "jaxdist_lessons.hang_lab", case, *(a.format(port=free_port()) for a in extra)]  # fmt: skip
-        jobs[case] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)  # fmt: skip
+        command = [
+            mpirun,
+            "--map-by",
+            ":OVERSUBSCRIBE",
+            "-np",
+            "2",
+            sys.executable,
+            "-m",
+            "jaxdist_lessons.hang_lab",
+            case,
+            *(a.format(port=free_port()) for a in extra),
+        ]
+        jobs[case] = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     outcomes = {}
     for case, job in jobs.items():
         try:
@@ -186,8 +202,13 @@ def main() -> None:
     parser.add_argument(
         "--port", type=int, default=0, help="for unreachable and partial"
     )
-    parser.add_argument("--timeouts", type=int, nargs=3, default=TIMEOUTS,
-                        metavar=("INIT", "HEARTBEAT", "SHUTDOWN"))  # fmt: skip
+    parser.add_argument(
+        "--timeouts",
+        type=int,
+        nargs=3,
+        default=TIMEOUTS,
+        metavar=("INIT", "HEARTBEAT", "SHUTDOWN"),
+    )
     args = parser.parse_args()
     multihost.native_stdout_to_stderr()
     join(args.case, args.port, multihost.Timeouts(*args.timeouts))
@@ -196,9 +217,8 @@ def main() -> None:
     )
     dog = watchdog.StepWatchdog(args.watchdog).start() if args.watchdog else None
     for k in range(4):
-        if (
-            k == 2 and jax.process_index() == 1
-        ):  # between steps: say, reading the next batch
+        # between steps: say, reading the next batch
+        if k == 2 and jax.process_index() == 1:
             print(f"process 1 goes wrong before step 2 ({args.case})", flush=True)
             if args.case == "sleep":
                 time.sleep(3600)

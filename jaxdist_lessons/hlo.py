@@ -223,9 +223,8 @@ def attribute(rest: str, key: str) -> str:
     if start < 0:
         return ""
     text = rest[start + len(key) + 1 :]
-    if text.startswith(
-        "mesh["
-    ):  # mesh['a'=1,'b'=2] {'b'}, maybe with device_ids=(...) first
+    # mesh['a'=1,'b'=2] {'b'}, maybe with device_ids=(...) first
+    if text.startswith("mesh["):
         end = text.find("}", text.find("]"))
         return text[: end + 1] if end >= 0 else text
     depth = 0

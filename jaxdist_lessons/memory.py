@@ -151,9 +151,8 @@ def transformer_layer_params(hidden: int, mlp_ratio: int = 4) -> int:
     With ``mlp_ratio=4`` this is ``12 h^2 + 13 h``.
     """
     _check_count("hidden", hidden)
-    attention = (
-        4 * hidden * hidden + 4 * hidden
-    )  # Q, K, V and output projections, with biases
+    # Q, K, V and output projections, with biases
+    attention = 4 * hidden * hidden + 4 * hidden
     mlp = 2 * mlp_ratio * hidden * hidden + mlp_ratio * hidden + hidden
     layer_norms = 2 * 2 * hidden  # scale and bias, twice
     return attention + mlp + layer_norms

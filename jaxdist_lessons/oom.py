@@ -251,9 +251,8 @@ def random_init_memory(
     shape: Sequence[int], mesh: Mesh, spec: P
 ) -> tuple[compiled.CompiledStats, str]:
     """Compile a sharded ``jax.random.normal`` init under the current PRNG flags: its figures and its key's type."""
-    key = jax.random.PRNGKey(
-        0
-    )  # the legacy constructor: its type is what jax_enable_custom_prng changes
+    # the legacy constructor: its type is what jax_enable_custom_prng changes
+    key = jax.random.PRNGKey(0)
     init = jax.jit(
         lambda k: jax.random.normal(k, tuple(shape)),
         out_shardings=NamedSharding(mesh, spec),

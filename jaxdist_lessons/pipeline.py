@@ -91,9 +91,8 @@ def _run(
     mesh: Mesh, axis: str, per_device: Callable, stage_params: Any, *data: jax.Array
 ):
     """``per_device`` under ``shard_map``: parameters split over ``axis``, data whole, results per stage."""
-    if (
-        AxisType.Explicit in mesh.axis_types
-    ):  # arrays carry their sharding: place them first
+    # arrays carry their sharding: place them first
+    if AxisType.Explicit in mesh.axis_types:
         stage_params = jax.reshard(stage_params, NamedSharding(mesh, P(axis)))
         data = tuple(jax.reshard(a, NamedSharding(mesh, P())) for a in data)
     return jax.shard_map(
@@ -163,9 +162,8 @@ def _tables(table: Table, num_stages: int) -> dict[str, np.ndarray]:
                 continue
             a["kind"][t, s] = 1 if op.kind == "F" else 2
             a["micro"][t, s] = op.micro
-            if (
-                op.kind == "F" and s + 1 < num_stages
-            ):  # the next stage gets it after this tick
+            # the next stage gets it after this tick
+            if op.kind == "F" and s + 1 < num_stages:
                 a["recv_f"][t, s + 1] = op.micro + 1
             if op.kind == "B" and s > 0:
                 a["recv_b"][t, s - 1] = op.micro + 1
@@ -223,16 +221,14 @@ def one_f_one_b_grads(
         def forward(carry, m):
             inputs, grads_in, grad_sum, loss = carry
             x_in = jnp.where(stage == 0, micro_x[m], inputs[m % S])
-            inputs = inputs.at[m % S].set(
-                x_in
-            )  # stage 0 keeps its input for the backward
+            # stage 0 keeps its input for the backward
+            inputs = inputs.at[m % S].set(x_in)
             return (inputs, grads_in, grad_sum, loss), stage_fn(params, x_in), zero
 
         def backward(carry, m):
             inputs, grads_in, grad_sum, loss = carry
-            out, vjp = jax.vjp(
-                stage_fn, params, inputs[m % S]
-            )  # recompute, then backward
+            # recompute, then backward
+            out, vjp = jax.vjp(stage_fn, params, inputs[m % S])
             value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
             is_last = stage == S - 1
             g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[m % S]))
@@ -256,16 +252,16 @@ def one_f_one_b_grads(
             grads_in = jnp.where(rb >= 0, grads_in.at[rb % S].set(got_b), grads_in)
             return (inputs, grads_in, grad_sum, loss), None
 
-        buffers = jnp.broadcast_to(
-            zero, (S, *zero.shape)
-        )  # S slots, like zero: varying
+        # S slots, like zero: varying
+        buffers = jnp.broadcast_to(zero, (S, *zero.shape))
         loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
+        # params vary
         start = (
             buffers,
             buffers,
             jax.tree.map(jnp.zeros_like, params),
             loss,
-        )  # params vary
+        )
         (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
         return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
 
@@ -319,9 +315,8 @@ def interleaved_grads(
         def forward(carry, m, c, slot, gslot):
             inputs, grads_in, grad_sum, loss = carry
             x_in = jnp.where((device == 0) & (c == 0), micro_x[m], inputs[slot])
-            inputs = inputs.at[slot].set(
-                x_in
-            )  # chunk 0 keeps its input for the backward
+            # chunk 0 keeps its input for the backward
+            inputs = inputs.at[slot].set(x_in)
             out = chunk_fn(jax.tree.map(lambda p: p[c], params), x_in)
             return (inputs, grads_in, grad_sum, loss), out, zero
 

@@ -64,9 +64,8 @@ def memory_vs_model_size(
     }
     for label, per_param in curves.items():
         ax.plot(params, params * per_param, linewidth=2.5, label=label)
-    by_capacity = hardware.by_memory(
-        accelerators
-    )  # each chip once, smallest memory first
+    # each chip once, smallest memory first
+    by_capacity = hardware.by_memory(accelerators)
     for i, (capacity, chips) in enumerate(by_capacity.items()):
         label = " / ".join(c.name for c in chips)
         ax.axhline(capacity, linestyle="--", linewidth=1, color="0.45", label=label)
@@ -650,10 +649,13 @@ def process_collectives(
             r, c = divmod(position, cols)
             ax.add_patch(
                 Rectangle(
-                    (c - 0.4, rows - 1 - r - 0.35), 0.8, 0.7,
-                    facecolor=plt.cm.Pastel2(process % 8), edgecolor="black",
+                    (c - 0.4, rows - 1 - r - 0.35),
+                    0.8,
+                    0.7,
+                    facecolor=plt.cm.Pastel2(process % 8),
+                    edgecolor="black",
                 )
-            )  # fmt: skip
+            )
             ax.text(  # above the lines drawn below, on the box's own colour: never crossed
                 c,
                 rows - 1 - r + 0.17,
@@ -740,9 +742,15 @@ def memory_measured_vs_predicted(
             if not heights.any():
                 continue
             ax.bar(
-                x + offset, heights, width=0.38, bottom=bottom, color=colour[part],
-                hatch=hatch, edgecolor="white" if hatch else None, label=f"{kind}: {part}",
-            )  # fmt: skip
+                x + offset,
+                heights,
+                width=0.38,
+                bottom=bottom,
+                color=colour[part],
+                hatch=hatch,
+                edgecolor="white" if hatch else None,
+                label=f"{kind}: {part}",
+            )
             bottom += heights
     ax.set_xticks(x, [f"{s}\n(measured | predicted)" for s in names], fontsize=8)
     ax.set(ylabel=f"{unit} per device", title="What each device holds during a step")
@@ -793,8 +801,9 @@ def lm_scale(
         axes[0, column].set_title(f"{model}: memory per device")
         axes[1, column].set_title(f"{model}: bytes per step")
         for k, (label, gb) in enumerate((memory_lines or {}).items()):
-            axes[0, column].axhline(gb, color="0.3", linestyle=("--", ":")[k % 2], lw=1,
-                                    label=label)  # fmt: skip
+            axes[0, column].axhline(
+                gb, color="0.3", linestyle=("--", ":")[k % 2], lw=1, label=label
+            )
     axes[0, 0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
@@ -814,10 +823,20 @@ def memory_vs_sequence(
         raise ValueError(f"unknown unit {unit!r}; allowed: MB, GB")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (name, values) in enumerate(memory.items()):
-        ax.plot(seq_lens, np.asarray(values) / scale, marker="o", label=name,
-                color=plt.cm.tab10(i % 10))  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
-           ylabel=f"{unit} per device", title="Attention forward + backward: temporaries")  # fmt: skip
+        ax.plot(
+            seq_lens,
+            np.asarray(values) / scale,
+            marker="o",
+            label=name,
+            color=plt.cm.tab10(i % 10),
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length (tokens)",
+        ylabel=f"{unit} per device",
+        title="Attention forward + backward: temporaries",
+    )
     ax.set_xticks(list(seq_lens), [f"{t // 1024}k" for t in seq_lens])
     ax.legend(fontsize=8)
     fig.tight_layout()

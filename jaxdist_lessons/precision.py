@@ -88,9 +88,8 @@ def data_parallel_grads(
     """
 
     def grads_fn(params, batch):
-        local_params = lax.pcast(
-            params, data_axis, to="varying"
-        )  # local gradients, reduced once below
+        # local gradients, reduced once below
+        local_params = lax.pcast(params, data_axis, to="varying")
         loss, grads = jax.value_and_grad(
             lambda p: loss_fn(policy.to_compute(p), batch)
         )(local_params)

@@ -64,9 +64,8 @@ def capture(
     """
     positive_int("steps", steps)
     log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="jaxdist-trace-"))
-    jax.block_until_ready(
-        fn(*args)
-    )  # compile outside the trace: we profile steady-state steps
+    # compile outside the trace: we profile steady-state steps
+    jax.block_until_ready(fn(*args))
     with jax.profiler.trace(str(log_dir)):
         for step in range(steps):
             with jax.profiler.StepTraceAnnotation("step", step_num=step):

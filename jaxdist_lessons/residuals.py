@@ -59,9 +59,8 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
     found = []
     for line in filter(None, map(str.strip, out.getvalue().splitlines())):
         m = _RESIDUAL.match(line)
-        if (
-            m is None
-        ):  # every line is a residual: one we cannot read must not be dropped
+        # every line is a residual: one we cannot read must not be dropped
+        if m is None:
             raise ValueError(
                 f"cannot read this line of print_saved_residuals: {line!r}"
             )

@@ -65,9 +65,8 @@ class Entry:
     title: str  # the snippet or claim in a few words (Markdown)
     verdict: str  # a key of VERDICTS
     chapter: str  # a key of CHAPTERS: where the book teaches it properly
-    cells: tuple[str, ...] = (
-        "fix",
-    )  # the entry's code cells, from PARTS, in that order
+    # the entry's code cells, from PARTS, in that order
+    cells: tuple[str, ...] = ("fix",)
     shell: bool = (
         False  # the article's code is a shell command: shown, not run as Python
     )
@@ -320,9 +319,8 @@ def undefined_names(
     """
     bound_so_far = set(assumed) | set(dir(builtins))
     early_reads: set[str] = set()  # read by top-level code before any binding
-    free_in_functions: set[str] = (
-        set()
-    )  # read by function bodies, bound nowhere inside them
+    # read by function bodies, bound nowhere inside them
+    free_in_functions: set[str] = set()
     for statement in (s for snippet in snippets for s in ast.parse(snippet).body):
         if isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
             free_in_functions |= _names(statement, ast.Load) - _bound_inside(statement)

@@ -93,9 +93,8 @@ def ring_attention(q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence") -> jax.A
     to_next = [(j, (j + 1) % n) for j in range(n)]
     k, v = k_BTNA, v_BTNA
     for step in range(n):  # unrolled: each permute can overlap the next block's compute
-        kv_pos = _positions(
-            T, axis_name, device=(i - step) % n
-        )  # whose K, V we hold now
+        # whose K, V we hold now
+        kv_pos = _positions(T, axis_name, device=(i - step) % n)
         carry = _fold_block(q_BTNA, k, v, q_pos[:, None] >= kv_pos[None, :], carry)
         if step < n - 1:
             k, v = (jax.lax.ppermute(x, axis_name, to_next) for x in (k, v))
@@ -125,9 +124,8 @@ def ulysses_attention(q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence") -> ja
     to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
     q, k, v = to_heads(q_BTNA), to_heads(k_BTNA), to_heads(v_BTNA)  # (B, T_all, N/n, A)
     n = jax.lax.axis_size(axis_name)
-    pos = jnp.asarray(
-        zigzag_order(q_BTNA.shape[1] * n, n)
-    )  # the whole sequence, zigzag order
+    # the whole sequence, zigzag order
+    pos = jnp.asarray(zigzag_order(q_BTNA.shape[1] * n, n))
     mask = pos[:, None] >= pos[None, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
     return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # back to (B, T, N, A)
@@ -178,9 +176,14 @@ def kv_bytes(
 
 
 def predicted_bytes(
-    kind: str, batch: int, seq_len: int, heads: int, head_dim: int, num_devices: int,
+    kind: str,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    head_dim: int,
+    num_devices: int,
     itemsize: int = 4,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """What one device's forward pass moves, by theory: the collective kind -> bytes of its results, and sent.
 
     ``"result"`` is what ``comms.bytes_by_kind`` reads (the size of each op's result); ``"sent"``
@@ -193,9 +196,8 @@ def predicted_bytes(
         return {"collective-permute": moved, "sent": moved}
     if kind == "all-gather KV":  # the gathered K and V
         return {"all-gather": full_kv, "sent": (n - 1) / n * full_kv}
-    if (
-        kind == "Ulysses"
-    ):  # q, k, v in and out back: 4 local blocks, (n-1)/n of each leaves
+    # q, k, v in and out back: 4 local blocks, (n-1)/n of each leaves
+    if kind == "Ulysses":
         block = full_kv / 2 / n
         return {"all-to-all": 4 * block, "sent": 4 * (n - 1) / n * block}
     raise ValueError(f"unknown attention {kind!r}; allowed: {', '.join(ATTENTIONS)}")

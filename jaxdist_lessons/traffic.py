@@ -66,9 +66,8 @@ def sent_bytes(transfer: Transfer) -> float:
         return ring_all_reduce_bytes(b, g)
     if transfer.kind == "all-gather":
         return ring_all_gather_bytes(b, g)
-    if (
-        transfer.kind == "reduce-scatter"
-    ):  # its result is one shard of the reduced array
+    # its result is one shard of the reduced array
+    if transfer.kind == "reduce-scatter":
         return ring_reduce_scatter_bytes(b * g, g)
     # all-to-all: each device keeps 1/g of its buffer and sends the rest
     return (g - 1) / g * b

@@ -164,7 +164,6 @@ class StepWatchdog:
         )
         faulthandler.dump_traceback(file=self.stream, all_threads=True)
         self.stream.flush()
-        time.sleep(
-            2 * self.poll_s + 0.5
-        )  # the others' threads poll the report, and dump theirs
+        # the others' threads poll the report, and dump theirs
+        time.sleep(2 * self.poll_s + 0.5)
         os._exit(self.exit_status)

@@ -415,9 +415,8 @@ def expected_collectives(
         "reduce-scatter": parts.sharded // num_devices,
         "all-reduce": parts.replicated + loss_bytes,
     }
-    return {
-        kind: nbytes for kind, nbytes in found.items() if nbytes
-    }  # none where none split
+    # none where none split
+    return {kind: nbytes for kind, nbytes in found.items() if nbytes}
 
 
 def ring_bytes_sent(strategy: str, params: Any, num_devices: int) -> float:

@@ -57,8 +57,12 @@ def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
             )
     result = {}
     for kind in set(kinds.values()):
-        kept = [line.replace(" all-gather", " other-gather") if kinds.get(n, kind) != kind
-                else line for n, line in enumerate(lines)]  # fmt: skip
+        kept = [
+            line.replace(" all-gather", " other-gather")
+            if kinds.get(n, kind) != kind
+            else line
+            for n, line in enumerate(lines)
+        ]
         result[kind] = compiled.collective_bytes("\n".join(kept)).get("all-gather", 0)
     return result
 
@@ -77,9 +81,22 @@ def main():
         spec, *flags = run.split()
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            train.main(["--model", model_name, "--mesh", spec, "--seq-len", seq_len,
-                        "--global-batch", global_batch, "--compilation-cache", cache,
-                        "--compile-only", *flags])  # fmt: skip
+            train.main(
+                [
+                    "--model",
+                    model_name,
+                    "--mesh",
+                    spec,
+                    "--seq-len",
+                    seq_len,
+                    "--global-batch",
+                    global_batch,
+                    "--compilation-cache",
+                    cache,
+                    "--compile-only",
+                    *flags,
+                ]
+            )
         [line] = [
             x for x in printed.getvalue().splitlines() if x.startswith("per device:")
         ]

@@ -29,9 +29,8 @@ from jaxdist_lessons import comms, hlo  # noqa: E402
 
 AXES = ("data", "fsdp", "tensor")
 without_override = {k: v for k, v in os.environ.items() if k != multihost.NODE_OVERRIDE}
-detected = multihost.node_of_processes(
-    without_override
-)  # by hostname: all on this machine
+# by hostname: all on this machine
+detected = multihost.node_of_processes(without_override)
 nodes = multihost.node_of_devices()
 mesh = multihost.hybrid_mesh(ici, dcn, AXES, nodes=nodes)
 grid = multihost.node_grid(mesh, nodes)

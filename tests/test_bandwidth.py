@@ -42,8 +42,13 @@ def test_each_collective_moves_what_its_bus_factor_says(collective, axis):
     size = 64 * bandwidth.unit_bytes(collective, n)
     step, x = bandwidth.program(collective, mesh, axis, size)
     [found] = comms.collectives(step.lower(x).compile().as_text())
-    result = {"all-reduce": size, "all-gather": size, "reduce-scatter": size // n,
-              "all-to-all": size, "collective-permute": size}[collective]  # fmt: skip
+    result = {
+        "all-reduce": size,
+        "all-gather": size,
+        "reduce-scatter": size // n,
+        "all-to-all": size,
+        "collective-permute": size,
+    }[collective]
     assert (found.kind, found.bytes, found.group_size) == (
         collective,
         result,
@@ -62,11 +67,28 @@ def test_the_table_agrees_with_itself_and_a_slow_link_fails(tmp_path):
     one line saying which collectives, and the JSON written before."""
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "examples/bandwidth.py", "--num-devices", "4", "--max-bytes",
-         "1024", "--iters", "2", "--warmup", "1", "--expect-gbps", "1e6",
-         "--json", str(out)],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "examples/bandwidth.py",
+            "--num-devices",
+            "4",
+            "--max-bytes",
+            "1024",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--expect-gbps",
+            "1e6",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     [line] = [x for x in done.stderr.splitlines() if "bandwidth FAILED" in x]
     assert "below 1e+06 GB/s: all-reduce" in line and "collective-permute" in line
@@ -88,10 +110,26 @@ def test_one_device_times_host_copies_instead(tmp_path):
     and the device, each a table with bus factor 1, and the note that says so."""
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "examples/bandwidth.py", "--num-devices", "1", "--max-bytes",
-         "64", "--iters", "2", "--warmup", "1", "--json", str(out)],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "examples/bandwidth.py",
+            "--num-devices",
+            "1",
+            "--max-bytes",
+            "64",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         "# one device: no collective to time; copies between pinned host" in done.stdout
@@ -110,12 +148,33 @@ def test_it_runs_under_mpirun_across_two_simulated_nodes():
     """mpirun -np 2, 4 CPU devices a process, a node a process (--per-node 4): all-reduce
     across the nodes, groups of 2; process 0 alone prints the table."""
     done = subprocess.run(
-        ["mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", "2", "python",
-         "examples/bandwidth.py", "--collective", "all-reduce", "--axis", "across",
-         "--per-node", "4", "--max-bytes", "64", "--iters", "2", "--warmup", "1"],
-        cwd=ROOT, env=clean_env(JAX_NUM_CPU_DEVICES="4"), capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "mpirun",
+            "--map-by",
+            ":OVERSUBSCRIBE",
+            "-np",
+            "2",
+            "python",
+            "examples/bandwidth.py",
+            "--collective",
+            "all-reduce",
+            "--axis",
+            "across",
+            "--per-node",
+            "4",
+            "--max-bytes",
+            "64",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=ROOT,
+        env=clean_env(JAX_NUM_CPU_DEVICES="4"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "8 devices (cpu) on 2 node(s), 2 process(es); groups of 2" in done.stdout
     lines = [x.split() for x in done.stdout.splitlines() if x[:12].strip().isdigit()]

@@ -167,13 +167,16 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
         python, "import jaxdist_lessons; print(jaxdist_lessons.__file__)", content
     )
     assert installed.returncode == 0, installed.stderr
-    assert (
-        str(python.parent.parent) in installed.stdout
-    )  # the wheel, not the editable copy
+    # the wheel, not the editable copy
+    assert str(python.parent.parent) in installed.stdout
     assert python_in(python, show_jax, content).stdout == jax_before
     # The planner's model_config.py is a link to the recipe's file: the wheel holds the file.
-    planned = python_in(python, "from jaxdist_lessons.planning import model_config as m; "
-                        "print(m.PRESETS['8b'].width)", content)  # fmt: skip
+    planned = python_in(
+        python,
+        "from jaxdist_lessons.planning import model_config as m; "
+        "print(m.PRESETS['8b'].width)",
+        content,
+    )
     assert (planned.returncode, planned.stdout.strip()) == (0, "4096"), planned.stderr
 
 

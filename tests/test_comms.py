@@ -247,9 +247,8 @@ def test_ring_schedule_really_all_reduces_and_sends_2_n_minus_1_over_n(n):
     for src_dst_chunk in schedule["reduce-scatter"]:
         snapshot = [[set(c) for c in row] for row in held]
         for src, dst, chunk in src_dst_chunk:
-            assert snapshot[src][chunk].isdisjoint(
-                held[dst][chunk]
-            )  # never add a contribution twice
+            # never add a contribution twice
+            assert snapshot[src][chunk].isdisjoint(held[dst][chunk])
             held[dst][chunk] |= snapshot[src][chunk]
             sent[src] += 1
     for d in range(n):

@@ -46,9 +46,8 @@ def test_donation_shows_up_as_aliased_bytes():
         kept.alias_bytes == 0
         and kept.live_bytes == kept.argument_bytes + kept.output_bytes + kept.temp_bytes
     )
-    assert (
-        stats.peak_bytes < kept.peak_bytes
-    )  # donation lets the output reuse the input's buffer
+    # donation lets the output reuse the input's buffer
+    assert stats.peak_bytes < kept.peak_bytes
 
 
 def test_memory_row_and_donation():
@@ -77,9 +76,8 @@ def test_live_bytes_count_the_temporaries_that_xla_cpu_peak_leaves_out():
         row["live"]
         == row["arguments"] + row["outputs"] + row["temporaries"] - row["aliased"]
     )
-    assert (
-        row["temporaries"] >= 2 * x.nbytes
-    )  # exp(x) and cos(x) at least, before the dot
+    # exp(x) and cos(x) at least, before the dot
+    assert row["temporaries"] >= 2 * x.nbytes
     if jax.default_backend() == "cpu":
         # What compiled.CompiledStats.peak_bytes warns of: XLA:CPU's peak is the arguments and outputs.
         assert row["XLA peak"] == row["arguments"] + row["outputs"] < row["live"]
@@ -105,9 +103,11 @@ def test_compiler_log_catches_the_partitioners_warning_and_its_cure():
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
     mesh = jax.make_mesh(
-        (2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2,
+        (2, 4),
+        ("data", "fsdp"),
+        axis_types=(AxisType.Auto,) * 2,
         devices=jax.devices()[:8],
-    )  # fmt: skip
+    )
     rows = NamedSharding(mesh, P(("data", "fsdp")))
     width = NamedSharding(mesh, P(None, None, "fsdp"))
     x = jax.ShapeDtypeStruct((16, 128, 128), jnp.float32, sharding=rows)

@@ -101,10 +101,11 @@ def test_order_is_deterministic_for_a_seed_and_changes_with_the_epoch():
 @pytest.mark.parametrize("drop_remainder", [True, False])
 def test_remainder_is_dropped_or_padded_and_masked(drop_remainder):
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
+    # 360 examples: a partial last batch for N >= 2
     source, global_batch = (
         digits("test"),
         16 * N,
-    )  # 360 examples: a partial last batch for N >= 2
+    )
     batches = list(
         data.batches(
             source, global_batch, mesh, shuffle=False, drop_remainder=drop_remainder
@@ -236,9 +237,8 @@ def test_augmentation_is_seeded_and_only_shifts():
             for x in range(2 * s + 1)
         ]
 
-    for p, s in zip(
-        plain, shifted
-    ):  # each image is the plain one, translated and zero-filled
+    # each image is the plain one, translated and zero-filled
+    for p, s in zip(plain, shifted):
         assert any(np.allclose(s, t) for t in translations(p))
 
 
@@ -248,9 +248,8 @@ def test_real_tfds_datasets_through_mock_data():
         cifar = data.source("cifar10", "train")
         batch = next(data.batches(cifar, 2 * N, mesh))
         assert batch["images"].shape == (2 * N, 32, 32, 3)
-        imagenette = data.source(
-            "imagenette/320px-v2", "train"
-        )  # images of varying sizes
+        # images of varying sizes
+        imagenette = data.source("imagenette/320px-v2", "train")
         batch = next(
             data.batches(
                 imagenette, 2 * N, mesh, preprocess=data.Preprocess(image_size=24)

@@ -168,9 +168,8 @@ def test_unbound_axis_name_under_pmap_and_batchnorm_under_jit():
     )
     assert "Found an unbound axis name: data" in str(exc)
     assert "axis_name='data'" in assert_explained(exc, "unbound axis name").fix
-    exc = raised(
-        bn.apply, variables, jnp.ones((N, 3)), mutable=["batch_stats"]
-    )  # eagerly: other words
+    # eagerly: other words
+    exc = raised(bn.apply, variables, jnp.ones((N, 3)), mutable=["batch_stats"])
     assert str(exc) == "unbound axis name: data"
     assert_explained(exc, "unbound axis name")
 
@@ -234,9 +233,8 @@ def test_with_sharding_constraint_under_set_mesh_is_an_assertion(explicit):
         )
     )
     with jax.set_mesh(explicit):
-        assert same(x).sharding.spec == P(
-            "data", None
-        )  # the sharding it already has: passes, changes nothing
+        # the sharding it already has: passes, changes nothing
+        assert same(x).sharding.spec == P("data", None)
         exc = raised(other, x)
     assert type(exc) is AssertionError
     assert str(exc) == (

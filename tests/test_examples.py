@@ -68,9 +68,10 @@ def manifest():
 
 @pytest.fixture(scope="module")
 def jax_k8s_source():
+    # JAX's Kubernetes detection, as installed
     from jax._src.clusters import (
         k8s_cluster,
-    )  # JAX's Kubernetes detection, as installed
+    )
 
     return inspect.getsource(k8s_cluster)
 
@@ -214,8 +215,12 @@ def test_smoke_exits_1_saying_what_is_wrong():
     }
     result = subprocess.run(
         [sys.executable, "examples/smoke.py", "--expect-devices", "3"],
-        cwd=ROOT, env={**env, "JAX_NUM_CPU_DEVICES": "2"}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**env, "JAX_NUM_CPU_DEVICES": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert (
         "no cluster detected (coordinator_address should be defined.)" in result.stdout
@@ -242,9 +247,14 @@ def test_the_container_job_checks_each_node_before_it_trains():
         "source examples/slurm/gpu_env.sh" in text
         and '--container-image="$IMAGE"' in text
     )
-    order = [text.index(s) for s in ("preflight.py --expect-gpus 8",
-                                     "bandwidth.py --collective all-reduce",
-                                     "smoke.py --expect-devices")]  # fmt: skip
+    order = [
+        text.index(s)
+        for s in (
+            "preflight.py --expect-gpus 8",
+            "bandwidth.py --collective all-reduce",
+            "smoke.py --expect-devices",
+        )
+    ]
     assert (
         order == sorted(order)
         and "--ntasks-per-node=1 python examples/preflight" in text
@@ -263,9 +273,13 @@ def test_the_tuning_settings_are_opt_in_and_this_xla_knows_each_flag():
     words = {}
     for tune in ("0", "1"):
         result = subprocess.run(
-            ["bash", "-c", program], cwd=ROOT, env={**base, "JAXDIST_TUNE": tune},
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            ["bash", "-c", program],
+            cwd=ROOT,
+            env={**base, "JAXDIST_TUNE": tune},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         words[tune] = result.stdout.split()
     assert words["0"] == [

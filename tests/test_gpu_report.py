@@ -101,9 +101,13 @@ def test_the_commands_run_the_planners_flags_with_cudnn_and_a_profile(tmp_path):
     flags = "--model 1b --mesh fsdp=8 --seq-len 2048 --global-batch 64"
     gpu = gpu_report.recipe_commands("python", flags, False, tmp_path / "t")
     assert gpu["compile-only"] == [
-        "python", "examples/lm/train.py", *flags.split(), "--attention", "cudnn",
+        "python",
+        "examples/lm/train.py",
+        *flags.split(),
+        "--attention",
+        "cudnn",
         "--compile-only",
-    ]  # fmt: skip
+    ]
     assert gpu["train"][-4:] == ["--steps", "30", "--profile", str(tmp_path / "t")]
     small = gpu_report.recipe_commands("python", flags, True, tmp_path / "t")
     assert "--num-devices" in small["train"] and "cudnn" not in small["train"]
@@ -114,18 +118,34 @@ def test_the_commands_run_the_planners_flags_with_cudnn_and_a_profile(tmp_path):
 def test_the_report_compares_and_shows_what_it_measured():
     report = {
         "date": "2026-12-03 20:00 UTC",
-        "machine": {"devices": 1, "device_kind": "NVIDIA H200", "platform": "gpu",
-                    "jax": "0.10.2"},
-        "parts": {"train": {"command": "examples/lm/train.py", "passed": True,
-                            "seconds": 61.0}},
+        "machine": {
+            "devices": 1,
+            "device_kind": "NVIDIA H200",
+            "platform": "gpu",
+            "jax": "0.10.2",
+        },
+        "parts": {
+            "train": {
+                "command": "examples/lm/train.py",
+                "passed": True,
+                "seconds": 61.0,
+            }
+        },
         "bandwidth": {"host-to-device": {"size": 2**30, "busbw_gbps": 52.5}},
-        "plan": {"strategy": "DP", "mesh": "data=1", "step_ms": 442.8,
-                 "tokens_per_second": 37_000.0, "mfu": 0.3075, "memory_gb": 27.55},
+        "plan": {
+            "strategy": "DP",
+            "mesh": "data=1",
+            "step_ms": 442.8,
+            "tokens_per_second": 37_000.0,
+            "mfu": 0.3075,
+            "memory_gb": 27.55,
+        },
         "compile_only": {"total_gb": 26.232},
         "train": gpu_report.step_summary(TRAIN_LOG),
-        "attribution": {"compute": {"ms": 1200.0, "exposed_ms": 0.0,
-                                    "collectives": {}}},
-    }  # fmt: skip
+        "attribution": {
+            "compute": {"ms": 1200.0, "exposed_ms": 0.0, "collectives": {}}
+        },
+    }
     report["ratios"] = gpu_report.comparisons(report)
     assert report["ratios"] == {
         "step time, measured / planner": 455 / 442.8,

@@ -118,9 +118,10 @@ def test_the_cnn_really_has_batch_statistics_that_move():
 def test_batchnorm_without_axis_name_under_pmap_gives_local_statistics():
     model, batch = SmallCNN(), make_batches(1)[0]
     state = init_state(model)
+    # no axis_name
     local = jax.pmap(
         lambda s, b: gradients.loss_fn(model, s.params, s.batch_stats, b)[1]
-    )  # no axis_name
+    )
     stats = local(gradients.replicate(state), gradients.split_batch(batch))
     means = np.asarray(stats["BatchNorm_0"]["mean"])
     assert not np.allclose(means[0], means[1])  # each device used only its slice

@@ -47,10 +47,26 @@ def test_one_task_per_node_drives_only_the_gpu_numbered_by_its_local_id(
     # jax-ml/jax#16788: with --ntasks-per-node=1, JAX's SLURM detection gives the task
     # local_device_ids=[SLURM_LOCALID] = [0]: on an 8-GPU node it drives GPU 0 alone.
     result = subprocess.run(
-        ["srun", "-n", "1", "--ntasks-per-node=1", sys.executable, "-m", "jaxdist_lessons.multihost_demo",
-         "--devices", "2", "--out", str(tmp_path), "hello"],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=LIMIT_S,
-    )  # fmt: skip
+        [
+            "srun",
+            "-n",
+            "1",
+            "--ntasks-per-node=1",
+            sys.executable,
+            "-m",
+            "jaxdist_lessons.multihost_demo",
+            "--devices",
+            "2",
+            "--out",
+            str(tmp_path),
+            "hello",
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     hello = json.loads((tmp_path / "rank0.json").read_text())["hello"]
     assert hello["joined_by"] == "cluster detection"
@@ -67,8 +83,12 @@ def test_an_allocation_without_srun_lacks_the_variables_jax_detects(slurm):
     )
     result = subprocess.run(
         ["salloc", "-n", "2", "--overcommit", sys.executable, "-c", program],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=LIMIT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     assert result.returncode != 0
     assert (
         "missing: ['SLURM_STEP_NODELIST', 'SLURM_PROCID', 'SLURM_LOCALID']"

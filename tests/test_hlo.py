@@ -71,9 +71,8 @@ def test_schedule_outline_keeps_the_order_and_the_async_pairs():
         ("all-reduce-done", 1),
         ("all-gather", 1),
     ]
-    assert hlo.schedule_outline(HLO) == [
-        ("compute", 2)
-    ]  # the fused computation is not the entry
+    # the fused computation is not the entry
+    assert hlo.schedule_outline(HLO) == [("compute", 2)]
 
 
 def test_a_nested_jit_compiles_to_the_same_program():

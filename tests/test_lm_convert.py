@@ -151,25 +151,44 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     shutil.copytree(converted_checkpoint, checkpoint)
     tokens = np.random.default_rng(1).integers(0, VOCAB, 4096).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
-    argv = ["--model-config", str(hf_dir / "config.json"), "--checkpoint-dir",
-            str(checkpoint), "--steps", "1", "--global-batch", "8", "--seq-len", "32",
-            "--mesh", "fsdp=-1", "--data", str(tmp_path / "tokens.npy"),
-            "--data-dir", str(tmp_path / "data"), "--checkpoint-every", "1000"]  # fmt: skip
+    argv = [
+        "--model-config",
+        str(hf_dir / "config.json"),
+        "--checkpoint-dir",
+        str(checkpoint),
+        "--steps",
+        "1",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+        "--mesh",
+        "fsdp=-1",
+        "--data",
+        str(tmp_path / "tokens.npy"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--checkpoint-every",
+        "1000",
+    ]
     args = train.parse_args(argv)
     mesh, model, tx, step, shapes, init = train.setup(args)
     manager = train.checkpoint_manager(args)
     batches = train.data.batches(
         train.data.prepare(args.data_dir, args.seq_len, VOCAB, args.data),
-        args.global_batch, slice(0, args.global_batch), args.seed,
-    )  # fmt: skip
+        args.global_batch,
+        slice(0, args.global_batch),
+        args.seed,
+    )
     state, _ = train.restore(manager, shapes, batches)
     manager.close()
     assert int(state.step) == 0
     fresh = tx.init(state.params)  # the optimizer's state before any update
     assert jax.tree.all(
-        jax.tree.map(lambda a, b: bool(np.all(np.asarray(a) == b)), state.opt_state,
-                     fresh)
-    )  # fmt: skip
+        jax.tree.map(
+            lambda a, b: bool(np.all(np.asarray(a) == b)), state.opt_state, fresh
+        )
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train.train(args, mesh, model, tx, step, shapes, init)
@@ -182,11 +201,20 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
 def test_config_json_of_the_hub_and_head_dim(tmp_path):
     """The Hub's Llama 3.x spelling (rope_theta, rope_scaling: transformers 4) reads as
     transformers 5's rope_parameters does; a head_dim that is not D/N stops."""
-    hub = {"model_type": "llama", "vocab_size": 128256, "num_hidden_layers": 16,
-           "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "intermediate_size": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": True, "head_dim": 64,
-           "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0}}  # fmt: skip
+    hub = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "head_dim": 64,
+        "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0},
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hub))
     config = model_config.config_from_hf(str(path))
@@ -205,9 +233,11 @@ def test_rope_frequencies_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.LlamaConfig(
-        hidden_size=2048, num_attention_heads=16, rope_theta=500_000.0,
+        hidden_size=2048,
+        num_attention_heads=16,
+        rope_theta=500_000.0,
         rope_scaling=LLAMA3_SCALING,
-    )  # fmt: skip
+    )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     scaling = model_config.RopeScaling(8.0, 1.0, 4.0, 8192)
     ours = model_lib.rope_frequencies(64, 500_000.0, scaling)

@@ -43,8 +43,9 @@ def test_token_files_are_read_in_place(tmp_path, name, dtype, vocab_size):
     path = tmp_path / name
     tokens.tofile(path) if name.endswith(".bin") else np.save(path, tokens)
     bin_dtype = dtype if name.endswith(".bin") else None  # a .npy's is in its header
-    [source] = data.prepare(str(tmp_path / "dir"), SEQ_LEN, vocab_size, str(path),
-                            bin_dtype)  # fmt: skip
+    [source] = data.prepare(
+        str(tmp_path / "dir"), SEQ_LEN, vocab_size, str(path), bin_dtype
+    )
     assert isinstance(source.files[0], np.memmap)  # mapped, not loaded nor converted
     assert source.files[0].dtype == np.dtype(dtype)
     assert len(source) == 111
@@ -95,8 +96,9 @@ def test_an_id_outside_the_vocabulary_says_where(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "SCAN_CHUNK", 64)
     tokens[:1000].astype(np.uint16).tofile(tmp_path / "short.bin")
     with pytest.raises(SystemExit, match=r"^token id 65536 at position 0 of "):
-        data.prepare(str(tmp_path), SEQ_LEN, 32_000, str(tmp_path / "short.bin"),
-                     "uint32")  # fmt: skip
+        data.prepare(
+            str(tmp_path), SEQ_LEN, 32_000, str(tmp_path / "short.bin"), "uint32"
+        )
     # Too large to scan whole: the first 64 ids pass, and the record that holds the bad
     # id stops the batches when it is read (records 0-221; record 137 holds 1233-1241).
     [source] = data.prepare(str(tmp_path), SEQ_LEN, 32_000, path, "uint32")

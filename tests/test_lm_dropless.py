@@ -32,8 +32,10 @@ def problem(tokens: int, seed: int = 0):
     x_TD = jax.random.normal(k[0], (tokens, D))
     probs = jax.nn.softmax(jax.random.normal(k[1], (tokens, E)).at[:, 0].add(1.5))
     gates_TR, experts_TR = jax.lax.top_k(probs.at[:, 5].set(0.0), R)
-    weights = [jax.random.normal(k[i], s) / s[1] ** 0.5
-               for i, s in ((2, (E, D, F)), (3, (E, D, F)), (4, (E, F, D)))]  # fmt: skip
+    weights = [
+        jax.random.normal(k[i], s) / s[1] ** 0.5
+        for i, s in ((2, (E, D, F)), (3, (E, D, F)), (4, (E, F, D)))
+    ]
     return x_TD, experts_TR, gates_TR, weights
 
 
@@ -59,8 +61,9 @@ def test_dropless_equals_a_loop_over_experts():
         np.testing.assert_allclose(
             fn(x_TD, experts_TR, gates_TR, *weights),
             loop_over_experts(x_TD, experts_TR, gates_TR, *weights),
-            rtol=1e-5, atol=1e-5,
-        )  # fmt: skip
+            rtol=1e-5,
+            atol=1e-5,
+        )
     ours = jax.grad(loss, argnums=(1, 2, 3))(
         dropless.local_experts, x_TD, gates_TR, weights
     )
@@ -72,9 +75,15 @@ def test_dropless_equals_a_loop_over_experts():
 
 
 def ragged_all_to_all_by_gathers(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
     axis_name,
-):  # fmt: skip
+):
     """jax.lax.ragged_all_to_all as its docstring defines it, from all_gathers (XLA:CPU
     has no ragged-all-to-all): the slice operand[input_offsets[j]:][:send_sizes[j]]
     of each device goes to device j, at output_offsets[j] there."""
@@ -106,8 +115,9 @@ def test_experts_split_over_devices_give_the_same_tokens_and_gradients(exchange)
     own 16 tokens (expert 0's device gets most of the pairs, expert 5's none of its
     own): the outputs and gradients of local_experts on all 64, to 1e-5."""
     x_TD, experts_TR, gates_TR, weights = problem(64, seed=1)
-    mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:4])  # fmt: skip
+    mesh = jax.make_mesh(
+        (4,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]
+    )
     split = jax.jit(
         jax.shard_map(
             lambda x, e, g, *w: EXCHANGES[exchange](x, e, g, *w, axis="expert"),
@@ -123,8 +133,9 @@ def test_experts_split_over_devices_give_the_same_tokens_and_gradients(exchange)
     np.testing.assert_allclose(
         split(x_TD, experts_TR, gates_TR, *weights),
         dropless.local_experts(x_TD, experts_TR, gates_TR, *weights),
-        rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
+        rtol=1e-5,
+        atol=1e-5,
+    )
     ours = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(
         split, x_TD, gates_TR, weights
     )
@@ -141,8 +152,19 @@ def test_on_a_gpu_the_recipe_exchanges_with_ragged_all_to_all(monkeypatch):
     ragged exchange, and the step lowered for CUDA calls ragged_all_to_all 6 times
     (a layer's two exchanges in the forward, again in the remat's recomputation, and
     their two transposes in the backward); on this CPU, the padded one, none."""
-    flags = [*COMMON, "--mesh", "data=2,expert=4", "--experts", "8", "--top-k", "2",
-             "--dispatch", "dropless", "--attention", "chunked"]  # fmt: skip
+    flags = [
+        *COMMON,
+        "--mesh",
+        "data=2,expert=4",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--dispatch",
+        "dropless",
+        "--attention",
+        "chunked",
+    ]
     args = train.parse_args(flags)
     calls = {}
     for backend in ("cpu", "gpu"):
@@ -161,9 +183,21 @@ def test_dropless_compiles_in_bfloat16_with_float32_sums_of_gradients():
     the tokens' and weights' gradients are float32, dropless.in_compute_type), and the
     experts' weight gradients are reduce-scattered over fsdp (dropless.gathered)."""
     for mesh_flag in ("data=2,expert=4", "fsdp=2,expert=2,tensor=2"):
-        args = train.parse_args([*COMMON, "--mesh", mesh_flag, "--experts", "8",
-                                 "--top-k", "2", "--dispatch", "dropless",
-                                 "--dtype", "bfloat16"])  # fmt: skip
+        args = train.parse_args(
+            [
+                *COMMON,
+                "--mesh",
+                mesh_flag,
+                "--experts",
+                "8",
+                "--top-k",
+                "2",
+                "--dispatch",
+                "dropless",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
         mesh, _, _, step, shapes, _ = train.setup(args)
         text = lm_compiled.lower_step(step, shapes, args, mesh).compile().as_text()
         sent = lm_compiled.collective_bytes(text)
@@ -194,7 +228,10 @@ def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
         runs[spec, extra[-1]] = steps_on(step, shapes, init, mesh, batches)
     print(runs)
     expected = runs["data=8", "dropless"]
-    for key in [("data=2,expert=4", "dropless"), ("fsdp=2,expert=2,tensor=2", "dropless"),
-                ("data=8", "4")]:  # fmt: skip
+    for key in [
+        ("data=2,expert=4", "dropless"),
+        ("fsdp=2,expert=2,tensor=2", "dropless"),
+        ("data=8", "4"),
+    ]:
         np.testing.assert_allclose(runs[key], expected, rtol=1e-5, err_msg=str(key))
     assert np.abs(runs["data=8", "1"][:, 0] - expected[:, 0]).max() > 1e-4

@@ -22,9 +22,13 @@ from test_lm_recipe import COMMON, steps_on  # noqa: E402
 
 E, R = 8, 2
 CONFIG = dataclasses.replace(
-    model_config.PRESETS["tiny"], num_experts=E, top_k=R, group_size=64,
-    capacity_factor=E / R, balance="bias",
-)  # fmt: skip
+    model_config.PRESETS["tiny"],
+    num_experts=E,
+    top_k=R,
+    group_size=64,
+    capacity_factor=E / R,
+    balance="bias",
+)
 
 
 def experts(config=CONFIG):
@@ -58,8 +62,12 @@ def test_the_bias_chooses_the_experts_and_the_gates_stay_the_router_s():
     router's probabilities of the chosen experts, renormalised."""
     layer, params, x_BTD = experts()
     params["router_bias"] = params["router_bias"].at[3].set(1.0)
-    _, seen = layer.apply({"params": params}, x_BTD, mutable="intermediates",
-                          capture_intermediates=lambda _, method: method == "route")  # fmt: skip
+    _, seen = layer.apply(
+        {"params": params},
+        x_BTD,
+        mutable="intermediates",
+        capture_intermediates=lambda _, method: method == "route",
+    )
     gates, chosen, _, _ = seen["intermediates"]["route"][0]
     x_BGTD = x_BTD.reshape(2, 1, 64, -1)
     assert bool((chosen == 3).any(-1).all())
@@ -72,12 +80,20 @@ def test_sign_descent_moves_the_bias_by_the_rate():
     """make_optimizer with --balance bias: router_bias moves by -rate x sign(gradient),
     and every other weight as AdamW alone moves it."""
     args = SimpleNamespace(
-        learning_rate=1e-2, warmup_steps=0, total_steps=10, steps=10, clip_norm=1.0,
-        weight_decay=0.1, balance="bias", bias_rate=0.001,
-    )  # fmt: skip
+        learning_rate=1e-2,
+        warmup_steps=0,
+        total_steps=10,
+        steps=10,
+        clip_norm=1.0,
+        weight_decay=0.1,
+        balance="bias",
+        bias_rate=0.001,
+    )
     params = {"router_bias": jnp.zeros(4), "kernel": jnp.ones((2, 2))}
-    grads = {"router_bias": jnp.array([0.2, -0.1, 0.0, 0.05]),
-             "kernel": jnp.full((2, 2), 0.3)}  # fmt: skip
+    grads = {
+        "router_bias": jnp.array([0.2, -0.1, 0.0, 0.05]),
+        "kernel": jnp.full((2, 2), 0.3),
+    }
     tx = step_lib.make_optimizer(args)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["router_bias"], [-0.001, 0.001, 0.0, -0.001])
@@ -115,8 +131,20 @@ def test_bias_balance_and_shared_experts_train_the_same_on_an_expert_axis():
     data=2,expert=4 give the same losses and gradient norms, to 1e-5."""
     rng = np.random.default_rng(5)
     batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(3)]
-    flags = ["--experts", "8", "--top-k", "2", "--balance", "bias", "--steps", "10",
-             "--shared-experts", "1", "--dispatch", "dropless"]  # fmt: skip
+    flags = [
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--balance",
+        "bias",
+        "--steps",
+        "10",
+        "--shared-experts",
+        "1",
+        "--dispatch",
+        "dropless",
+    ]
     runs = []
     for spec in ("data=8", "data=2,expert=4"):
         args = train.parse_args([*COMMON, "--mesh", spec, *flags])

@@ -93,9 +93,8 @@ def compiled_at_default_level(step, shapes, mesh, args):
     (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
     each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
     calls the compiled step as it calls the jitted one."""
-    lowered = lm_compiled.lower_step(
-        step, shapes, args, mesh
-    )  # as compile_only lowers it
+    # as compile_only lowers it
+    lowered = lm_compiled.lower_step(step, shapes, args, mesh)
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 2})
 
 
@@ -104,8 +103,17 @@ def run_in_process(
 ) -> str:
     """train.train() as main() calls it; what it printed. ``extra``: flags that change
     the compiled step; ``flags``: flags that only the loop reads (--log-dir, ...)."""
-    argv = [*COMMON, "--mesh", spec, "--steps", str(steps), "--data-dir", str(dirs["data"]),
-            *extra, *flags]  # fmt: skip
+    argv = [
+        *COMMON,
+        "--mesh",
+        spec,
+        "--steps",
+        str(steps),
+        "--data-dir",
+        str(dirs["data"]),
+        *extra,
+        *flags,
+    ]
     if checkpoint_dir:
         argv += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", "10"]
     out = io.StringIO()
@@ -289,9 +297,8 @@ def test_bad_meshes_and_batches_say_why():
         SystemExit, match=r"make groups of 128 tokens that split over sequence"
     ):
         fits("--experts", "4", mesh="data=4,sequence=2")
-    fits(
-        "--experts", "4", "--group-size", "64", mesh="data=4,sequence=2"
-    )  # 2 groups: fits
+    # 2 groups: fits
+    fits("--experts", "4", "--group-size", "64", mesh="data=4,sequence=2")
     with pytest.raises(
         SystemExit,
         match=r"^pipeline=8: the model's 4 layers do not split into 8 stages of",
@@ -314,8 +321,14 @@ def test_bad_meshes_and_batches_say_why():
         match=r"^--schedule interleaved runs micro-batches in groups of pipeline=2: "
         r"set --grad-accum to a multiple of 2$",
     ):
-        fits("--grad-accum", "3", "--global-batch", "24", *interleaved,
-             mesh="pipeline=2,data=4")  # fmt: skip
+        fits(
+            "--grad-accum",
+            "3",
+            "--global-batch",
+            "24",
+            *interleaved,
+            mesh="pipeline=2,data=4",
+        )
     with pytest.raises(
         SystemExit,
         match=r"^--virtual-stages 2 needs a pipeline axis and --schedule interleaved$",
@@ -351,18 +364,16 @@ def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
     """--data: a nanoGPT-style .bin of uint16 ids, or a .npy, read in place as records of
     seq_len + 1 tokens (tests/test_lm_data.py checks the rest: uint32, shards, mixtures,
     the evaluation split)."""
-    tokens = (np.arange(100) * 7 % 50).astype(
-        np.uint16
-    )  # 100 ids below a vocabulary of 50
+    # 100 ids below a vocabulary of 50
+    tokens = (np.arange(100) * 7 % 50).astype(np.uint16)
     tokens.tofile(tmp_path / "mine.bin")
     np.save(tmp_path / "mine.npy", tokens.astype(np.int32))
     rows = tokens[:99].reshape(11, 9)  # 100 // (8 + 1) = 11 records of 9 tokens
     for name in ("mine.bin", "mine.npy"):
         sources = data.prepare(str(tmp_path), 8, 50, str(tmp_path / name), "uint16")
         batch = next(data.batches(sources, 11, slice(0, 11), seed=0))
-        assert sorted(map(tuple, batch)) == sorted(
-            map(tuple, rows)
-        )  # shuffled, all there
+        # shuffled, all there
+        assert sorted(map(tuple, batch)) == sorted(map(tuple, rows))
     with pytest.raises(SystemExit, match="^token id 42 at position 6 of .*mine.bin is"):
         data.prepare(str(tmp_path), 8, 40, str(tmp_path / "mine.bin"), "uint16")
     with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
@@ -406,16 +417,33 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
     out_projection = L * config.num_heads * config.head_width * D
     result = subprocess.run(
-        [sys.executable, "tests/lm_compile_driver.py", "16", "8b", "2048", "16", str(tmp_path),
-         "data=16", "fsdp=16", "fsdp=8,tensor=2"],
-        cwd=ROOT, env=environment(16), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tests/lm_compile_driver.py",
+            "16",
+            "8b",
+            "2048",
+            "16",
+            str(tmp_path),
+            "data=16",
+            "fsdp=16",
+            "fsdp=8,tensor=2",
+        ],
+        cwd=ROOT,
+        env=environment(16),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = {}
     for spec, printed in json.loads(result.stdout.splitlines()[-1]).items():
         line = printed["line"]
-        assert re.fullmatch(r"per device: arguments [\d.]+ GB, temporaries [\d.]+ GB, total "
-                            r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+", line), line  # fmt: skip
+        assert re.fullmatch(
+            r"per device: arguments [\d.]+ GB, temporaries [\d.]+ GB, total "
+            r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+",
+            line,
+        ), line
         measured[spec] = {
             "arguments": float(re.search(r"arguments ([\d.]+) GB", line)[1]) * 1e9,
             "collectives": {
@@ -461,8 +489,14 @@ def signalled_run(command: list[str], tmp_path, notify) -> str:
     """Run ``command`` (4 devices a process), call ``notify(process)`` once step 1 is printed
     (the signal handlers are set by then), and return its output once it exits 0."""
     with open(tmp_path / "stderr", "w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env=environment(4), text=True,
-                                   stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=environment(4),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
         lines = []
         try:
             for line in process.stdout:
@@ -489,25 +523,50 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     checkpoints = tmp_path / "checkpoints"
 
     def command(steps):
-        return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *COMMON,
-                "--mesh", SPEC, "--steps", str(steps), "--data-dir", str(dirs["data"]),
-                "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10",
-                "--compilation-cache", str(dirs["cache"]),
-                "--step-timeout", "120"]  # fmt: skip  # the deadline's store, across processes
+        # --step-timeout: the deadline's key-value store, across processes
+        return [
+            "mpirun",
+            "-np",
+            "2",
+            "python",
+            "examples/lm/train.py",
+            *COMMON,
+            "--mesh",
+            SPEC,
+            "--steps",
+            str(steps),
+            "--data-dir",
+            str(dirs["data"]),
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--checkpoint-every",
+            "10",
+            "--compilation-cache",
+            str(dirs["cache"]),
+            "--step-timeout",
+            "120",
+        ]
 
-    stdout = signalled_run(command(20), tmp_path,
-                           lambda process: process.send_signal(signal.SIGUSR1))  # fmt: skip
+    stdout = signalled_run(
+        command(20), tmp_path, lambda process: process.send_signal(signal.SIGUSR1)
+    )
     [saved] = re.findall(r"^SIGUSR1: saved step (\d+), exiting$", stdout, re.M)
     saved = int(saved)
-    assert (
-        1 <= saved <= 7
-    )  # signalled after step 1; the one-process resume reaches saved + 3
-    assert losses(stdout) == pytest.approx({s: reference[s] for s in range(1, saved + 1)},
-                                           rel=1e-5)  # fmt: skip
+    # signalled after step 1; the one-process resume reaches saved + 3
+    assert 1 <= saved <= 7
+    assert losses(stdout) == pytest.approx(
+        {s: reference[s] for s in range(1, saved + 1)}, rel=1e-5
+    )
     # Two more steps: a run of up to 21 steps has the 20-step run's learning rate schedule
     # (warmup 20, then decay over max(steps, 21)).
-    rerun = subprocess.run(command(saved + 2), cwd=ROOT, env=environment(4), capture_output=True,
-                           text=True, timeout=180)  # fmt: skip
+    rerun = subprocess.run(
+        command(saved + 2),
+        cwd=ROOT,
+        env=environment(4),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"resumed from step {saved} in {checkpoints}" in rerun.stdout
     expected = {s: reference[s] for s in range(saved + 1, saved + 3)}
@@ -523,10 +582,27 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
     tasks get SIGTERM from scancel --signal=TERM, save at the next step and exit 0."""
     reference = losses(spec_run[0])
     name = f"jaxdist-lm-{os.getpid()}"
-    command = ["srun", "--overcommit", "-n", "2", "-J", name, "python", "examples/lm/train.py",
-               *COMMON, "--mesh", SPEC, "--steps", "20", "--data-dir", str(dirs["data"]),
-               "--checkpoint-dir", str(tmp_path / "checkpoints"),
-               "--compilation-cache", str(dirs["cache"])]  # fmt: skip
+    command = [
+        "srun",
+        "--overcommit",
+        "-n",
+        "2",
+        "-J",
+        name,
+        "python",
+        "examples/lm/train.py",
+        *COMMON,
+        "--mesh",
+        SPEC,
+        "--steps",
+        "20",
+        "--data-dir",
+        str(dirs["data"]),
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoints"),
+        "--compilation-cache",
+        str(dirs["cache"]),
+    ]
     scancel = ["scancel", "--signal=TERM", "--name", name]
     stdout = signalled_run(
         command, tmp_path, lambda _: subprocess.run(scancel, check=True)
@@ -545,8 +621,13 @@ def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
         "train.StepDeadline(1).reached(3)\n"
         "time.sleep(30)  # stuck\n"
     )
-    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 124, result.stderr[-2000:]
     assert (
         "step timeout: step 4 did not finish within 1 s on any process; process 0's stacks:"
@@ -689,9 +770,11 @@ def test_a_pipeline_gives_the_steps_of_data_parallelism():
         layers = shapes.params["layers"]["attention"]["query"]
         assert layers.sharding.spec[0] == "pipeline", layers.sharding  # split in stages
         np.testing.assert_allclose(
-            steps_on(step, shapes, init, mesh, batches), expected, rtol=1e-4,
+            steps_on(step, shapes, init, mesh, batches),
+            expected,
+            rtol=1e-4,
             err_msg=f"{spec} {schedule}",
-        )  # fmt: skip
+        )
     printed = io.StringIO()  # --compile-only's last line, for the last of them
     with contextlib.redirect_stdout(printed):
         lm_compiled.compile_only(step, shapes, args, mesh)
@@ -703,10 +786,14 @@ def test_a_pipeline_gives_the_steps_of_data_parallelism():
 
 # The tiny preset with 8 layers, as a Hugging Face Llama config.json (--model-config).
 EIGHT_LAYERS = {
-    "vocab_size": 2048, "num_hidden_layers": 8, "hidden_size": 128,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 384,
+    "vocab_size": 2048,
+    "num_hidden_layers": 8,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 384,
     "rms_norm_eps": 1e-5,
-}  # fmt: skip
+}
 
 
 def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
@@ -722,9 +809,11 @@ def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
     runs = {}
     for spec, extra in (
         ("data=8", []),
-        ("pipeline=4,data=2", ["--grad-accum", "4", "--schedule", "interleaved",
-                               "--virtual-stages", "2"]),
-    ):  # fmt: skip
+        (
+            "pipeline=4,data=2",
+            ["--grad-accum", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
+        ),
+    ):
         args = train.parse_args([*flags, "--mesh", spec, *extra])
         mesh, _, _, step, shapes, init = train.setup(args)
         runs[spec] = steps_on(step, shapes, init, mesh, batches)
@@ -744,8 +833,11 @@ def test_the_8b_pipeline_table_is_current():
     from jaxdist_lessons.planning import checking
 
     table = json.loads((ROOT / "book" / "data" / "pipeline_memory.json").read_text())
-    rows = [r for r in table["rows"] if r["microbatches"] == 8 and
-            r["schedule"] in ("gpipe", "1f1b")]  # fmt: skip
+    rows = [
+        r
+        for r in table["rows"]
+        if r["microbatches"] == 8 and r["schedule"] in ("gpipe", "1f1b")
+    ]
     compiled = checking.compile_flags(32, [r["flags"] for r in rows], progress=False)
     for row, result in zip(rows, compiled, strict=True):
         kept = {k: row[k] for k in ("arguments", "temporaries", "collectives")}
@@ -880,10 +972,22 @@ def test_accumulation_at_1b_keeps_the_temporaries_of_one_micro_batch(tmp_path):
     gradients' running sum, split like the weights. Measured 11.128 -> 11.437 GB."""
     runs = ["fsdp=8,tensor=2", "fsdp=8,tensor=2 --global-batch 64 --grad-accum 4"]
     result = subprocess.run(
-        [sys.executable, "tests/lm_compile_driver.py", "16", "1b", "4096", "16",
-         str(tmp_path), *runs],
-        cwd=ROOT, env=environment(16), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tests/lm_compile_driver.py",
+            "16",
+            "1b",
+            "4096",
+            "16",
+            str(tmp_path),
+            *runs,
+        ],
+        cwd=ROOT,
+        env=environment(16),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     printed = json.loads(result.stdout.splitlines()[-1])
     temporaries = [

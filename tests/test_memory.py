@@ -21,11 +21,8 @@ def test_article_gpt3_weights_fp32_is_700_gb():
     "optimizer, precision, per_param",
     [
         ("adam", "fp32", 16),  # 4 weights + 4 grads + 2 x 4 moments
-        (
-            "adam",
-            "mixed",
-            16,
-        ),  # 2 bf16 weights + 2 bf16 grads + 4 fp32 master + 2 x 4 moments
+        # 2 bf16 weights + 2 bf16 grads + 4 fp32 master + 2 x 4 moments
+        ("adam", "mixed", 16),
         ("adam", "bf16", 8),
         ("momentum", "fp32", 12),
         ("sgd", "fp32", 8),
@@ -190,13 +187,11 @@ def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
         "TPU v5p",
         "H200 141GB",
     ]
-    assert not any(
-        "PCIe" in name for name in names
-    )  # a PCIe card is its SXM chip's twin
+    # a PCIe card is its SXM chip's twin
+    assert not any("PCIe" in name for name in names)
     assert [row[2] for row in table.values] == [175, 82, 70, 35, 28, 20]
-    assert len({tuple(row[1:3]) for row in table.values}) == len(
-        names
-    )  # no two rows alike
+    # no two rows alike
+    assert len({tuple(row[1:3]) for row in table.values}) == len(names)
     assert table.values[3][-1] == (
         "https://www.nvidia.com/en-us/data-center/a100/, "
         "https://www.nvidia.com/en-us/data-center/h100/"

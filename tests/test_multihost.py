@@ -151,9 +151,8 @@ def test_training_losses_do_not_depend_on_the_layout(layouts):
 
 
 def test_the_launched_runs_match_this_process(layouts):
-    here = multihost_demo.train_digits(
-        epochs=2, steps_per_epoch=2
-    )  # one process, 8 devices
+    # one process, 8 devices
+    here = multihost_demo.train_digits(epochs=2, steps_per_epoch=2)
     assert here["process_count"] == 1
     np.testing.assert_allclose(
         here["losses"], layouts[(1, 8)][1][0]["train"]["losses"], rtol=1e-5
@@ -306,9 +305,8 @@ def test_an_uncaught_exception_exits_at_once_without_atexit():
     result = python(program)
     assert result.returncode == 1
     assert result.stderr.rstrip().endswith("RuntimeError: boom")
-    assert (
-        "atexit ran" not in result.stdout
-    )  # jax.distributed.shutdown() is an atexit hook
+    # jax.distributed.shutdown() is an atexit hook
+    assert "atexit ran" not in result.stdout
 
 
 def test_mpi_launchers_are_recognised_by_their_variables():
@@ -382,9 +380,12 @@ def test_hybrid_mesh_over_two_nodes_given_in_one_process():
         multihost.MultihostError, match=r"to the devices of each node \(\[3, 5\]\)"
     ):
         multihost.hybrid_mesh(
-            (1, 4), (2, 1), ("data", "tensor"), devices=devices,
+            (1, 4),
+            (2, 1),
+            ("data", "tensor"),
+            devices=devices,
             nodes={d.id: int(i >= 3) for i, d in enumerate(devices)},
-        )  # fmt: skip
+        )
 
 
 class GPU(NamedTuple):
@@ -438,9 +439,17 @@ def node_mesh_job(processes, per_process, nodes, ici, dcn):
         "PYTHONPATH": str(NODE_DRIVER.parents[1]),
     }
     command = [
-        MPIRUN, "--map-by", ":OVERSUBSCRIBE", "-np", str(processes), sys.executable,
-        str(NODE_DRIVER), str(per_process), ici, dcn,
-    ]  # fmt: skip
+        MPIRUN,
+        "--map-by",
+        ":OVERSUBSCRIBE",
+        "-np",
+        str(processes),
+        sys.executable,
+        str(NODE_DRIVER),
+        str(per_process),
+        ici,
+        dcn,
+    ]
     result = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=180
     )
@@ -464,9 +473,8 @@ def test_one_process_per_gpu_2_nodes_x_4_tensor_and_fsdp_stay_in_a_node():
     axes = report["axes"]
     assert axes["tensor"]["groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axes["tensor"]["nodes"] == axes["fsdp"]["nodes"] == [[0], [0], [1], [1]]
-    assert (
-        axes["data"]["nodes"] == [[0, 1]] * 4
-    )  # HSDP: only the replicas' all-reduce crosses
+    # HSDP: only the replicas' all-reduce crosses
+    assert axes["data"]["nodes"] == [[0, 1]] * 4
     assert {axis: a["result"] for axis, a in axes.items()} == {
         "data": 2.0,
         "fsdp": 2.0,
@@ -478,9 +486,8 @@ def test_one_process_per_node_2_nodes_x_4_tensor_stays_in_a_node():
     _, report = node_mesh_job(2, 4, "0,1", "1,1,4", "1,2,1")
     assert report["node_grid"] == [[[0] * 4, [1] * 4]]
     axes = report["axes"]
-    assert axes["data"]["groups"] == [
-        [i] for i in range(8)
-    ]  # an axis of size 1: groups of one
+    # an axis of size 1: groups of one
+    assert axes["data"]["groups"] == [[i] for i in range(8)]
     assert axes["tensor"]["nodes"] == [[0], [1]] and axes["tensor"]["result"] == 4.0
     assert axes["fsdp"]["nodes"] == [[0, 1]] * 4 and axes["fsdp"]["result"] == 2.0
 

@@ -111,11 +111,22 @@ def preempted_then_resumed(launch, notify, out, checkpoints):
         k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
     }
     env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
-    args = ["-m", "jaxdist_lessons.multihost_demo", "--devices", "1", "--checkpoint-dir",
-            str(checkpoints), *TRAIN]  # fmt: skip
-    job = subprocess.Popen([*launch, sys.executable, *args, "--out", str(out / "first"),
-                            "--pause", "0.5"], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    args = [
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "--devices",
+        "1",
+        "--checkpoint-dir",
+        str(checkpoints),
+        *TRAIN,
+    ]
+    job = subprocess.Popen(
+        [*launch, sys.executable, *args, "--out", str(out / "first"), "--pause", "0.5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     lines = []
     try:
         for line in job.stdout:
@@ -125,8 +136,13 @@ def preempted_then_resumed(launch, notify, out, checkpoints):
         job.wait(timeout=120)
     finally:
         job.kill()
-    rerun = subprocess.run([*launch, sys.executable, *args, "--out", str(out / "second")],
-                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    rerun = subprocess.run(
+        [*launch, sys.executable, *args, "--out", str(out / "second")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     first, second = (
         [
             json.loads((out / run / f"rank{r}.json").read_text())["train"]

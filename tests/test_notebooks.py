@@ -158,9 +158,8 @@ def test_chapters_end_with_what_we_learned_and_hidden_answers():
 def test_book_config_executes_every_notebook_and_excludes_the_rest():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert config["execute"]["execute_notebooks"] == "cache"
-    assert (
-        "book/*.ipynb" in config["exclude_patterns"]
-    )  # the book is built from the .md sources
+    # the book is built from the .md sources
+    assert "book/*.ipynb" in config["exclude_patterns"]
     assert config["execute"]["allow_errors"] is False
     assert config["execute"]["timeout"] > 0
     for pattern in [".venv/*", "_build/*", "tests/*", "jaxdist_lessons/*"]:

@@ -122,12 +122,10 @@ def test_threefry_partitionable_keeps_temporaries_flat_as_devices_grow():
         temps[k] = on.temp_bytes, off.temp_bytes
     assert temps[2][0] == temps[4][0]  # partitionable: depends on the shard only
     assert temps[4][1] > temps[2][1] and temps[4][1] > temps[4][0]
-    assert (
-        temps[2][1] < temps[2][0]
-    )  # on two devices the old scheme needs fewer temporaries
-    assert (
-        jax.config.jax_threefry_partitionable
-    )  # the context manager restored the default
+    # on two devices the old scheme needs fewer temporaries
+    assert temps[2][1] < temps[2][0]
+    # the context manager restored the default
+    assert jax.config.jax_threefry_partitionable
 
 
 def test_threefry_partitionable_changes_the_numbers():

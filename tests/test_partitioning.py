@@ -49,9 +49,8 @@ def test_rules_give_each_strategy_its_specs(variables):
     query = ("Block_0", "attention", "query", "kernel")
     assert spec(variables, "data", *up) == P(None, None)
     assert spec(variables, "fsdp", *up) == P("fsdp", None)
-    assert spec(variables, "fsdp", "Block_0", "mlp", "up", "bias") == P(
-        "fsdp"
-    )  # through 'mlp', the next rule
+    # through 'mlp', the next rule
+    assert spec(variables, "fsdp", "Block_0", "mlp", "up", "bias") == P("fsdp")
     assert spec(variables, "tensor", *up) == P(None, "tensor")
     assert spec(variables, "tensor", *down) == P("tensor", None)
     assert spec(variables, "tensor", *query) == P(None, "tensor", None)
@@ -183,12 +182,13 @@ def test_decoder_logical_axes_name_every_parameter_and_change_no_value():
     named = jax.jit(transformer.Decoder(**LM_CONFIG, logical_axes=True).init)(
         jax.random.key(0), tokens
     )
+    # the default is unchanged
     assert not any(
         isinstance(x, nn.LogicallyPartitioned)
         for x in jax.tree.leaves(
             plain, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
         )
-    )  # the default is unchanged
+    )
     for a, b in zip(
         jax.tree.leaves(plain), jax.tree.leaves(nn.unbox(named)), strict=True
     ):

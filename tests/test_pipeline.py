@@ -57,9 +57,8 @@ def test_gpipe_and_1f1b_idle_the_same_share_and_differ_in_memory(
         assert pipeline.idle_fraction(table) == pytest.approx(expected)
     assert pipeline.in_flight(gpipe) == [micro] * stages
     assert pipeline.in_flight(ofob) == [min(stages - d, micro) for d in range(stages)]
-    for t, row in enumerate(
-        gpipe[: micro + stages - 1]
-    ):  # microbatch m on device d at tick m + d
+    # microbatch m on device d at tick m + d
+    for t, row in enumerate(gpipe[: micro + stages - 1]):
         assert [op and (op.kind, op.micro) for op in row] == [
             ("F", t - d) if 0 <= t - d < micro else None for d in range(stages)
         ]
@@ -89,9 +88,8 @@ def test_1f1b_alternates_after_warm_up():
 )
 def test_interleaved_divides_the_bubble_by_v(stages, micro, virtual):
     table = pipeline.interleaved_schedule(stages, micro, virtual)
-    assert len(table) == 2 * (
-        virtual * micro + stages - 1
-    )  # ticks of one virtual stage
+    # ticks of one virtual stage
+    assert len(table) == 2 * (virtual * micro + stages - 1)
     assert pipeline.idle_fraction(table) == pytest.approx(
         pipeline.bubble_fraction(stages, micro, virtual)
     )

@@ -32,8 +32,16 @@ sys.path.insert(0, str(ROOT / "_ext"))
 import planner  # noqa: E402  (_ext/planner.py, the Sphinx extension)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VALID, SEED = 100, 27
 
 
@@ -79,31 +87,46 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 # The form's select boxes: each of their options comes up among the 100 requests.
-CHOICES = {"model": [*model_config.PRESETS, ""], "chip": list(cli.CHIP_NAMES),
-           "dtype": ["bfloat16", "float32"], "remat": ["full", "dots", "none"]}  # fmt: skip
+CHOICES = {
+    "model": [*model_config.PRESETS, ""],
+    "chip": list(cli.CHIP_NAMES),
+    "dtype": ["bfloat16", "float32"],
+    "remat": ["full", "dots", "none"],
+}
 
 
 def random_request(rng: random.Random) -> dict[str, str]:
     """Form values: a preset or a shape, experts or not, devices, nodes, chip, tokens."""
     devices = rng.choice([1, 2, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256])
     choose = lambda field: rng.choice(CHOICES[field])
-    values = {"model": choose("model"), "devices": devices,
-              "nodes": rng.choice([n for n in (1, 2, 3, 4, 8, 16) if devices % n == 0]),
-              "chip": choose("chip"),
-              "seq-len": rng.choice([256, 512, 1024, 2048, 4096, 8192]),
-              "global-batch": rng.choice([8, 16, 32, 64, 128, 256, 512]),
-              "dtype": choose("dtype"), "remat": choose("remat"),
-              "grad-accum": rng.choice(["auto", "auto", "1", "2"]),
-              "experts": 0, "top-k": 1}  # fmt: skip
+    values = {
+        "model": choose("model"),
+        "devices": devices,
+        "nodes": rng.choice([n for n in (1, 2, 3, 4, 8, 16) if devices % n == 0]),
+        "chip": choose("chip"),
+        "seq-len": rng.choice([256, 512, 1024, 2048, 4096, 8192]),
+        "global-batch": rng.choice([8, 16, 32, 64, 128, 256, 512]),
+        "dtype": choose("dtype"),
+        "remat": choose("remat"),
+        "grad-accum": rng.choice(["auto", "auto", "1", "2"]),
+        "experts": 0,
+        "top-k": 1,
+    }
     if rng.random() < 0.25:
         values["experts"] = rng.choice([4, 8])
         values["top-k"] = rng.choice([1, 2])
     if values["model"] == "":
         heads = rng.choice([4, 8, 16])
-        values.update({"layers": rng.choice([2, 8, 24]), "width": heads * rng.choice([64, 128]),
-                       "heads": heads, "kv-heads": rng.choice([1, 2, 4]),
-                       "mlp-width": rng.choice([512, 1024, 4096]),
-                       "vocab": rng.choice([1000, 32_000, 50_304])})  # fmt: skip
+        values.update(
+            {
+                "layers": rng.choice([2, 8, 24]),
+                "width": heads * rng.choice([64, 128]),
+                "heads": heads,
+                "kv-heads": rng.choice([1, 2, 4]),
+                "mlp-width": rng.choice([512, 1024, 4096]),
+                "vocab": rng.choice([1000, 32_000, 50_304]),
+            }
+        )
     return {k: str(v) for k, v in values.items()}
 
 
@@ -113,22 +136,39 @@ INVALID = [
     {"devices": "eight"},
     {"devices": "6", "nodes": "4"},
     {"model": "", "layers": "4"},
-    {"model": "", "layers": "2", "width": "100", "heads": "3", "kv-heads": "1",
-     "mlp-width": "256", "vocab": "1000"},
+    {
+        "model": "",
+        "layers": "2",
+        "width": "100",
+        "heads": "3",
+        "kv-heads": "1",
+        "mlp-width": "256",
+        "vocab": "1000",
+    },
     {"model": "70b", "devices": "2", "global-batch": "64"},
     {"global-batch": "-8"},
     {"experts": "4", "top-k": "5"},
     {"devices": "1000000"},
     {"chip": "v5p", "dtype": "float32"},
     {"grad-accum": "0"},
-]  # fmt: skip
+]
 
 
 SHAPE = ["layers", "width", "heads", "kv-heads", "mlp-width", "vocab"]
 # The form's values when the page opens (form.html).
-DEFAULTS = {"model": "8b", "experts": "0", "top-k": "1", "devices": "16", "nodes": "2",
-            "chip": "h100", "seq-len": "8192", "global-batch": "256", "dtype": "bfloat16",
-            "remat": "full", "grad-accum": "auto"}  # fmt: skip
+DEFAULTS = {
+    "model": "8b",
+    "experts": "0",
+    "top-k": "1",
+    "devices": "16",
+    "nodes": "2",
+    "chip": "h100",
+    "seq-len": "8192",
+    "global-batch": "256",
+    "dtype": "bfloat16",
+    "remat": "full",
+    "grad-accum": "auto",
+}
 
 
 def flags(values: dict[str, str]) -> list[str]:
@@ -150,8 +190,12 @@ def expected(argv: list[str]) -> dict:
     run = cli.make_run(cli.parse_args(argv))
     rows = cli.fitting_plan(run)
     shown = ranking.table(run, rows)
-    return {"title": shown.title, "headers": shown.headers, "cells": shown.rows,
-            "totals": [r["memory_bytes"]["total"] for r in rows]}  # fmt: skip
+    return {
+        "title": shown.title,
+        "headers": shown.headers,
+        "cells": shown.rows,
+        "totals": [r["memory_bytes"]["total"] for r in rows],
+    }
 
 
 READ = """() => {

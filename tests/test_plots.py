@@ -19,9 +19,8 @@ def test_memory_vs_model_size_draws_two_curves_and_one_line_per_accelerator():
     fig = plots.memory_vs_model_size(accelerators=["A100 80GB", "H100 80GB", "TPU v5e"])
     ax = fig.axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert (
-        len(lines) == 2 + 2 + 1
-    )  # two curves, two capacities (80 GB is shared), one mark
+    # two curves, two capacities (80 GB is shared), one mark
+    assert len(lines) == 2 + 2 + 1
     weights = lines["weights only, fp32 (4 B/param)"]
     adam = lines["training with Adam, fp32 (16 B/param)"]
     np.testing.assert_allclose(weights.get_ydata(), 4 * weights.get_xdata())

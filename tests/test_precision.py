@@ -40,9 +40,8 @@ def test_gradients_match_fp32(problem, name):
     loss, grads = precision.data_parallel_grads(loss_fn, policy, MESH)(placed, x)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, x_one_device)
     assert grads["w"].dtype == policy.param_dtype
-    tolerance = (
-        1e-6 if name == "fp32" else 5e-2
-    )  # bf16: 7 explicit mantissa bits, 8 bits of precision
+    # bf16: 7 explicit mantissa bits, 8 bits of precision
+    tolerance = 1e-6 if name == "fp32" else 5e-2
     np.testing.assert_allclose(
         np.asarray(grads["w"], np.float32),
         ref_grads["w"],
@@ -67,9 +66,8 @@ def test_bf16_all_reduce_halves_the_bytes_in_the_lowered_program(problem):
         ]
         found[name] = (grads_reduce[0].dtype, grads_reduce[0].bytes, lowered)
     assert found["fp32"][:2] == ("f32", 4 * params["w"].size)
-    assert (
-        found["bf16 compute"][:2] == found["fp32"][:2]
-    )  # bf16 compute alone: fp32 gradients travel
+    # bf16 compute alone: fp32 gradients travel
+    assert found["bf16 compute"][:2] == found["fp32"][:2]
     assert found["bf16 compute and all-reduce"][:2] == ("bf16", 2 * params["w"].size)
     compiled = comms.collectives(
         found["bf16 compute and all-reduce"][2].compile().as_text()
@@ -89,6 +87,5 @@ def test_wire_table_halves_the_lowered_all_reduce_only_with_bf16_gradients(probl
     assert rows["fp32"][1:3] == ["f32", fp32_bytes] == rows["bf16 compute"][1:3]
     assert rows["bf16 compute and all-reduce"][1:3] == ["bf16", fp32_bytes // 2]
     if jax.default_backend() == "cpu":
-        assert {row[3] for row in rows.values()} == {
-            "f32"
-        }  # XLA:CPU widens bf16 all-reduces
+        # XLA:CPU widens bf16 all-reduces
+        assert {row[3] for row in rows.values()} == {"f32"}

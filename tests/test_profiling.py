@@ -131,6 +131,7 @@ def test_each_collective_of_the_trace_is_put_on_the_mesh_axes_it_spans():
         w = jax.lax.all_gather(w_block, "fsdp", tiled=True)
         return jax.lax.psum(jnp.tanh(x_block @ w).sum(0, keepdims=True), "data")
 
+    # check_vma=False: the gathered weights are the same on every device
     fn = jax.jit(
         jax.shard_map(
             step,
@@ -138,7 +139,7 @@ def test_each_collective_of_the_trace_is_put_on_the_mesh_axes_it_spans():
             in_specs=(P("fsdp"), P("data")),
             out_specs=P(),
             check_vma=False,
-        )  # the gathered weights are the same on every device
+        )
     )
     w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("fsdp")))
     x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("data")))

@@ -211,10 +211,11 @@ def test_the_article_cells_are_marked_and_leave_these_names_undefined():
 
 
 def test_every_entry_has_its_cells_under_its_heading_in_order():
+    # keys in page order; (key, part) of each tagged cell in order
     entries, parts = (
         [],
         [],
-    )  # keys in page order; (key, part) of each tagged cell in order
+    )
     current = None
     for cell in _cells():
         if cell.cell_type == "markdown":

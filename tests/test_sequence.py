@@ -9,12 +9,13 @@ from jax.sharding import AxisType
 
 from jaxdist_lessons import comms, sequence
 
+# 48 tokens split into 2n chunks for n = 4, 6, 8; 24 heads for Ulysses
 B, T, N, A = (
     1,
     48,
     24,
     4,
-)  # 48 tokens split into 2n chunks for n = 4, 6, 8; 24 heads for Ulysses
+)
 
 
 def mesh_of(n):

@@ -39,9 +39,19 @@ def srun(*args, timeout=180):
 
 def test_srun_joins_three_processes_through_jaxs_slurm_detection(tmp_path):
     result = srun(
-        "srun", "--overcommit", "-n", "3",
-        "python", "-m", "jaxdist_lessons.multihost_demo", "--devices", "2", "--out", str(tmp_path), "hello",
-    )  # fmt: skip
+        "srun",
+        "--overcommit",
+        "-n",
+        "3",
+        "python",
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "--devices",
+        "2",
+        "--out",
+        str(tmp_path),
+        "hello",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in range(3):
         hello = json.loads((tmp_path / f"rank{rank}.json").read_text())["hello"]
@@ -58,11 +68,28 @@ def test_srun_joins_three_processes_through_jaxs_slurm_detection(tmp_path):
 def test_kill_on_bad_exit_ends_a_job_whose_task_failed(tmp_path):
     before = set(hang_lab.module_pids(DEMO))
     result = srun(
-        "srun", "--overcommit", "--kill-on-bad-exit=1", "-n", "2",
-        "python", "-m", "jaxdist_lessons.multihost_demo", "--devices", "1",
-        "train", "--epochs", "1", "--steps-per-epoch", "2",
-        "--fail-rank", "1", "--fail-at-epoch", "0", "--fail-how", "raise",
-    )  # fmt: skip
+        "srun",
+        "--overcommit",
+        "--kill-on-bad-exit=1",
+        "-n",
+        "2",
+        "python",
+        "-m",
+        "jaxdist_lessons.multihost_demo",
+        "--devices",
+        "1",
+        "train",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "2",
+        "--fail-rank",
+        "1",
+        "--fail-at-epoch",
+        "0",
+        "--fail-how",
+        "raise",
+    )
     assert result.returncode != 0
     assert "RuntimeError: process 1 raised at epoch 1" in result.stderr
     assert "task 1: Exited with exit code 1" in result.stderr
@@ -71,8 +98,16 @@ def test_kill_on_bad_exit_ends_a_job_whose_task_failed(tmp_path):
 
 def test_train_py_under_srun_matches_mpirun():
     env = {"JAX_NUM_CPU_DEVICES": "2"}
-    result = srun("env", *(f"{k}={v}" for k, v in env.items()),
-                  "srun", "--overcommit", "-n", "3", "python", "examples/train.py")  # fmt: skip
+    result = srun(
+        "env",
+        *(f"{k}={v}" for k, v in env.items()),
+        "srun",
+        "--overcommit",
+        "-n",
+        "3",
+        "python",
+        "examples/train.py",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "3 processes x 2 devices; w = [ 1.    -1.997  2.996  0.5  ]" in result.stdout
 
@@ -103,10 +138,18 @@ def test_the_gpu_batch_script_runs_on_one_node_with_cpu_devices(tmp_path):
         in (ROOT / "examples/slurm/lm.sbatch").read_text()
     )
     result = srun(
-        "env", "JAX_NUM_CPU_DEVICES=1", "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
-        "--gpus-per-node=0", "--overcommit", f"--output={tmp_path}/%x-%j.out", str(script),
+        "env",
+        "JAX_NUM_CPU_DEVICES=1",
+        "sbatch",
+        "--wait",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=0",
+        "--overcommit",
+        f"--output={tmp_path}/%x-%j.out",
+        str(script),
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     [log] = tmp_path.glob("jaxdist-gpu-*.out")
     lines = log.read_text().splitlines()
@@ -128,6 +171,10 @@ def test_the_gpu_variables_are_set_and_a_value_given_before_wins():
         ["bash", "-c", program], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert result.stdout.split() == [
-        "^lo,docker", "=mlx5_0,mlx5_1", "WARN", "0.90",
-        "--xla_dump_to=/tmp/x", "--xla_gpu_enable_latency_hiding_scheduler=true",
-    ]  # fmt: skip
+        "^lo,docker",
+        "=mlx5_0,mlx5_1",
+        "WARN",
+        "0.90",
+        "--xla_dump_to=/tmp/x",
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+    ]

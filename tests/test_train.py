@@ -86,9 +86,8 @@ def test_state_is_born_sharded_by_the_rules():
     assert state.params["conv_init"]["kernel"].sharding.spec == P(
         None, None, None, "tensor"
     )
-    mu = state.opt_state[0].mu["conv_init"][
-        "kernel"
-    ]  # Adam's moments follow the parameters
+    # Adam's moments follow the parameters
+    mu = state.opt_state[0].mu["conv_init"]["kernel"]
     assert mu.sharding.spec == P(None, None, None, "tensor")
 
 
@@ -137,9 +136,8 @@ def test_loss_falls_within_a_few_steps_on_the_offline_data():
     )
     losses = [row["loss"] for row in history.train]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.15
-    assert np.mean(losses[-3:]) < np.log(
-        10
-    )  # below the loss of guessing uniformly among 10 classes
+    # below the loss of guessing uniformly among 10 classes
+    assert np.mean(losses[-3:]) < np.log(10)
 
 
 def test_evaluate_counts_every_example_once():
@@ -195,9 +193,8 @@ def test_checkpoint_round_trip_across_meshes_is_exact_and_training_continues_ide
         (x.shape, x.dtype, x.weak_type)
         for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))
     ]
-    assert signature(restored) == signature(
-        state
-    )  # so the jitted steps do not compile again for it
+    # so the jitted steps do not compile again for it
+    assert signature(restored) == signature(state)
 
     # Back on the original mesh, the restored state continues exactly like the original.
     again, _ = train.restore_latest(str(tmp_path / "ckpt"), target, shardings)

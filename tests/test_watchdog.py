@@ -45,9 +45,13 @@ def test_report_says_when_every_process_is_stuck_in_the_same_step():
 
 def watched(store, index, ended, log):
     dog = watchdog.StepWatchdog(
-        0.3, poll_s=0.05, client=store, process_index=index, num_processes=2,
+        0.3,
+        poll_s=0.05,
+        client=store,
+        process_index=index,
+        num_processes=2,
         stream=log.open("a"),  # faulthandler writes to a file descriptor
-    )  # fmt: skip
+    )
     dog._end = ended.append  # record the report instead of ending the test's process
     return dog.start()
 
@@ -73,9 +77,8 @@ def test_a_process_whose_step_stops_advancing_reports_and_the_others_follow(tmp_
         "processes 0 wait at step 3"
     )
     assert store.values["jaxdist_watchdog/fired"] == expected
-    assert (
-        expected in ended0 and expected in ended1
-    )  # process 1 read process 0's report
+    # process 1 read process 0's report
+    assert expected in ended0 and expected in ended1
     dog0.stop(), dog1.stop()
 
 

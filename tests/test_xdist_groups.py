@@ -27,11 +27,25 @@ def test_a_group_runs_on_one_worker(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the repository's options
     workers = tmp_path / "workers.txt"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q",
-         "-p", "no:cacheprovider", "test_groups.py"],
-        cwd=tmp_path, env={**os.environ, "WORKERS_FILE": str(workers)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "test_groups.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "WORKERS_FILE": str(workers)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     ran_on = workers.read_text().split()
     assert len(ran_on) == 6

@@ -87,9 +87,8 @@ def test_measured_collective_bytes_equal_theory(case, strategy):
 @pytest.mark.parametrize("case", CASES)
 def test_the_three_strategies_train_identically(case):
     loss_fn, params, batch = CASES[case]()
-    tx = optax.sgd(
-        0.1, momentum=0.9
-    )  # Adam would magnify rounding noise in gradients that are exactly zero
+    # Adam would magnify rounding noise in gradients that are exactly zero
+    tx = optax.sgd(0.1, momentum=0.9)
     batch = jax.device_put(batch, NamedSharding(MESH, P("data")))
     finals = {}
     for strategy in zero.ZERO_STAGES:
@@ -218,9 +217,8 @@ def ring_bytes_of_program(text):
             sent += comms.ring_all_reduce_bytes(c.bytes, group)
         elif c.kind == "all-gather":
             sent += comms.ring_all_gather_bytes(c.bytes, group)
-        elif (
-            c.kind == "reduce-scatter"
-        ):  # comms counts the result, 1/group of what is reduced
+        # comms counts the result, 1/group of what is reduced
+        elif c.kind == "reduce-scatter":
             sent += comms.ring_reduce_scatter_bytes(c.bytes * group, group)
         else:
             raise AssertionError(f"unexpected collective {c.kind}")
@@ -248,9 +246,8 @@ def test_ring_bytes_sent_are_those_of_the_compiled_collectives(case, strategy):
 
 
 def test_regathering_fsdp_sends_half_as_much_again_as_data_parallelism():
-    _, params, _ = (
-        block_case()
-    )  # every array splits on 2, 4 and 8 devices: no remainder
+    # every array splits on 2, 4 and 8 devices: no remainder
+    _, params, _ = block_case()
     assert zero.split(params, N).replicated == 0
     data = zero.ring_bytes_sent("data", params, N)
     assert zero.regathering_fsdp_ring_bytes(params, N) == pytest.approx(1.5 * data)
@@ -325,10 +322,11 @@ def test_layered_fsdp_gradients_equal_the_unsharded_reference(num_devices, remat
         layer_fn, tx, mesh, layers, tx.init(layers), remat=remat
     )
     placed = place_stacked((layers, tx.init(layers)), mesh)
+    # every array is sharded, never along its layer axis
     assert all(
         s.spec[0] is None and "fsdp" in s.spec
         for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, placed[0]))
-    )  # every array is sharded, never along its layer axis
+    )
     new, _, loss = step(*placed, jax.device_put(batch, NamedSharding(mesh, P("fsdp"))))
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
     grads = jax.tree.map(lambda old, new: old - new, layers, jax.device_get(new))
@@ -380,10 +378,11 @@ def test_layer_gathers_stay_inside_the_loop_and_regather_in_the_backward_pass():
 
 
 def test_expected_layered_bytes():
+    # 512 B sharded, 12 B not
     layer = {
         "kernel": jnp.zeros((16, 8)),
         "bias": jnp.zeros(3),
-    }  # 512 B sharded, 12 B not
+    }
     assert zero.expected_layered_bytes("data", layer, 2, 4) == {
         "parameters": 1048,
         "optimizer state": 2096,

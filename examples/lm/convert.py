@@ -214,8 +214,9 @@ def fresh_state(params: dict, model, args):
 def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     config_json = hf_dir / "config.json"
     # train.py's defaults for this shape: its optimizer and its checkpoint layout
-    args = train.parse_args(["--model-config", str(config_json),
-                             "--checkpoint-dir", str(checkpoint_dir)])  # fmt: skip
+    args = train.parse_args(
+        ["--model-config", str(config_json), "--checkpoint-dir", str(checkpoint_dir)]
+    )
     config = train.config_from_args(args)
     params = params_from_hf(hf_dir, config)
     state = fresh_state(params, model_lib.Transformer(config), args)
@@ -284,8 +285,11 @@ def to_hf(
     # holds every bfloat16 value).
     dtype = DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), np.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(params_to_hf(params, config, dtype), out_dir / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        params_to_hf(params, config, dtype),
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     print(f"{checkpoint_dir} step {step} -> {out_dir}")
 
@@ -301,8 +305,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     back.add_argument("hf_dir", type=pathlib.Path)
     back.add_argument("--step", type=int, help="default: the latest")
     back.add_argument("--model-config", help=f"default: the checkpoint's {HF_CONFIG}")
-    back.add_argument("--model", choices=sorted(model_config.PRESETS),
-                      help="a preset's checkpoint (train.py --model)")  # fmt: skip
+    back.add_argument(
+        "--model",
+        choices=sorted(model_config.PRESETS),
+        help="a preset's checkpoint (train.py --model)",
+    )
     return parser.parse_args(argv)
 
 
@@ -311,8 +318,9 @@ def main(argv=None) -> None:
     if args.command == "from-hf":
         from_hf(args.hf_dir, args.checkpoint_dir)
     else:
-        to_hf(args.checkpoint_dir, args.hf_dir, args.step, args.model_config,
-              args.model)  # fmt: skip
+        to_hf(
+            args.checkpoint_dir, args.hf_dir, args.step, args.model_config, args.model
+        )
 
 
 if __name__ == "__main__":

@@ -75,9 +75,12 @@ def padded_experts(
     got_experts = jax.lax.all_to_all(local_XU, axis, 0, 0).reshape(-1)
     order, sizes = sort_by_expert(got_experts, L + 1)  # the empty rows last
     y = grouped_mlp(
-        got_XUD.reshape(X * U, -1)[order], sizes[:L],
-        w_gate_EDF, w_up_EDF, w_down_EFD,
-    )  # fmt: skip
+        got_XUD.reshape(X * U, -1)[order],
+        sizes[:L],
+        w_gate_EDF,
+        w_up_EDF,
+        w_down_EFD,
+    )
     y_XUD = y[jnp.argsort(order)].reshape(X, U, -1)
     back_XUD = jax.lax.all_to_all(y_XUD, axis, 0, 0)  # back[x]: from device x
     y_UD = back_XUD[to_U, row_U]  # sorted by expert, as sent
@@ -132,10 +135,18 @@ def ragged_experts(
 
 
 def on_device(
-    x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD,
-    expert_axis=None, width_axis=None, mlp_axis=None, exchange="padded",
+    x_BTD,
+    experts_BTR,
+    gates_BTR,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    expert_axis=None,
+    width_axis=None,
+    mlp_axis=None,
+    exchange="padded",
     dtype=jnp.float32,
-):  # fmt: skip
+):
     """One device's share, in a jax.shard_map over the mesh (model.Experts): its
     tokens; the weights gathered over ``width_axis`` (FSDP); the experts split over
     ``expert_axis``, exchanged "padded" or "ragged"; the MLP width split over
@@ -179,8 +190,9 @@ def _gathered_forward(w, axis, dim):
 
 
 def _gathered_backward(axis, dim, _, g):
-    g32 = jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=dim,
-                               tiled=True)  # fmt: skip
+    g32 = jax.lax.psum_scatter(
+        g.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True
+    )
     return (g32.astype(g.dtype),)
 
 

@@ -24,14 +24,24 @@ BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 # and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
 # tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
 RULES = (
-    ("batch", BATCH), ("expert_batch", ("data", "fsdp")),
-    ("lookup_batch", ("pipeline", "data", "expert")), ("layers", "pipeline"),
-    ("embed", "fsdp"), ("experts", "expert"), ("act_experts", "expert"),
-    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
-    ("act_seq", "sequence"), ("act_seq_residual", ("sequence", "tensor")),
-    ("act_heads", "tensor"), ("act_kv_heads", "tensor"), ("act_mlp", "tensor"),
+    ("batch", BATCH),
+    ("expert_batch", ("data", "fsdp")),
+    ("lookup_batch", ("pipeline", "data", "expert")),
+    ("layers", "pipeline"),
+    ("embed", "fsdp"),
+    ("experts", "expert"),
+    ("act_experts", "expert"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("act_seq", "sequence"),
+    ("act_seq_residual", ("sequence", "tensor")),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
-)  # fmt: skip
+)
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:

@@ -77,9 +77,8 @@ class RMSNorm(nn.Module):
         scale = self.param(
             "scale", weight(nn.initializers.ones, ("embed",)), x_BTD.shape[-1:]
         )
-        x = x_BTD.astype(
-            jnp.float32
-        )  # the statistics in float32, whatever the compute type
+        # the statistics in float32, whatever the compute type
+        x = x_BTD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * scale).astype(self.dtype)
 
@@ -224,9 +223,15 @@ def blocks_of(x, size: int, axis: int) -> jax.Array | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def attention_part(
-    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
-    kv_starts_BS, block,
-):  # fmt: skip
+    q_BTKQA,
+    k_BSKA,
+    v_BSKA,
+    q_positions_T,
+    kv_positions_S,
+    q_starts_BT,
+    kv_starts_BS,
+    block,
+):
     """Causal attention of (scaled) queries on one part of the keys, in blocks of
     ``block`` queries x ``block`` keys: (output, log-sum-exp), float32. The document
     starts (document_starts; None: one document) keep each query in its document.
@@ -234,15 +239,27 @@ def attention_part(
     log-sum-exp and recomputes each block's probabilities from them (FlashAttention-2's
     backward: Dao 2023, arXiv:2307.08691)."""
     return attention_part_forward(
-        q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
-        kv_starts_BS, block,
-    )[0]  # fmt: skip
+        q_BTKQA,
+        k_BSKA,
+        v_BSKA,
+        q_positions_T,
+        kv_positions_S,
+        q_starts_BT,
+        kv_starts_BS,
+        block,
+    )[0]
 
 
 def attention_part_forward(
-    q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, q_starts_BT,
-    kv_starts_BS, block,
-):  # fmt: skip
+    q_BTKQA,
+    k_BSKA,
+    v_BSKA,
+    q_positions_T,
+    kv_positions_S,
+    q_starts_BT,
+    kv_starts_BS,
+    block,
+):
     tb, sb = block_size(q_BTKQA.shape[1], block), block_size(k_BSKA.shape[1], block)
     # Tied to the queries, the positions count as values to recompute: otherwise, under
     # remat in a scan over layers, autodiff sees that the masks depend only on the
@@ -331,10 +348,13 @@ def attention_part_backward(block, residuals, cotangents):
         blocks_of(kv_starts_BS, sb, 1),
     )
     q_blocks = (
-        blocks(q_BTKQA, tb, 1), blocks(q_positions_T, tb, 0),
-        blocks_of(q_starts_BT, tb, 1), blocks(lse_BKQT, tb, 3),
-        blocks(row_BKQT, tb, 3), blocks(d_out_BTKQA, tb, 1),
-    )  # fmt: skip
+        blocks(q_BTKQA, tb, 1),
+        blocks(q_positions_T, tb, 0),
+        blocks_of(q_starts_BT, tb, 1),
+        blocks(lse_BKQT, tb, 3),
+        blocks(row_BKQT, tb, 3),
+        blocks(d_out_BTKQA, tb, 1),
+    )
     (d_k_BSKA, d_v_BSKA), d_q_blocks = jax.lax.scan(
         one_query_block, (jnp.zeros_like(k_BSKA), jnp.zeros_like(v_BSKA)), q_blocks
     )
@@ -367,9 +387,15 @@ def grouped(q_BTNA, num_kv_heads: int) -> jax.Array:
 
 
 def chunked_attention(
-    q_BTNA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S, block: int = BLOCK,
-    q_starts_BT=None, kv_starts_BS=None,
-):  # fmt: skip
+    q_BTNA,
+    k_BSKA,
+    v_BSKA,
+    q_positions_T,
+    kv_positions_S,
+    block: int = BLOCK,
+    q_starts_BT=None,
+    kv_starts_BS=None,
+):
     """Causal attention in blocks, never forming the T x S scores: each query block
     folds in the key/value blocks it can see with an online softmax (a running maximum
     and sum: Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al.
@@ -377,16 +403,27 @@ def chunked_attention(
     the lengths. Given document starts, each query sees its own document only. Float32
     inside; the output in the queries' dtype."""
     out_BTKQA, _ = attention_part(
-        grouped(q_BTNA, k_BSKA.shape[2]), k_BSKA, v_BSKA, q_positions_T,
-        kv_positions_S, q_starts_BT, kv_starts_BS, block,
-    )  # fmt: skip
+        grouped(q_BTNA, k_BSKA.shape[2]),
+        k_BSKA,
+        v_BSKA,
+        q_positions_T,
+        kv_positions_S,
+        q_starts_BT,
+        kv_starts_BS,
+        block,
+    )
     return out_BTKQA.reshape(q_BTNA.shape).astype(q_BTNA.dtype)
 
 
 def ring_attention(
-    q_BTNA, k_BTKA, v_BTKA, positions_T, starts_BT=None, axis: str = "sequence",
+    q_BTNA,
+    k_BTKA,
+    v_BTKA,
+    positions_T,
+    starts_BT=None,
+    axis: str = "sequence",
     block: int = BLOCK,
-):  # fmt: skip
+):
     """Causal attention on one device's share of a sequence split over ``axis`` (inside
     jax.shard_map). Each device keeps its queries; the keys and values travel around the
     ring, one ppermute per step, and each step's part (chunked attention's blocks) is
@@ -410,9 +447,15 @@ def ring_attention(
     for step in range(n):  # at this step, the block that started on device i - step
         source = (i - step) % n
         part = attention_part(
-            q_BTKQA, k_BSKA, v_BSKA, share(i), share(source), row_share(i),
-            row_share(source), block,
-        )  # fmt: skip
+            q_BTKQA,
+            k_BSKA,
+            v_BSKA,
+            share(i),
+            share(source),
+            row_share(i),
+            row_share(source),
+            block,
+        )
         result = part if result is None else merge(result, part)
         if step < n - 1:  # pass the block on: device j sends to j + 1
             ring = [(j, (j + 1) % n) for j in range(n)]
@@ -433,9 +476,13 @@ def cudnn_attention(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
     0.10.2), so memory is quadratic in the sequence again: chunked stays linear."""
     bf16 = lambda x: x.astype(jnp.bfloat16)
     out_BTNA = jax.nn.dot_product_attention(
-        bf16(q_BTNA), bf16(k_BTKA), bf16(v_BTKA), mask=document_mask(starts_BT),
-        is_causal=True, implementation="cudnn",
-    )  # fmt: skip
+        bf16(q_BTNA),
+        bf16(k_BTKA),
+        bf16(v_BTKA),
+        mask=document_mask(starts_BT),
+        is_causal=True,
+        implementation="cudnn",
+    )
     return out_BTNA.astype(q_BTNA.dtype)
 
 
@@ -446,8 +493,13 @@ def manual_axes(*specs: P) -> set[str]:
     gradients over them: all-reduces that move nothing but that a compiled program
     still holds), nor those already manual (inside a pipeline stage, 'pipeline')."""
     mesh = jax.sharding.get_abstract_mesh()
-    named = {a for spec in specs for part in spec if part
-             for a in ((part,) if isinstance(part, str) else part)}  # fmt: skip
+    named = {
+        a
+        for spec in specs
+        for part in spec
+        if part
+        for a in ((part,) if isinstance(part, str) else part)
+    }
     split = named | {a for a, size in mesh.shape.items() if size > 1}
     return split - set(mesh.manual_axes)
 
@@ -680,10 +732,14 @@ class Experts(nn.Module):
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
         if c.dispatch == "dropless":  # every choice, sorted by expert (dropless.py)
             y_BTD = dropless_experts(
-                x_BTD, experts_BGTR.reshape(B, length, R),
-                gates_BGTR.reshape(B, length, R), w_gate_EDF, w_up_EDF, w_down_EFD,
+                x_BTD,
+                experts_BGTR.reshape(B, length, R),
+                gates_BGTR.reshape(B, length, R),
+                w_gate_EDF,
+                w_up_EDF,
+                w_down_EFD,
                 exchange=c.exchange,
-            )  # fmt: skip
+            )
             return y_BTD, aux_loss
         # Each device fills its rows' slots, then the slots move to their experts'
         # devices: split by expert instead of by batch row (an all-to-all on 'expert').
@@ -730,13 +786,18 @@ def dropless_experts(
     "padded" or "ragged". Unwrapped outside a mesh."""
     # In float32, cast inside (dropless.in_compute_type): the sums of their gradients
     # over devices then run in float32.
-    f32 = [a.astype(jnp.float32) for a in (x_BTD, gates_BTR, w_gate_EDF, w_up_EDF,
-                                           w_down_EFD)]  # fmt: skip
+    f32 = [
+        a.astype(jnp.float32)
+        for a in (x_BTD, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD)
+    ]
     args = (f32[0], experts_BTR, *f32[1:])
     if jax.sharding.get_abstract_mesh().empty:
         return dropless.on_device(*args, dtype=x_BTD.dtype)
-    names = [("batch", "act_seq", None), ("experts", "embed", "mlp"),
-             ("experts", "mlp", "embed")]  # fmt: skip
+    names = [
+        ("batch", "act_seq", None),
+        ("experts", "embed", "mlp"),
+        ("experts", "mlp", "embed"),
+    ]
     specs = [nn.logical_to_mesh_axes(n) for n in names]  # tokens, up, down
     # Manual over the axes that split something; the others left out of the specs, so
     # that no size-1 axis calls for a collective (check_vma holds the rest to account).
@@ -746,13 +807,17 @@ def dropless_experts(
     expert_axis, width_axis, mlp_axis = up
     on_each = jax.shard_map(
         functools.partial(
-            dropless.on_device, expert_axis=expert_axis, width_axis=width_axis,
-            mlp_axis=mlp_axis, exchange=exchange, dtype=x_BTD.dtype,
+            dropless.on_device,
+            expert_axis=expert_axis,
+            width_axis=width_axis,
+            mlp_axis=mlp_axis,
+            exchange=exchange,
+            dtype=x_BTD.dtype,
         ),
         in_specs=(tokens, tokens, tokens, up, up, down),
         out_specs=tokens,
         axis_names=manual,
-    )  # fmt: skip
+    )
     return on_each(*args)
 
 

@@ -153,13 +153,11 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
 def count_params(config: ModelConfig) -> int:
     """Parameters of a preset, from its shape alone."""
     c, per_layer = config, 0
-    per_layer += (
-        c.width * c.head_width * (c.num_heads * 2 + c.num_kv_heads * 2)
-    )  # q, out, k, v
+    # q, out, k, v
+    per_layer += c.width * c.head_width * (c.num_heads * 2 + c.num_kv_heads * 2)
     experts = max(c.num_experts, 1)
-    per_layer += (
-        experts * 3 * c.width * c.mlp_width + 2 * c.width
-    )  # gate, up, down; norms
+    # gate, up, down; norms
+    per_layer += experts * 3 * c.width * c.mlp_width + 2 * c.width
     per_layer += c.width * c.num_experts  # the router
     per_layer += c.num_experts if c.balance == "bias" else 0  # its bias
     per_layer += 3 * c.width * c.mlp_width * c.shared_experts  # shared experts
@@ -181,12 +179,10 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     matmul_params = count_params(c) - c.vocab_size * c.width * (
         0 if c.tie_embeddings else 1
     )
-    matmul_params -= c.width * (
-        2 * c.num_layers + 1
-    )  # norms' scales multiply, no matmul
-    if (
-        c.num_experts
-    ):  # a token passes through top_k experts of the E (dispatch not counted)
+    # norms' scales multiply, no matmul
+    matmul_params -= c.width * (2 * c.num_layers + 1)
+    # a token passes through top_k experts of the E (dispatch not counted)
+    if c.num_experts:
         matmul_params -= (
             c.num_layers * (c.num_experts - c.top_k) * 3 * c.width * c.mlp_width
         )

@@ -115,9 +115,8 @@ class StepDeadline:
                     else f"step timeout: step {ahead + 1} "
                     f"did not finish within {self.seconds:g} s on any process"
                 )
-                with contextlib.suppress(
-                    Exception
-                ):  # another process may have fired first
+                # another process may have fired first
+                with contextlib.suppress(Exception):
                     self.client and self.client.key_value_set(
                         "lm_deadline/fired", message
                     )

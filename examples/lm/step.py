@@ -84,9 +84,10 @@ def abstract_state(
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
     if zero1:
         moments = jax.tree.map(
-            lambda s, x: over_data(s, x.shape), shardings.opt_state,
+            lambda s, x: over_data(s, x.shape),
+            shardings.opt_state,
             strip(boxed).opt_state,
-        )  # fmt: skip
+        )
         shardings = shardings.replace(opt_state=moments)
     if "optimizer" in offload:  # JAX's memory kinds: the moments live in host memory
         host = lambda s: s.with_memory_kind("pinned_host")
@@ -201,9 +202,12 @@ class Pipeline:
         def run(layers, x_BTD, micro):
             _, starts_BT = micro
             return self.stage_model.apply(
-                {"params": {"layers": layers}}, x_BTD, positions_T, starts_BT,
+                {"params": {"layers": layers}},
+                x_BTD,
+                positions_T,
+                starts_BT,
                 method="run_layers",
-            )  # fmt: skip
+            )
 
         return run
 
@@ -241,18 +245,28 @@ def make_pipeline_loss(
         params, x_BTD, positions_T, per_micro = pipe.inputs(apply_fn, params, tokens_BT)
         rest = {name: tree for name, tree in params.items() if name != "layers"}
         loss, aux_loss = pipeline.gpipe(
-            pipe.stage(positions_T), pipe.last, params["layers"], rest,
-            pipe.split(x_BTD), per_micro,
-        )  # fmt: skip
+            pipe.stage(positions_T),
+            pipe.last,
+            params["layers"],
+            rest,
+            pipe.split(x_BTD),
+            per_micro,
+        )
         return (loss + aux_loss) / microbatches, loss / microbatches
 
     return loss
 
 
 def make_pipeline_grads(
-    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1,
-    schedule: str = "1f1b", virtual: int = 1,
-):  # fmt: skip
+    model,
+    shardings,
+    mesh,
+    dtype=jnp.float32,
+    eod_id=None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+):
     """(apply_fn, params, tokens_BT) -> (the loss, its gradient), the layers run on
     1F1B or interleaved 1F1B (pipeline.scheduled), which computes the gradients itself.
 
@@ -297,9 +311,14 @@ def make_pipeline_grads(
         )
         rest = {name: tree for name, tree in cast_params.items() if name != "layers"}
         loss, aux_loss, g_chunks, g_rest, g_x_MBTD = pipeline.scheduled(
-            pipe.stage(positions_T), pipe.last, to_chunks(cast_params["layers"]),
-            rest, pipe.split(x_BTD), per_micro, table,
-        )  # fmt: skip
+            pipe.stage(positions_T),
+            pipe.last,
+            to_chunks(cast_params["layers"]),
+            rest,
+            pipe.split(x_BTD),
+            per_micro,
+            table,
+        )
         g_cast = {**g_rest, "layers": from_chunks(g_chunks)}
         g_cast = jax.tree.map(lambda g, w: g.astype(w.dtype), g_cast, cast_params)
         B, *rest_shape = x_BTD.shape
@@ -321,9 +340,16 @@ def make_step_loss(
 
 
 def make_train_step(
-    shardings, mesh, dtype=jnp.float32, grad_accum: int = 1, eod_id: int | None = None,
-    model=None, schedule: str = "gpipe", virtual: int = 1, zero1: bool = False,
-):  # fmt: skip
+    shardings,
+    mesh,
+    dtype=jnp.float32,
+    grad_accum: int = 1,
+    eod_id: int | None = None,
+    model=None,
+    schedule: str = "gpipe",
+    virtual: int = 1,
+    zero1: bool = False,
+):
     """The jitted training step. With a 'pipeline' axis (``model`` given), the
     --grad-accum micro-batches go through the pipeline's stages on ``schedule``
     (GPipe, 1F1B, or interleaved 1F1B with ``virtual`` stages per device)."""
@@ -398,8 +424,9 @@ def make_train_step(
         if zero1:
             grads = jax.tree.map(
                 lambda g, s: jax.lax.with_sharding_constraint(g, over_data(s, g.shape)),
-                grads, shardings.params,
-            )  # fmt: skip
+                grads,
+                shardings.params,
+            )
         if in_host:  # Adam's moments in for the update, and back out
             state = state.replace(opt_state=moved(state.opt_state, "device"))
         state = state.apply_gradients(grads=grads)
@@ -417,9 +444,13 @@ def make_train_step(
 
 
 def make_eval_step(
-    shardings, mesh, dtype=jnp.float32, eod_id: int | None = None, model=None,
+    shardings,
+    mesh,
+    dtype=jnp.float32,
+    eod_id: int | None = None,
+    model=None,
     microbatches: int = 1,
-):  # fmt: skip
+):
     """The held-out loss of a batch: the training loss, without gradients."""
     loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, microbatches)
     return jax.jit(

@@ -352,9 +352,10 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
         sources, args.global_batch, rows, args.seed, args.data_weights, held_out
     )
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        # born sharded
         state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
             jax.random.key(args.seed)
-        )  # born sharded
+        )
     manager = checkpoint_manager(args) if args.checkpoint_dir else None
     if manager and manager.latest_step() is not None:
         state, batches = restore(manager, shapes, batches)

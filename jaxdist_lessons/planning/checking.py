@@ -48,10 +48,16 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
             print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
             continue
         memory_use = compiled.memory_analysis()
-        print(json.dumps({"arguments": memory_use.argument_size_in_bytes,
-                          "temporaries": memory_use.temp_size_in_bytes,
-                          "collectives": recipe_compiled.collective_bytes(compiled.as_text())}),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "arguments": memory_use.argument_size_in_bytes,
+                    "temporaries": memory_use.temp_size_in_bytes,
+                    "collectives": recipe_compiled.collective_bytes(compiled.as_text()),
+                }
+            ),
+            flush=True,
+        )
 
 
 def compile_flags(
@@ -70,17 +76,30 @@ def compile_flags(
         k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    worker = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-c", program],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     results = []
-    with tqdm(total=len(runs), desc=f"compiling on {devices} CPU devices", unit="layout",
-              disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+    with tqdm(
+        total=len(runs),
+        desc=f"compiling on {devices} CPU devices",
+        unit="layout",
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
         for line in worker.stdout:
             results.append(json.loads(line))
             bar.update()
     if worker.wait() or len(results) != len(runs):
-        raise RuntimeError(f"compiling {flag_lines[len(results)]} failed:\n"
-                           f"{worker.stderr.read()[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"compiling {flag_lines[len(results)]} failed:\n"
+            f"{worker.stderr.read()[-3000:]}"
+        )
     for line, result in zip(flag_lines, results):
         if "error" in result and strict:
             raise RuntimeError(f"train.py {line} --compile-only: {result['error']}")
@@ -102,17 +121,26 @@ def compare(plan_row: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any
     for kind in kinds:
         got = compiled["collectives"].get(kind, 0)
         want = plan_row["collective_bytes"].get(kind, 0)
-        collectives[kind] = {"predicted": want, "compiled": got, "ratio": ratio(want, got),
-                             "minor": got < MINOR * total and want < MINOR * total}  # fmt: skip
+        collectives[kind] = {
+            "predicted": want,
+            "compiled": got,
+            "ratio": ratio(want, got),
+            "minor": got < MINOR * total and want < MINOR * total,
+        }
     estimate = plan_row["temporaries_estimate_bytes"]
     return {
-        "arguments": {"predicted": plan_row["arguments_bytes"],
-                      "compiled": compiled["arguments"],
-                      "ratio": ratio(plan_row["arguments_bytes"], compiled["arguments"])},
+        "arguments": {
+            "predicted": plan_row["arguments_bytes"],
+            "compiled": compiled["arguments"],
+            "ratio": ratio(plan_row["arguments_bytes"], compiled["arguments"]),
+        },
         "collectives": collectives,
-        "temporaries": {"estimate": estimate, "compiled": compiled["temporaries"],
-                        "ratio": ratio(estimate, compiled["temporaries"])},
-    }  # fmt: skip
+        "temporaries": {
+            "estimate": estimate,
+            "compiled": compiled["temporaries"],
+            "ratio": ratio(estimate, compiled["temporaries"]),
+        },
+    }
 
 
 def agrees(check: dict[str, Any], tolerance: float = 0.1) -> bool:
@@ -135,10 +163,27 @@ def check_table(
             for k, v in c["collectives"].items()
         ]
         for name, v in parts:
-            cells.append([r["mesh"], name, v["predicted"] / 1e9, v["compiled"] / 1e9,
-                          fmt(v["ratio"])])  # fmt: skip
+            cells.append(
+                [
+                    r["mesh"],
+                    name,
+                    v["predicted"] / 1e9,
+                    v["compiled"] / 1e9,
+                    fmt(v["ratio"]),
+                ]
+            )
         t = c["temporaries"]
-        cells.append([r["mesh"], "temporaries vs activation estimate", t["estimate"] / 1e9,
-                      t["compiled"] / 1e9, fmt(t["ratio"])])  # fmt: skip
-    return Table(["mesh", "per device", "predicted GB", "compiled GB", "ratio"], cells,
-                 title="predicted against XLA:CPU's compiled step (simulated devices)")  # fmt: skip
+        cells.append(
+            [
+                r["mesh"],
+                "temporaries vs activation estimate",
+                t["estimate"] / 1e9,
+                t["compiled"] / 1e9,
+                fmt(t["ratio"]),
+            ]
+        )
+    return Table(
+        ["mesh", "per device", "predicted GB", "compiled GB", "ratio"],
+        cells,
+        title="predicted against XLA:CPU's compiled step (simulated devices)",
+    )

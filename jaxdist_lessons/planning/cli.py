@@ -53,18 +53,24 @@ def make_run(args: argparse.Namespace) -> Run:
         )
     name = CHIP_NAMES.get(args.chip.lower(), args.chip)
     if name not in hardware.CHIPS:
-        raise PlanError(f"unknown chip {args.chip!r}; known: {', '.join(CHIP_NAMES)}, "
-                        f"{', '.join(hardware.CHIPS)}")  # fmt: skip
+        raise PlanError(
+            f"unknown chip {args.chip!r}; known: {', '.join(CHIP_NAMES)}, "
+            f"{', '.join(hardware.CHIPS)}"
+        )
     chip = hardware.CHIPS[name]
     if chip.link_bytes_per_s is None or (
         args.nodes > 1 and chip.network_bytes_per_s is None
     ):
-        raise PlanError(f"{chip.name} has no {'network' if chip.link_bytes_per_s else 'chip-to-chip'}"
-                        " bandwidth in hardware.CHIPS; pick another --chip")  # fmt: skip
+        raise PlanError(
+            f"{chip.name} has no {'network' if chip.link_bytes_per_s else 'chip-to-chip'}"
+            " bandwidth in hardware.CHIPS; pick another --chip"
+        )
     peak = chip.peak_bf16_flops if args.dtype == "bfloat16" else chip.peak_fp32_flops
     if peak is None:
-        raise PlanError(f"{chip.name} has no {args.dtype} peak in hardware.CHIPS; pick another "
-                        "--dtype or --chip")  # fmt: skip
+        raise PlanError(
+            f"{chip.name} has no {args.dtype} peak in hardware.CHIPS; pick another "
+            "--dtype or --chip"
+        )
     shape = model_shape(args)
     if not 1 <= args.top_k <= max(shape.num_experts, 1):
         raise PlanError(
@@ -77,23 +83,45 @@ def make_run(args: argparse.Namespace) -> Run:
         raise PlanError(
             f"--efficiency {args.efficiency}: a fraction of the peak, in (0, 1]"
         )
-    return Run(args.model or "custom", shape, args.devices, args.nodes, chip, args.seq_len,
-               args.global_batch, args.dtype, args.remat,
-               1 if accum == "auto" else int(accum), fit_accum=accum == "auto",
-               bytes=args.bytes, efficiency=args.efficiency)  # fmt: skip
+    return Run(
+        args.model or "custom",
+        shape,
+        args.devices,
+        args.nodes,
+        chip,
+        args.seq_len,
+        args.global_batch,
+        args.dtype,
+        args.remat,
+        1 if accum == "auto" else int(accum),
+        fit_accum=accum == "auto",
+        bytes=args.bytes,
+        efficiency=args.efficiency,
+    )
 
 
-SHAPE_FLAGS = {"layers": "num_layers", "width": "width", "heads": "num_heads",
-               "kv_heads": "num_kv_heads", "mlp_width": "mlp_width", "vocab": "vocab_size"}  # fmt: skip
+SHAPE_FLAGS = {
+    "layers": "num_layers",
+    "width": "width",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "mlp_width": "mlp_width",
+    "vocab": "vocab_size",
+}
 
 
 def model_shape(args: argparse.Namespace) -> ModelConfig:
     """A preset, or the shape the flags give; experts from --experts and --top-k either way."""
-    given = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
-             if getattr(args, flag) is not None}  # fmt: skip
+    given = {
+        field: getattr(args, flag)
+        for flag, field in SHAPE_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
     if args.model and args.model not in PRESETS:
-        raise PlanError(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}, or give "
-                        "--layers --width --heads --kv-heads --mlp-width --vocab")  # fmt: skip
+        raise PlanError(
+            f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}, or give "
+            "--layers --width --heads --kv-heads --mlp-width --vocab"
+        )
     if min(given.values(), default=1) < 1:
         raise PlanError("the model's sizes must be positive")
     if args.model:
@@ -108,11 +136,17 @@ def model_shape(args: argparse.Namespace) -> ModelConfig:
     else:
         shape = ModelConfig(**given)
     if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
-        raise PlanError(f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
-                        "KV heads: heads must divide the width, KV heads the heads")  # fmt: skip
-    return dataclasses.replace(shape, num_experts=args.experts, top_k=args.top_k,
-                               capacity_factor=args.capacity_factor,
-                               group_size=args.group_size)  # fmt: skip
+        raise PlanError(
+            f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
+            "KV heads: heads must divide the width, KV heads the heads"
+        )
+    return dataclasses.replace(
+        shape,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        group_size=args.group_size,
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,14 +187,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["bfloat16", "float32"],
         help="compute type",
     )
-    add("--remat", default="full", choices=["none", "dots", "full"],
-        help="train.py's --remat: what each layer keeps for the backward")  # fmt: skip
-    add("--grad-accum", default="auto",
-        help="micro-batches a step (train.py's); auto: each layout's fewest that fit")  # fmt: skip
-    add("--bytes", default="gpu", choices=["gpu", "xla-cpu"],
-        help="the collectives to price: a GPU's (predicted) or XLA:CPU's compiled ones")  # fmt: skip
-    add("--efficiency", type=float,
-        help=f"of the chip's peak the matmuls reach (default {COMPUTE_EFFICIENCY}, fitted)")  # fmt: skip
+    add(
+        "--remat",
+        default="full",
+        choices=["none", "dots", "full"],
+        help="train.py's --remat: what each layer keeps for the backward",
+    )
+    add(
+        "--grad-accum",
+        default="auto",
+        help="micro-batches a step (train.py's); auto: each layout's fewest that fit",
+    )
+    add(
+        "--bytes",
+        default="gpu",
+        choices=["gpu", "xla-cpu"],
+        help="the collectives to price: a GPU's (predicted) or XLA:CPU's compiled ones",
+    )
+    add(
+        "--efficiency",
+        type=float,
+        help=f"of the chip's peak the matmuls reach (default {COMPUTE_EFFICIENCY}, fitted)",
+    )
     add("--json", action="store_true", help="print the rows as JSON")
     add(
         "--check",
@@ -182,15 +230,19 @@ def fitting_plan(run: Run) -> list[dict[str, Any]]:
     rows = plan(run)
     if not rows:  # every layout's split fails; the first family's reasons say why
         reasons = next(p for c in candidates(run) if (p := problems(run, c)))
-        raise PlanError(f"no layout splits {run.model} on {run.devices} devices: "
-                        f"{'; '.join(reasons)}")  # fmt: skip
+        raise PlanError(
+            f"no layout splits {run.model} on {run.devices} devices: "
+            f"{'; '.join(reasons)}"
+        )
     if not any(r["fits"] for r in rows):
         smallest = min(r["memory_bytes"]["total"] for r in rows)
-        raise PlanError(f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
-                        f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
-                        f"{USABLE:.0%} of {run.chip.memory_label} ("
-                        f"{'' if run.fit_accum else 'more --grad-accum, '}--remat full, a "
-                        "shorter --seq-len or more --devices)")  # fmt: skip
+        raise PlanError(
+            f"{run.model} fits no layout on {run.devices} x {run.chip.name}: the "
+            f"smallest needs {smallest / 1e9:,.1f} GB a device, above "
+            f"{USABLE:.0%} of {run.chip.memory_label} ("
+            f"{'' if run.fit_accum else 'more --grad-accum, '}--remat full, a "
+            "shorter --seq-len or more --devices)"
+        )
     return rows
 
 
@@ -203,9 +255,16 @@ def page_json(argv: Sequence[str]) -> str:
     except PlanError as error:
         return json.dumps({"error": f"plan: {error}"})
     shown = table(run, rows)
-    return json.dumps({"run": run_summary(run), "rows": rows, "title": shown.title,
-                       "headers": shown.headers, "cells": shown.rows,
-                       "usable_bytes": USABLE * run.chip.memory_bytes})  # fmt: skip
+    return json.dumps(
+        {
+            "run": run_summary(run),
+            "rows": rows,
+            "title": shown.title,
+            "headers": shown.headers,
+            "cells": shown.rows,
+            "usable_bytes": USABLE * run.chip.memory_bytes,
+        }
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,8 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             config = pathlib.Path(folder, CONFIG_FILE)
             config.write_text(json.dumps(config_to_hf(run.shape)))
-            lines = [r["flags"].replace(f"--model-config {CONFIG_FILE}",
-                                        f"--model-config {config}") for r in chosen]  # fmt: skip
+            lines = [
+                r["flags"].replace(
+                    f"--model-config {CONFIG_FILE}", f"--model-config {config}"
+                )
+                for r in chosen
+            ]
             compiled = compile_flags(run.devices, lines)
         checks = [compare(r, c) for r, c in zip(chosen, compiled)]
     if args.json:
@@ -241,13 +304,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(table(run, rows))
-    print("\nflags for examples/lm/train.py (add --num-devices N --compile-only to check one "
-          "on this machine):")  # fmt: skip
+    print(
+        "\nflags for examples/lm/train.py (add --num-devices N --compile-only to check one "
+        "on this machine):"
+    )
     for number, r in enumerate(rows, 1):
         print(f"{number:>3}. {r['strategy']:<22} {r['flags']}")
     if custom and not args.write_config:
-        print(f"\n{CONFIG_FILE}: this shape for --model-config; add --write-config "
-              f"{CONFIG_FILE} to write it")  # fmt: skip
+        print(
+            f"\n{CONFIG_FILE}: this shape for --model-config; add --write-config "
+            f"{CONFIG_FILE} to write it"
+        )
     if args.check:
         print()
         print(check_table(chosen, checks))
@@ -256,8 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_summary(run: Run) -> dict[str, Any]:
     """The request, as JSON."""
-    return {"model": run.model, "shape": dataclasses.asdict(run.shape), "devices": run.devices,
-            "nodes": run.nodes, "chip": run.chip.name, "seq_len": run.seq_len,
-            "global_batch": run.global_batch, "dtype": run.dtype, "remat": run.remat,
-            "grad_accum": "auto" if run.fit_accum else run.grad_accum, "bytes": run.bytes,
-            "efficiency": run.efficiency or COMPUTE_EFFICIENCY}  # fmt: skip
+    return {
+        "model": run.model,
+        "shape": dataclasses.asdict(run.shape),
+        "devices": run.devices,
+        "nodes": run.nodes,
+        "chip": run.chip.name,
+        "seq_len": run.seq_len,
+        "global_batch": run.global_batch,
+        "dtype": run.dtype,
+        "remat": run.remat,
+        "grad_accum": "auto" if run.fit_accum else run.grad_accum,
+        "bytes": run.bytes,
+        "efficiency": run.efficiency or COMPUTE_EFFICIENCY,
+    }

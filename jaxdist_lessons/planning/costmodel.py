@@ -171,8 +171,10 @@ def check_layout(spec: TransformerSpec, layout: Layout) -> list[str]:
     problems = []
     others = [a for a in ("expert", "sequence") if layout.size(a) > 1]
     if others or layout.stages > 1:
-        problems.append(f"the cost model has data, fsdp and tensor axes only, not "
-                        f"{', '.join(others or ['pipeline stages'])}")  # fmt: skip
+        problems.append(
+            f"the cost model has data, fsdp and tensor axes only, not "
+            f"{', '.join(others or ['pipeline stages'])}"
+        )
     if spec.num_heads % layout.tensor:
         problems.append(
             f"{spec.num_heads} heads do not split over tensor={layout.tensor}"

@@ -130,8 +130,15 @@ def activation_bytes(run: Run, c: Layout) -> float:
     logits and their gradient in the compute type, one micro-batch's."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     tokens, layers = run.seq_len // s, m.num_layers // c.stages
-    layer = layer_activation_bytes(tokens, in_flight(run, c), m.width, m.num_heads, t,
-                                   flash_attention=True, sequence_parallel=t > 1)  # fmt: skip
+    layer = layer_activation_bytes(
+        tokens,
+        in_flight(run, c),
+        m.width,
+        m.num_heads,
+        t,
+        flash_attention=True,
+        sequence_parallel=t > 1,
+    )
     layer *= run.itemsize / 2 * expert_copies(run, c)
     if run.remat == "none":
         kept = layers * layer

@@ -46,18 +46,34 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     per_pass = L * (attention_weights(m) + mlp_weights(m) / e) / t + L * 2 * D + D
     per_pass += V * D / t  # the output projection (or the tied table as it)
     table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
-    out = collective("all-gather", G * size * (2 * per_pass + table), c, "fsdp",
-             what="weights (FSDP)")  # fmt: skip
-    out += collective("reduce-scatter", G * size * (per_pass + table) / f, c, "fsdp",
-              what="gradients (FSDP)")  # fmt: skip
+    out = collective(
+        "all-gather",
+        G * size * (2 * per_pass + table),
+        c,
+        "fsdp",
+        what="weights (FSDP)",
+    )
+    out += collective(
+        "reduce-scatter",
+        G * size * (per_pass + table) / f,
+        c,
+        "fsdp",
+        what="gradients (FSDP)",
+    )
     out += collective(
         "all-reduce", summed * P / f, c, "data", what="gradients over data"
     )
-    out += collective("all-reduce", G * size * P / f, c, "sequence",
-              what="gradients over sequence")  # fmt: skip
+    out += collective(
+        "all-reduce", G * size * P / f, c, "sequence", what="gradients over sequence"
+    )
     shared = P - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
-    out += collective("all-reduce", G * size * shared / f, c, "expert",
-              what="gradients of shared weights")  # fmt: skip
+    out += collective(
+        "all-reduce",
+        G * size * shared / f,
+        c,
+        "expert",
+        what="gradients of shared weights",
+    )
     return out
 
 
@@ -78,12 +94,18 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         out += collective(
             "all-gather", count * act, c, "tensor", what="activations (SP)"
         )
-        out += collective("reduce-scatter", count * act / t, c, "tensor",
-                  what="activations (SP)")  # fmt: skip
+        out += collective(
+            "reduce-scatter", count * act / t, c, "tensor", what="activations (SP)"
+        )
     if s > 1:
         kv = size * rows * (T // s) * m.num_kv_heads * m.head_width
-        out += collective("collective-permute", G * L * k * (s - 1) * 2 * kv, c, "sequence",
-                  what="K and V around the ring")  # fmt: skip
+        out += collective(
+            "collective-permute",
+            G * L * k * (s - 1) * 2 * kv,
+            c,
+            "sequence",
+            what="K and V around the ring",
+        )
     if m.num_experts and e > 1:
         logits = F32 * 2 * L * run.global_batch * T * m.num_experts
         out += collective(
@@ -91,13 +113,23 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         )
         if c.dispatch == "dropless":
             pairs = G * rows * T * m.top_k
-            return out + collective("all-to-all", L * k * 2 * pairs * D * size, c, "expert",
-                            what="pairs to experts and back")  # fmt: skip
+            return out + collective(
+                "all-to-all",
+                L * k * 2 * pairs * D * size,
+                c,
+                "expert",
+                what="pairs to experts and back",
+            )
         group = min(m.group_size, T)
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
         buffer = size * m.num_experts * rows * (T // group) * slots * D
-        out += collective("all-to-all", G * L * k * 2 * buffer, c, "expert",
-                  what="tokens to experts and back")  # fmt: skip
+        out += collective(
+            "all-to-all",
+            G * L * k * 2 * buffer,
+            c,
+            "expert",
+            what="tokens to experts and back",
+        )
     return out
 
 
@@ -111,22 +143,31 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
         m, rows = run.shape, run.global_batch // c.batch_ways
         act = run.itemsize * rows * run.seq_len * m.width  # every micro-batch's
         stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
-        per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages,
-                                        grad_accum=1)  # fmt: skip
+        per_stage = dataclasses.replace(
+            run, shape=stage, devices=run.devices // c.stages, grad_accum=1
+        )
         inside = dataclasses.replace(c, stages=1, strategy="FSDP")
-        sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
-                          ("pipeline",))]  # fmt: skip
+        sends = [
+            Transfer(
+                "collective-permute",
+                2 * c.virtual * act,
+                None,
+                "stage to stage",
+                ("pipeline",),
+            )
+        ]
         # tensor parallelism inside a stage: each micro-batch (one sequence) in turn
         each = dataclasses.replace(per_stage, grad_accum=rows)
         exposed = gpu_activation_transfers(each, c)
         return sends + gpu_weight_transfers(per_stage, inside), exposed
-    if c.strategy.startswith(
-        "ZeRO"
-    ):  # gradients' shards, then float32 weights gathered
+    # gradients' shards, then float32 weights gathered
+    if c.strategy.startswith("ZeRO"):
         n, P = run.devices, count_params(run.shape)
         summed = F32 if run.grad_accum > 1 else run.itemsize
-        return [Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
-                Transfer("all-gather", F32 * P, n, "weights", ("data",))], []  # fmt: skip
+        return [
+            Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
+            Transfer("all-gather", F32 * P, n, "weights", ("data",)),
+        ], []
     activations = gpu_activation_transfers(run, c)
     ring = [move for move in activations if move.kind == "collective-permute"]
     exposed = [move for move in activations if move.kind != "collective-permute"]

@@ -12,13 +12,14 @@ import math
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning.model_config import ModelConfig
 
+# layout.AXES (examples/lm/layout.py), in its order
 AXES = (
     "data",
     "fsdp",
     "expert",
     "sequence",
     "tensor",
-)  # layout.AXES (examples/lm/layout.py), in its order
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)  # Layout(fsdp=4, tensor=2): by name
@@ -173,26 +174,44 @@ def candidates(run: Run) -> list[Layout]:
             ("capacity", "experts"),
             ("dropless", "experts dropless"),
         ):
-            out += [Layout(fsdp=n // e, expert=e, dispatch=dispatch, strategy=name)
-                    for e in inside]  # fmt: skip
+            out += [
+                Layout(fsdp=n // e, expert=e, dispatch=dispatch, strategy=name)
+                for e in inside
+            ]
     if run.chip.host_bytes_per_s and n > 1:
         out.append(Layout(fsdp=n, offload=True, strategy="FSDP + offload"))
     stages = run.nodes if run.nodes > 1 else 2
     if n % stages == 0 and n > 1:
         for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
-            out.append(Layout(fsdp=n // stages, stages=stages, virtual=virtual,
-                              schedule=schedule, strategy=f"pipeline {schedule}"))  # fmt: skip
-        stage = (
-            n // stages
-        )  # tensor parallelism inside each stage's node, FSDP beside it
-        out += [Layout(fsdp=stage // t, tensor=t, stages=stages, schedule="1F1B",
-                       strategy="pipeline 1F1B + TP")
-                for t in inside if stage % t == 0 and t <= p]  # fmt: skip
+            out.append(
+                Layout(
+                    fsdp=n // stages,
+                    stages=stages,
+                    virtual=virtual,
+                    schedule=schedule,
+                    strategy=f"pipeline {schedule}",
+                )
+            )
+        # tensor parallelism inside each stage's node, FSDP beside it
+        stage = n // stages
+        out += [
+            Layout(
+                fsdp=stage // t,
+                tensor=t,
+                stages=stages,
+                schedule="1F1B",
+                strategy="pipeline 1F1B + TP",
+            )
+            for t in inside
+            if stage % t == 0 and t <= p
+        ]
     return out
 
 
-NEEDS = {"ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
-                   "the gradients too)"}  # fmt: skip
+NEEDS = {
+    "ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
+    "the gradients too)"
+}
 
 
 def runnable(c: Layout) -> bool:
@@ -204,9 +223,11 @@ def runnable(c: Layout) -> bool:
 def problems(run: Run, c: Layout) -> list[str]:
     """Why the recipe (or the pipeline's stages) cannot split this model this way (layout.check_fits)."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
-    out = [f"{name} {getattr(m, name)} does not split over tensor={t}"
-           for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
-           if getattr(m, name) % t]  # fmt: skip
+    out = [
+        f"{name} {getattr(m, name)} does not split over tensor={t}"
+        for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
+        if getattr(m, name) % t
+    ]
     for name, axis in (("width", "fsdp"), ("num_experts", "expert")):
         if getattr(m, name) % c.size(axis):  # JAX shards evenly or not at all
             out.append(
@@ -233,8 +254,10 @@ def problems(run: Run, c: Layout) -> list[str]:
     if c.schedule == "interleaved" and micro % c.stages:
         out.append(f"{micro} microbatches do not make groups of the {c.stages} stages")
     if c.stages == 1 and micro % run.grad_accum:
-        out.append(f"{micro} sequences a device do not split into --grad-accum "
-                   f"{run.grad_accum} micro-batches")  # fmt: skip
+        out.append(
+            f"{micro} sequences a device do not split into --grad-accum "
+            f"{run.grad_accum} micro-batches"
+        )
     if c.offload and run.remat != "full":
         out.append("offloading activations is full remat (--remat full)")
     return out

@@ -46,15 +46,22 @@ def recipe_flags(run: Run, c: Layout) -> str:
         if dense == PRESETS.get(run.model)
         else f"--model-config {CONFIG_FILE}"
     )
-    flags = [model, f"--mesh {c.mesh_flag}", f"--seq-len {run.seq_len}",
-             f"--global-batch {run.global_batch}", f"--dtype {run.dtype}"]  # fmt: skip
+    flags = [
+        model,
+        f"--mesh {c.mesh_flag}",
+        f"--seq-len {run.seq_len}",
+        f"--global-batch {run.global_batch}",
+        f"--dtype {run.dtype}",
+    ]
     if m.num_experts:
         flags += [f"--experts {m.num_experts}", f"--top-k {m.top_k}"]
         if c.dispatch == "dropless":
             flags.append("--dispatch dropless")
         else:
-            flags += [f"--capacity-factor {m.capacity_factor:g}",
-                      f"--group-size {m.group_size}"]  # fmt: skip
+            flags += [
+                f"--capacity-factor {m.capacity_factor:g}",
+                f"--group-size {m.group_size}",
+            ]
     if c.strategy == "ZeRO-1":
         flags.append("--zero1")
     if run.remat != "full":
@@ -65,8 +72,10 @@ def recipe_flags(run: Run, c: Layout) -> str:
         flags.append("--offload optimizer,activations")
     if c.stages > 1:  # one sequence per device per microbatch, as step_seconds counts
         flags[1] = f"--mesh pipeline={c.stages},{c.mesh_flag}"
-        flags += [f"--grad-accum {run.global_batch // c.batch_ways}",
-                  f"--schedule {c.schedule.lower()}"]  # fmt: skip
+        flags += [
+            f"--grad-accum {run.global_batch // c.batch_ways}",
+            f"--schedule {c.schedule.lower()}",
+        ]
         if c.virtual > 1:
             flags.append(f"--virtual-stages {c.virtual}")
     return " ".join(flags)
@@ -136,29 +145,63 @@ def rank(r: dict[str, Any]) -> tuple:
     compute-bound layouts tie), then the fewest bytes across nodes, then to the host,
     then the least memory."""
     step, sent = float(f"{r['step_seconds']:.3g}"), r["sent_bytes"]
-    return (not r["fits"], not r["runnable"], step, sent["across"], sent["host"],
-            r["memory_bytes"]["total"])  # fmt: skip
+    return (
+        not r["fits"],
+        not r["runnable"],
+        step,
+        sent["across"],
+        sent["host"],
+        r["memory_bytes"]["total"],
+    )
 
 
-HEADERS = ["strategy", "mesh", "fits", "micro-batches", "weights GB", "optimizer GB", "grads GB",
-           "activations GB", "total GB", "in-node GB", "across GB", "host GB",
-           "step s (predicted)", "MFU (predicted)"]  # fmt: skip
+HEADERS = [
+    "strategy",
+    "mesh",
+    "fits",
+    "micro-batches",
+    "weights GB",
+    "optimizer GB",
+    "grads GB",
+    "activations GB",
+    "total GB",
+    "in-node GB",
+    "across GB",
+    "host GB",
+    "step s (predicted)",
+    "MFU (predicted)",
+]
 
 
 def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
     """The rows as a ``tables.Table``."""
     gb = lambda x: x / 1e9
-    cells = [[r["strategy"], r["mesh"], "yes" if r["fits"] else "no",
-              r["grad_accum"] or "pipeline",
-              *(gb(r["memory_bytes"][k]) for k in ("weights", "optimizer", "gradients",
-                                                  "activations", "total")),
-              gb(r["sent_bytes"]["inside"]), gb(r["sent_bytes"]["across"]),
-              gb(r["sent_bytes"]["host"]),
-              r["step_seconds"], f"{r['mfu']:.1%}"] for r in rows]  # fmt: skip
-    sent = {"gpu": "a GPU's program (predicted)",
-            "xla-cpu": "XLA:CPU's program (float32 collectives)"}[run.bytes]  # fmt: skip
-    title = (f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
-             f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
-             f"step, {run.dtype}, remat {run.remat}; GB sent "
-             f"per device per step by {sent}")  # fmt: skip
+    cells = [
+        [
+            r["strategy"],
+            r["mesh"],
+            "yes" if r["fits"] else "no",
+            r["grad_accum"] or "pipeline",
+            *(
+                gb(r["memory_bytes"][k])
+                for k in ("weights", "optimizer", "gradients", "activations", "total")
+            ),
+            gb(r["sent_bytes"]["inside"]),
+            gb(r["sent_bytes"]["across"]),
+            gb(r["sent_bytes"]["host"]),
+            r["step_seconds"],
+            f"{r['mfu']:.1%}",
+        ]
+        for r in rows
+    ]
+    sent = {
+        "gpu": "a GPU's program (predicted)",
+        "xla-cpu": "XLA:CPU's program (float32 collectives)",
+    }[run.bytes]
+    title = (
+        f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
+        f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
+        f"step, {run.dtype}, remat {run.remat}; GB sent "
+        f"per device per step by {sent}"
+    )
     return Table(HEADERS, cells, title=title)

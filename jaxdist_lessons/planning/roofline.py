@@ -91,12 +91,10 @@ def estimate(
     """
     chip = _chip(chip)
     flops = flops_per_device(spec, layout)
-    state_per_param = memory.bytes_per_param(
-        optimizer, precision
-    )  # also checks both names
-    weight_bytes = memory.PRECISIONS[precision][
-        "params"
-    ]  # what is gathered, read and sent
+    # also checks both names
+    state_per_param = memory.bytes_per_param(optimizer, precision)
+    # what is gathered, read and sent
+    weight_bytes = memory.PRECISIONS[precision]["params"]
     transfer_options.setdefault("param_bytes", weight_bytes)
     local_params = params_per_device(spec, layout)
     state = local_params * state_per_param
@@ -112,9 +110,8 @@ def estimate(
         flash_attention,
     )
     logits_split = layout.tensor if spec.vocab_parallel else 1
-    activations += (
-        local_batch * spec.seq_len * spec.logits_per_token * 4 / logits_split
-    )  # fp32, for the loss
+    # fp32, for the loss
+    activations += local_batch * spec.seq_len * spec.logits_per_token * 4 / logits_split
     # FSDP reads the gathered weights and writes full gradients before the reduce-scatter; only the
     # optimizer's update touches the local shard.
     gathered_params = spec.tp_params / layout.tensor + (spec.params - spec.tp_params)

@@ -27,8 +27,16 @@ def weight_shapes(
     m: ModelConfig,
 ) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading L."""
-    D, N, K, A, F, E, V, L = (m.width, m.num_heads, m.num_kv_heads, m.head_width,
-                              m.mlp_width, m.num_experts, m.vocab_size, m.num_layers)  # fmt: skip
+    D, N, K, A, F, E, V, L = (
+        m.width,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_width,
+        m.mlp_width,
+        m.num_experts,
+        m.vocab_size,
+        m.num_layers,
+    )
     out = [((L, D), (None, "fsdp"))] * 2  # the two norms
     out += [((L, D, N, A), (None, "fsdp", "tensor", None))]
     out += [((L, D, K, A), (None, "fsdp", "tensor", None))] * 2

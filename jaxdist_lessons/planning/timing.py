@@ -113,6 +113,11 @@ def step_seconds(
         hidden += host_bytes(run, c) / chip.host_bytes_per_s
     waited = collective_seconds(run, c, exposed)
     step = max(compute, hidden) + waited
-    return {"compute": compute, "overlapped": hidden, "exposed": waited,
-            "comm": hidden + waited, "step": step,
-            "mfu": flops / step / (run.devices * peak)}  # fmt: skip
+    return {
+        "compute": compute,
+        "overlapped": hidden,
+        "exposed": waited,
+        "comm": hidden + waited,
+        "step": step,
+        "mfu": flops / step / (run.devices * peak),
+    }

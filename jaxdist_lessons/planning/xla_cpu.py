@@ -43,9 +43,8 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     layer = attention_weights(m) + mlp_weights(m) / e
     out_projection = L * m.num_heads * m.head_width * D
     norms = L * 2 * D
-    unembed = (
-        V * D
-    )  # untied, or the tied table as the output projection: the same moves
+    # untied, or the tied table as the output projection: the same moves
+    unembed = V * D
     P = count_params(m)
     out = []
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
@@ -59,8 +58,13 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     if m.num_experts and c.dispatch == "dropless":  # dropless.gathered's float32 sums
         experts = L * 3 * m.num_experts * D * m.mlp_width / (e * t)
         reduced -= experts
-        out += collective("reduce-scatter", F32 * experts / f, c, "fsdp",
-                  what="experts' gradients (FSDP)")  # fmt: skip
+        out += collective(
+            "reduce-scatter",
+            F32 * experts / f,
+            c,
+            "fsdp",
+            what="experts' gradients (FSDP)",
+        )
     out += collective("all-reduce", F32 * reduced, c, "fsdp", what="gradients (FSDP)")
     rest = P - V * D  # the embedding table's gradient: embedding_transfers
     for axis in ("data", "sequence"):
@@ -79,12 +83,23 @@ def lookup_moves(run: Run, c: Layout) -> list[Transfer]:
     table's fsdp shards and back, and its gradient is reduced over the other batch axes. With
     batch replicas (data or expert), the recipe's "rows" lookup (examples/lm/layout.py's
     ``lookup``): its output laid out as the table first, an all-to-all each way."""
-    m, f, s, e, d, t = (run.shape, c.size("fsdp"), c.size("sequence"), c.size("expert"),
-                        c.size("data"), c.size("tensor"))  # fmt: skip
+    m, f, s, e, d, t = (
+        run.shape,
+        c.size("fsdp"),
+        c.size("sequence"),
+        c.size("expert"),
+        c.size("data"),
+        c.size("tensor"),
+    )
     B, T, D = run.global_batch, run.seq_len, m.width
     rows, table, everything = B // c.batch_ways, F32 * m.vocab_size * D, F32 * B * T * D
-    out = [t_ for axis in ("data", "sequence", "expert")
-           for t_ in collective("all-reduce", table / f, c, axis, what="embedding gradient")]  # fmt: skip
+    out = [
+        t_
+        for axis in ("data", "sequence", "expert")
+        for t_ in collective(
+            "all-reduce", table / f, c, axis, what="embedding gradient"
+        )
+    ]
     if d > 1:  # HSDP: to the table's layout and back, forward and backward
         return out + collective(
             "all-to-all", 2 * everything / (d * f), c, "fsdp", what="embeddings"
@@ -112,8 +127,13 @@ def lookup_moves(run: Run, c: Layout) -> list[Transfer]:
         out += collective(
             "collective-permute", swap, c, "sequence", what="zigzag order"
         )
-    return out + collective("all-gather", everything / f + F32 * rows * T * D, c, "sequence",
-                    what="embeddings")  # fmt: skip
+    return out + collective(
+        "all-gather",
+        everything / f + F32 * rows * T * D,
+        c,
+        "sequence",
+        what="embeddings",
+    )
 
 
 def table_moves(run: Run, c: Layout) -> list[Transfer]:
@@ -171,9 +191,8 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers
     rows = B // c.batch_ways
     out = []
-    if (
-        t > 1
-    ):  # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
+    # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
+    if t > 1:
         act = F32 * rows * T * D
         out += collective(
             "all-gather", act * (6 * L + 2), c, "tensor", what="activations (SP)"
@@ -183,12 +202,16 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         )
     if s > 1:
         kv = F32 * rows * (T // s) * m.num_kv_heads * m.head_width
-        out += collective("collective-permute", L * 3 * (s - 1) * 2 * kv, c, "sequence",
-                  what="K and V around the ring")  # fmt: skip
+        out += collective(
+            "collective-permute",
+            L * 3 * (s - 1) * 2 * kv,
+            c,
+            "sequence",
+            what="K and V around the ring",
+        )
     if m.num_experts and e > 1:
-        logits = (
-            F32 * 2 * L * B * T * m.num_experts
-        )  # gathered forward and for the backward
+        # gathered forward and for the backward
+        logits = F32 * 2 * L * B * T * m.num_experts
         out += collective(
             "all-gather", logits, c, "fsdp", "expert", what="router logits"
         )
@@ -196,8 +219,13 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
             pairs = rows * T * m.top_k
             tokens = L * 6 * e * pairs * D * F32  # forward, remat, backward: 2 each
             ids = L * 2 * e * pairs * 4  # int32 expert ids, forward and remat
-            return out + collective("all-to-all", tokens + ids, c, "expert",
-                            what="pairs to experts and back (worst case)")  # fmt: skip
+            return out + collective(
+                "all-to-all",
+                tokens + ids,
+                c,
+                "expert",
+                what="pairs to experts and back (worst case)",
+            )
         group = min(m.group_size, T)
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
         buffer = F32 * m.num_experts * rows * (T // group) * slots * D
@@ -220,8 +248,15 @@ def pipeline_transfers(run: Run, c: Layout) -> list[Transfer]:
     inside = dataclasses.replace(c, stages=1, strategy="FSDP")
     stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
     per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages)
-    sends = [Transfer("collective-permute", 2 * c.virtual * act, None, "stage to stage",
-                      ("pipeline",))]  # fmt: skip
+    sends = [
+        Transfer(
+            "collective-permute",
+            2 * c.virtual * act,
+            None,
+            "stage to stage",
+            ("pipeline",),
+        )
+    ]
     return sends + weight_transfers(per_stage, inside)
 
 
@@ -229,12 +264,13 @@ def transfers(run: Run, c: Layout) -> list[Transfer]:
     """Every collective of one step on one device."""
     if c.stages > 1:
         return pipeline_transfers(run, c)
-    if c.strategy.startswith(
-        "ZeRO"
-    ):  # gradients' shards, then the updated weights gathered
+    # gradients' shards, then the updated weights gathered
+    if c.strategy.startswith("ZeRO"):
         n, P = run.devices, count_params(run.shape)
-        return [Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
-                Transfer("all-gather", F32 * P, n, "weights", ("data",))]  # fmt: skip
+        return [
+            Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
+            Transfer("all-gather", F32 * P, n, "weights", ("data",)),
+        ]
     return (
         weight_transfers(run, c)
         + embedding_transfers(run, c)

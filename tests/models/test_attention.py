@@ -27,10 +27,11 @@ def test_attend_matches_flax_dot_product_attention(causal):
 
 def test_causal_attention_does_not_look_ahead():
     q, k, v = qkv()
+    # the future of positions 0, 1, 2
     changed_k, changed_v = (
         k.at[:, 3:].set(9.0),
         v.at[:, 3:].set(-9.0),
-    )  # the future of positions 0, 1, 2
+    )
     before = attend(q, k, v, causal=True, dtype=jnp.float32)
     after = attend(q, changed_k, changed_v, causal=True, dtype=jnp.float32)
     np.testing.assert_array_equal(before[:, :3], after[:, :3])
@@ -51,9 +52,8 @@ def test_bf16_attention_keeps_the_softmax_in_float32():
     [exponential] = [line for line in lines if "stablehlo.exponential" in line]
     assert exponential.endswith("tensor<2x3x5x5xf32>")  # the softmax is float32...
     dots = [line for line in lines if "stablehlo.dot_general" in line]
-    assert len(dots) == 2 and all(
-        "tensor<2x5x3x4xbf16>" in line for line in dots
-    )  # ...the einsums bf16
+    # ...the einsums bf16
+    assert len(dots) == 2 and all("tensor<2x5x3x4xbf16>" in line for line in dots)
 
 
 def test_head_dim_splits_the_hidden_size_or_says_why_not():

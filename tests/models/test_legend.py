@@ -63,11 +63,30 @@ def bad_names(source: str, letters: set[str]) -> set[str]:
 # meaning (K was a head's width, C a capacity, H a head's width, I an image's channels):
 # the letter check cannot see them, so they are listed here.
 RETIRED = {
-    "q_BTKGH", "k_BSKH", "x_BTH", "position_TH", "q_BTNK", "k_BTJK", "out_BTNK",
-    "w_DNK", "w_NKD", "angles_TK", "images_BHWI", "image_HWI", "dispatch_TEC",
-    "combine_TEC", "slot_RTC", "x_ECD", "y_ECD", "x_XLCD", "buffer_ECD",
-    "dispatch_BGTEC", "combine_BGTEC", "x_EBGCD", "h_EBGCF",
-}  # fmt: skip
+    "q_BTKGH",
+    "k_BSKH",
+    "x_BTH",
+    "position_TH",
+    "q_BTNK",
+    "k_BTJK",
+    "out_BTNK",
+    "w_DNK",
+    "w_NKD",
+    "angles_TK",
+    "images_BHWI",
+    "image_HWI",
+    "dispatch_TEC",
+    "combine_TEC",
+    "slot_RTC",
+    "x_ECD",
+    "y_ECD",
+    "x_XLCD",
+    "buffer_ECD",
+    "dispatch_BGTEC",
+    "combine_BGTEC",
+    "x_EBGCD",
+    "h_EBGCF",
+}
 
 
 def retired_names(source: str) -> set[str]:

@@ -38,9 +38,8 @@ def test_logits_shape_and_causality():
     assert logits.shape == (2, 8, 64) and logits.dtype == jnp.float32
     changed = tokens.at[:, 5].set((tokens[:, 5] + 1) % 64)
     other = apply({"params": params}, changed)
-    np.testing.assert_array_equal(
-        np.asarray(logits[:, :5]), np.asarray(other[:, :5])
-    )  # the past cannot see the future
+    # the past cannot see the future
+    np.testing.assert_array_equal(np.asarray(logits[:, :5]), np.asarray(other[:, :5]))
     assert not np.allclose(logits[:, 5:], other[:, 5:])
 
 

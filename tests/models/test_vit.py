@@ -76,6 +76,5 @@ def test_loss_is_log_classes_at_zero_logits():
     params = jax.tree.map(jnp.zeros_like, nn.unbox(abstract(model, images))["params"])
     batch = {"images": images, "labels": jnp.array([1, 7])}
     loss = jax.jit(lambda p, b: vit.classification_loss(model, p, b))(params, batch)
-    assert float(loss) == pytest.approx(
-        np.log(10), rel=1e-6
-    )  # every logit 0: the loss is log(10)
+    # every logit 0: the loss is log(10)
+    assert float(loss) == pytest.approx(np.log(10), rel=1e-6)

@@ -18,8 +18,20 @@ import plan_check  # noqa: E402, F401
 import train  # noqa: E402
 
 CHECKED_JSON = ROOT / "book" / "data" / "plan_check.json"
-EXAMPLE = ["--model", "125m", "--devices", "8", "--nodes", "2", "--chip", "h100",
-           "--seq-len", "2048", "--global-batch", "16"]  # fmt: skip
+EXAMPLE = [
+    "--model",
+    "125m",
+    "--devices",
+    "8",
+    "--nodes",
+    "2",
+    "--chip",
+    "h100",
+    "--seq-len",
+    "2048",
+    "--global-batch",
+    "16",
+]
 GPU_8B = [
     "--model",
     "8b",

@@ -70,12 +70,28 @@ def test_two_rows_recompile_to_the_jsons_values(tmp_path):
     ring = rows[("tiny", 8, "fsdp=2,sequence=4")]
     # The tests' XLA flags (tests/conftest.py: backend level 0) compile it faster; the
     # buffers and collectives it prints are those of the default level.
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}  # fmt: skip
-    done = subprocess.run([sys.executable, "examples/lm/train.py", *ring["flags"].split(),
-                           "--num-devices", "8", "--compile-only", "--compilation-cache",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "examples/lm/train.py",
+            *ring["flags"].split(),
+            "--num-devices",
+            "8",
+            "--compile-only",
+            "--compilation-cache",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("per device:"))
     arguments = float(re.search(r"arguments ([\d.]+) GB", line)[1])
@@ -94,9 +110,16 @@ def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
         rows = {
             r["flags"]: r for r in ranking.plan(cli.make_run(cli.parse_args(EXAMPLE)))
         }
-        return [{"arguments": rows[f]["arguments_bytes"] * 0.9, "temporaries": 1e9,
-                 "collectives": {k: v * 0.9 for k, v in rows[f]["collective_bytes"].items()}}
-                for f in flag_lines]  # fmt: skip
+        return [
+            {
+                "arguments": rows[f]["arguments_bytes"] * 0.9,
+                "temporaries": 1e9,
+                "collectives": {
+                    k: v * 0.9 for k, v in rows[f]["collective_bytes"].items()
+                },
+            }
+            for f in flag_lines
+        ]
 
     monkeypatch.setattr(cli, "compile_flags", compiled)
     status, printed, _ = run_main([*EXAMPLE, "--check", "--check-rows", "2"])

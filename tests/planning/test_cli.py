@@ -18,27 +18,45 @@ from jaxdist_lessons.planning import cli, footprint, model_config, ranking
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--devices", "12", "--nodes", "5"], "--devices 12 do not divide into --nodes 5"),
+        (
+            ["--devices", "12", "--nodes", "5"],
+            "--devices 12 do not divide into --nodes 5",
+        ),
         (["--chip", "v100"], "unknown chip 'v100'; known: a100, a100-40gb, h100"),
         (["--model", "13b"], "unknown model '13b'; presets: tiny, 125m, 1b, 8b, 70b"),
         (["--global-batch", "0"], "--global-batch must be positive, got 0"),
         (["--seq-len", "-8"], "--seq-len must be positive, got -8"),
         (["--devices", "x"], "argument --devices: invalid int value: 'x'"),
-        (["--model", "70b", "--devices", "2", "--nodes", "1"],
-         "70b fits no layout on 2 x H100 80GB: the smallest needs"),
+        (
+            ["--model", "70b", "--devices", "2", "--nodes", "1"],
+            "70b fits no layout on 2 x H100 80GB: the smallest needs",
+        ),
         (["--model", None, "--layers", "2"], "missing --width --heads --kv-heads"),
-        (["--chip", "TPU v4"], "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS"),
+        (
+            ["--chip", "TPU v4"],
+            "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS",
+        ),
         (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
         (["--devices", "131072"], "--devices 131072: the planner plans up to 65,536"),
-        (["--chip", "v5p", "--dtype", "float32"],
-         "TPU v5p has no float32 peak in hardware.CHIPS"),
-        (["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
-         "no layout splits 8b on 6 devices: global batch 7 does not split over 6"),
-        (["--grad-accum", "0"], "--grad-accum must be a positive integer or auto, got 0"),
-        (["--efficiency", "1.5"], "--efficiency 1.5: a fraction of the peak, in (0, 1]"),
+        (
+            ["--chip", "v5p", "--dtype", "float32"],
+            "TPU v5p has no float32 peak in hardware.CHIPS",
+        ),
+        (
+            ["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
+            "no layout splits 8b on 6 devices: global batch 7 does not split over 6",
+        ),
+        (
+            ["--grad-accum", "0"],
+            "--grad-accum must be a positive integer or auto, got 0",
+        ),
+        (
+            ["--efficiency", "1.5"],
+            "--efficiency 1.5: a fraction of the peak, in (0, 1]",
+        ),
         (["--remat", "some"], "argument --remat: invalid choice: 'some'"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_gives_one_line_and_status_2(argv, message):
     args = dict(zip(EXAMPLE[::2], EXAMPLE[1::2]))
     args.update(zip(argv[::2], argv[1::2]))
@@ -50,9 +68,20 @@ def test_bad_input_gives_one_line_and_status_2(argv, message):
 
 
 def test_command_line_exits_2_without_a_traceback():
-    done = subprocess.run([sys.executable, "-m", "jaxdist_lessons.planning", *EXAMPLE[:-2],
-                           "--global-batch", "-1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist_lessons.planning",
+            *EXAMPLE[:-2],
+            "--global-batch",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr == "plan: --global-batch must be positive, got -1\n"
 
@@ -61,9 +90,30 @@ def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
     """GQA and experts from flags: the experts' rows appear, each with --model-config;
     --write-config writes the config.json that train.py reads into this shape, the flags
     name it and the recipe takes them; --check compiles them with a config of its own."""
-    shape = ["--layers", "4", "--width", "512", "--heads", "8", "--kv-heads", "2",
-             "--mlp-width", "1024", "--vocab", "8000", "--experts", "8", "--top-k", "2",
-             "--devices", "8", "--nodes", "2", "--global-batch", "16"]  # fmt: skip
+    shape = [
+        "--layers",
+        "4",
+        "--width",
+        "512",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "2",
+        "--mlp-width",
+        "1024",
+        "--vocab",
+        "8000",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--devices",
+        "8",
+        "--nodes",
+        "2",
+        "--global-batch",
+        "16",
+    ]
     status, printed, _ = run_main(shape)
     assert status == 0 and "add --write-config config.json to write it" in printed
     config = tmp_path / "shape.json"
@@ -74,9 +124,17 @@ def test_a_model_given_by_its_shape(tmp_path, monkeypatch):
     experts = [r["mesh"] for r in out["rows"] if r["strategy"] == "experts"]
     assert sorted(experts) == ["fsdp=2,expert=4", "fsdp=4,expert=2"]
     recipe = model_config.config_from_hf(str(config))
-    assert (recipe.num_layers, recipe.width, recipe.num_kv_heads, recipe.vocab_size) == (
-        4, 512, 2, 8000,
-    )  # fmt: skip
+    assert (
+        recipe.num_layers,
+        recipe.width,
+        recipe.num_kv_heads,
+        recipe.vocab_size,
+    ) == (
+        4,
+        512,
+        2,
+        8000,
+    )
     for r in filter(lambda r: r["runnable"], out["rows"]):
         assert r["flags"].startswith(f"--model-config {config} ")
         assert_the_recipe_takes(r["flags"])
@@ -101,15 +159,23 @@ def test_the_planner_imports_without_jax_or_numpy():
     """The "Plan your run" page runs the planning package in Pyodide, which has neither: its
     modules are standard library only, and they are the ones _ext/planner.py ships with the
     page (paths under the package: planning/cli)."""
-    program = ("import pathlib, sys\nfor name in ('jax', 'jaxlib', 'numpy', 'flax', 'optax'):\n"
-               "    sys.modules[name] = None  # importing it raises ImportError\n"
-               "from jaxdist_lessons.planning import cli\n"
-               "print(cli.page_json(['--model', 'tiny', '--devices', '4', '--global-batch', '8'])[:9])\n"
-               "root = pathlib.Path(sys.modules['jaxdist_lessons'].__file__).parent\n"
-               "print(' '.join(sorted(str(pathlib.Path(m.__file__).relative_to(root).with_suffix(''))"
-               " for n, m in list(sys.modules.items()) if n.startswith('jaxdist_lessons.'))))")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=True)  # fmt: skip
+    program = (
+        "import pathlib, sys\nfor name in ('jax', 'jaxlib', 'numpy', 'flax', 'optax'):\n"
+        "    sys.modules[name] = None  # importing it raises ImportError\n"
+        "from jaxdist_lessons.planning import cli\n"
+        "print(cli.page_json(['--model', 'tiny', '--devices', '4', '--global-batch', '8'])[:9])\n"
+        "root = pathlib.Path(sys.modules['jaxdist_lessons'].__file__).parent\n"
+        "print(' '.join(sorted(str(pathlib.Path(m.__file__).relative_to(root).with_suffix(''))"
+        " for n, m in list(sys.modules.items()) if n.startswith('jaxdist_lessons.'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     shown, modules = done.stdout.splitlines()
     assert shown == '{"run": {'
     sys.path.insert(0, str(ROOT / "_ext"))

@@ -34,23 +34,19 @@ N = jax.device_count()
 
 
 def test_bytes_sent_by_each_kind_of_collective():
-    assert (
-        costmodel.sent_bytes(costmodel.Transfer("all-reduce", 100, 4)) == 150
-    )  # 2 (N-1)/N
-    assert (
-        costmodel.sent_bytes(costmodel.Transfer("all-gather", 100, 4)) == 75
-    )  # (N-1)/N of the gathered array
-    assert (
-        costmodel.sent_bytes(costmodel.Transfer("reduce-scatter", 25, 4)) == 75
-    )  # N-1 shards of 25
+    # 2 (N-1)/N
+    assert costmodel.sent_bytes(costmodel.Transfer("all-reduce", 100, 4)) == 150
+    # (N-1)/N of the gathered array
+    assert costmodel.sent_bytes(costmodel.Transfer("all-gather", 100, 4)) == 75
+    # N-1 shards of 25
+    assert costmodel.sent_bytes(costmodel.Transfer("reduce-scatter", 25, 4)) == 75
     assert (
         costmodel.sent_bytes(costmodel.Transfer("collective-permute", 100, None)) == 100
     )
     with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         costmodel.sent_bytes(costmodel.Transfer("broadcast", 1, 2))
-    with pytest.raises(
-        ValueError, match="unknown collective kind 'broadcast'"
-    ):  # without a group size too
+    # without a group size too
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
         costmodel.sent_bytes(costmodel.Transfer("broadcast", 1, None))
 
 
@@ -70,9 +66,8 @@ def test_vit_b16_data_parallel_on_8_a100_by_hand():
         + 12 * 12 * 197**2 * 768 * 256
     )
     assert e.flops == pytest.approx(flops / 8)
-    assert e.compute_s == pytest.approx(
-        flops / 8 / 312e12
-    )  # compute-bound: flops / peak
+    # compute-bound: flops / peak
+    assert e.compute_s == pytest.approx(flops / 8 / 312e12)
     # Memory: 16 bytes of state per parameter (mixed precision Adam); 32 images of activations.
     assert e.state_bytes == 86_567_656 * 16
     assert e.activation_bytes == 12 * 197 * 32 * 768 * (34 + 5 * 12 * 197 / 768)
@@ -98,9 +93,8 @@ def test_tensor_parallel_transfers_by_hand():
     assert [(t.kind, t.bytes, t.group_size) for t in activations] == [
         ("all-reduce", 2 * 5 * 4 * 4, 2)
     ] * 8
-    tp = (
-        4 * 16 + 3 * 4 + 2 * 4 * 8 + 8
-    )  # per block: Q, K, V, out kernels; Q/K/V biases; MLP kernels; up bias
+    # per block: Q, K, V, out kernels; Q/K/V biases; MLP kernels; up bias
+    tp = 4 * 16 + 3 * 4 + 2 * 4 * 8 + 8
     assert spec.layer_tp_params == tp
     assert transfers[-1] == costmodel.Transfer(
         "all-reduce",
@@ -143,9 +137,8 @@ def test_the_precision_sets_the_width_of_the_weights_that_are_sent_and_read():
     assert [t.bytes for t in mixed.transfers] == [86_567_656 * 2]  # bf16 gradients
     assert [t.bytes for t in fp32.transfers] == [86_567_656 * 4]  # fp32 gradients
     assert fp32.comm_s == pytest.approx(2 * mixed.comm_s)
-    assert (
-        fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16
-    )  # Adam: 16 bytes either way
+    # Adam: 16 bytes either way
+    assert fp32.state_bytes == mixed.state_bytes == 86_567_656 * 16
     explicit = roofline.estimate(
         spec, layout, "A100 40GB", precision="fp32", param_bytes=2
     )
@@ -267,9 +260,8 @@ def test_predicted_collectives_match_the_compiled_program(compiled_step):
     predicted = costmodel.predict_transfers(
         SPEC, layout, param_bytes=4, activation_bytes=4, tp_allreduces_per_layer=6
     )
-    loss = (
-        4 if N > 1 and layout.tensor < N else 0
-    )  # the mean loss, all-reduced over the batch devices
+    # the mean loss, all-reduced over the batch devices
+    loss = 4 if N > 1 and layout.tensor < N else 0
     if strategy in ("data", "tensor", "hybrid"):
         # Exactly the predicted all-reduces, plus the loss.
         assert sum(t.bytes for t in measured) == sum(t.bytes for t in predicted) + loss

@@ -63,13 +63,53 @@ def test_json_has_the_tables_rows():
 
 @pytest.mark.parametrize(
     "request_",
-    [["--model", "70b", "--devices", "64", "--nodes", "8", "--chip", "h100",
-      "--seq-len", "4096", "--global-batch", "256"],
-     ["--model", "8b", "--devices", "16", "--nodes", "2", "--chip", "h100",
-      "--seq-len", "8192", "--global-batch", "32"],
-     ["--model", "1b", "--experts", "8", "--top-k", "2", "--devices", "8",
-      "--chip", "a100", "--seq-len", "2048", "--global-batch", "32"]],
-)  # fmt: skip
+    [
+        [
+            "--model",
+            "70b",
+            "--devices",
+            "64",
+            "--nodes",
+            "8",
+            "--chip",
+            "h100",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "256",
+        ],
+        [
+            "--model",
+            "8b",
+            "--devices",
+            "16",
+            "--nodes",
+            "2",
+            "--chip",
+            "h100",
+            "--seq-len",
+            "8192",
+            "--global-batch",
+            "32",
+        ],
+        [
+            "--model",
+            "1b",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--devices",
+            "8",
+            "--chip",
+            "a100",
+            "--seq-len",
+            "2048",
+            "--global-batch",
+            "32",
+        ],
+    ],
+)
 def test_every_ranked_row_has_flags_the_recipe_takes(request_):
     """Pipelines (with their schedule and micro-batches, tensor parallelism inside the
     stages), ZeRO-1, host offload and dropless experts included; the one the recipe does
@@ -103,8 +143,18 @@ def test_grad_accum_auto_takes_each_layouts_fewest_micro_batches_that_fit():
     """8b on 16 H100s, 256 x 8192 a step: FSDP fits with 2 micro-batches, not 1; ZeRO-2
     (gradients split too) needs fewer than ZeRO-1; tensor parallelism inside a pipeline's
     stages waits on its activations' collectives."""
-    argv = ["--model", "8b", "--devices", "16", "--nodes", "2", "--seq-len", "8192",
-            "--global-batch", "256"]  # fmt: skip
+    argv = [
+        "--model",
+        "8b",
+        "--devices",
+        "16",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "8192",
+        "--global-batch",
+        "256",
+    ]
     rows = {
         (r["strategy"], r["mesh"]): r
         for r in json.loads(run_main([*argv, "--json"])[1])["rows"]
