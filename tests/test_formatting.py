@@ -1,0 +1,43 @@
+"""One formatting style beyond what ruff holds (.ci/run runs ruff check and ruff format):
+a comment sits above the statement it describes, never off a line of closing brackets, and
+the few blocks the formatter must leave alone say why."""
+
+import pathlib
+import re
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HANGING = re.compile(r"^\s*[\])}][\])},]*:?\s+#")
+MOST_SKIPS = 20
+
+
+def tracked(*patterns: str) -> list[pathlib.Path]:
+    names = subprocess.run(
+        ["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    return [ROOT / n for n in names if not (ROOT / n).is_symlink()]
+
+
+def code_lines() -> list[tuple[str, int, str]]:
+    """Every line of the Python files and the chapters' Markdown (the notebooks' pairs)."""
+    return [
+        (str(path.relative_to(ROOT)), number, line)
+        for path in tracked("*.py", "book/*.md")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+    ]
+
+
+def test_no_comment_hangs_off_a_closing_bracket():
+    hanging = [
+        f"{path}:{n}"
+        for path, n, line in code_lines()
+        if HANGING.match(line) and "# fmt: skip" not in line
+    ]
+    assert not hanging, hanging
+
+
+def test_few_formatter_skips_and_each_says_why():
+    skips = [(p, n, line) for p, n, line in code_lines() if "# fmt: skip" in line]
+    assert len(skips) <= MOST_SKIPS, [f"{p}:{n}" for p, n, _ in skips]
+    unexplained = [f"{p}:{n}" for p, n, line in skips if "# fmt: skip  # " not in line]
+    assert not unexplained, unexplained
