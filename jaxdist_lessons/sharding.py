@@ -73,7 +73,7 @@ def check_spec(shape: Sequence[int], mesh: Mesh, spec: P, name: str = "array") -
 def shard_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...]:
     """``NamedSharding(mesh, spec).shard_shape(shape)``, after ``check_spec``'s clearer errors.
 
-    Kept for ``exercises.py``; pages call ``NamedSharding.shard_shape`` themselves.
+    Kept for the exercises (``exercises.ch03_sharding``); pages call ``NamedSharding.shard_shape`` themselves.
     """
     check_spec(shape, mesh, spec)
     return NamedSharding(mesh, spec).shard_shape(tuple(shape))

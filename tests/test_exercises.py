@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import benchmark, exercises, memory
+from jaxdist_lessons.exercises import ch08_multi_host, checking
 from jaxdist_lessons.tables import human_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -339,7 +340,7 @@ TYPICAL = [
     (
         "08_multi_host",
         2,
-        lambda e, c: exercises._demo_all_reduce_bytes(8)[1],
+        lambda e, c: ch08_multi_host._demo_all_reduce_bytes(8)[1],
         "gradients alone",
     ),
     ("08_multi_host", 3, lambda e, c: (_parts(*c)[0] / 2, 1, 1), "2 (N-1)/N"),
@@ -405,7 +406,7 @@ def test_answers_in_other_forms():
     assert sharded(1, (P(None, "model"), block)).right  # the axis's old name
     assert checker_for("12_long_sequences")(1, "0.0667").right
     assert not checker_for("04_gradients")(3, "lots").right
-    assert math.isclose(exercises._number("1.5 ms", "seconds"), 1.5e-3)
+    assert math.isclose(checking._number("1.5 ms", "seconds"), 1.5e-3)
 
 
 def test_unknown_chapter_and_number():
