@@ -35,7 +35,8 @@ from jaxdist_lessons import train as train_lib
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# The 3-axis mesh of chapter 09_flax_partitioning, in the book's one order (mesh.AXIS_NAMES).
+MESH_AXES = tuple(a for a in mesh_lib.AXIS_NAMES if a in ("data", "fsdp", "tensor"))
 
 _DATA: LogicalRules = (("batch", "data"),)
 # Priority order matters: a mesh axis goes to the first listed name a parameter has, so

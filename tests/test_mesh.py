@@ -1,4 +1,5 @@
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -7,6 +8,8 @@ from jax.sharding import AxisType
 
 from jaxdist_lessons import mesh
 from jaxdist_lessons.mesh import MeshError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_mesh_shapes_lists_every_factorisation():
@@ -75,7 +78,7 @@ def test_divisors():
         (
             lambda: mesh.mesh_shapes(4, ("data", "data")),
             "duplicate axis names ['data'] in ('data', 'data'): give every mesh axis its own name, "
-            "for example from ('data', 'fsdp', 'tensor', 'sequence', 'expert', 'pipeline')",
+            "for example from ('pipeline', 'data', 'fsdp', 'expert', 'sequence', 'tensor')",
         ),
         (
             lambda: mesh.mesh_shapes(8, "data"),
@@ -100,3 +103,25 @@ def test_devices_for_axis_drops_the_remainder_so_the_axis_splits_evenly():
     assert mesh.devices_for_axis(3, devices[:8]) == devices[:6]
     with pytest.raises(MeshError, match="an axis of 2 needs at least 2 devices, got 1"):
         mesh.devices_for_axis(2, devices[:1])
+
+
+def test_one_axis_order_the_recipes():
+    """The package's axis names, the planner's and chapter 09's 3-axis mesh all follow
+    examples/lm/layout.py's AXES."""
+    import ast
+
+    from jaxdist_lessons import partitioning
+    from jaxdist_lessons.planning import layouts
+
+    layout = ROOT / "examples" / "lm" / "layout.py"
+    [axes] = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(layout.read_text()).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "AXES"
+    ]
+    assert axes == mesh.AXIS_NAMES
+    assert tuple(a for a in axes if a != "pipeline") == layouts.AXES
+    assert (
+        tuple(a for a in axes if a in ("data", "fsdp", "tensor"))
+        == partitioning.MESH_AXES
+    )
