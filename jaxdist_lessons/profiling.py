@@ -18,7 +18,6 @@ import gzip
 import io
 import json
 import pathlib
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -26,10 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist_lessons import comms, hlo
+from jaxdist_lessons import comms, hlo, recipe
 from jaxdist_lessons._checks import positive_int
-
-RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,11 +249,7 @@ def recipe_program(flags: Sequence[str]) -> tuple[str, jax.sharding.Mesh]:
     """The compiled text of ``examples/lm/train.py``'s step for ``flags`` (what
     ``--compile-only`` compiles, on this process's devices) and its mesh: the program a
     ``--profile`` trace of the same flags ran."""
-    if str(RECIPE) not in sys.path:
-        sys.path.insert(0, str(RECIPE))
-    import compiled
-    import train
-
+    compiled, train = recipe.module("compiled"), recipe.module("train")
     args = train.parse_args([*flags, "--compile-only"])
     with contextlib.redirect_stdout(io.StringIO()):  # setup's once-only notes
         mesh, _, _, step, shapes, _ = train.setup(args)

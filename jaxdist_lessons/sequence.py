@@ -11,7 +11,7 @@ one device's shards, to be run under ``jax.shard_map`` (``over_sequence``):
   each device attends over the whole sequence for its heads, and one all-to-all turns it back
   (Jacobs et al. 2023, arXiv:2309.14509).
 
-All three take the sequence in the *zigzag* layout (``zigzag_order``): cut into ``2n`` chunks,
+All three take the sequence in the *zigzag* layout (``zigzag``, the recipe's ``layout.zigzag``): cut into ``2n`` chunks,
 device ``i`` holds chunks ``i`` and ``2n-1-i``, so that under a causal mask every device has the
 same work (``causal_work``). The functions know each token's position from the layout and mask
 with it. Inside ``shard_map``, T is a device's share of the sequence; ``q_BTNA`` is the layout
@@ -28,30 +28,16 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
 
+# The token order of ring attention, the recipe's own (examples/lm/layout.py).
+zigzag = recipe.module("layout").zigzag
+
 MASKED = -1e30  # finite, so that a row with nothing unmasked yet gives no NaN
-
-
-def zigzag_order(seq_len: int, num_devices: int) -> np.ndarray:
-    """Token positions in zigzag order: device ``i``'s share is chunks ``i`` and
-    ``2n-1-i``.
-
-    ``x[:, zigzag_order(T, n)]`` puts a sequence in this layout; ``np.argsort`` of it
-    undoes it.
-    """
-    positive_int("num_devices", num_devices)
-    if seq_len % (2 * num_devices):
-        raise ValueError(
-            f"sequence length {seq_len} must divide into 2 x {num_devices} chunks"
-        )
-    chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
-    n = num_devices
-    return np.concatenate([chunks[[i, 2 * n - 1 - i]].ravel() for i in range(n)])
 
 
 def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:
@@ -112,7 +98,7 @@ def gathered_kv_attention(
         jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k_BTNA, v_BTNA)
     )
     kv_pos = jnp.asarray(
-        zigzag_order(T * jax.lax.axis_size(axis_name), jax.lax.axis_size(axis_name))
+        zigzag(T * jax.lax.axis_size(axis_name), jax.lax.axis_size(axis_name))
     )
     mask = q_pos[:, None] >= kv_pos[None, :]
     return jax.nn.dot_product_attention(q_BTNA, k, v, mask=mask[None, None])
@@ -125,7 +111,7 @@ def ulysses_attention(q_BTNA, k_BTNA, v_BTNA, axis_name: str = "sequence") -> ja
     q, k, v = to_heads(q_BTNA), to_heads(k_BTNA), to_heads(v_BTNA)  # (B, T_all, N/n, A)
     n = jax.lax.axis_size(axis_name)
     # the whole sequence, zigzag order
-    pos = jnp.asarray(zigzag_order(q_BTNA.shape[1] * n, n))
+    pos = jnp.asarray(zigzag(q_BTNA.shape[1] * n, n))
     mask = pos[:, None] >= pos[None, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
     return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # back to (B, T, N, A)

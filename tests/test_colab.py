@@ -178,6 +178,14 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
         content,
     )
     assert (planned.returncode, planned.stdout.strip()) == (0, "4096"), planned.stderr
+    # The recipe's modules ship in the wheel too (jaxdist_lessons/lm links examples/lm).
+    zigzag = python_in(
+        python,
+        "from jaxdist_lessons import recipe; "
+        "print(recipe.module('layout').zigzag(8, 2).tolist())",
+        content,
+    )
+    assert zigzag.stdout.strip() == "[0, 1, 6, 7, 2, 3, 4, 5]", zigzag.stderr
 
 
 def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path):

@@ -55,7 +55,7 @@ def reference():
 @pytest.mark.parametrize("n", [4, 6, 8])
 @pytest.mark.parametrize("kind", list(sequence.ATTENTIONS))
 def test_each_attention_equals_one_device_in_outputs_and_gradients(kind, n):
-    order = sequence.zigzag_order(T, n)
+    order = sequence.zigzag(T, n)
     back = np.argsort(order)
     sharded = sequence.over_sequence(sequence.ATTENTIONS[kind], mesh_of(n))
     got = out_and_grads(
@@ -85,10 +85,10 @@ def test_compiled_bytes_are_the_formula(kind):
     )
 
 
-def test_zigzag_order_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
-    assert sequence.zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+def test_zigzag_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
+    assert sequence.zigzag(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="must divide into 2 x 4 chunks"):
-        sequence.zigzag_order(12, 4)
+        sequence.zigzag(12, 4)
 
 
 def test_causal_work_is_balanced_by_zigzag_only():

@@ -182,6 +182,10 @@ def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
     """Token positions in the order that balances causal attention over a ring of
     devices: cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late
     tokens alike)."""
+    if seq_len % (2 * num_devices):
+        raise ValueError(
+            f"sequence length {seq_len} must divide into 2 x {num_devices} chunks"
+        )
     chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
     return np.concatenate(
         [chunks[[i, 2 * num_devices - 1 - i]].ravel() for i in range(num_devices)]

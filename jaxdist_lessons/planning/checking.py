@@ -19,9 +19,6 @@ from jaxdist_lessons.tables import Table
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-TRAIN = ROOT / "examples" / "lm" / "train.py"
-
-
 MINOR = (
     0.01  # a collective kind under 1% of a program's bytes is shown, not held to 10%
 )
@@ -34,9 +31,9 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
-    sys.path.insert(0, str(TRAIN.parent))
-    import compiled as recipe_compiled
-    import train
+    from jaxdist_lessons import recipe
+
+    recipe_compiled, train = recipe.module("compiled"), recipe.module("train")
 
     for argv in runs:
         args = train.parse_args([*argv, "--compile-only"])
