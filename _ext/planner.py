@@ -38,6 +38,16 @@ PACKAGE = ROOT / "jaxdist_lessons"
 logger = logging.getLogger(__name__)
 
 
+def module_level(tree: ast.AST):
+    """The nodes a module runs when imported: not those inside its functions, whose imports
+    (JAX's, for ``--check``) run only when called, never in the page."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        yield node
+        yield from module_level(node)
+
+
 def planner_modules(name: str = "planning.cli") -> list[str]:
     """``name`` and every ``jaxdist_lessons`` module it imports, directly or not, as paths under
     the package without ``.py`` (``planning/cli``; a subpackage as its ``planning/__init__``)."""
@@ -52,7 +62,7 @@ def planner_modules(name: str = "planning.cli") -> list[str]:
         if "/" in path:  # a subpackage's module: the subpackage's __init__ too
             todo.append(path.rsplit("/", 1)[0])
         tree = ast.parse((PACKAGE / f"{path}.py").read_text())
-        for node in ast.walk(tree):
+        for node in module_level(tree):
             if not isinstance(node, ast.ImportFrom) or not (
                 node.module or ""
             ).startswith("jaxdist_lessons"):

@@ -17,6 +17,7 @@ from jaxdist_lessons.planning.xla_cpu import (
     activation_transfers,
     collective,
     embedding_transfers,
+    stage_parts,
     transfers,
     weight_transfers,
 )
@@ -140,26 +141,13 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
     attention's sends and a pipeline's; the activations' collectives of tensor
     parallelism and experts wait on the compute before and hold up the compute after."""
     if c.stages > 1:
-        m, rows = run.shape, run.global_batch // c.batch_ways
-        act = run.itemsize * rows * run.seq_len * m.width  # every micro-batch's
-        stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
-        per_stage = dataclasses.replace(
-            run, shape=stage, devices=run.devices // c.stages, grad_accum=1
-        )
-        inside = dataclasses.replace(c, stages=1, strategy="FSDP")
-        sends = [
-            Transfer(
-                "collective-permute",
-                2 * c.virtual * act,
-                None,
-                "stage to stage",
-                ("pipeline",),
-            )
-        ]
+        sends, per_stage, inside = stage_parts(run, c, run.itemsize)
+        per_stage = dataclasses.replace(per_stage, grad_accum=1)
         # tensor parallelism inside a stage: each micro-batch (one sequence) in turn
+        rows = run.global_batch // c.batch_ways
         each = dataclasses.replace(per_stage, grad_accum=rows)
         exposed = gpu_activation_transfers(each, c)
-        return sends + gpu_weight_transfers(per_stage, inside), exposed
+        return [sends, *gpu_weight_transfers(per_stage, inside)], exposed
     # gradients' shards, then float32 weights gathered
     if c.strategy.startswith("ZeRO"):
         n, P = run.devices, count_params(run.shape)

@@ -239,25 +239,26 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     return out
 
 
-def pipeline_transfers(run: Run, c: Layout) -> list[Transfer]:
-    """A pipeline's sends between stages (each microbatch's activations forward, their gradient
-    back, once per virtual stage) and FSDP inside each stage: predicted, no recipe flag."""
+def stage_parts(run: Run, c: Layout, itemsize: int) -> tuple[Transfer, Run, Layout]:
+    """A pipeline's sends between stages (every micro-batch's activations forward and
+    their gradient back, once per virtual stage, ``itemsize`` bytes a value), and one
+    stage's run and layout (FSDP inside the stage)."""
     m = run.shape
     rows = run.global_batch // c.batch_ways
-    act = 2 * rows * run.seq_len * m.width  # bf16 activations, all microbatches
-    inside = dataclasses.replace(c, stages=1, strategy="FSDP")
+    act = itemsize * rows * run.seq_len * m.width  # every micro-batch's
+    sends = Transfer(
+        "collective-permute", 2 * c.virtual * act, None, "stage to stage", ("pipeline",)
+    )
     stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
     per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages)
-    sends = [
-        Transfer(
-            "collective-permute",
-            2 * c.virtual * act,
-            None,
-            "stage to stage",
-            ("pipeline",),
-        )
-    ]
-    return sends + weight_transfers(per_stage, inside)
+    return sends, per_stage, dataclasses.replace(c, stages=1, strategy="FSDP")
+
+
+def pipeline_transfers(run: Run, c: Layout) -> list[Transfer]:
+    """A pipeline's sends between stages (bf16 activations) and FSDP inside each stage:
+    predicted, no recipe flag."""
+    sends, per_stage, inside = stage_parts(run, c, 2)
+    return [sends, *weight_transfers(per_stage, inside)]
 
 
 def transfers(run: Run, c: Layout) -> list[Transfer]:
