@@ -1,7 +1,8 @@
 """One short run on a GPU machine: the GPU page's checks and the LM recipe, measured against the planner.
 
-From the repository root, with the devices JAX finds, in about 5 minutes on one H200
-(``--budget``, 480 s by default, bounds the whole run), each part a child process:
+From the repository root, with the devices JAX finds, each part a child process, all of
+them within ``--budget`` (480 s by default: what one H200 session allows; no GPU run has
+been timed yet):
 
 1. ``examples/preflight.py``: driver, CUDA, NCCL, GPUs, links and traps;
 2. ``examples/bandwidth.py``: collectives over every device, to 1 GiB (with one GPU,
