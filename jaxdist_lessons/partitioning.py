@@ -148,7 +148,7 @@ def make_train_step(
 
 
 @dataclasses.dataclass
-class Run:
+class StrategyRun:
     """What ``train_strategy`` did: the loss of every step, the final state, the compiled step, its mesh."""
 
     losses: list[float]
@@ -166,7 +166,7 @@ def train_strategy(
     tx: optax.GradientTransformation | None = None,
     seed: int = 0,
     sample: Any = None,
-) -> Run:
+) -> StrategyRun:
     """Train ``model`` on ``batches`` (one step each) on ``mesh`` under the logical
     ``rules``.
 
@@ -195,4 +195,4 @@ def train_strategy(
     state, history = train_lib.fit(
         state, program, None, lambda epoch: placed, None, epochs=1, progress=False
     )
-    return Run([row["loss"] for row in history.train], state, program, mesh)
+    return StrategyRun([row["loss"] for row in history.train], state, program, mesh)

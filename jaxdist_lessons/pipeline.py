@@ -41,7 +41,7 @@ from jaxdist_lessons.bubble import bubble_fraction as bubble_fraction
 # examples/lm/schedules.py (a wheel holds a copy of the file), so the recipe and the book
 # run one copy of them.
 from jaxdist_lessons.schedules import Op as Op
-from jaxdist_lessons.schedules import Table as Table
+from jaxdist_lessons.schedules import Timetable as Timetable
 from jaxdist_lessons.schedules import gpipe_schedule as gpipe_schedule
 from jaxdist_lessons.schedules import idle_fraction as idle_fraction
 from jaxdist_lessons.schedules import in_flight as in_flight
@@ -149,7 +149,7 @@ def gpipe_loss(
     return jnp.sum(losses)  # one scalar per stage, all but the last zero
 
 
-def _tables(table: Table, num_stages: int) -> dict[str, np.ndarray]:
+def _tables(table: Timetable, num_stages: int) -> dict[str, np.ndarray]:
     """A schedule as integer arrays ``[tick, stage]`` a compiled loop can index."""
     T = len(table)
     a = {
@@ -170,7 +170,7 @@ def _tables(table: Table, num_stages: int) -> dict[str, np.ndarray]:
     return a
 
 
-def check_slots(table: Table, slots: int) -> None:
+def check_slots(table: Timetable, slots: int) -> None:
     """Raise if two microbatches alive at once on one device would share slot ``micro % slots``."""
     tabs = _tables(table, len(table[0]))
     for s in range(len(table[0])):

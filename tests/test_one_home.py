@@ -24,7 +24,6 @@ DIFFERENT = {
     "blocks": "model.blocks cuts attention into blocks; sharding.blocks shows shards",
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
-    "Table": "schedules.Table is a pipeline timetable; tables.Table prints one",
     "in_flight": "the planner's sequences in flight; schedules counts a timetable's",
     "AXES": "the planner runs in the browser without JAX; tests/test_mesh.py holds the two equal",
     "MASKED": "chapter 12's reference attention (sequence.py) masks with the same value",

@@ -36,7 +36,7 @@ class Op(NamedTuple):
     stage: int
 
 
-Table = list[list[Op | None]]  # [tick][device]
+Timetable = list[list[Op | None]]  # [tick][device]
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -46,12 +46,12 @@ def _positive(name: str, value: int) -> int:
     return int(value)
 
 
-def simulate(orders: list[list[Op]], num_stages: int) -> Table:
+def simulate(orders: list[list[Op]], num_stages: int) -> Timetable:
     """Run each device's ``orders`` in turn, each op as soon as its input is ready."""
     done: dict[tuple[str, int, int], int] = {}  # op -> the tick it ran
     last = num_stages - 1
     position = [0] * len(orders)
-    table: Table = []
+    table: Timetable = []
     while any(p < len(o) for p, o in zip(position, orders, strict=True)):
         tick, row = len(table), []
         for d, order in enumerate(orders):
@@ -74,7 +74,7 @@ def simulate(orders: list[list[Op]], num_stages: int) -> Table:
     return table
 
 
-def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
+def gpipe_schedule(num_stages: int, num_microbatches: int) -> Timetable:
     """GPipe: every device runs all its forwards, then all its backwards."""
     _positive("num_stages", num_stages)
     micro = range(_positive("num_microbatches", num_microbatches))
@@ -85,7 +85,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
     return simulate(orders, num_stages)
 
 
-def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Timetable:
     """1F1B: ``S - 1 - d`` warm-up forwards on device ``d``, then one forward, one
     backward."""
     S = _positive("num_stages", num_stages)
@@ -101,7 +101,9 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
     return simulate(orders, S)
 
 
-def interleaved_schedule(num_stages: int, num_microbatches: int, virtual: int) -> Table:
+def interleaved_schedule(
+    num_stages: int, num_microbatches: int, virtual: int
+) -> Timetable:
     """Megatron's interleaved 1F1B: device ``d`` holds stages ``d, d + S, ...``; ``M``
     a multiple of ``S``."""
     S = _positive("num_stages", num_stages)
@@ -145,13 +147,13 @@ def schedule(name: str, num_stages: int, num_microbatches: int, virtual: int = 1
     raise ValueError(f"schedule {name!r}: expected one of {SCHEDULES}")
 
 
-def idle_fraction(table: Table) -> float:
+def idle_fraction(table: Timetable) -> float:
     """The share of (tick, device) slots in a schedule with nothing to do."""
     slots = [slot for row in table for slot in row]
     return sum(slot is None for slot in slots) / len(slots)
 
 
-def in_flight(table: Table) -> list[int]:
+def in_flight(table: Timetable) -> list[int]:
     """Per device, the most forwards it holds inputs for at once (run, backward not
     yet run)."""
     peaks = []
@@ -165,7 +167,7 @@ def in_flight(table: Table) -> list[int]:
     return peaks
 
 
-def slot_tables(table: Table) -> tuple[dict[str, np.ndarray], int, int]:
+def slot_tables(table: Timetable) -> tuple[dict[str, np.ndarray], int, int]:
     """A schedule as integer arrays ``[tick, device]`` a compiled loop can index, each
     input and gradient held in a pool slot.
 
