@@ -39,12 +39,14 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     its own normalisation); then one all-reduce over each other batch axis, in float32
     after an accumulation (the sums), in the compute type otherwise."""
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
-    L, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum
-    size, P = run.itemsize, count_params(m)
+    layers, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum
+    size, params = run.itemsize, count_params(m)
     summed = F32 if G > 1 else size
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
-        return collective("all-reduce", summed * P, c, "data", what="gradients")
-    per_pass = L * (attention_weights(m) + mlp_weights(m) / e) / t + L * 2 * D + D
+        return collective("all-reduce", summed * params, c, "data", what="gradients")
+    per_pass = (
+        layers * (attention_weights(m) + mlp_weights(m) / e) / t + layers * 2 * D + D
+    )
     per_pass += V * D / t  # the output projection (or the tied table as it)
     table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
     out = collective(
@@ -62,12 +64,18 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         what="gradients (FSDP)",
     )
     out += collective(
-        "all-reduce", summed * P / f, c, "data", what="gradients over data"
+        "all-reduce", summed * params / f, c, "data", what="gradients over data"
     )
     out += collective(
-        "all-reduce", G * size * P / f, c, "sequence", what="gradients over sequence"
+        "all-reduce",
+        G * size * params / f,
+        c,
+        "sequence",
+        what="gradients over sequence",
     )
-    shared = P - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
+    shared = params - layers * (
+        mlp_weights(m) - D * m.num_experts
+    )  # not the experts' own
     out += collective(
         "all-reduce",
         G * size * shared / f,
@@ -86,12 +94,12 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     router logits (float32) and their tokens out and back (dropless: the pairs each
     device routes, with ``ragged_all_to_all``, not XLA:CPU's worst-case buffers)."""
     m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
-    T, D, L, G = run.seq_len, m.width, m.num_layers, run.grad_accum
+    T, D, layers, G = run.seq_len, m.width, m.num_layers, run.grad_accum
     rows, size, k = micro_rows(run, c), run.itemsize, passes(run)
     out = []
     if t > 1:
         act = size * rows * T * D  # one micro-batch's, whole sequence
-        count = G * (2 * k * L + 2)
+        count = G * (2 * k * layers + 2)
         out += collective(
             "all-gather", count * act, c, "tensor", what="activations (SP)"
         )
@@ -102,13 +110,13 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         kv = size * rows * (T // s) * m.num_kv_heads * m.head_width
         out += collective(
             "collective-permute",
-            G * L * k * (s - 1) * 2 * kv,
+            G * layers * k * (s - 1) * 2 * kv,
             c,
             "sequence",
             what="K and V around the ring",
         )
     if m.num_experts and e > 1:
-        logits = F32 * 2 * L * run.global_batch * T * m.num_experts
+        logits = F32 * 2 * layers * run.global_batch * T * m.num_experts
         out += collective(
             "all-gather", logits, c, "fsdp", "expert", what="router logits"
         )
@@ -116,7 +124,7 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
             pairs = G * rows * T * m.top_k
             return out + collective(
                 "all-to-all",
-                L * k * 2 * pairs * D * size,
+                layers * k * 2 * pairs * D * size,
                 c,
                 "expert",
                 what="pairs to experts and back",
@@ -126,7 +134,7 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         buffer = size * m.num_experts * rows * (T // group) * slots * D
         out += collective(
             "all-to-all",
-            G * L * k * 2 * buffer,
+            G * layers * k * 2 * buffer,
             c,
             "expert",
             what="tokens to experts and back",
@@ -150,11 +158,11 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
         return [sends, *gpu_weight_transfers(per_stage, inside)], exposed
     # gradients' shards, then float32 weights gathered
     if c.strategy.startswith("ZeRO"):
-        n, P = run.devices, count_params(run.shape)
+        n, params = run.devices, count_params(run.shape)
         summed = F32 if run.grad_accum > 1 else run.itemsize
         return [
-            Transfer("reduce-scatter", summed * P / n, n, "gradients", ("data",)),
-            Transfer("all-gather", F32 * P, n, "weights", ("data",)),
+            Transfer("reduce-scatter", summed * params / n, n, "gradients", ("data",)),
+            Transfer("all-gather", F32 * params, n, "weights", ("data",)),
         ], []
     activations = gpu_activation_transfers(run, c)
     ring = [move for move in activations if move.kind == "collective-permute"]

@@ -26,8 +26,8 @@ def mlp_weights(m: ModelConfig) -> int:
 def weight_shapes(
     m: ModelConfig,
 ) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading L."""
-    D, N, K, A, F, E, V, L = (
+    """(shape, mesh axes) of every weight; the layers' weights are stacked on a leading axis of layers."""
+    D, N, K, A, F, E, V, layers = (
         m.width,
         m.num_heads,
         m.num_kv_heads,
@@ -37,17 +37,17 @@ def weight_shapes(
         m.vocab_size,
         m.num_layers,
     )
-    out = [((L, D), (None, "fsdp"))] * 2  # the two norms
-    out += [((L, D, N, A), (None, "fsdp", "tensor", None))]
-    out += [((L, D, K, A), (None, "fsdp", "tensor", None))] * 2
-    out += [((L, N, A, D), (None, "tensor", None, "fsdp"))]
+    out = [((layers, D), (None, "fsdp"))] * 2  # the two norms
+    out += [((layers, D, N, A), (None, "fsdp", "tensor", None))]
+    out += [((layers, D, K, A), (None, "fsdp", "tensor", None))] * 2
+    out += [((layers, N, A, D), (None, "tensor", None, "fsdp"))]
     if E:
-        out += [((L, D, E), (None, "fsdp", None))]
-        out += [((L, E, D, F), (None, "expert", "fsdp", "tensor"))] * 2
-        out += [((L, E, F, D), (None, "expert", "tensor", "fsdp"))]
+        out += [((layers, D, E), (None, "fsdp", None))]
+        out += [((layers, E, D, F), (None, "expert", "fsdp", "tensor"))] * 2
+        out += [((layers, E, F, D), (None, "expert", "tensor", "fsdp"))]
     else:
-        out += [((L, D, F), (None, "fsdp", "tensor"))] * 2 + [
-            ((L, F, D), (None, "tensor", "fsdp"))
+        out += [((layers, D, F), (None, "fsdp", "tensor"))] * 2 + [
+            ((layers, F, D), (None, "tensor", "fsdp"))
         ]
     out += [((V, D), ("tensor", "fsdp")), ((D,), ("fsdp",))]  # embedding, final norm
     if not m.tie_embeddings:

@@ -71,7 +71,7 @@ COMPUTE_EFFICIENCY = 0.41
 def remat_flops(run: Run) -> float:
     """The flops a step runs over the model's: remat 'full' runs each layer's forward
     again (4/3: the forward is a third of 6 flops per weight and token); 'dots' only the
-    attention's two batched matmuls (4 L T N A a token), whose outputs it does not keep."""
+    attention's two batched matmuls (4 x layers x T x N x A a token), whose outputs it does not keep."""
     if run.remat == "full":
         return 4 / 3
     if run.remat == "dots":

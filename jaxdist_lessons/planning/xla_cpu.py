@@ -39,24 +39,27 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     them and the loss.
     """
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
-    L, D, V = m.num_layers, m.width, m.vocab_size
+    layers, D, V = m.num_layers, m.width, m.vocab_size
     layer = attention_weights(m) + mlp_weights(m) / e
-    out_projection = L * m.num_heads * m.head_width * D
-    norms = L * 2 * D
+    out_projection = layers * m.num_heads * m.head_width * D
+    norms = layers * 2 * D
     # untied, or the tied table as the output projection: the same moves
     unembed = V * D
-    P = count_params(m)
+    params = count_params(m)
     out = []
     if c.strategy in ("DP", "ZeRO-1") or f == 1:
-        return collective("all-reduce", F32 * P + 4, c, "data", what="gradients")
+        return collective("all-reduce", F32 * params + 4, c, "data", what="gradients")
     gathered = (
-        2 * L * layer / t + (out_projection / t if t > 1 else 0) + 3 * norms + 2 * D
+        2 * layers * layer / t
+        + (out_projection / t if t > 1 else 0)
+        + 3 * norms
+        + 2 * D
     )
     gathered += unembed * (2 if t > 1 else 1) / t
     out += collective("all-gather", F32 * gathered, c, "fsdp", what="weights (FSDP)")
-    reduced = L * layer / t + norms + unembed / t
+    reduced = layers * layer / t + norms + unembed / t
     if m.num_experts and c.dispatch == "dropless":  # dropless.gathered's float32 sums
-        experts = L * 3 * m.num_experts * D * m.mlp_width / (e * t)
+        experts = layers * 3 * m.num_experts * D * m.mlp_width / (e * t)
         reduced -= experts
         out += collective(
             "reduce-scatter",
@@ -66,12 +69,14 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
             what="experts' gradients (FSDP)",
         )
     out += collective("all-reduce", F32 * reduced, c, "fsdp", what="gradients (FSDP)")
-    rest = P - V * D  # the embedding table's gradient: embedding_transfers
+    rest = params - V * D  # the embedding table's gradient: embedding_transfers
     for axis in ("data", "sequence"):
         out += collective(
             "all-reduce", F32 * rest / f, c, axis, what=f"gradients over {axis}"
         )
-    shared = rest - L * (mlp_weights(m) - D * m.num_experts)  # not the experts' own
+    shared = rest - layers * (
+        mlp_weights(m) - D * m.num_experts
+    )  # not the experts' own
     out += collective(
         "all-reduce", F32 * shared / f, c, "expert", what="gradients of shared weights"
     )
@@ -188,37 +193,39 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
     ring attention's K and V, the experts' router logits, dispatch and combine. Counts per
     layer read from XLA:CPU's programs."""
     m, t, s, e = run.shape, c.size("tensor"), c.size("sequence"), c.size("expert")
-    B, T, D, L = run.global_batch, run.seq_len, m.width, m.num_layers
+    B, T, D, layers = run.global_batch, run.seq_len, m.width, m.num_layers
     rows = B // c.batch_ways
     out = []
     # XLA:CPU all-reduces where Megatron's sequence parallelism reduce-scatters
     if t > 1:
         act = F32 * rows * T * D
         out += collective(
-            "all-gather", act * (6 * L + 2), c, "tensor", what="activations (SP)"
+            "all-gather", act * (6 * layers + 2), c, "tensor", what="activations (SP)"
         )
         out += collective(
-            "all-reduce", act * (8 * L + 1), c, "tensor", what="activations (SP)"
+            "all-reduce", act * (8 * layers + 1), c, "tensor", what="activations (SP)"
         )
     if s > 1:
         kv = F32 * rows * (T // s) * m.num_kv_heads * m.head_width
         out += collective(
             "collective-permute",
-            L * 3 * (s - 1) * 2 * kv,
+            layers * 3 * (s - 1) * 2 * kv,
             c,
             "sequence",
             what="K and V around the ring",
         )
     if m.num_experts and e > 1:
         # gathered forward and for the backward
-        logits = F32 * 2 * L * B * T * m.num_experts
+        logits = F32 * 2 * layers * B * T * m.num_experts
         out += collective(
             "all-gather", logits, c, "fsdp", "expert", what="router logits"
         )
         if c.dispatch == "dropless":  # dropless.padded_experts: worst-case buffers
             pairs = rows * T * m.top_k
-            tokens = L * 6 * e * pairs * D * F32  # forward, remat, backward: 2 each
-            ids = L * 2 * e * pairs * 4  # int32 expert ids, forward and remat
+            tokens = (
+                layers * 6 * e * pairs * D * F32
+            )  # forward, remat, backward: 2 each
+            ids = layers * 2 * e * pairs * 4  # int32 expert ids, forward and remat
             return out + collective(
                 "all-to-all",
                 tokens + ids,
@@ -231,7 +238,7 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         buffer = F32 * m.num_experts * rows * (T // group) * slots * D
         out += collective(
             "all-to-all",
-            L * 3 * 2 * buffer,
+            layers * 3 * 2 * buffer,
             c,
             "expert",
             what="tokens to experts and back",
@@ -267,10 +274,10 @@ def transfers(run: Run, c: Layout) -> list[Transfer]:
         return pipeline_transfers(run, c)
     # gradients' shards, then the updated weights gathered
     if c.strategy.startswith("ZeRO"):
-        n, P = run.devices, count_params(run.shape)
+        n, params = run.devices, count_params(run.shape)
         return [
-            Transfer("reduce-scatter", F32 * P / n, n, "gradients", ("data",)),
-            Transfer("all-gather", F32 * P, n, "weights", ("data",)),
+            Transfer("reduce-scatter", F32 * params / n, n, "gradients", ("data",)),
+            Transfer("all-gather", F32 * params, n, "weights", ("data",)),
         ]
     return (
         weight_transfers(run, c)
