@@ -183,9 +183,8 @@ class Preprocess:
     """How images become model inputs: size, channels, normalisation and (for training) augmentation."""
 
     channels: int = 3
-    image_size: int | None = (
-        None  # resize (shorter side) and centre-crop to this; None keeps the size
-    )
+    # resize (shorter side) and centre-crop to this; None keeps the size
+    image_size: int | None = None
     mean: float = 0.5
     std: float = 0.25
     max_shift: int = 2  # random translation in pixels, for training batches

@@ -44,9 +44,8 @@ CACHE_ENV_VAR = "JAXDIST_COMPILATION_CACHE"
 MIN_CACHED_SECONDS = 0.2
 CACHE_MAX_BYTES = 4 * 1024**3
 DEFAULT_NUM_DEVICES = 8
-MAX_SIMULATED_DEVICES = (
-    1024  # more would take minutes to start (see the module docstring)
-)
+# more would take minutes to start (see the module docstring)
+MAX_SIMULATED_DEVICES = 1024
 
 
 class SetupError(RuntimeError):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
-from jaxdist_lessons import hardware, hlo
+from jaxdist_lessons import hardware, hlo, strategies
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.tables import Table, human_bytes
 
@@ -29,7 +29,7 @@ PRECISIONS: dict[str, dict[str, int]] = {
     "mixed": {"params": 2, "grads": 2, "optimizer_slot": 4, "master": 4},
 }
 
-STRATEGIES = ("replicated", "data", "zero1", "zero2", "fsdp", "tensor")
+STRATEGIES = strategies.among("replicated", "data", "zero1", "zero2", "fsdp", "tensor")
 
 
 def _check_count(name: str, value: float) -> None:

@@ -67,15 +67,12 @@ class Entry:
     chapter: str  # a key of CHAPTERS: where the book teaches it properly
     # the entry's code cells, from PARTS, in that order
     cells: tuple[str, ...] = ("fix",)
-    shell: bool = (
-        False  # the article's code is a shell command: shown, not run as Python
-    )
-    applied: bool = (
-        False  # the article cell applies the article's prose advice: our code
-    )
-    error: tuple[str, str] | None = (
-        None  # (exception class name, regex its message matches)
-    )
+    # the article's code is a shell command: shown, not run as Python
+    shell: bool = False
+    # the article cell applies the article's prose advice: our code
+    applied: bool = False
+    # (exception class name, regex its message matches)
+    error: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:

@@ -38,10 +38,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, compiled, sharding
+from jaxdist_lessons import comms, compiled, sharding, strategies
 from jaxdist_lessons.tables import Table
 
-ZERO_STAGES = ("data", "zero1", "fsdp")
+ZERO_STAGES = strategies.among("data", "zero1", "fsdp")
 """The ``shard_map`` steps of ``make_step``: data parallel, ZeRO-1 and FSDP (ZeRO-3)."""
 
 
@@ -278,7 +278,7 @@ def make_step(
 LayerFn = Callable[[Any, jax.Array], jax.Array]
 """``layer_fn(one_layer_params, x) -> x``: one layer of a stack of identical layers."""
 
-LAYERED_STRATEGIES = ("data", "fsdp_all_gathered", "fsdp_per_layer")
+LAYERED_STRATEGIES = strategies.among("data", "fsdp_all_gathered", "fsdp_per_layer")
 
 
 def stacked_specs(tree: Any, mesh: Mesh, axis: str = "fsdp") -> Any:

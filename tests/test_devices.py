@@ -28,9 +28,8 @@ def run_python(
         )
         and not (drop_prefix and k.startswith(drop_prefix))
     }
-    clean["JAX_PLATFORMS"] = (
-        "cpu"  # the suite is about simulated devices, even on a GPU box
-    )
+    # the suite is about simulated devices, even on a GPU box
+    clean["JAX_PLATFORMS"] = "cpu"
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,

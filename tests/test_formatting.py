@@ -36,6 +36,23 @@ def test_no_comment_hangs_off_a_closing_bracket():
     assert not hanging, hanging
 
 
+def test_no_value_is_wrapped_in_brackets_to_hold_a_comment():
+    """``x = (\n    value  # why\n)`` is the formatter keeping a long trailing comment:
+    the comment goes above, and the value on the line of its name."""
+    wrapped = []
+    for path in tracked("*.py", "book/*.md"):
+        lines = path.read_text().splitlines()
+        for n in range(len(lines) - 2):
+            opens, middle, closes = lines[n : n + 3]
+            if (
+                opens.endswith("= (")
+                and re.search(r"\S\s+#\s", middle)
+                and closes.strip() == ")"
+            ):
+                wrapped.append(f"{path.relative_to(ROOT)}:{n + 1}")
+    assert not wrapped, wrapped
+
+
 def test_few_formatter_skips_and_each_says_why():
     skips = [(p, n, line) for p, n, line in code_lines() if "# fmt: skip" in line]
     assert len(skips) <= MOST_SKIPS, [f"{p}:{n}" for p, n, _ in skips]

@@ -544,9 +544,8 @@ def placed(attend):
 class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
-    context_parallel: bool = (
-        False  # the sequence is split over the 'sequence' mesh axis
-    )
+    # the sequence is split over the 'sequence' mesh axis
+    context_parallel: bool = False
     attention: str = "xla"  # one of ATTENTIONS (ring attention uses chunked blocks)
 
     def project(

@@ -36,13 +36,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False  # the output projection reuses the embedding table
     norm_eps: float = 1e-5
-    num_experts: int = (
-        0  # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
-    )
+    # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
+    num_experts: int = 0
     top_k: int = 1  # experts per token
-    capacity_factor: float = (
-        1.25  # an expert's slots per group: ceil(top_k * group_size * factor / E)
-    )
+    # an expert's slots per group: ceil(top_k * group_size * factor / E)
+    capacity_factor: float = 1.25
     group_size: int = 512  # tokens routed together, a group (at most the sequence)
     dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
     # Dropless across 'expert': "padded" all_to_alls or "ragged" (ragged_all_to_all,

@@ -19,9 +19,8 @@ from jaxdist_lessons.tables import Table
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-MINOR = (
-    0.01  # a collective kind under 1% of a program's bytes is shown, not held to 10%
-)
+# a collective kind under 1% of a program's bytes is shown, not held to 10%
+MINOR = 0.01
 
 
 def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:

@@ -18,6 +18,7 @@ from jaxdist_lessons.planning.shapes import (
     mlp_weights,
     weight_shapes,
 )
+from jaxdist_lessons.strategies import NAMES
 
 F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
 
@@ -193,7 +194,9 @@ def memory(run: Run, c: Layout) -> Memory:
         gradients += run.itemsize * m.vocab_size * m.width / t
     if run.grad_accum > 1:  # one micro-batch's gradient beside the float32 sum
         gradients += run.itemsize * local
-    if c.strategy == "ZeRO-2":  # its share, and one layer's whole while it is reduced
+    if (
+        c.strategy == NAMES["zero2"]
+    ):  # its share, and one layer's whole while it is reduced
         layer = attention_weights(m) + mlp_weights(m)
         gradients = F32 * count_params(m) / run.devices + run.itemsize * layer
     activations = activation_bytes(run, c)

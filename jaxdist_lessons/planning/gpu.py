@@ -21,6 +21,7 @@ from jaxdist_lessons.planning.xla_cpu import (
     transfers,
     weight_transfers,
 )
+from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.traffic import Transfer
 
 
@@ -42,7 +43,7 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     layers, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum
     size, params = run.itemsize, count_params(m)
     summed = F32 if G > 1 else size
-    if c.strategy in ("DP", "ZeRO-1") or f == 1:
+    if c.strategy in (NAMES["data"], NAMES["zero1"]) or f == 1:
         return collective("all-reduce", summed * params, c, "data", what="gradients")
     per_pass = (
         layers * (attention_weights(m) + mlp_weights(m) / e) / t + layers * 2 * D + D

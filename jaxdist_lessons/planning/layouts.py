@@ -11,6 +11,7 @@ import math
 
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning.model_config import ModelConfig
+from jaxdist_lessons.strategies import NAMES
 
 # layout.AXES (examples/lm/layout.py), in its order
 AXES = (
@@ -52,7 +53,7 @@ class Layout:
 
     @classmethod
     def from_flag(cls, flag: str, **options) -> Layout:
-        """``Layout.from_flag("fsdp=4,tensor=2", strategy="FSDP+TP")``: a recipe's --mesh."""
+        """``Layout.from_flag("fsdp=4,tensor=2", strategy=NAMES["fsdp+tensor"])``: a recipe's --mesh."""
         return cls(**mesh_sizes(flag), **options)
 
     def size(self, axis: str) -> int:
@@ -107,9 +108,8 @@ class Run:
     remat: str = "full"  # train.py's --remat: none, dots or full
     grad_accum: int = 1  # train.py's --grad-accum: micro-batches a step
     fit_accum: bool = False  # --grad-accum auto: each layout's fewest that fit (plan)
-    bytes: str = (
-        "gpu"  # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
-    )
+    # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
+    bytes: str = "gpu"
     efficiency: float | None = None  # of the chip's peak; None: COMPUTE_EFFICIENCY
 
     @property
@@ -157,18 +157,23 @@ def mesh_sizes(flag: str) -> dict[str, int]:
 def candidates(run: Run) -> list[Layout]:
     """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
     n, p, m = run.devices, run.per_node, run.shape
-    out = [Layout(data=n, strategy=z) for z in ("DP", "ZeRO-1", "ZeRO-2")]
-    out.append(Layout(fsdp=n, strategy="FSDP"))
+    out = [
+        Layout(data=n, strategy=z)
+        for z in (NAMES["data"], NAMES["zero1"], NAMES["zero2"])
+    ]
+    out.append(Layout(fsdp=n, strategy=NAMES["fsdp"]))
     # HSDP: FSDP inside groups of k devices (powers of two, a node's among them), replicas
     # across them
     inner = {2**i for i in range(1, n.bit_length()) if n % 2**i == 0 and 2**i < n}
     inner |= {p} if 1 < p < n else set()
-    out += [Layout(data=n // k, fsdp=k, strategy="HSDP") for k in sorted(inner)]
+    out += [Layout(data=n // k, fsdp=k, strategy=NAMES["hsdp"]) for k in sorted(inner)]
     # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
     # table instead of the activations, which the counts below do not follow.
     inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
-    out += [Layout(fsdp=n // t, tensor=t, strategy="FSDP+TP") for t in inside]
-    out += [Layout(fsdp=n // s, sequence=s, strategy="sequence") for s in inside]
+    out += [
+        Layout(fsdp=n // t, tensor=t, strategy=NAMES["fsdp+tensor"]) for t in inside
+    ]
+    out += [Layout(fsdp=n // s, sequence=s, strategy=NAMES["sequence"]) for s in inside]
     if m.num_experts:
         for dispatch, name in (
             ("capacity", "experts"),
@@ -179,7 +184,7 @@ def candidates(run: Run) -> list[Layout]:
                 for e in inside
             ]
     if run.chip.host_bytes_per_s and n > 1:
-        out.append(Layout(fsdp=n, offload=True, strategy="FSDP + offload"))
+        out.append(Layout(fsdp=n, offload=True, strategy=f"{NAMES['fsdp']} + offload"))
     stages = run.nodes if run.nodes > 1 else 2
     if n % stages == 0 and n > 1:
         for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
@@ -200,7 +205,7 @@ def candidates(run: Run) -> list[Layout]:
                 tensor=t,
                 stages=stages,
                 schedule="1F1B",
-                strategy="pipeline 1F1B + TP",
+                strategy=f"pipeline 1F1B + {NAMES['tensor']}",
             )
             for t in inside
             if stage % t == 0 and t <= p
@@ -209,7 +214,9 @@ def candidates(run: Run) -> list[Layout]:
 
 
 NEEDS = {
-    "ZeRO-2": "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
+    NAMES[
+        "zero2"
+    ]: "needs: ZeRO-2 in the recipe (it has --zero1, and FSDP, which shards "
     "the gradients too)"
 }
 

@@ -28,6 +28,7 @@ from jaxdist_lessons.planning.layouts import (
 from jaxdist_lessons.planning.model_config import PRESETS
 from jaxdist_lessons.planning.timing import link_bytes, step_seconds
 from jaxdist_lessons.planning.xla_cpu import transfer_bytes_by_kind, transfers
+from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.tables import Table
 
 
@@ -62,7 +63,7 @@ def recipe_flags(run: Run, c: Layout) -> str:
                 f"--capacity-factor {m.capacity_factor:g}",
                 f"--group-size {m.group_size}",
             ]
-    if c.strategy == "ZeRO-1":
+    if c.strategy == NAMES["zero1"]:
         flags.append("--zero1")
     if run.remat != "full":
         flags.append(f"--remat {run.remat}")

@@ -15,6 +15,7 @@ from jaxdist_lessons.planning.footprint import F32
 from jaxdist_lessons.planning.layouts import Layout, Run
 from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
+from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.traffic import Transfer
 
 
@@ -47,7 +48,7 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     unembed = V * D
     params = count_params(m)
     out = []
-    if c.strategy in ("DP", "ZeRO-1") or f == 1:
+    if c.strategy in (NAMES["data"], NAMES["zero1"]) or f == 1:
         return collective("all-reduce", F32 * params + 4, c, "data", what="gradients")
     gathered = (
         2 * layers * layer / t
@@ -258,7 +259,7 @@ def stage_parts(run: Run, c: Layout, itemsize: int) -> tuple[Transfer, Run, Layo
     )
     stage = dataclasses.replace(m, num_layers=m.num_layers // c.stages)
     per_stage = dataclasses.replace(run, shape=stage, devices=run.devices // c.stages)
-    return sends, per_stage, dataclasses.replace(c, stages=1, strategy="FSDP")
+    return sends, per_stage, dataclasses.replace(c, stages=1, strategy=NAMES["fsdp"])
 
 
 def pipeline_transfers(run: Run, c: Layout) -> list[Transfer]:
