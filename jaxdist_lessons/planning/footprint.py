@@ -194,9 +194,8 @@ def memory(run: Run, c: Layout) -> Memory:
         gradients += run.itemsize * m.vocab_size * m.width / t
     if run.grad_accum > 1:  # one micro-batch's gradient beside the float32 sum
         gradients += run.itemsize * local
-    if (
-        c.strategy == NAMES["zero2"]
-    ):  # its share, and one layer's whole while it is reduced
+    # its share, and one layer's whole while it is reduced
+    if c.strategy == NAMES["zero2"]:
         layer = attention_weights(m) + mlp_weights(m)
         gradients = F32 * count_params(m) / run.devices + run.itemsize * layer
     activations = activation_bytes(run, c)

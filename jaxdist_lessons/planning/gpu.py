@@ -74,9 +74,8 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         "sequence",
         what="gradients over sequence",
     )
-    shared = params - layers * (
-        mlp_weights(m) - D * m.num_experts
-    )  # not the experts' own
+    # not the experts' own
+    shared = params - layers * (mlp_weights(m) - D * m.num_experts)
     out += collective(
         "all-reduce",
         G * size * shared / f,

@@ -75,9 +75,8 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         out += collective(
             "all-reduce", F32 * rest / f, c, axis, what=f"gradients over {axis}"
         )
-    shared = rest - layers * (
-        mlp_weights(m) - D * m.num_experts
-    )  # not the experts' own
+    # not the experts' own
+    shared = rest - layers * (mlp_weights(m) - D * m.num_experts)
     out += collective(
         "all-reduce", F32 * shared / f, c, "expert", what="gradients of shared weights"
     )
@@ -223,9 +222,8 @@ def activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         )
         if c.dispatch == "dropless":  # dropless.padded_experts: worst-case buffers
             pairs = rows * T * m.top_k
-            tokens = (
-                layers * 6 * e * pairs * D * F32
-            )  # forward, remat, backward: 2 each
+            # forward, remat, backward: 2 each
+            tokens = layers * 6 * e * pairs * D * F32
             ids = layers * 2 * e * pairs * 4  # int32 expert ids, forward and remat
             return out + collective(
                 "all-to-all",
