@@ -31,7 +31,6 @@ import pathlib
 import jax
 import jax.extend.backend
 
-# A cycle, kept on purpose: setup() prints doctor's warning about untested versions, and the
 from jaxdist_lessons._checks import positive_int
 from jaxdist_lessons.versions import version_warning
 
@@ -136,11 +135,9 @@ def choose(
                 f"this chapter needs at least {min_devices} devices, but {requested_by}="
                 f"{requested} asks for {_plural(requested, 'device')}. Ask for "
                 f"{min_devices} or more (or unset {ENV_VAR} to get "
-                f"{max(DEFAULT_NUM_DEVICES, min_devices)})."
+                f"{simulated_count(None, min_devices)})."
             )
-    simulated = (
-        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
-    )
+    simulated = simulated_count(requested, min_devices)
     if available.platform == "cpu":
         return Choice(
             "cpu", simulated, True, "no accelerator found: simulated CPU devices"
@@ -271,14 +268,15 @@ def compilation_cache_dir(
     return root / "_build" / "jax_cache"
 
 
+def simulated_count(requested: int | None, min_devices: int) -> int:
+    """How many CPU devices to simulate: those requested, or the default (at least the
+    chapter's minimum)."""
+    return requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
+
+
 def _satisfies(info: DeviceInfo, requested: int | None, min_devices: int) -> bool:
     if info.platform == "cpu":
-        wanted = (
-            requested
-            if requested is not None
-            else max(DEFAULT_NUM_DEVICES, min_devices)
-        )
-        return info.count == wanted
+        return info.count == simulated_count(requested, min_devices)
     return info.count >= min_devices
 
 
@@ -289,9 +287,7 @@ def _start(
 
     Returns ``None``, starting nothing, if JAX had started already with another CPU count.
     """
-    cpu_count = (
-        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
-    )
+    cpu_count = simulated_count(requested, min_devices)
     # The CPU device count must be set before the first backend starts, whatever is chosen;
     # once JAX has started, JAX refuses a new count with a RuntimeError.
     try:
@@ -307,9 +303,7 @@ def _start(
 
 
 def _too_late_message(info: DeviceInfo, requested: int | None, min_devices: int) -> str:
-    wanted = (
-        requested if requested is not None else max(DEFAULT_NUM_DEVICES, min_devices)
-    )
+    wanted = simulated_count(requested, min_devices)
     # too few accelerators, and too late to fall back to the CPU
     if info.platform != "cpu":
         return (
