@@ -9,6 +9,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECIPE_MODULES = [p.stem for p in (ROOT / "examples" / "lm").glob("*.py")]
 
 # name -> why the package's is not the recipe's
 DIFFERENT = {
@@ -18,14 +19,12 @@ DIFFERENT = {
     "Attention": "the vision transformer's attention (chapter 09), not the LM's",
     "Block": "the chapters' small models' blocks",
     "MLP": "the chapters' small models' MLPs",
-    "Config": "convert.py's command's settings; train.Config is chapter 05's run",
     "DTYPES": "convert.py's checkpoint dtypes by name; memory.DTYPES are byte sizes",
     "batches": "chapter 05's image batches; the recipe's are token rows",
     "blocks": "model.blocks cuts attention into blocks; sharding.blocks shows shards",
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
     "in_flight": "the planner's sequences in flight; schedules counts a timetable's",
-    "AXES": "the planner runs in the browser without JAX; tests/test_mesh.py holds the two equal",
     "MASKED": "chapter 12's reference attention (sequence.py) masks with the same value",
     "ring_attention": "chapter 12's reference, one block a step; the recipe's is blockwise",
     "Preemption": "multihost_demo's (chapter 08) agrees by allgather; the recipe's by a jitted max",
@@ -38,8 +37,11 @@ def top_level_names(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
-            if ast.unparse(node.value).startswith("recipe.module("):
-                continue  # the recipe's own, loaded: not a second definition
+            value = ast.unparse(node.value)
+            if value.startswith("recipe.module(") or any(
+                f"{stem}." in value for stem in RECIPE_MODULES
+            ):
+                continue  # computed from the recipe's own: not a second definition
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return names
 

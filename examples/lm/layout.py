@@ -3,18 +3,14 @@ axes, the checks that a model, a batch and a sequence split over a mesh, and the
 order of ring attention. train.py and the other modules read their layouts here.
 """
 
-import re
-
 import jax
+import mesh_spec
 import model_config
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_spec import AXES
 
-# 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
-# keys and values); 'pipeline' first, the one whose traffic (a stage's activations)
-# crosses nodes best.
-AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
 
 # Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
@@ -46,23 +42,10 @@ RULES = (
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
     """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1."""
-    sizes = {axis: 1 for axis in AXES}
-    for item in spec.split(","):
-        axis, _, size = item.partition("=")
-        if axis not in sizes or not re.fullmatch(r"-?\d+", size):
-            raise SystemExit(f"--mesh {spec}: expected axis=size with axes {AXES}")
-        sizes[axis] = int(size)
-    known = int(np.prod([s for s in sizes.values() if s != -1]))
-    rest = [axis for axis, size in sizes.items() if size == -1]
-    if len(rest) > 1 or jax.device_count() % known:
-        raise SystemExit(f"--mesh {spec} does not fit {jax.device_count()} devices")
-    for axis in rest:
-        sizes[axis] = jax.device_count() // known
-    if np.prod(list(sizes.values())) != jax.device_count():
-        raise SystemExit(
-            f"--mesh {spec} has {np.prod(list(sizes.values()))} devices, "
-            f"not the {jax.device_count()} there are"
-        )
+    try:
+        sizes = mesh_spec.parse(spec, jax.device_count())
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     shape = tuple(sizes[a] for a in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

@@ -10,17 +10,12 @@ import dataclasses
 import math
 
 from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import mesh_spec
 from jaxdist_lessons.planning.model_config import ModelConfig
 from jaxdist_lessons.strategies import NAMES
 
-# layout.AXES (examples/lm/layout.py), in its order
-AXES = (
-    "data",
-    "fsdp",
-    "expert",
-    "sequence",
-    "tensor",
-)
+# The recipe's axes (examples/lm/mesh_spec.py, linked here), pipeline stages apart
+AXES = tuple(axis for axis in mesh_spec.AXES if axis != "pipeline")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)  # Layout(fsdp=4, tensor=2): by name
@@ -142,15 +137,16 @@ def micro_rows(run: Run, c: Layout) -> int:
 
 
 def mesh_sizes(flag: str) -> dict[str, int]:
-    """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``."""
-    sizes = dict.fromkeys(AXES, 1)
-    for item in flag.split(","):
-        axis, _, size = item.partition("=")
-        if axis not in sizes or not size.isdigit() or int(size) < 1:
-            raise PlanError(
-                f"mesh {flag!r}: expected axis=size with axes {', '.join(AXES)}"
-            )
-        sizes[axis] = int(size)
+    """``'fsdp=4,tensor=2'`` -> devices per axis of ``AXES``, read as the recipe reads
+    its --mesh (``mesh_spec.parse``); the planner's layouts give pipeline stages apart."""
+    try:
+        sizes = mesh_spec.parse(flag)
+    except ValueError:
+        sizes = {"pipeline": 0}
+    if sizes.pop("pipeline") != 1:
+        raise PlanError(
+            f"mesh {flag!r}: expected axis=size with axes {', '.join(AXES)}"
+        )
     return sizes
 
 

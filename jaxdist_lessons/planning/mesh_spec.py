@@ -1,0 +1,1 @@
+../../examples/lm/mesh_spec.py
