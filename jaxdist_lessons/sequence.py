@@ -11,9 +11,9 @@ one device's shards, to be run under ``jax.shard_map`` (``over_sequence``):
   each device attends over the whole sequence for its heads, and one all-to-all turns it back
   (Jacobs et al. 2023, arXiv:2309.14509).
 
-All three take the sequence in the *zigzag* layout (``zigzag``, the recipe's ``layout.zigzag``): cut into ``2n`` chunks,
-device ``i`` holds chunks ``i`` and ``2n-1-i``, so that under a causal mask every device has the
-same work (``causal_work``). The functions know each token's position from the layout and mask
+All three take the sequence in the *zigzag* layout (``zigzag``, the recipe's
+``layout.zigzag``): cut into ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n-1-i``, so
+that under a causal mask every device has the same work (``causal_work``). The functions know each token's position from the layout and mask
 with it. Inside ``shard_map``, T is a device's share of the sequence; ``q_BTNA`` is the layout
 of ``jax.nn.dot_product_attention``. Shape suffixes: see jaxdist_lessons.models.
 
