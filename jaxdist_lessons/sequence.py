@@ -37,7 +37,8 @@ from jaxdist_lessons._checks import positive_int
 # The token order of ring attention, the recipe's own (examples/lm/layout.py).
 zigzag = recipe.module("layout").zigzag
 
-MASKED = -1e30  # finite, so that a row with nothing unmasked yet gives no NaN
+# finite, so that a row with nothing unmasked yet gives no NaN: the recipe's value
+MASKED = recipe.module("model").MASKED
 
 
 def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:

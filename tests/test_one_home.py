@@ -24,8 +24,6 @@ DIFFERENT = {
     "blocks": "model.blocks cuts attention into blocks; sharding.blocks shows shards",
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
-    "in_flight": "the planner's sequences in flight; schedules counts a timetable's",
-    "MASKED": "chapter 12's reference attention (sequence.py) masks with the same value",
     "ring_attention": "chapter 12's reference, one block a step; the recipe's is blockwise",
     "Preemption": "multihost_demo's (chapter 08) agrees by allgather; the recipe's by a jitted max",
 }

@@ -54,7 +54,7 @@ def argument_bytes(run: Run, c: Layout) -> int:
     return F32 * (weights + optimizer) + token_bytes(run, c) + 3 * 4
 
 
-def in_flight(run: Run, c: Layout) -> int:
+def sequences_in_flight(run: Run, c: Layout) -> int:
     """Sequences whose activations a device holds at once: one micro-batch's rows; in a
     pipeline, every micro-batch (GPipe) or one per stage (1F1B, interleaved)."""
     rows = run.global_batch // c.batch_ways
@@ -69,7 +69,7 @@ def kept_input_bytes(run: Run, c: Layout) -> float:
     ``--offload activations`` sends to the host for each micro-batch."""
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     tokens = run.seq_len // s
-    per_layer = in_flight(run, c) * tokens / t * m.width * run.itemsize
+    per_layer = sequences_in_flight(run, c) * tokens / t * m.width * run.itemsize
     return per_layer * m.num_layers / c.stages
 
 
@@ -117,7 +117,7 @@ def saved_dots_bytes(run: Run, c: Layout) -> float:
     m, t, s = run.shape, c.size("tensor"), c.size("sequence")
     width = (m.num_heads + 2 * m.num_kv_heads) * m.head_width + 2 * m.width
     width += 2 * m.mlp_width
-    tokens = in_flight(run, c) * run.seq_len // s
+    tokens = sequences_in_flight(run, c) * run.seq_len // s
     return tokens * width / t * run.itemsize * expert_copies(run, c)
 
 
@@ -133,7 +133,7 @@ def activation_bytes(run: Run, c: Layout) -> float:
     tokens, layers = run.seq_len // s, m.num_layers // c.stages
     layer = layer_activation_bytes(
         tokens,
-        in_flight(run, c),
+        sequences_in_flight(run, c),
         m.width,
         m.num_heads,
         t,
