@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, data, devices, hlo, multihost, train
+from jaxdist_lessons import comms, data, devices, hlo, multihost, recipe, train
 from jaxdist_lessons.models.small import SmallCNN
 
 MODEL = SmallCNN(channels=8)
@@ -153,27 +153,12 @@ def _fail(how: str, epoch: int) -> None:
             time.sleep(60)
 
 
-class Preemption:
-    """Notes SIGTERM (``scancel``, Kubernetes) and SIGUSR1 (SLURM's ``--signal=USR1@60``); every process agrees on the step to stop at.
-
-    ``examples/lm/train.py`` has the same class: a signal may reach one process a step before
-    another, so each step all processes take the maximum of their flags (one small allgather).
-    """
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, self._note)
-
-    def _note(self, signum: int, _frame: Any) -> None:
-        self.signal = signal.Signals(signum).name
-
-    def agreed(self) -> bool:
-        """Whether any process got a notice (the same answer on every process)."""
-        stop = np.int32(self.signal is not None)
-        if jax.process_count() > 1:
-            stop = multihost_utils.process_allgather(stop).max()
-        return bool(stop)
+def preemption_notice() -> Any:
+    """The recipe's ``Preemption`` (examples/lm/resilience.py): notes SIGTERM (``scancel``,
+    Kubernetes) and SIGUSR1 (SLURM's ``--signal=USR1@60``); each step every process votes,
+    so all stop at the same step, whichever got the signal."""
+    layout, resilience = recipe.module("layout"), recipe.module("resilience")
+    return resilience.Preemption(layout.make_mesh("data=-1"))
 
 
 def train_digits(
@@ -217,14 +202,14 @@ def train_digits(
         evaluate=False,
         progress=False,
     )
-    preemption = None if checkpoint_dir is None else Preemption()
+    preemption = None if checkpoint_dir is None else preemption_notice()
 
     def before_step(step: int) -> bool:
         epoch = step // steps_per_epoch
         if epoch == fail_at_epoch and jax.process_index() == fail_rank:
             _fail(fail_how, epoch)
         time.sleep(pause_s)
-        return preemption is not None and preemption.agreed()
+        return preemption is not None and preemption.agreed(preemption.vote())
 
     result = train.train_and_evaluate(config, checkpoint_dir, before_step)
     preempted = preemption.signal if result.history.stopped else None

@@ -25,7 +25,6 @@ DIFFERENT = {
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
     "ring_attention": "chapter 12's reference, one block a step; the recipe's is blockwise",
-    "Preemption": "multihost_demo's (chapter 08) agrees by allgather; the recipe's by a jitted max",
 }
 
 
