@@ -378,20 +378,16 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     report["preflight"] = text
     bandwidth = [python, "examples/bandwidth.py", "--json", str(out / "bandwidth.json")]
     if args.small:
-        bandwidth += [
-            "--num-devices",
-            str(SMALL_DEVICES),
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "3",
-        ]
+        bandwidth += f"--num-devices {SMALL_DEVICES} --max-bytes 4096 --iters 3".split()
     if part("bandwidth", bandwidth) is not None:
         rows = json.loads((out / "bandwidth.json").read_text())["rows"]
         report["bandwidth"] = largest_messages(rows)
     chip = chip_name(found["device_kind"])
     text = part("plan", plan_command(python, found["devices"], chip, args.small))
-    row = chosen_row(first_json(text)) if text else None
+    try:
+        row = chosen_row(first_json(text)) if text else None
+    except ValueError as error:  # no layout fits: the report says so
+        row, report["plan"] = None, {"error": str(error)}
     if row:
         devices = found["devices"]
         report["plan"] = {
