@@ -175,16 +175,16 @@ def train_digits(
 ) -> dict[str, Any]:
     """Data-parallel training of ``MODEL`` on the digits; returns the losses.
 
-    Every process's devices take part. Chapter 05_resnet50's loop (``train.train_and_evaluate``)
-    does the work. ``devices`` (default: all) takes the first devices of
-    ``jax.devices()``. Checkpoints after every epoch into ``checkpoint_dir``, keyed by
-    step, and starts from its latest checkpoint. Process ``fail_rank`` fails when epoch
-    ``fail_at_epoch`` begins, as ``fail_how`` says: ``kill`` (SIGKILL, like the OOM
-    killer), ``raise`` (a Python exception) or ``hang`` (sleeps forever). With
-    ``checkpoint_dir``, SIGTERM or SIGUSR1 saves the state before the next step and
-    returns (``preempted`` names the signal); a rerun resumes at that step, mid-epoch,
-    with the same batches. ``pause_s`` sleeps before each step (time to send a signal in
-    a test).
+    Every process's devices take part. Chapter 05_resnet50's loop
+    (``train.train_and_evaluate``) does the work. ``devices`` (default: all) takes the
+    first devices of ``jax.devices()``. Checkpoints after every epoch into
+    ``checkpoint_dir``, keyed by step, and starts from its latest checkpoint. Process
+    ``fail_rank`` fails when epoch ``fail_at_epoch`` begins, as ``fail_how`` says:
+    ``kill`` (SIGKILL, like the OOM killer), ``raise`` (a Python exception) or ``hang``
+    (sleeps forever). With ``checkpoint_dir``, SIGTERM or SIGUSR1 saves the state before
+    the next step and returns (``preempted`` names the signal); a rerun resumes at that
+    step, mid-epoch, with the same batches. ``pause_s`` sleeps before each step (time to
+    send a signal in a test).
     """
     if fail_how not in FAILURES:
         raise ValueError(f"fail_how must be one of {FAILURES}, got {fail_how!r}")

@@ -170,12 +170,12 @@ def train_strategy(
     """Train ``model`` on ``batches`` (one step each) on ``mesh`` under the logical
     ``rules``.
 
-    Chapter 09_flax_partitioning's training cell as a function. ``loss_fn(params, batch)``; ``sample`` is
-    what ``model.init`` is called on (by default the first example of the first batch's
-    first array). The state is ``train.create_train_state``'s, the step
-    ``make_train_step``'s, compiled once, ahead of time, and ``train.fit`` runs it. Call
-    it inside ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(rules)`` (see
-    ``make_train_step``).
+    Chapter 09_flax_partitioning's training cell as a function. ``loss_fn(params,
+    batch)``; ``sample`` is what ``model.init`` is called on (by default the first
+    example of the first batch's first array). The state is
+    ``train.create_train_state``'s, the step ``make_train_step``'s, compiled once, ahead
+    of time, and ``train.fit`` runs it. Call it inside ``jax.set_mesh(mesh)`` and
+    ``nn.logical_axis_rules(rules)`` (see ``make_train_step``).
     """
     if not batches:
         raise ValueError("train_strategy needs at least one batch")
