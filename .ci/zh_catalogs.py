@@ -41,10 +41,8 @@ def gettext_config(root: pathlib.Path = ROOT) -> dict:
     # message, and they are relative to the build folder.
     sphinx["gettext_location"] = False
     extensions = config["sphinx"].get("local_extensions") or {}
-    for (
-        name,
-        path,
-    ) in extensions.items():  # the config is written elsewhere: absolute paths
+    # the config is written elsewhere: absolute paths
+    for name, path in extensions.items():
         extensions[name] = str((root / path).resolve())
     return config
 

@@ -64,9 +64,8 @@ class Collective:
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in a compiled program's text, in program order."""
     in_loops = hlo.loop_computations(hlo_text)
-    starts: dict[
-        str, str
-    ] = {}  # an async -start op's name -> its attributes (the groups)
+    # an async -start op's name -> its attributes (the groups)
+    starts: dict[str, str] = {}
     records = []
     for op in hlo.instructions(hlo_text):
         kind, phase = hlo.split_async(op.opcode)

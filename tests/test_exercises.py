@@ -397,9 +397,8 @@ def test_answers_in_other_forms():
     check = checker_for("01_why_distribute")
     held, saved = (p.expected for p in check.exercises[2].parts)
     assert check(2, (f"{held / 1e9:g} GB", f"{saved / 2**30:.4f} GiB")).right
-    assert check(
-        3, check.exercises[3].expected == "yes"
-    ).right  # True / False for yes / no
+    # True / False for yes / no
+    assert check(3, check.exercises[3].expected == "yes").right
     sharded = checker_for("03_sharding")
     block = sharded.exercises[1].parts[1].expected
     assert sharded(1, ("P(None, 'tensor')", list(block))).right

@@ -7,7 +7,8 @@ import re
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HANGING = re.compile(r"^\s*[\])}][\])},]*:?\s+#")
+# a line that starts by closing a bracket and ends with a comment
+HANGING = re.compile(r"^\s*[\])}][^#]*\s#")
 MOST_SKIPS = 20
 
 

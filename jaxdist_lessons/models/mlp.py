@@ -35,10 +35,9 @@ class DeepMLP(nn.Module):
     remat: bool = False
     dtype: Any = jnp.float32
 
+    # train: as gradients.loss_fn calls it
     @nn.compact
-    def __call__(
-        self, x: jax.Array, train: bool = True
-    ) -> jax.Array:  # train: as gradients.loss_fn calls it
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
         block = nn.remat(Block) if self.remat else Block
         for _ in range(self.depth):
             x = block(self.width, self.dtype)(x)
