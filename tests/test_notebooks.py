@@ -175,3 +175,22 @@ def test_book_config_executes_every_notebook_and_excludes_the_rest():
     assert {"dollarmath", "colon_fence"} <= set(
         config["parse"]["myst_enable_extensions"]
     )
+
+
+# What a reader scrolls through: every code cell the HTML shows, folded ones included. The
+# appendix is exempt: it holds the article's snippet and our fix for each of its 30 claims.
+PAGE_LINES, CELL_LINES = 400, 40
+
+
+def shown_lines(cell: dict) -> int:
+    if {"remove-cell", "remove-input"} & set(cell.get("metadata", {}).get("tags", [])):
+        return 0
+    return len(source(cell).strip().splitlines())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_page_shows_at_most_400_lines_of_code_and_40_in_a_cell(path):
+    lines = [shown_lines(c) for c in code_cells(path)]
+    assert max(lines, default=0) <= CELL_LINES, (path.name, max(lines))
+    if path.stem != "appendix_seed_errata":
+        assert sum(lines) <= PAGE_LINES, (path.name, sum(lines))
