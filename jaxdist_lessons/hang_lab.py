@@ -4,7 +4,7 @@
 each ended. One case, run once per process: ``mpirun -np 2 python -m jaxdist_lessons.hang_lab CASE``:
 four steps of an all-reduce over every process's devices, with JAX's timeouts set short (so a
 case ends in seconds, not minutes) and, with ``--watchdog S``, a step deadline of S seconds
-(``jaxdist_lessons.watchdog``). Process 1 goes wrong before step 2, as CASE says:
+(the recipe's ``StepDeadline``, ``examples/lm/resilience.py``). Process 1 goes wrong before step 2, as CASE says:
 
 - ``sleep``: it sleeps (alive: its heartbeat goes on);
 - ``stop``: it stops itself with SIGSTOP (every thread stops, the heartbeat too);
@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import multihost, watchdog
+from jaxdist_lessons import multihost, recipe
 
 CASES = ("sleep", "stop", "order", "shape", "unreachable", "partial")
 # The lab's arguments per case: the live stuck process needs the watchdog; JAX's own timeouts end the rest.
@@ -47,7 +47,7 @@ LAB = {
 }
 # The line of each case's output that names its cause.
 MESSAGES = {
-    "sleep": r"^watchdog: .*",
+    "sleep": r"^step timeout: .*",
     "stop": r"The following tasks are unhealthy \(stopped sending heartbeats\):\n\d+",
     "order": r"Received data size doesn't match expected size\. Is there a distributed collective mismatch in your code\?",
     "shape": r"Received data size doesn't match expected size\. Is there a distributed collective mismatch in your code\?",
@@ -215,7 +215,8 @@ def main() -> None:
     mesh = jax.make_mesh(
         (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
     )
-    dog = watchdog.StepWatchdog(args.watchdog).start() if args.watchdog else None
+    deadline = recipe.module("resilience").StepDeadline
+    dog = deadline(args.watchdog).start() if args.watchdog else None
     for k in range(4):
         # between steps: say, reading the next batch
         if k == 2 and jax.process_index() == 1:
@@ -225,7 +226,7 @@ def main() -> None:
             elif args.case == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
         if dog:
-            dog.step(k)
+            dog.reached(k)
         print(
             f"process {jax.process_index()} step {k}: {step(args.case, k, mesh)}",
             flush=True,

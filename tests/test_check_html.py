@@ -62,7 +62,7 @@ def test_a_missing_page_is_reported(tmp_path):
 
 
 def test_the_build_machines_path_is_reported(tmp_path):
-    page = PAGE + f'<pre>File "{tmp_path}/jaxdist_lessons/watchdog.py", line 1</pre>'
+    page = PAGE + f'<pre>File "{tmp_path}/jaxdist_lessons/hang_lab.py", line 1</pre>'
     assert check_html.problems(*book(tmp_path, CHAPTER, page)) == [
         f"01_chapter.html: the build machine's path {tmp_path}"
     ]

@@ -618,7 +618,7 @@ def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
     """--step-timeout's thread: no step for 1 s after step 3 -> the message, the stack, status 124."""
     program = (
         "import sys, time; sys.path.insert(0, 'examples/lm'); import train\n"
-        "train.StepDeadline(1).reached(3)\n"
+        "train.StepDeadline(1).start().reached(3)\n"
         "time.sleep(30)  # stuck\n"
     )
     result = subprocess.run(
@@ -630,9 +630,10 @@ def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
     )
     assert result.returncode == 124, result.stderr[-2000:]
     assert (
-        "step timeout: step 4 did not finish within 1 s on any process; process 0's stacks:"
-        in (result.stderr)
-    )
+        "step timeout: every process reached step 3 and none went further within 1 s "
+        "(a collective whose order or shape differs between processes, or a deadlock "
+        "inside the step)\nprocess 0's Python stacks:"
+    ) in result.stderr
     assert 'File "<string>", line 3 in <module>' in result.stderr  # where it is stuck
     assert train.parse_args(["--step-timeout", "600"]).step_timeout == 600
 

@@ -365,7 +365,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     flops = model_config.flops_per_token(model.config, args.seq_len) * tokens_per_step
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
-    deadline = StepDeadline(args.step_timeout) if args.step_timeout else None
+    deadline = StepDeadline(args.step_timeout).start() if args.step_timeout else None
     log = MetricsLog(args.log_dir)
     evaluate = make_evaluation(args, mesh, model, shapes, rows, sources[0])
     first = now = int(state.step)  # the one read of the step from the device
@@ -433,7 +433,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     if args.profile and first < 6 <= now < 9:  # stopped before step 9: end the trace
         jax.profiler.stop_trace()
     if deadline:
-        deadline.step = None  # stop watching: no more steps
+        deadline.stop()
     if manager:
         manager.wait_until_finished()  # the last save is asynchronous
         manager.close()

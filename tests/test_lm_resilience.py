@@ -1,17 +1,19 @@
-"""The step watchdog's report, and its thread against a key-value store in memory.
+"""The recipe's step deadline (``examples/lm/resilience.py``): its report, and its thread
+against a key-value store in memory.
 
-Its run across real processes, where it ends a job, is in ``test_hangs.py`` (the ``sleep`` case).
+Its run across real processes, where it ends a job, is chapter 07's hang lab (the ``sleep``
+case); the recipe's own run of ``--step-timeout`` is in ``test_lm_recipe.py``.
 """
 
 import time
 
-import pytest
+from jaxdist_lessons import recipe
 
-from jaxdist_lessons import watchdog
+resilience = recipe.module("resilience")
 
 
 class FakeStore:
-    """The three calls of the coordination service's client that the watchdog uses."""
+    """The three calls of the coordination service's client that the deadline uses."""
 
     def __init__(self):
         self.values = {}
@@ -31,20 +33,20 @@ class FakeStore:
 
 
 def test_report_names_the_processes_behind():
-    assert watchdog.report({0: 3, 1: 2, 2: 3}, 4, 5) == (
-        "watchdog: processes 1, 3 did not reach step 3 within 5 s (process 1 at step 2, "
+    assert resilience.deadline_report({0: 3, 1: 2, 2: 3}, 4, 5) == (
+        "step timeout: processes 1, 3 did not reach step 3 within 5 s (process 1 at step 2, "
         "process 3 at no step); processes 0, 2 wait at step 3"
     )
 
 
 def test_report_says_when_every_process_is_stuck_in_the_same_step():
-    assert watchdog.report({0: 7, 1: 7}, 2, 2.5).startswith(
-        "watchdog: every process reached step 7 but none finished it within 2.5 s"
+    assert resilience.deadline_report({0: 7, 1: 7}, 2, 2.5).startswith(
+        "step timeout: every process reached step 7 and none went further within 2.5 s"
     )
 
 
 def watched(store, index, ended, log):
-    dog = watchdog.StepWatchdog(
+    dog = resilience.StepDeadline(
         0.3,
         poll_s=0.05,
         client=store,
@@ -67,16 +69,16 @@ def test_a_process_whose_step_stops_advancing_reports_and_the_others_follow(tmp_
     log = tmp_path / "log"
     dog0, dog1 = watched(store, 0, ended0, log), watched(store, 1, ended1, log)
     for k in range(3):  # both advance: nothing fires
-        dog0.step(k), dog1.step(k)
+        dog0.reached(k), dog1.reached(k)
         time.sleep(0.1)
     assert not ended0 and not ended1
-    dog0.step(3)  # process 1 never reaches step 3
+    dog0.reached(3)  # process 1 never reaches step 3
     wait_for(ended0), wait_for(ended1)
     expected = (
-        "watchdog: process 1 did not reach step 3 within 0.3 s (process 1 at step 2); "
+        "step timeout: process 1 did not reach step 3 within 0.3 s (process 1 at step 2); "
         "processes 0 wait at step 3"
     )
-    assert store.values["jaxdist_watchdog/fired"] == expected
+    assert store.values["lm_deadline/fired"] == expected
     # process 1 read process 0's report
     assert expected in ended0 and expected in ended1
     dog0.stop(), dog1.stop()
@@ -87,11 +89,25 @@ def test_the_deadline_starts_at_the_first_step(tmp_path):
     dog = watched(store, 0, ended, tmp_path / "log")
     time.sleep(0.6)  # compiling, loading: no step yet
     dog.stop()
-    assert not ended and "jaxdist_watchdog/fired" not in store.values
+    assert not ended and "lm_deadline/fired" not in store.values
 
 
-def test_without_jax_distributed_the_watchdog_says_what_it_needs():
-    with pytest.raises(
-        RuntimeError, match=r"needs jax.distributed.initialize\(\) first"
-    ):
-        watchdog.StepWatchdog(5)
+def test_one_process_alone_watches_itself(tmp_path):
+    ended = []
+    dog = resilience.StepDeadline(
+        0.2,
+        poll_s=0.05,
+        process_index=0,
+        num_processes=1,
+        stream=(tmp_path / "log").open("a"),
+    )
+    assert dog.client is None  # no jax.distributed.initialize in this test's process
+    dog._end = ended.append
+    dog.start().reached(4)
+    wait_for(ended)
+    dog.stop()
+    assert ended == [
+        "step timeout: every process reached step 4 and none went further within 0.2 s "
+        "(a collective whose order or shape differs between processes, or a deadlock "
+        "inside the step)"
+    ]
