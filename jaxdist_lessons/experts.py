@@ -3,7 +3,8 @@
 Shape suffixes: see jaxdist_lessons.models.
 
 - ``route`` picks each token's top-k experts and a slot in each, dropping what is beyond capacity
-  (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021);
+  (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021); the slots are the
+  recipe's ``expert_slots`` (``examples/lm/model.py``), one group of tokens at a time;
 - ``moe_einsum`` dispatches and combines with one-hot tensors on one device (or under ``jit``'s
   own partitioning); ``moe_all_to_all`` does it with ``jax.lax.all_to_all`` in ``jax.shard_map``
   over an ``expert`` mesh axis, each device holding E/n experts;
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxdist_lessons import recipe
 
 
 class Routing(NamedTuple):
@@ -76,17 +79,9 @@ def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
     num_tokens, num_experts = logits_TE.shape
     gates_TR, experts_TR = top_k_gates(logits_TE, top_k)
     choice_RTE = jax.nn.one_hot(experts_TR.T, num_experts)
-    # Slot = how many earlier (choice, token) pairs picked the same expert.
-    flat = choice_RTE.reshape(top_k * num_tokens, num_experts)
-    position_RT = (
-        ((jnp.cumsum(flat, axis=0) - 1) * flat).sum(-1).reshape(top_k, num_tokens)
-    )
-    kept_RT = position_RT < capacity
-    slot_RTM = (
-        jax.nn.one_hot(position_RT.astype(jnp.int32), capacity) * kept_RT[..., None]
-    )
-    dispatch_TEM = jnp.einsum("rte,rtm->tem", choice_RTE, slot_RTM)
-    combine_TEM = jnp.einsum("rte,rtm,tr->tem", choice_RTE, slot_RTM, gates_TR)
+    # The recipe's slots (examples/lm/model.py): first come, first served, per expert.
+    slots = recipe.module("model").expert_slots
+    dispatch_TEM, combine_TEM, kept_RT = slots(choice_RTE, gates_TR, capacity)
     return Routing(
         dispatch_TEM=dispatch_TEM,
         combine_TEM=combine_TEM,

@@ -639,6 +639,24 @@ class MLP(nn.Module):
 BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coefficients
 
 
+def expert_slots(choice_RTE: jax.Array, gates_TR: jax.Array, capacity: int):
+    """-> GShard's dispatch and combine (token, expert, slot), and the kept pairs.
+
+    Each (choice, token) pair takes the next free slot of its expert, first choices
+    before second ones: its slot is how many earlier pairs chose the same expert. A pair
+    past ``capacity`` is dropped (its one-hot slot is all zero). Leading dimensions (a
+    batch, groups) are carried through."""
+    *lead, R, T, E = choice_RTE.shape
+    flat = choice_RTE.reshape(*lead, R * T, E)
+    slot_RT = ((jnp.cumsum(flat, axis=-2) - 1) * flat).sum(-1).reshape(*lead, R, T)
+    slot_RTM = jax.nn.one_hot(slot_RT.astype(jnp.int32), capacity)
+    dispatch_TEM = jnp.einsum("...rte,...rtm->...tem", choice_RTE, slot_RTM)
+    combine_TEM = jnp.einsum(
+        "...rte,...rtm,...tr->...tem", choice_RTE, slot_RTM, gates_TR
+    )
+    return dispatch_TEM, combine_TEM, slot_RT < capacity
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine.
 
@@ -716,14 +734,7 @@ class Experts(nn.Module):
         M = math.ceil(R * T * c.capacity_factor / E)
         x_BGTD = x_BTD.reshape(B, G, T, D)
         gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss = self.route(x_BGTD)
-        # A slot for each (choice, token): how many earlier pairs chose the same expert.
-        flat = choice_BGRTE.reshape(B, G, R * T, E)
-        slot_BGRT = ((jnp.cumsum(flat, axis=2) - 1) * flat).sum(-1).reshape(B, G, R, T)
-        slot_BGRTM = jax.nn.one_hot(slot_BGRT.astype(jnp.int32), M)  # all zero: dropped
-        dispatch_BGTEM = jnp.einsum("bgrte,bgrtm->bgtem", choice_BGRTE, slot_BGRTM)
-        combine_BGTEM = jnp.einsum(
-            "bgrte,bgrtm,bgtr->bgtem", choice_BGRTE, slot_BGRTM, gates_BGTR
-        )
+        dispatch_BGTEM, combine_BGTEM, _ = expert_slots(choice_BGRTE, gates_BGTR, M)
         w_gate_EDF, w_up_EDF = (
             self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
             for n in ("gate", "up")
