@@ -31,6 +31,19 @@ def clean_env(**variables) -> dict:
     return {**env, **ROOT_OK, "PATH": f"{BIN}:{env['PATH']}", **variables}
 
 
+def run_bandwidth(*flags: str, launcher: tuple[str, ...] = (sys.executable,), **env):
+    """examples/bandwidth.py with ``flags`` (two timed iterations after one warm-up), in a
+    clean environment plus ``env``."""
+    return subprocess.run(
+        [*launcher, "examples/bandwidth.py", *flags, "--iters", "2", "--warmup", "1"],
+        cwd=ROOT,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.skipif(N < 4 or N % 2, reason="two simulated nodes of N/2 devices")
 @pytest.mark.parametrize("collective", bandwidth.COLLECTIVES)
 @pytest.mark.parametrize("axis", ["local", "node"])
@@ -66,28 +79,9 @@ def test_the_table_agrees_with_itself_and_a_slow_link_fails(tmp_path):
     row; sizes double and split evenly; --expect-gbps above what it measured: status 1,
     one line saying which collectives, and the JSON written before."""
     out = tmp_path / "rows.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "examples/bandwidth.py",
-            "--num-devices",
-            "4",
-            "--max-bytes",
-            "1024",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--expect-gbps",
-            "1e6",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = run_bandwidth(
+        *("--num-devices", "4", "--max-bytes", "1024", "--expect-gbps", "1e6"),
+        *("--json", str(out)),
     )
     assert done.returncode == 1, done.stderr[-2000:]
     [line] = [x for x in done.stderr.splitlines() if "bandwidth FAILED" in x]
@@ -109,27 +103,7 @@ def test_one_device_times_host_copies_instead(tmp_path):
     """One device has no collective to time: the two copies between pinned host memory
     and the device, each a table with bus factor 1, and the note that says so."""
     out = tmp_path / "rows.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "examples/bandwidth.py",
-            "--num-devices",
-            "1",
-            "--max-bytes",
-            "64",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_bandwidth("--num-devices", "1", "--max-bytes", "64", "--json", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         "# one device: no collective to time; copies between pinned host" in done.stdout
@@ -147,33 +121,12 @@ def test_one_device_times_host_copies_instead(tmp_path):
 def test_it_runs_under_mpirun_across_two_simulated_nodes():
     """mpirun -np 2, 4 CPU devices a process, a node a process (--per-node 4): all-reduce
     across the nodes, groups of 2; process 0 alone prints the table."""
-    done = subprocess.run(
-        [
-            "mpirun",
-            "--map-by",
-            ":OVERSUBSCRIBE",
-            "-np",
-            "2",
-            "python",
-            "examples/bandwidth.py",
-            "--collective",
-            "all-reduce",
-            "--axis",
-            "across",
-            "--per-node",
-            "4",
-            "--max-bytes",
-            "64",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-        ],
-        cwd=ROOT,
-        env=clean_env(JAX_NUM_CPU_DEVICES="4"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    mpirun = ("mpirun", "--map-by", ":OVERSUBSCRIBE", "-np", "2", "python")
+    done = run_bandwidth(
+        *("--collective", "all-reduce", "--axis", "across", "--per-node", "4"),
+        *("--max-bytes", "64"),
+        launcher=mpirun,
+        JAX_NUM_CPU_DEVICES="4",
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "8 devices (cpu) on 2 node(s), 2 process(es); groups of 2" in done.stdout
