@@ -80,8 +80,9 @@ def exercises(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             asks="a Mesh over the even-numbered devices",
             expected=lambda m: hasattr(m, "devices") and even_mesh(m),
             kind="callable",
-            why="without devices=, jax.make_mesh takes all of jax.devices() in an order of its "
-            "choosing; devices= says which ones, and the shape must match their number.",
+            why="without devices=, jax.make_mesh takes the first devices of jax.devices(), odd "
+            "ones included; devices= says which ones. The shape should use all of them: a "
+            "smaller one silently keeps only the first math.prod(shape) of the list.",
             hints=(
                 Hint(
                     "your mesh holds odd-numbered devices: without devices=, jax.make_mesh takes "
