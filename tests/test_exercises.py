@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons import benchmark, exercises, memory
@@ -100,15 +99,7 @@ def _ch06():
     mesh = jax.make_mesh((8,), ("data",))
     mlp = benchmark.mlp_workload(8, width=32 * 8)
     gpt = benchmark.transformer_workload(8, hidden=64)
-    return {
-        "n": 8,
-        "mesh": mesh,
-        "tx": optax.adam(1e-3),
-        "gpt_params": gpt.params,
-        "loss_fn": mlp.loss_fn,
-        "params": jax.device_put(mlp.params, NamedSharding(mesh, P())),
-        "batch": jax.device_put(mlp.batch, NamedSharding(mesh, P("data"))),
-    }
+    return {"n": 8, "mesh": mesh, "tx": optax.adam(1e-3), "mlp": mlp, "gpt": gpt}
 
 
 def _ch09():
@@ -245,7 +236,9 @@ def test_right_empty_and_generic_wrong_answers(chapter, k):
     if answer is not None:
         verdict = check(k, answer)
         assert verdict.right and verdict.message.startswith("Right: "), verdict
-        assert repr(verdict) == verdict.message
+        # shown within the page's column, the words unchanged
+        assert repr(verdict).split() == verdict.message.split()
+        assert max(map(len, repr(verdict).splitlines())) <= 88
     messages = [empty.message]
     if ex.kind == "number":  # generic: too high, too low, and how far, never the value
         for scale, words in [(3, "too high"), (1 / 3, "too low"), (1.05, "close")]:
@@ -413,3 +406,31 @@ def test_unknown_chapter_and_number():
         exercises.checker("99_nothing")
     with pytest.raises(ValueError, match="has exercises"):
         checker_for("13_experts")(7, 1)
+
+
+def test_ch05_block_bytes_are_what_device_0_holds():
+    """Chapter 5's second answer sizes device 0's blocks from shardings alone."""
+    from jax.sharding import AxisType, NamedSharding
+
+    from jaxdist_lessons import sharding
+    from jaxdist_lessons.exercises import ch05_resnet50
+
+    mesh = jax.make_mesh(
+        (jax.device_count() // 2, 2),
+        ("data", "tensor"),
+        axis_types=(AxisType.Auto,) * 2,
+    )
+    tree = {
+        "kernel": jnp.zeros((3, 3, 8, 16)),
+        "bias": jnp.zeros(16),
+        "step": jnp.zeros(3),
+    }
+    specs = {"kernel": P(None, None, None, "tensor"), "bias": P("tensor"), "step": P()}
+    shardings = {key: NamedSharding(mesh, spec) for key, spec in specs.items()}
+    held = sharding.bytes_per_device(jax.device_put(tree, shardings))
+    expected = (3 * 3 * 8 * 8 + 8 + 3) * 4
+    assert (
+        ch05_resnet50.block_bytes(tree, shardings)
+        == held[jax.devices()[0].id]
+        == expected
+    )

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import math
 import re
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,11 @@ class Verdict:
         return self.right
 
     def __str__(self) -> str:
-        return self.message
+        # within the page's column: one message is a paragraph or two
+        return "\n".join(
+            textwrap.fill(line, 88, break_on_hyphens=False, break_long_words=False)
+            for line in self.message.splitlines()
+        )
 
     __repr__ = __str__
 
