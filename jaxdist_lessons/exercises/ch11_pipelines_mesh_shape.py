@@ -16,27 +16,51 @@ from jaxdist_lessons.exercises.checking import (
 )
 
 
-def _crossing(hw: str) -> int:
+def crossing(hw: str) -> int:
+    """The largest per-GPU batch at which (4,2) beats (8,1) for ViT-L/16 on ``hw``."""
     from jaxdist_lessons.planning import costmodel, roofline
 
+    # Global batches of 8 to 1024, a step of one image per GPU.
     fine = list(range(8, 1025, 8))
-    values = roofline.speedups_over_batch(
-        costmodel.MODELS["ViT-L/16"], _layout(8, 1), _layout(4, 2), hw, fine
+    speedups = roofline.speedups_over_batch(
+        costmodel.MODELS["ViT-L/16"],
+        costmodel.Layout(data=8),
+        costmodel.Layout(data=4, tensor=2),
+        hw,
+        fine,
     )
-    return max(b // 8 for b, v in zip(fine, values) if v > 1)
+    return max(b // 8 for b, v in zip(fine, speedups) if v > 1)
 
 
-def _layout(data: int, tensor: int) -> Any:
-    from jaxdist_lessons.planning import costmodel
+def answer_1(num_stages: int = 4, most: float = 0.1) -> int:
+    """The fewest microbatches that keep a GPipe bubble at or below ``most``."""
+    from jaxdist_lessons import pipeline
 
-    return costmodel.Layout(data=data, tensor=tensor)
+    m = next(
+        m for m in range(1, 1000) if pipeline.bubble_fraction(num_stages, m) <= most
+    )
+    print(f"1. {m} microbatches: bubble {pipeline.bubble_fraction(num_stages, m):.1%}")
+    return m
+
+
+def answer_2() -> tuple[int, str]:
+    """ViT-L/16's crossing on H100, and whether it lies above ("up") the A100's."""
+    from jaxdist_lessons import hardware
+
+    fast, slow = hardware.chip("H100 80GB"), hardware.chip("A100 40GB")
+    flops = fast.peak_bf16_flops / slow.peak_bf16_flops
+    links = fast.link_bytes_per_s / slow.link_bytes_per_s
+    print(f"2. H100 / A100: {flops:.1f}x the flops, {links:.1f}x the link bandwidth")
+    a100, h100 = crossing("A100 40GB"), crossing("H100 80GB")
+    print(f"   (4,2) beats (8,1) up to {a100} images per GPU on A100, {h100} on H100")
+    return h100, "up" if h100 > a100 else "down"
 
 
 def exercises(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
     from jaxdist_lessons import pipeline
 
     m = next(m for m in range(1, 1000) if pipeline.bubble_fraction(4, m) <= 0.1)
-    h100, a100 = _crossing("H100 80GB"), _crossing("A100 40GB")
+    h100, a100 = crossing("H100 80GB"), crossing("A100 40GB")
     return {
         1: Exercise(
             asks="a number of microbatches (an integer)",
