@@ -1,10 +1,15 @@
-"""The exercises of ``book/05_resnet50.md``."""
+"""The exercises of ``book/05_resnet50.md``, and the answers the page includes."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist_lessons.exercises.checking import (
     BYTES_NOT_GB,
@@ -88,3 +93,69 @@ def exercises(ctx: Mapping[str, Any]) -> dict[int, Exercise]:
             ),
         ),
     }
+
+
+# --- The answers ----------------------------------------------------------------------
+
+
+def answer_1(image_shape: tuple[int, ...]) -> int:
+    """ResNet50's parameters at width 0.25 with 10 classes, counted and predicted."""
+    from jaxdist_lessons import memory
+    from jaxdist_lessons.models import resnet
+
+    quarter = resnet.ResNet50(num_classes=10, width=0.25)
+    example = jnp.zeros((1, *image_shape))
+    # Shapes only: eval_shape creates no parameter.
+    shapes = jax.eval_shape(quarter.init, jax.random.key(0), example)["params"]
+    counted = sum(x.size for x in jax.tree.leaves(shapes))
+    # Width 0.25 makes the stem 64 * 0.25 = 16 channels wide.
+    predicted = memory.resnet_params(num_classes=10, base_width=16)
+    print(f"1. counted on the model: {counted:,}; resnet_params: {predicted:,}")
+    return counted
+
+
+def block_bytes(shapes: Any, shardings: Any) -> int:
+    """Bytes of each leaf's block on one device, from its sharding: none is created."""
+    leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in leaves)
+
+
+def answer_2(abstract: Any, mesh: Mesh, output_rules: list[tuple[str, P]]) -> str:
+    """Input-channel rules: the stem refused, and the parameter bytes on device 0."""
+    from jaxdist_lessons import sharding
+    from jaxdist_lessons.tables import Table, human_bytes
+
+    input_rules = [
+        (r"(Conv_\d+|proj_conv)/kernel$", P(None, None, "tensor", None)),
+        (r"head/kernel$", P("tensor", None)),
+    ]
+    if mesh.shape["tensor"] > 1:
+        stem = [(r"conv_init/kernel$", P(None, None, "tensor", None)), *input_rules]
+        try:
+            sharding.shardings_from_rules(abstract, mesh, stem)
+            raise AssertionError("the stem's 3 input channels split over 'tensor'")
+        except sharding.ShardingError:
+            print("2. conv_init/kernel split on its 3 input channels: refused")
+    rows = []
+    for name, rules in [
+        ("data parallel", []),
+        ("output channels", output_rules),
+        ("input channels", input_rules),
+    ]:
+        shardings = sharding.shardings_from_rules(abstract, mesh, rules)
+        rows.append([name, human_bytes(block_bytes(abstract.params, shardings.params))])
+    title = f"2. mesh {dict(mesh.shape)}"
+    print(Table(["rules", "params on device 0"], rows, title=title))
+    return "conv_init"
+
+
+def answer_3(directory: str, abstract: Any, mesh: Mesh) -> int:
+    """Bytes on device 0 with the latest checkpoint restored, every leaf replicated."""
+    from jaxdist_lessons import sharding, train
+    from jaxdist_lessons.tables import human_bytes
+
+    everywhere = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+    full_copy, _ = train.restore_latest(directory, abstract, everywhere)
+    held = sharding.bytes_per_device(full_copy)[jax.devices()[0].id]
+    print("3.", human_bytes(held))
+    return held
