@@ -108,9 +108,8 @@ def test_the_markdown_table():
 
 def test_a_run_that_hangs_is_killed_and_counts_as_failed(tmp_path, monkeypatch):
     """The runner's process group is killed at the timeout: here a sleep stands in for it."""
-    monkeypatch.setattr(
-        sweep.sys, "executable", str(tmp_path / "hang.sh")
-    )  # the sweep runs `executable script --one ...`
+    # the sweep runs `executable script --one ...`
+    monkeypatch.setattr(sweep.sys, "executable", str(tmp_path / "hang.sh"))
     (tmp_path / "hang.sh").write_text("#!/bin/sh\nsleep 60\n")
     (tmp_path / "hang.sh").chmod(0o755)
     runs = sweep.Sweep(timeout=1, default_level=True, log=io.StringIO())
