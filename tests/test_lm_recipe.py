@@ -283,25 +283,32 @@ def test_bad_meshes_and_batches_say_why():
         args = train.parse_args([*COMMON, "--mesh", mesh, *flags])
         train.check_fits(train.config_from_args(args), train.make_mesh(mesh), args)
 
-    with pytest.raises(SystemExit, match=r"^--experts 6 does not split over expert=4$"):
+    with pytest.raises(SystemExit) as raised:
         fits("--experts", "6", mesh="data=2,expert=4")
+    assert str(raised.value) == (
+        "--experts 6 does not split over expert=4; try --mesh data=4,expert=2 or "
+        "--mesh data=2,fsdp=2,expert=2"
+    )
     with pytest.raises(
         SystemExit, match=r"^--top-k 3 must be between 1 and --experts 2$"
     ):
         fits("--experts", "2", "--top-k", "3")
     with pytest.raises(
-        SystemExit, match=r"^--seq-len 100 does not split into 2 x sequence"
+        SystemExit,
+        match=r"^--seq-len 100 does not split over sequence=4 x 2 zigzag chunks = 8; ",
     ):
         fits("--seq-len", "100", mesh="data=2,sequence=4")
     with pytest.raises(
-        SystemExit, match=r"make groups of 128 tokens that split over sequence"
+        SystemExit,
+        match=r"^routing groups: 1 of 128 tokens \(--seq-len 128, --group-size 512\) "
+        r"does not split over sequence=2; try --mesh data=8 or",
     ):
         fits("--experts", "4", mesh="data=4,sequence=2")
     # 2 groups: fits
     fits("--experts", "4", "--group-size", "64", mesh="data=4,sequence=2")
     with pytest.raises(
         SystemExit,
-        match=r"^pipeline=8: the model's 4 layers do not split into 8 stages of",
+        match=r"^num_layers 4 does not split over pipeline=8; try --mesh pipeline=4,",
     ):
         fits("--grad-accum", "8", mesh="pipeline=8")
     with pytest.raises(
@@ -312,8 +319,7 @@ def test_bad_meshes_and_batches_say_why():
     interleaved = ("--schedule", "interleaved", "--virtual-stages", "2")
     with pytest.raises(
         SystemExit,
-        match=r"^pipeline=4: the model's 4 layers do not split into 4 x 2 stages of "
-        r"equal depth$",
+        match=r"^num_layers 4 does not split over pipeline=4 x 2 virtual stages = 8; ",
     ):
         fits("--grad-accum", "4", *interleaved, mesh="pipeline=4,data=2")
     with pytest.raises(
@@ -337,9 +343,14 @@ def test_bad_meshes_and_batches_say_why():
     args = train.parse_args([*COMMON, "--global-batch", "6", "--mesh", "data=8"])
     with pytest.raises(SystemExit) as raised:
         train.check_fits(model_config.PRESETS["tiny"], train.make_mesh("data=8"), args)
-    assert (
-        str(raised.value)
-        == "--global-batch 6 does not split over data x fsdp x expert = 8 devices"
+    assert str(raised.value).startswith("--global-batch 6 does not split over data=8; ")
+    accumulated = [*COMMON, "--global-batch", "24", "--grad-accum", "4"]
+    args = train.parse_args([*accumulated, "--mesh", "data=8"])
+    with pytest.raises(SystemExit) as raised:
+        train.check_fits(model_config.PRESETS["tiny"], train.make_mesh("data=8"), args)
+    assert str(raised.value).startswith(
+        "--global-batch 24 in --grad-accum 4 micro-batches of 6 rows does not split "
+        "over data=8; try --mesh "
     )
 
 

@@ -1,7 +1,12 @@
-"""Where each array lives: the mesh's axes, the rules from logical axis names to mesh
-axes, the checks that a model, a batch and a sequence split over a mesh, and the token
-order of ring attention. train.py and the other modules read their layouts here.
+"""Where each array lives: the mesh, the check that a model, a batch and a sequence
+split over it (the rules from logical axis names to its axes are mesh_spec.py's, which
+the book's planner reads too), and the token order of ring attention. train.py and the
+other modules read their layouts here.
 """
+
+import copy
+import math
+from types import SimpleNamespace
 
 import jax
 import mesh_spec
@@ -9,35 +14,7 @@ import model_config
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from mesh_spec import AXES
-
-BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
-
-# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
-# splits heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits
-# the experts. Activations: the batch over data, fsdp and expert (experts aside,
-# 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
-# and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
-# tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
-RULES = (
-    ("batch", BATCH),
-    ("expert_batch", ("data", "fsdp")),
-    ("lookup_batch", ("pipeline", "data", "expert")),
-    ("layers", "pipeline"),
-    ("embed", "fsdp"),
-    ("experts", "expert"),
-    ("act_experts", "expert"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("act_seq", "sequence"),
-    ("act_seq_residual", ("sequence", "tensor")),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-)
+from mesh_spec import AXES, BATCH, RULES
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -51,82 +28,48 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
 
 
 def check_fits(config: model_config.ModelConfig, mesh, args) -> None:
-    """Say what does not divide, before JAX says it less clearly."""
-    tensor, batch_ways = (
-        mesh.shape["tensor"],
-        int(np.prod([mesh.shape[a] for a in BATCH])),
+    """Stop in one line on what the flags leave undone or what the mesh does not split
+    evenly, with the nearest meshes that do; JAX would raise for a weight and pad an
+    activation (chapter 10 says why the recipe does not pad)."""
+    sizes = dict(mesh.shape)
+    if said := mesh_spec.flag_problems(config, sizes, args):
+        raise SystemExit(said[0])
+    if said := refusals(config, sizes, args):
+        raise SystemExit(said[0] + try_instead(config, sizes, args))
+
+
+def refusals(config: model_config.ModelConfig, sizes: dict[str, int], args) -> list:
+    """mesh_spec.refusals, with the lookup this recipe chooses for the mesh."""
+    how = lookup(config, SimpleNamespace(shape=sizes), args)
+    return mesh_spec.refusals(config, sizes, args, how)
+
+
+def try_instead(config: model_config.ModelConfig, sizes: dict[str, int], args) -> str:
+    """The end of a refusal's line, "; try --mesh A or --mesh B": the two meshes of as
+    many devices nearest ``sizes`` that split everything (the fewest factors moved
+    between axes, then the axes that change the least), or, if none does, those with
+    the next --global-batch that has one."""
+    devices = math.prod(sizes.values())
+    cost = dict(data=0, fsdp=1, tensor=2, expert=2, sequence=3, pipeline=4)
+    # A dense model's 'expert' is one more data axis: 'data' says it plainer.
+    plain = config.num_experts or sizes["expert"] > 1
+    ranked = sorted(
+        (m for m in mesh_spec.meshes(devices) if plain or m["expert"] == 1),
+        key=lambda m: (
+            round(sum(abs(math.log(m[a] / sizes[a])) for a in AXES), 9),
+            sum(cost[a] for a in AXES if m[a] != sizes[a]),
+        ),
     )
-    expert, sequence = mesh.shape["expert"], mesh.shape["sequence"]
-    if expert > 1 and config.num_experts % expert:
-        raise SystemExit(
-            f"--experts {config.num_experts} does not split over expert={expert}"
-        )
-    if sequence > 1 and args.seq_len % (2 * sequence * tensor):
-        raise SystemExit(
-            f"--seq-len {args.seq_len} does not split into 2 x sequence={sequence}"
-            f" x tensor={tensor} chunks (the zigzag layout)"
-        )
-    group = min(config.group_size, args.seq_len)
-    if config.num_experts and (
-        args.seq_len % group or (args.seq_len // group) % sequence
-    ):
-        raise SystemExit(
-            f"--seq-len {args.seq_len} does not make groups of {group} tokens "
-            f"that split over sequence={sequence}"
-        )
-    for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size"):
-        if getattr(config, name) % tensor:
-            raise SystemExit(
-                f"{name}={getattr(config, name)} does not split over tensor={tensor}"
-            )
-    if args.grad_accum < 1:
-        raise SystemExit(f"--grad-accum {args.grad_accum} must be 1 or more")
-    stages = mesh.shape["pipeline"]
-    virtual = args.virtual_stages if args.schedule == "interleaved" else 1
-    if args.virtual_stages != 1 and (stages == 1 or args.schedule != "interleaved"):
-        raise SystemExit(
-            f"--virtual-stages {args.virtual_stages} needs a pipeline axis and "
-            "--schedule interleaved"
-        )
-    if virtual < 1:
-        raise SystemExit(f"--virtual-stages {virtual} must be 1 or more")
-    if config.num_layers % (stages * virtual):
-        cut = f"{stages} stages" if virtual == 1 else f"{stages} x {virtual} stages"
-        raise SystemExit(
-            f"pipeline={stages}: the model's {config.num_layers} layers do not split "
-            f"into {cut} of equal depth"
-        )
-    if stages > 1 and args.grad_accum < stages:
-        raise SystemExit(
-            f"pipeline={stages} needs at least {stages} micro-batches: set "
-            f"--grad-accum to {stages} or more (more micro-batches, a smaller bubble)"
-        )
-    if stages > 1 and args.schedule == "interleaved" and args.grad_accum % stages:
-        raise SystemExit(
-            f"--schedule interleaved runs micro-batches in groups of pipeline="
-            f"{stages}: set --grad-accum to a multiple of {stages}"
-        )
-    if "activations" in args.offload and (args.remat != "full" or stages > 1):
-        raise SystemExit(
-            "--offload activations moves the one input a layer keeps under full remat "
-            "to host memory: it needs --remat full and no pipeline axis (a "
-            "pipeline keeps its stage inputs itself)"
-        )
-    if args.global_batch % batch_ways:
-        raise SystemExit(
-            f"--global-batch {args.global_batch} does not split over data x fsdp "
-            f"x expert = {batch_ways} devices"
-        )
-    if args.global_batch % (batch_ways * args.grad_accum):
-        raise SystemExit(
-            f"--global-batch {args.global_batch} does not split into --grad-accum "
-            f"{args.grad_accum} micro-batches over data x fsdp x expert = {batch_ways} "
-            f"devices: make it a multiple of {batch_ways * args.grad_accum}"
-        )
-    if tensor > 1 and args.seq_len % tensor:
-        raise SystemExit(
-            f"--seq-len {args.seq_len} does not split over tensor={tensor}"
-        )
+    for batch in range(args.global_batch, 2 * args.global_batch):
+        tried = copy.copy(args)
+        tried.global_batch = batch
+        near = ranked if batch == args.global_batch else ranked[:50]
+        fits = [m for m in near if not refusals(config, m, tried)][:2]
+        if fits:
+            meshes = " or ".join(f"--mesh {mesh_spec.mesh_flag(m)}" for m in fits)
+            more = "" if batch == args.global_batch else f" with --global-batch {batch}"
+            return f"; try {meshes}{more}"
+    return f"; no mesh of {devices} devices splits it"
 
 
 def lookup(config: model_config.ModelConfig, mesh, args) -> str:

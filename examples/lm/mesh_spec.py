@@ -1,14 +1,46 @@
 """--mesh: the mesh's axes, in order, and a spec such as 'fsdp=4,tensor=2' read into a
-size for each. Standard library only: the book's planner reads this same file.
+size for each; the rules from the model's logical axis names to those axes, and whether
+every dimension they split divides evenly (``refusals``, which layout.check_fits says).
+Standard library only: the book's planner reads this same file, so that it proposes no
+mesh the recipe refuses.
 """
 
 import math
 import re
+from typing import NamedTuple
 
 # 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
 # keys and values); 'pipeline' first, the one whose traffic (a stage's activations)
 # crosses nodes best.
 AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
+
+BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
+
+# Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
+# splits heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits
+# the experts. Activations: the batch over data, fsdp and expert (experts aside,
+# 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
+# and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
+# tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
+RULES = (
+    ("batch", BATCH),
+    ("expert_batch", ("data", "fsdp")),
+    ("lookup_batch", ("pipeline", "data", "expert")),
+    ("layers", "pipeline"),
+    ("embed", "fsdp"),
+    ("experts", "expert"),
+    ("act_experts", "expert"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("act_seq", "sequence"),
+    ("act_seq_residual", ("sequence", "tensor")),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
 
 
 def parse(spec: str, devices: int | None = None) -> dict[str, int]:
@@ -38,3 +70,171 @@ def parse(spec: str, devices: int | None = None) -> dict[str, int]:
             f"not the {devices} there are"
         )
     return sizes
+
+
+def mesh_flag(sizes: dict[str, int]) -> str:
+    """parse's inverse: the axes above 1, as --mesh takes them ('data=1' for one)."""
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1) or "data=1"
+
+
+def meshes(devices: int) -> list[dict[str, int]]:
+    """Every way to split ``devices`` over AXES: a size for each, multiplying to it."""
+    found = [{}]
+    for axis in AXES[:-1]:
+        found = [
+            {**sizes, axis: n}
+            for sizes in found
+            for left in [devices // math.prod(sizes.values())]
+            for n in range(1, left + 1)
+            if left % n == 0
+        ]
+    return [{**m, AXES[-1]: devices // math.prod(m.values())} for m in found]
+
+
+class Dimension(NamedTuple):
+    """An array dimension that a rule may split: how a message names it, its size, its
+    logical axis name, and the chunks each device's share is cut into on top (ring
+    attention's zigzag: 2; interleaved 1F1B's virtual stages a device)."""
+
+    what: str
+    size: int
+    name: str
+    chunks: int = 1
+
+
+CHUNKS = {"layers": "virtual stages", "act_seq": "zigzag chunks"}  # what they are
+
+
+def dimensions(
+    config, sizes: dict[str, int], args, lookup: str = "rows"
+) -> list[Dimension]:
+    """Every dimension of the model's weights, then of its activations, that has a
+    logical axis name: its size for this model (``model_config.ModelConfig``) and these
+    flags (``args``: train.py's). ``lookup``, how the model looks its tokens up
+    (``layout.lookup``): "rows" lays the lookup's output out by "lookup_batch".
+    tests/test_lm_mesh_sweep.py holds this list to the arrays the model makes."""
+    c, micro, T = config, args.grad_accum, args.seq_len
+    virtual = args.virtual_stages if args.schedule == "interleaved" else 1
+    found = [
+        Dimension(f"width {c.width}", c.width, "embed"),
+        Dimension(f"num_layers {c.num_layers}", c.num_layers, "layers", virtual),
+    ]
+    for field, names in (
+        ("num_heads", ("heads", "act_heads")),
+        ("num_kv_heads", ("kv_heads", "act_kv_heads")),
+        ("mlp_width", ("mlp", "act_mlp")),
+        ("vocab_size", ("vocab", "act_vocab")),
+    ):
+        size = getattr(c, field)
+        found += [Dimension(f"{field} {size}", size, name) for name in names]
+    if c.num_experts:
+        found += [
+            Dimension(f"--experts {c.num_experts}", c.num_experts, name)
+            for name in ("experts", "act_experts")
+        ]
+    if c.shared_experts:
+        width = c.shared_experts * c.mlp_width
+        found += [
+            Dimension(f"the shared experts' mlp_width {width}", width, name)
+            for name in ("mlp", "act_mlp")
+        ]
+    rows = args.global_batch // micro  # a micro-batch's (a pipeline's too)
+    batch = f"--global-batch {args.global_batch}"
+    if micro > 1:
+        batch += f" in --grad-accum {micro} micro-batches of {rows} rows"
+    zigzag = 2 if sizes["sequence"] > 1 else 1  # ring attention's chunks a device
+    found += [
+        Dimension(batch, rows, "batch"),
+        Dimension(f"--seq-len {T}", T, "act_seq", zigzag),
+        Dimension(f"--seq-len {T}", T, "act_seq_residual"),
+    ]
+    if lookup == "rows" and sizes["pipeline"] > 1:  # the whole batch, at once
+        found.append(
+            Dimension(
+                f"--global-batch {args.global_batch}", args.global_batch, "lookup_batch"
+            )
+        )
+    elif lookup == "rows":
+        found.append(Dimension(batch, rows, "lookup_batch"))
+    if c.num_experts:
+        group = min(c.group_size, T)
+        found += [
+            Dimension(batch, rows, "expert_batch"),
+            Dimension(
+                f"routing groups: {T // group} of {group} tokens (--seq-len {T}, "
+                f"--group-size {c.group_size})",
+                T // group,
+                "act_seq",
+            ),
+        ]
+    return found
+
+
+def flag_problems(config, sizes: dict[str, int], args) -> list[str]:
+    """What the flags (train.py's ``args``) leave undone on a mesh of these ``sizes``,
+    before any dimension is split: each a line that says which flag to change."""
+    stages, micro, T = sizes["pipeline"], args.grad_accum, args.seq_len
+    interleaved = args.schedule == "interleaved"
+    out = []
+    if micro < 1:
+        out.append(f"--grad-accum {micro} must be 1 or more")
+    if args.virtual_stages != 1 and (stages == 1 or not interleaved):
+        out.append(
+            f"--virtual-stages {args.virtual_stages} needs a pipeline axis and "
+            "--schedule interleaved"
+        )
+    elif args.virtual_stages < 1:
+        out.append(f"--virtual-stages {args.virtual_stages} must be 1 or more")
+    if out:
+        return out
+    if args.global_batch % micro:
+        out.append(
+            f"--global-batch {args.global_batch} does not split into --grad-accum "
+            f"{micro} micro-batches"
+        )
+    group = min(config.group_size, T)
+    if config.num_experts and T % group:
+        out.append(f"--seq-len {T} does not make groups of {group} tokens")
+    if stages > 1 and micro < stages:
+        out.append(
+            f"pipeline={stages} needs at least {stages} micro-batches: set "
+            f"--grad-accum to {stages} or more (more micro-batches, a smaller bubble)"
+        )
+    if stages > 1 and interleaved and micro % stages:
+        out.append(
+            f"--schedule interleaved runs micro-batches in groups of pipeline="
+            f"{stages}: set --grad-accum to a multiple of {stages}"
+        )
+    if "activations" in args.offload and (args.remat != "full" or stages > 1):
+        out.append(
+            "--offload activations moves the one input a layer keeps under full remat "
+            "to host memory: it needs --remat full and no pipeline axis (a "
+            "pipeline keeps its stage inputs itself)"
+        )
+    return out
+
+
+def uneven(config, sizes: dict[str, int], args, lookup: str = "rows") -> list[str]:
+    """Each dimension (``dimensions``) that its rule's mesh axes do not split evenly:
+    its name and size, the axes and their product. JAX refuses such a weight and pads
+    such an activation; the recipe refuses both (chapter 10 says why)."""
+    rules, out = dict(RULES), []
+    for d in dimensions(config, sizes, args, lookup):
+        axes = rules[d.name]
+        axes = (axes,) if isinstance(axes, str) else axes
+        ways = math.prod(sizes[a] for a in axes) * d.chunks
+        if d.size % ways == 0:
+            continue
+        parts = [f"{a}={sizes[a]}" for a in axes if sizes[a] > 1]
+        parts += [f"{d.chunks} {CHUNKS[d.name]}"] if d.chunks > 1 else []
+        over = " x ".join(parts) + (f" = {ways}" if len(parts) > 1 else "")
+        if (line := f"{d.what} does not split over {over}") not in out:
+            out.append(line)
+    return out
+
+
+def refusals(config, sizes: dict[str, int], args, lookup: str = "rows") -> list[str]:
+    """Why train.py refuses these flags on a mesh of these ``sizes``, a line each;
+    none: it runs. ``lookup`` as ``dimensions`` takes it: the planner, which does not
+    choose the lookup, leaves "rows", the strictest."""
+    return flag_problems(config, sizes, args) or uneven(config, sizes, args, lookup)

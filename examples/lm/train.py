@@ -14,11 +14,11 @@
 This file parses the command line, sets up and runs the loop. Beside it: model_config.py
 (the shape, the presets, config.json), model.py (the decoder), dropless.py (experts
 without a capacity), data.py (tokens read in place, with Grain), mesh_spec.py (--mesh's
-axes and sizes), layout.py (the mesh, the rules), step.py (the loss, gradients,
-accumulation, AdamW, ZeRO-1 and the optimizer's offload), pipeline.py and schedules.py
-(the pipeline schedules), resilience.py (preemption, the step deadline, checkpoints),
-metrics.py (MFU, the metrics log), compiled.py (--compile-only) and convert.py (Hugging
-Face).
+axes and sizes, the rules, what splits evenly), layout.py (the mesh, the check that
+stops a mesh in one line), step.py (the loss, gradients, accumulation, AdamW, ZeRO-1
+and the optimizer's offload), pipeline.py and schedules.py (the pipeline schedules),
+resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the
+metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
@@ -508,4 +508,10 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # a refusal: its one line, and status 2 as argparse's
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)
+        sys.exit(2)

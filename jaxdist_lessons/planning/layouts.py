@@ -1,13 +1,15 @@
 """The request and the layouts: ``Run`` (a model, a batch, the machines, the recipe's flags that
 change a step: remat, micro-batches), ``Layout`` (devices per mesh axis of the recipe's
 ``layout.AXES``, pipeline stages and what runs on top), every layout the devices allow, and why the
-recipe cannot split a model a given way (``problems``, as ``layout.check_fits`` says).
+recipe cannot split a model a given way (``problems``: the recipe's own check, which
+``mesh_spec.py`` holds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning import mesh_spec
@@ -67,7 +69,7 @@ class Layout:
 
     @property
     def batch_ways(self) -> int:
-        """Mesh axes that split the batch rows: data, fsdp, expert (layout.BATCH)."""
+        """Mesh axes that split the batch rows: data, fsdp, expert (mesh_spec.BATCH)."""
         return self.size("data") * self.size("fsdp") * self.size("expert")
 
     @property
@@ -223,47 +225,28 @@ def runnable(c: Layout) -> bool:
     return c.strategy not in NEEDS
 
 
+def recipe_args(run: Run, c: Layout) -> SimpleNamespace:
+    """The flags of train.py that ``ranking.recipe_flags`` writes for this layout, as
+    train.py's parsed arguments: a pipeline runs one sequence a device a micro-batch."""
+    pipelined = c.stages > 1
+    return SimpleNamespace(
+        seq_len=run.seq_len,
+        global_batch=run.global_batch,
+        grad_accum=max(1, run.global_batch // c.batch_ways)
+        if pipelined
+        else run.grad_accum,
+        schedule=c.schedule.lower() or "1f1b",
+        virtual_stages=c.virtual,
+        offload={"optimizer", "activations"} if c.offload else set(),
+        remat=run.remat,
+    )
+
+
 def problems(run: Run, c: Layout) -> list[str]:
-    """Why the recipe (or the pipeline's stages) cannot split this model this way (layout.check_fits)."""
-    m, t, s = run.shape, c.size("tensor"), c.size("sequence")
-    out = [
-        f"{name} {getattr(m, name)} does not split over tensor={t}"
-        for name in ("num_heads", "num_kv_heads", "mlp_width", "vocab_size")
-        if getattr(m, name) % t
-    ]
-    for name, axis in (("width", "fsdp"), ("num_experts", "expert")):
-        if getattr(m, name) % c.size(axis):  # JAX shards evenly or not at all
-            out.append(
-                f"{name} {getattr(m, name)} does not split over {axis}={c.size(axis)}"
-            )
-    if run.global_batch % c.batch_ways:
-        out.append(
-            f"global batch {run.global_batch} does not split over {c.batch_ways}"
-        )
-    if s > 1 and run.seq_len % (2 * s * t):
-        out.append(f"seq-len {run.seq_len} does not split into 2 x sequence={s} chunks")
-    if t > 1 and run.seq_len % t:
-        out.append(f"seq-len {run.seq_len} does not split over tensor={t}")
-    group = min(m.group_size, run.seq_len)
-    if m.num_experts and (run.seq_len % group or (run.seq_len // group) % s):
-        out.append(f"seq-len {run.seq_len} does not make groups of {group} tokens")
-    if c.stages > 1 and m.num_layers % (c.stages * c.virtual):
-        out.append(
-            f"{m.num_layers} layers do not split into {c.stages * c.virtual} stages"
-        )
-    micro = run.global_batch // c.batch_ways  # one sequence per device per microbatch
-    if c.stages > 1 and micro < c.stages:
-        out.append(f"fewer sequences per replica than the {c.stages} stages")
-    if c.schedule == "interleaved" and micro % c.stages:
-        out.append(f"{micro} microbatches do not make groups of the {c.stages} stages")
-    if c.stages == 1 and micro % run.grad_accum:
-        out.append(
-            f"{micro} sequences a device do not split into --grad-accum "
-            f"{run.grad_accum} micro-batches"
-        )
-    if c.offload and run.remat != "full":
-        out.append("offloading activations is full remat (--remat full)")
-    return out
+    """Why the recipe cannot run this layout: the recipe's own check
+    (``mesh_spec.refusals``, which ``layout.check_fits`` runs), on its flags."""
+    sizes = {"pipeline": c.stages, **{a: c.size(a) for a in AXES}}
+    return mesh_spec.refusals(run.shape, sizes, recipe_args(run, c))
 
 
 class PlanError(ValueError):

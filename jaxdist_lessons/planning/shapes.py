@@ -22,7 +22,7 @@ def mlp_weights(m: ModelConfig) -> int:
     return max(m.num_experts, 1) * 3 * m.width * m.mlp_width + m.width * m.num_experts
 
 
-# Each weight of the recipe: its shape and the mesh axis splitting each dimension (layout.RULES).
+# Each weight of the recipe: its shape and the mesh axis splitting each dimension (mesh_spec.RULES).
 def weight_shapes(
     m: ModelConfig,
 ) -> list[tuple[tuple[int, ...], tuple[str | None, ...]]]:

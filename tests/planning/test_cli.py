@@ -44,7 +44,7 @@ from jaxdist_lessons.planning import cli, footprint, model_config, ranking
         ),
         (
             ["--model", "8b", "--devices", "6", "--nodes", "1", "--global-batch", "7"],
-            "no layout splits 8b on 6 devices: global batch 7 does not split over 6",
+            "no layout splits 8b on 6 devices: --global-batch 7 does not split over data=6",
         ),
         (
             ["--grad-accum", "0"],

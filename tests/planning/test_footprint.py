@@ -27,7 +27,7 @@ def test_remat_trades_memory_for_flops_and_grad_accum_memory_for_nothing():
     assert flops[0] == 1 < flops[1] < flops[2] == 4 / 3
     thirds = dataclasses.replace(run, grad_accum=3)
     assert layouts.problems(thirds, fsdp) == [
-        "2 sequences a device do not split into --grad-accum 3 micro-batches"
+        "--global-batch 16 does not split into --grad-accum 3 micro-batches"
     ]
     halves = dataclasses.replace(run, grad_accum=2)
     assert footprint.activation_bytes(halves, fsdp) == pytest.approx(kept[2] / 2)
