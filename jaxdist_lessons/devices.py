@@ -65,7 +65,7 @@ class DeviceInfo:
         if self.simulated:
             return (
                 f"jaxdist: {self.count} simulated {self.platform.upper()} device{plural} "
-                f"(device kind: {self.device_kind}; set {ENV_VAR} to change the count)"
+                f"(kind: {self.device_kind}; {ENV_VAR} sets the count)"
             )
         return (
             f"jaxdist: {self.count} {self.platform.upper()} device{plural} "

@@ -57,7 +57,7 @@ def result_line(proc: subprocess.CompletedProcess) -> list[str]:
 def test_default_is_eight_simulated_cpu_devices():
     proc = run_python(SHOW.format(args=""))
     assert result_line(proc) == ["cpu", "8", "True", "8"]
-    assert "jaxdist: 8 simulated CPU devices (device kind: cpu" in proc.stdout
+    assert "jaxdist: 8 simulated CPU devices (kind: cpu;" in proc.stdout
 
 
 def test_environment_variable_sets_the_count():
@@ -79,7 +79,7 @@ def test_prints_exactly_one_line():
     proc = run_python("from jaxdist_lessons import devices; devices.setup(3)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "jaxdist: 3 simulated CPU devices (device kind: cpu; set JAXDIST_NUM_DEVICES to change the count)"
+        "jaxdist: 3 simulated CPU devices (kind: cpu; JAXDIST_NUM_DEVICES sets the count)"
     ]
 
 
