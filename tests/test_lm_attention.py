@@ -51,12 +51,13 @@ def value_and_grads(attend, q_BTNA, k_BTKA, v_BTKA, d_out_BTNA):
     return attend(q_BTNA, k_BTKA, v_BTKA), *grads
 
 
-@pytest.mark.parametrize("block", [8, 16, 64, 512])
+@pytest.mark.parametrize("block", [8, 16, 24, 64, 512])
 @pytest.mark.parametrize("order", ["in order", "zigzag"])
 def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
-    """Blocks of 8 to the whole sequence (512 > T: one block), positions in order or in
-    ring attention's zigzag (the tokens permuted, the mask by positions): the output and
-    the gradients of XLA's attention on the tokens in order, permuted the same way."""
+    """Blocks of 8 to the whole sequence (512 > T: one block; 24, which does not divide
+    T, gives blocks of 16), positions in order or in ring attention's zigzag (the tokens
+    permuted, the mask by positions): the output and the gradients of XLA's attention on
+    the tokens in order, permuted the same way."""
     positions_T = np.arange(T) if order == "in order" else layout.zigzag(T, 4)
     q, k, v, d_out = (x[:, positions_T] for x in qkv)
     chunked = jax.jit(
@@ -70,11 +71,14 @@ def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
         np.testing.assert_allclose(g, e[:, positions_T], **CLOSE, err_msg=name)
 
 
-def test_a_block_that_does_not_divide_says_so(qkv):
-    with pytest.raises(
-        ValueError, match="attention block 24 does not divide length 64"
-    ):
-        model_lib.chunked_attention(*qkv[:3], np.arange(T), np.arange(T), 24)
+@pytest.mark.parametrize(
+    "length, block, size",
+    [(64, 24, 16), (768, 512, 384), (1024, 512, 512), (100, 512, 100), (509, 512, 509)],
+)
+def test_blocks_are_the_largest_that_divide_the_length(length, block, size):
+    """A length the block does not divide (--seq-len 768) gets smaller blocks, not an
+    error; a length no larger than the block is one block."""
+    assert model_lib.block_size(length, block) == size
 
 
 def temporaries(attend, length: int) -> int:

@@ -130,7 +130,7 @@ def rope(
 
 
 MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
-BLOCK = 512  # chunked attention's query and key/value block (or the whole sequence)
+BLOCK = 512  # chunked attention's largest query and key/value block (block_size)
 ATTENTIONS = ("xla", "cudnn", "chunked")
 
 
@@ -200,10 +200,9 @@ def unblocks(x, axis: int) -> jax.Array:
 
 
 def block_size(length: int, block: int) -> int:
-    size = min(block, length)
-    if length % size:
-        raise ValueError(f"attention block {block} does not divide length {length}")
-    return size
+    """The block chunked attention cuts ``length`` into: the largest size up to
+    ``block`` that divides it (768 in blocks of 512 -> 2 of 384), so any length runs."""
+    return next(size for size in range(min(block, length), 0, -1) if length % size == 0)
 
 
 def can_see(q_positions_T, kv_positions_S, q_starts_BT=None) -> jax.Array:
@@ -399,9 +398,9 @@ def chunked_attention(
     """Causal attention in blocks, never forming the T x S scores: each query block
     folds in the key/value blocks it can see with an online softmax (a running maximum
     and sum: Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al.
-    2022, arXiv:2205.14135). ``block`` (or the whole sequence, if shorter) must divide
-    the lengths. Given document starts, each query sees its own document only. Float32
-    inside; the output in the queries' dtype."""
+    2022, arXiv:2205.14135). Blocks of up to ``block``, the largest that divides each
+    length (block_size). Given document starts, each query sees its own document only.
+    Float32 inside; the output in the queries' dtype."""
     out_BTKQA, _ = attention_part(
         grouped(q_BTNA, k_BSKA.shape[2]),
         k_BSKA,
