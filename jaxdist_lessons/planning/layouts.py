@@ -73,11 +73,14 @@ class Layout:
         return self.size("data") * self.size("fsdp") * self.size("expert")
 
     @property
+    def sizes(self) -> dict[str, int]:
+        """Devices along each of the recipe's axes, pipeline stages first (mesh_spec)."""
+        return {"pipeline": self.stages, **{a: self.size(a) for a in AXES}}
+
+    @property
     def mesh_flag(self) -> str:
-        """``data=2,fsdp=8``: the axes above 1 (``data=1`` for one device)."""
-        return (
-            ",".join(f"{a}={n}" for a, n in zip(AXES, self.mesh) if n > 1) or "data=1"
-        )
+        """The recipe's --mesh: ``pipeline=2,fsdp=4`` (``mesh_spec.mesh_flag``)."""
+        return mesh_spec.mesh_flag(self.sizes)
 
     @property
     def label(self) -> str:
@@ -245,8 +248,7 @@ def recipe_args(run: Run, c: Layout) -> SimpleNamespace:
 def problems(run: Run, c: Layout) -> list[str]:
     """Why the recipe cannot run this layout: the recipe's own check
     (``mesh_spec.refusals``, which ``layout.check_fits`` runs), on its flags."""
-    sizes = {"pipeline": c.stages, **{a: c.size(a) for a in AXES}}
-    return mesh_spec.refusals(run.shape, sizes, recipe_args(run, c))
+    return mesh_spec.refusals(run.shape, c.sizes, recipe_args(run, c))
 
 
 class PlanError(ValueError):

@@ -72,7 +72,6 @@ def recipe_flags(run: Run, c: Layout) -> str:
     if c.offload:
         flags.append("--offload optimizer,activations")
     if c.stages > 1:  # one sequence per device per microbatch, as step_seconds counts
-        flags[1] = f"--mesh pipeline={c.stages},{c.mesh_flag}"
         flags += [
             f"--grad-accum {run.global_batch // c.batch_ways}",
             f"--schedule {c.schedule.lower()}",
@@ -90,7 +89,7 @@ def row(run: Run, c: Layout) -> dict[str, Any]:
     once for the bytes and the time (and XLA:CPU's, for ``--check``)."""
     priced = priced_transfers(run, c)
     mem, time = memory(run, c), step_seconds(run, c, priced)
-    label = c.mesh_flag if c.stages == 1 else f"pipeline={c.stages},{c.mesh_flag}"
+    label = c.mesh_flag
     if c.schedule == "interleaved":
         label += f" (v={c.virtual})"
     parts = {**dataclasses.asdict(mem), "total": mem.total}

@@ -11,7 +11,7 @@ def test_a_layout_from_the_recipes_mesh_flag():
     assert (tp.mesh, tp.devices, tp.batch_ways) == ((1, 4, 1, 1, 2), 8, 4)
     assert tp.mesh_flag == "fsdp=4,tensor=2" and tp.label == "FSDP 4 x tensor 2"
     staged = layouts.Layout(fsdp=4, stages=2, virtual=2, schedule="interleaved")
-    assert staged.devices == 8 and staged.mesh_flag == "fsdp=4"
+    assert staged.devices == 8 and staged.mesh_flag == "pipeline=2,fsdp=4"
     assert [layouts.Layout(data=8 // t, tensor=t).label for t in (1, 2)] == [
         "(8,1)",
         "(4,2)",
