@@ -116,3 +116,29 @@ def test_a_run_that_hangs_is_killed_and_counts_as_failed(tmp_path, monkeypatch):
     outcome = runs.run("03_sharding", 2, tmp_path)
     assert outcome.status == sweep.FAILED
     assert outcome.message == "killed at the timeout (1 s)"
+
+
+def test_a_failed_run_keeps_its_notebook_with_the_outputs(tmp_path, monkeypatch):
+    """--keep-failed: the run's notebook, executed up to the failing cell, with what each
+    cell printed, as CHAPTER-COUNT.ipynb; the outcome names the cell."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("print('before the failure')"),
+        nbformat.v4.new_code_cell("assert 1 + 1 == 3, 'the hidden check'"),
+    ]
+    path = tmp_path / "07_troubleshooting.ipynb"
+    nbformat.write(nb, path)
+    monkeypatch.setenv("JAXDIST_NUM_DEVICES", "5")
+    result, keep = tmp_path / "result.json", tmp_path / "failed"
+    sweep.run_one(path, result, timeout=60, keep=keep)
+    outcome = sweep.json.loads(result.read_text())
+    assert outcome == {
+        "status": sweep.FAILED,
+        "message": "AssertionError: the hidden check (code cell 2: assert 1 + 1 == 3, "
+        "'the hidden check')",
+    }
+    kept = nbformat.read(keep / "07_troubleshooting-5.ipynb", as_version=4)
+    assert kept.cells[0].outputs[0]["text"] == "before the failure\n"
+    assert kept.cells[1].outputs[0]["ename"] == "AssertionError"
