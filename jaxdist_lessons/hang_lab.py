@@ -117,14 +117,21 @@ def case_pids() -> set[int]:
     return module_pids(__name__)
 
 
+def job_environment() -> dict[str, str]:
+    """The environment of a job this process starts with ``mpirun``: its own, without
+    the JAXDIST_ and SLURM_ variables that would steer the job's processes, with Open
+    MPI allowed to run as root and this Python's ``mpirun`` first on ``PATH``."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
+    }
+    return {**multihost.launcher_environment(env), **ROOT_OK}
+
+
 def run_cases(
     cases: dict[str, list[str]] = LAB, limit_s: float = 60
 ) -> dict[str, Outcome]:
     """Start every case at once with ``mpirun -np 2``; kill any still running after ``limit_s`` seconds."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
-    }
-    env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
+    env = job_environment()
     mpirun = shutil.which("mpirun", path=env["PATH"])
     start, jobs = time.monotonic(), {}
     for case, extra in cases.items():

@@ -83,6 +83,18 @@ class Timeouts:
     )
 
 
+def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) with this Python's folder first on ``PATH``,
+    as an activated virtual environment has it: a command started from a notebook then
+    finds the environment's ``mpirun`` and ``python`` even when the kernel was started
+    without activating it."""
+    env = dict(os.environ if environ is None else environ)
+    env["PATH"] = os.pathsep.join(
+        [os.path.dirname(sys.executable)] + ([env["PATH"]] if env.get("PATH") else [])
+    )
+    return env
+
+
 def launched_by_mpi(environ: Mapping[str, str] | None = None) -> bool:
     """Whether an MPI launcher (``mpirun``, ``mpiexec``) started this process."""
     environ = os.environ if environ is None else environ

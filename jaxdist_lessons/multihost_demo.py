@@ -254,13 +254,14 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     With ``show_stderr``, stderr follows.
     """
     print(f"$ {command}")
-    env = {
-        **os.environ,
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
     start = time.monotonic()
     result = subprocess.run(
-        command, shell=True, env=env, capture_output=True, text=True, timeout=timeout
+        command,
+        shell=True,
+        env=multihost.launcher_environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     job = Job(command, result.returncode, result.stdout, result.stderr, 0.0)
     job.seconds = time.monotonic() - start

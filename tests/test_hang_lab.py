@@ -8,26 +8,14 @@ as ``test_slurm.py`` does.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
-from jaxdist_lessons.hang_lab import ROOT_OK
+from jaxdist_lessons import hang_lab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIMIT_S = 60
-
-
-def clean_env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
-    }
-    return {
-        **env,
-        **ROOT_OK,
-        "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}",
-    }
 
 
 # --- Under SLURM ---------------------------------------------------------------------------
@@ -62,7 +50,7 @@ def test_one_task_per_node_drives_only_the_gpu_numbered_by_its_local_id(
             "hello",
         ],
         cwd=ROOT,
-        env=clean_env(),
+        env=hang_lab.job_environment(),
         capture_output=True,
         text=True,
         timeout=LIMIT_S,
@@ -84,7 +72,7 @@ def test_an_allocation_without_srun_lacks_the_variables_jax_detects(slurm):
     result = subprocess.run(
         ["salloc", "-n", "2", "--overcommit", sys.executable, "-c", program],
         cwd=ROOT,
-        env=clean_env(),
+        env=hang_lab.job_environment(),
         capture_output=True,
         text=True,
         timeout=LIMIT_S,

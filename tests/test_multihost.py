@@ -315,6 +315,19 @@ def test_mpi_launchers_are_recognised_by_their_variables():
     assert not multihost.launched_by_mpi({"SLURM_PROCID": "0"})
 
 
+def test_a_launched_command_finds_this_python_s_mpirun():
+    """A notebook's kernel started without activating the virtual environment has no
+    mpirun on PATH; the launcher's environment puts this Python's folder first."""
+    env = multihost.launcher_environment({"PATH": "/usr/bin", "OTHER": "kept"})
+    assert env == {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin",
+        "OTHER": "kept",
+    }
+    found = shutil.which("mpirun", path=env["PATH"])
+    assert found == os.path.join(os.path.dirname(sys.executable), "mpirun")
+    assert multihost.launcher_environment({})["PATH"] == os.path.dirname(sys.executable)
+
+
 def test_initialize_after_jax_started_says_how_to_fix_it():
     jax.devices()
     with pytest.raises(

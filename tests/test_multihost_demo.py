@@ -90,7 +90,8 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_multihost import ROOT_OK  # noqa: E402
+
+from jaxdist_lessons import hang_lab  # noqa: E402
 
 TRAIN = ["train", "--epochs", "3", "--steps-per-epoch", "4"]
 
@@ -107,10 +108,7 @@ def reference():
 
 def preempted_then_resumed(launch, notify, out, checkpoints):
     """Start ``launch`` + the demo, ``notify()`` once epoch 1 is done, then rerun it to the end; both reports."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "SLURM_"))
-    }
-    env = {**env, **ROOT_OK, "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
+    env = hang_lab.job_environment()
     args = [
         "-m",
         "jaxdist_lessons.multihost_demo",
