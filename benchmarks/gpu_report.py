@@ -191,16 +191,15 @@ def step_summary(text: str, skip: int = 5) -> dict | None:
 
 
 def compiled_memory(text: str) -> dict | None:
-    """``--compile-only``'s memory per device, in GB."""
-    found = re.search(
-        r"per device: arguments ([\d.]+) GB, temporaries ([\d.]+) GB, total ([\d.]+) GB",
-        text,
-    )
-    if not found:
+    """``--compile-only``'s memory per device, in GB (the recipe's ``read_summary``)."""
+    sys.path.insert(0, str(ROOT))
+    from jaxdist_lessons import recipe
+
+    try:
+        found = recipe.module("compiled").read_summary(text)
+    except ValueError:  # no summary printed
         return None
-    return dict(
-        zip(("arguments_gb", "temporaries_gb", "total_gb"), map(float, found.groups()))
-    )
+    return {f"{key}_gb": found[key] for key in ("arguments", "temporaries", "total")}
 
 
 def first_json(text: str) -> dict:

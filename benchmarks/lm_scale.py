@@ -23,11 +23,13 @@ import argparse
 import concurrent.futures
 import json
 import pathlib
-import re
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from jaxdist_lessons import recipe  # noqa: E402  (the checkout's package)
+
 TRAIN = ROOT / "examples" / "lm" / "train.py"
 SEQ_LEN = 2048
 NODE = 8  # GPUs per node: the tensor axis stays inside one
@@ -43,16 +45,8 @@ def mesh_for(strategy: str, devices: int) -> str:
 
 
 def parse_line(output: str) -> dict:
-    """The numbers of train.py's 'per device:' line (GB, and bytes per collective kind)."""
-    line = next(text for text in output.splitlines() if text.startswith("per device:"))
-    gb = dict(re.findall(r"(arguments|temporaries|total) ([\d.]+) GB", line))
-    collectives = {
-        kind: int(size) for kind, size in re.findall(r"([a-z-]+) (\d+) B", line)
-    }
-    return {
-        **{key: float(value) for key, value in gb.items()},
-        "collectives": collectives,
-    }
+    """The numbers train.py --compile-only prints (GB, and bytes per collective kind)."""
+    return recipe.module("compiled").read_summary(output)
 
 
 def compile_row(model: str, devices: int, strategy: str) -> dict:

@@ -6,9 +6,9 @@ A MESH may carry more of train.py's flags after it, in the same argument
 ("fsdp=8,tensor=2 --global-batch 64 --grad-accum 4"); they override the common ones.
 
 Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh,
-train.main(["--compile-only", ...]) as the command line runs it: the line it prints ("per
-device: arguments ... GB, ...; collectives all-gather N B, ..."), and the all-gather bytes of
-the same compiled program split by the mesh axes each one's groups span.
+train.main(["--compile-only", ...]) as the command line runs it: the numbers it prints, read
+back by compiled.read_summary (memory per device in GB, bytes per collective kind), and the
+all-gather bytes of the same compiled program split by the mesh axes each one's groups span.
 """
 
 import contextlib
@@ -97,12 +97,10 @@ def main():
                     *flags,
                 ]
             )
-        [line] = [
-            x for x in printed.getvalue().splitlines() if x.startswith("per device:")
-        ]
+        summary = compiled.read_summary(printed.getvalue())
         compiled.collective_bytes = collective_bytes
         out[run] = {
-            "line": line,
+            "summary": summary,
             "all_gathers_by_axes": all_gathers_by_axes(
                 texts[-1], layout.make_mesh(spec)
             ),

@@ -69,8 +69,9 @@ def test_step_summary_takes_the_median_after_the_first_five_and_the_peak():
 
 def test_compiled_memory_reads_the_compile_only_line():
     line = (
-        "per device: arguments 14.830 GB, temporaries 11.402 GB, total 26.232 GB; "
-        "collectives all-gather 42281984 B"
+        "per device: arguments 14.830 GB, temporaries 11.402 GB, total 26.232 GB\n"
+        "collectives per device and step:\n"
+        "  all-gather                 42,281,984 B"
     )
     assert gpu_report.compiled_memory(line) == {
         "arguments_gb": 14.83,

@@ -196,6 +196,27 @@ def test_ring_attention_gives_the_losses_of_data_parallelism(dirs, mesh_runs):
         assert run == pytest.approx(reference, rel=1e-4), spec
 
 
+def test_the_compile_only_summary_reads_back_and_fits_the_page():
+    """--compile-only's numbers, printed within the book's 88 columns even at 70B's
+    byte counts, read back exactly (the benchmarks, the tests and chapters 10 and 13 read
+    them with read_summary); a run without collectives says none."""
+    sent = {"all-gather": 57_939_361_792, "all-reduce": 30_019_698_788, "all-to-all": 4}
+    text = lm_compiled.summary(6_023_000_000, 12_455_123_456, 18_478_123_456, sent)
+    assert max(len(line) for line in text.splitlines()) <= 88
+    after = "\nin host memory (the program's memory space 5): ..."
+    assert lm_compiled.read_summary("compiled 8b on fsdp=16\n" + text + after) == {
+        "arguments": 6.023,
+        "temporaries": 12.455,
+        "total": 18.478,
+        "collectives": sent,
+    }
+    alone = lm_compiled.summary(10**9, 0, 10**9, {})
+    assert alone.splitlines()[1] == "collectives per device and step: none"
+    assert lm_compiled.read_summary(alone)["collectives"] == {}
+    with pytest.raises(ValueError, match="not --compile-only's summary"):
+        lm_compiled.read_summary("per device: arguments 1.000 GB\nstep 1 loss 2.0")
+
+
 def compiled_collectives(spec: str, extra: tuple[str, ...] = ()) -> dict[str, int]:
     """--compile-only's collective bytes per device, for tiny at COMMON's sizes."""
     args = train.parse_args([*COMMON, "--mesh", spec, *extra, "--compile-only"])
@@ -203,7 +224,7 @@ def compiled_collectives(spec: str, extra: tuple[str, ...] = ()) -> dict[str, in
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train.compile_only(step, shapes, args, mesh)
-    return {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", out.getvalue())}
+    return lm_compiled.read_summary(out.getvalue())["collectives"]
 
 
 def test_ring_and_expert_bytes_match_the_formulas():
@@ -449,17 +470,10 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     measured = {}
     for spec, printed in json.loads(result.stdout.splitlines()[-1]).items():
-        line = printed["line"]
-        assert re.fullmatch(
-            r"per device: arguments [\d.]+ GB, temporaries [\d.]+ GB, total "
-            r"[\d.]+ GB; collectives ([a-z-]+ \d+ B(, )?)+",
-            line,
-        ), line
+        summary = printed["summary"]
         measured[spec] = {
-            "arguments": float(re.search(r"arguments ([\d.]+) GB", line)[1]) * 1e9,
-            "collectives": {
-                k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)
-            },
+            "arguments": summary["arguments"] * 1e9,
+            "collectives": summary["collectives"],
             "all_gathers_by_axes": printed["all_gathers_by_axes"],
         }
     # Data parallelism: every device holds the weights and Adam's two moments, all fp32.
@@ -967,7 +981,7 @@ def test_accumulation_reduces_over_data_once_and_fsdp_per_micro_batch():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             train.compile_only(step, shapes, args, mesh)
-        return {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", out.getvalue())}
+        return lm_compiled.read_summary(out.getvalue())["collectives"]
 
     assert sent("data=8", 4) == sent("data=8", 1)  # measured: all-reduce 5,247,492 B
     fsdp_1, fsdp_4 = sent("fsdp=8", 1), sent("fsdp=8", 4)
@@ -1002,10 +1016,7 @@ def test_accumulation_at_1b_keeps_the_temporaries_of_one_micro_batch(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     printed = json.loads(result.stdout.splitlines()[-1])
-    temporaries = [
-        float(re.search(r"temporaries ([\d.]+) GB", printed[run]["line"])[1])
-        for run in runs
-    ]
+    temporaries = [printed[run]["summary"]["temporaries"] for run in runs]
     print(f"temporaries {temporaries} GB")
     assert temporaries[1] <= 1.15 * temporaries[0]
 

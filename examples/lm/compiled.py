@@ -10,6 +10,7 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import mesh_spec
 import model as model_lib
 import numpy as np
 import schedules
@@ -158,19 +159,14 @@ def compile_only(step, shapes, args, mesh) -> None:
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     sent = collective_bytes(compiled.as_text())
     seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
+    cpu = platform == "cpu"
+    where = "XLA:CPU's buffer assignment, not a GPU's" if cpu else platform
     print(
-        f"compiled {args.model_config or args.model} on {dict(mesh.shape)} "
-        f"in {seconds:.1f} s "
-        f"({platform}; XLA:CPU's buffer assignment differs from a GPU's)"
+        f"compiled {args.model_config or args.model} on "
+        f"{mesh_spec.mesh_flag(dict(mesh.shape))} in {seconds:.1f} s ({where})"
     )
     total = arguments + temporaries + outputs
-    print(
-        f"per device: arguments {arguments / 1e9:.3f} GB, "
-        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB; "
-        "collectives "
-        + ", ".join(f"{kind} {size} B" for kind, size in sorted(sent.items())),
-        flush=True,
-    )
+    print(summary(arguments, temporaries, total, sent), flush=True)
     host = host_argument_bytes(compiled.as_text())
     if host:  # --offload optimizer
         print(
@@ -183,6 +179,35 @@ def compile_only(step, shapes, args, mesh) -> None:
     stages, micro = mesh.shape["pipeline"], args.grad_accum
     if stages > 1:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))
+
+
+def summary(arguments: int, temporaries: int, total: int, sent: dict[str, int]) -> str:
+    """--compile-only's numbers, as it prints them (``read_summary`` reads them back):
+    memory per device in GB, then each collective kind's bytes per device and step."""
+    lines = [
+        f"per device: arguments {arguments / 1e9:.3f} GB, "
+        f"temporaries {temporaries / 1e9:.3f} GB, total {total / 1e9:.3f} GB",
+        "collectives per device and step:" + ("" if sent else " none"),
+    ]
+    lines += [f"  {kind:<18} {size:>18,} B" for kind, size in sorted(sent.items())]
+    return "\n".join(lines)
+
+
+def read_summary(text: str) -> dict:
+    """``summary``'s numbers from a run's output: {"arguments", "temporaries", "total"}
+    in GB as printed, and "collectives", bytes by kind."""
+    lines = text[text.index("per device: ") :].splitlines()
+    found = dict(re.findall(r"(arguments|temporaries|total) ([\d.]+) GB", lines[0]))
+    heading = lines[1] if len(lines) > 1 else ""
+    if len(found) < 3 or not heading.startswith("collectives per device and step:"):
+        raise ValueError(f"not --compile-only's summary: {lines[:2]}")
+    memory = {key: float(found[key]) for key in ("arguments", "temporaries", "total")}
+    sent = {}
+    for line in lines[2:]:
+        if not (kind := re.fullmatch(r"  ([a-z-]+) +([\d,]+) B", line)):
+            break
+        sent[kind[1]] = int(kind[2].replace(",", ""))
+    return {**memory, "collectives": sent}
 
 
 def bubble_line(name: str, stages: int, micro: int, virtual: int) -> str:

@@ -3,7 +3,6 @@ benchmarks/plan_check.py; rows recompiled live)."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from planning_helpers import (
     run_main,
 )
 
+from jaxdist_lessons import recipe
 from jaxdist_lessons.planning import (
     checking,
     cli,
@@ -93,11 +93,9 @@ def test_two_rows_recompile_to_the_jsons_values(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("per device:"))
-    arguments = float(re.search(r"arguments ([\d.]+) GB", line)[1])
-    assert arguments == round(ring["compiled"]["arguments"] / 1e9, 3)
-    printed = {k: int(v) for k, v in re.findall(r"([a-z-]+) (\d+) B", line)}
-    assert printed == ring["compiled"]["collectives"]
+    printed = recipe.module("compiled").read_summary(done.stdout)
+    assert printed["arguments"] == round(ring["compiled"]["arguments"] / 1e9, 3)
+    assert printed["collectives"] == ring["compiled"]["collectives"]
 
 
 def test_check_prints_predicted_and_compiled_side_by_side(monkeypatch):
