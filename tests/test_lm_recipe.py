@@ -201,7 +201,9 @@ def test_the_compile_only_summary_reads_back_and_fits_the_page():
     byte counts, read back exactly (the benchmarks, the tests and chapters 10 and 13 read
     them with read_summary); a run without collectives says none."""
     sent = {"all-gather": 57_939_361_792, "all-reduce": 30_019_698_788, "all-to-all": 4}
-    text = lm_compiled.summary(6_023_000_000, 12_455_123_456, 18_478_123_456, sent)
+    text = lm_compiled.format_summary(
+        6_023_000_000, 12_455_123_456, 18_478_123_456, sent
+    )
     assert max(len(line) for line in text.splitlines()) <= 88
     after = "\nin host memory (the program's memory space 5): ..."
     assert lm_compiled.read_summary("compiled 8b on fsdp=16\n" + text + after) == {
@@ -210,7 +212,7 @@ def test_the_compile_only_summary_reads_back_and_fits_the_page():
         "total": 18.478,
         "collectives": sent,
     }
-    alone = lm_compiled.summary(10**9, 0, 10**9, {})
+    alone = lm_compiled.format_summary(10**9, 0, 10**9, {})
     assert alone.splitlines()[1] == "collectives per device and step: none"
     assert lm_compiled.read_summary(alone)["collectives"] == {}
     with pytest.raises(ValueError, match="not --compile-only's summary"):

@@ -166,7 +166,7 @@ def compile_only(step, shapes, args, mesh) -> None:
         f"{mesh_spec.mesh_flag(dict(mesh.shape))} in {seconds:.1f} s ({where})"
     )
     total = arguments + temporaries + outputs
-    print(summary(arguments, temporaries, total, sent), flush=True)
+    print(format_summary(arguments, temporaries, total, sent), flush=True)
     host = host_argument_bytes(compiled.as_text())
     if host:  # --offload optimizer
         print(
@@ -181,7 +181,9 @@ def compile_only(step, shapes, args, mesh) -> None:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))
 
 
-def summary(arguments: int, temporaries: int, total: int, sent: dict[str, int]) -> str:
+def format_summary(
+    arguments: int, temporaries: int, total: int, sent: dict[str, int]
+) -> str:
     """--compile-only's numbers, as it prints them (``read_summary`` reads them back):
     memory per device in GB, then each collective kind's bytes per device and step."""
     lines = [
@@ -194,8 +196,8 @@ def summary(arguments: int, temporaries: int, total: int, sent: dict[str, int]) 
 
 
 def read_summary(text: str) -> dict:
-    """``summary``'s numbers from a run's output: {"arguments", "temporaries", "total"}
-    in GB as printed, and "collectives", bytes by kind."""
+    """``format_summary``'s numbers from a run's output: {"arguments", "temporaries",
+    "total"} in GB as printed, and "collectives", bytes by kind."""
     lines = text[text.index("per device: ") :].splitlines()
     found = dict(re.findall(r"(arguments|temporaries|total) ([\d.]+) GB", lines[0]))
     heading = lines[1] if len(lines) > 1 else ""
