@@ -34,7 +34,6 @@ on any machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -225,15 +224,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# Join only when a launcher started several processes. With none, initialize() still
+# looks for a cluster, and on a TPU VM it asks the Cloud metadata server, which fails or
+# hangs where there is none. JAX's detection reads these variables (jax/_src/clusters/).
+def join_processes() -> bool:
+    """Join the job's other processes if a launcher started several; say whether."""
+    env = os.environ
+    mpi = int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1  # Open MPI's mpirun
+    tpu_hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES", "")
+    several = (
+        mpi
+        # srun; an salloc shell or a batch script has SLURM_NTASKS but no step
+        or (int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in env)
+        or "JOB_COMPLETION_INDEX" in env  # a pod of a Kubernetes Indexed Job (a JobSet)
+        or "," in tpu_hosts  # a TPU slice of several hosts on GKE
+        or int(env.get("MEGASCALE_NUM_SLICES", 1)) > 1  # several TPU slices
+        or "JAX_COORDINATOR_ADDRESS" in env  # set by hand, as for a Cloud TPU VM slice
+    )
+    if several:  # jax 0.10.2 finds Open MPI 5's processes only through mpi4py
+        jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+    return several
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.num_devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.num_devices)
-    # Before anything else touches JAX's backends: join the job's other processes.
-    method = "mpi4py" if "OMPI_COMM_WORLD_SIZE" in os.environ else None
-    with contextlib.suppress(ValueError):  # ValueError: no launcher, one process
-        jax.distributed.initialize(cluster_detection_method=method)
+    join_processes()  # before anything else touches JAX's backends
     mesh = node_mesh(args.per_node)
     axis = {"all": ("node", "local"), "inside": "local", "across": "node"}[args.axis]
     n = mesh.size if args.axis == "all" else mesh.shape[axis]

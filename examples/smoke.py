@@ -29,19 +29,40 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
+# Join only when a launcher started several processes. With none, initialize() still
+# looks for a cluster, and on a TPU VM it asks the Cloud metadata server, which fails or
+# hangs where there is none. JAX's detection reads these variables (jax/_src/clusters/).
+def join_processes() -> bool:
+    """Join the job's other processes if a launcher started several; say whether."""
+    env = os.environ
+    mpi = int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1  # Open MPI's mpirun
+    tpu_hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES", "")
+    several = (
+        mpi
+        # srun; an salloc shell or a batch script has SLURM_NTASKS but no step
+        or (int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in env)
+        or "JOB_COMPLETION_INDEX" in env  # a pod of a Kubernetes Indexed Job (a JobSet)
+        or "," in tpu_hosts  # a TPU slice of several hosts on GKE
+        or int(env.get("MEGASCALE_NUM_SLICES", 1)) > 1  # several TPU slices
+        or "JAX_COORDINATOR_ADDRESS" in env  # set by hand, as for a Cloud TPU VM slice
+    )
+    if several:  # jax 0.10.2 finds Open MPI 5's processes only through mpi4py
+        jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+    return several
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--expect-devices", type=int, help="the devices the job should have in all"
     )
     args = parser.parse_args()
-    # First, before anything else touches JAX. Open MPI 5's mpirun needs the mpi4py
-    # detection; SLURM, Kubernetes and Cloud TPU are detected with no arguments.
-    method = "mpi4py" if "OMPI_COMM_WORLD_SIZE" in os.environ else None
-    try:
-        jax.distributed.initialize(cluster_detection_method=method)
-    except ValueError as error:  # no launcher found: go on as one process, and say so
-        print(f"no cluster detected ({error}); running as one process", flush=True)
+    if not join_processes():  # first, before anything else touches JAX
+        print(
+            "running as one process: no launcher (mpirun, srun, Kubernetes, a TPU "
+            "slice) started several",
+            flush=True,
+        )
     local = ", ".join(str(d) for d in jax.local_devices())
     print(
         f"process {jax.process_index()} of {jax.process_count()} "

@@ -16,11 +16,30 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# First, before anything else touches JAX. Under Open MPI's mpirun JAX joins through
-# mpi4py; under SLURM, Kubernetes and Cloud TPU it reads the cluster's own variables.
-jax.distributed.initialize(
-    cluster_detection_method="mpi4py" if "OMPI_COMM_WORLD_SIZE" in os.environ else None
-)
+
+# Join only when a launcher started several processes. With none, initialize() still
+# looks for a cluster, and on a TPU VM it asks the Cloud metadata server, which fails or
+# hangs where there is none. JAX's detection reads these variables (jax/_src/clusters/).
+def join_processes() -> bool:
+    """Join the job's other processes if a launcher started several; say whether."""
+    env = os.environ
+    mpi = int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1  # Open MPI's mpirun
+    tpu_hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES", "")
+    several = (
+        mpi
+        # srun; an salloc shell or a batch script has SLURM_NTASKS but no step
+        or (int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in env)
+        or "JOB_COMPLETION_INDEX" in env  # a pod of a Kubernetes Indexed Job (a JobSet)
+        or "," in tpu_hosts  # a TPU slice of several hosts on GKE
+        or int(env.get("MEGASCALE_NUM_SLICES", 1)) > 1  # several TPU slices
+        or "JAX_COORDINATOR_ADDRESS" in env  # set by hand, as for a Cloud TPU VM slice
+    )
+    if several:  # jax 0.10.2 finds Open MPI 5's processes only through mpi4py
+        jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+    return several
+
+
+join_processes()  # first, before anything else touches JAX
 
 mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
 GLOBAL_BATCH = 16 * jax.device_count()

@@ -1,6 +1,6 @@
 """examples/bandwidth.py: each collective moves the bytes its nccl-tests bus factor says (read
 from the compiled program), the table's columns agree, --expect-gbps fails a slow link, and
-the script runs under mpirun across two simulated nodes."""
+the script runs under mpirun across two simulated nodes, and alone without joining."""
 
 import json
 import os
@@ -101,9 +101,14 @@ def test_the_table_agrees_with_itself_and_a_slow_link_fails(tmp_path):
 
 def test_one_device_times_host_copies_instead(tmp_path):
     """One device has no collective to time: the two copies between pinned host memory
-    and the device, each a table with bus factor 1, and the note that says so."""
+    and the device, each a table with bus factor 1, and the note that says so. No
+    launcher started it, so it never calls jax.distributed.initialize(): JAX's Open MPI 4
+    detection takes OMPI_MCA_orte_hnp_uri alone and raises on one without an address."""
     out = tmp_path / "rows.json"
-    done = run_bandwidth("--num-devices", "1", "--max-bytes", "64", "--json", str(out))
+    done = run_bandwidth(
+        *("--num-devices", "1", "--max-bytes", "64", "--json", str(out)),
+        OMPI_MCA_orte_hnp_uri="1.0;no-address",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         "# one device: no collective to time; copies between pinned host" in done.stdout

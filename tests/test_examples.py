@@ -3,11 +3,13 @@
 ``examples/train.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter 08_multi_host, which checks
 their losses and output on several layouts and with a hostfile: here, only what the chapter does
 not run (``smoke.py``'s errors, what the scripts import). ``examples/recipe.py`` runs in one
-process and under ``mpirun``. The Kubernetes JobSet cannot run here: it is parsed, and what it
+process and under ``mpirun``. Every script's ``join_processes`` is the same, and joins only
+under a launcher that started several processes. The Kubernetes JobSet cannot run here: it is parsed, and what it
 provides is checked against what the installed JAX's Kubernetes detection reads. (The SLURM batch
 script runs for real in tests/test_slurm.py.)
 """
 
+import ast
 import inspect
 import os
 import pathlib
@@ -15,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import yaml
@@ -204,10 +207,114 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
     )
 
 
+# --- join_processes: every example joins only when a launcher started several ------------------
+
+SCRIPTS = ["bandwidth.py", "smoke.py", "train.py", "recipe.py", "lm/train.py"]
+# JAX's Open MPI 4 detection (OmpiCluster) takes this variable alone, and raises on its missing
+# address: a script that called jax.distributed.initialize() here would fail at once.
+NEVER_JOINS = {"OMPI_MCA_orte_hnp_uri": "1.0;no-address"}
+# launcher -> its variables, and the detection method the script should pass (None: JAX's own);
+# NO_JOIN where the process must stay alone.
+NO_JOIN = "no join"
+LAUNCHERS = {
+    "no launcher": ({}, NO_JOIN),
+    "mpirun -np 2": ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi4py"),
+    "mpirun -np 1": ({"OMPI_COMM_WORLD_SIZE": "1"}, NO_JOIN),
+    "srun -n 2": ({"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node0"}, None),
+    "srun -n 1": ({"SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "node0"}, NO_JOIN),
+    "salloc -n 2, no srun": ({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, NO_JOIN),
+    "a JobSet's pod": (
+        {"JOB_COMPLETION_INDEX": "1", "KUBERNETES_SERVICE_HOST": "10.0.0.1"},
+        None,
+    ),
+    "a lone Kubernetes pod": ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, NO_JOIN),
+    "GKE, a 4-host TPU slice": ({"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}, None),
+    "GKE, a 1-host TPU slice": ({"TPU_WORKER_HOSTNAMES": "h0"}, NO_JOIN),
+    "two 1-host TPU slices": (
+        {"TPU_WORKER_HOSTNAMES": "h0", "MEGASCALE_NUM_SLICES": "2"},
+        None,
+    ),
+    "a Cloud TPU VM slice": ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:8482"}, None),
+    "Open MPI 4's variable alone": (NEVER_JOINS, NO_JOIN),
+}
+VARIABLES = {name for variables, _ in LAUNCHERS.values() for name in variables}
+
+
+def join_processes_of(script: str) -> tuple:
+    """``script``'s join_processes, its source, and the calls it makes to a stand-in for
+    jax.distributed.initialize."""
+    path = EXAMPLES / script
+    source = path.read_text()
+    [node] = [
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.FunctionDef) and n.name == "join_processes"
+    ]
+    calls = []
+    distributed = types.SimpleNamespace(initialize=lambda **kw: calls.append(kw))
+    namespace = {"os": os, "jax": types.SimpleNamespace(distributed=distributed)}
+    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    return namespace["join_processes"], ast.get_source_segment(source, node), calls
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_each_example_joins_only_when_a_launcher_started_several(
+    script, launcher, monkeypatch
+):
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    variables, method = LAUNCHERS[launcher]
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    join_processes, _, calls = join_processes_of(script)
+    if method == NO_JOIN:
+        assert join_processes() is False and calls == []
+    else:
+        assert join_processes() is True
+        assert calls == [{"cluster_detection_method": method}]
+
+
+def test_the_examples_share_one_join_rule_and_call_initialize_nowhere_else():
+    """The same function, word for word, in every script; no other call of initialize in
+    examples/; and every variable it reads is one the installed JAX's detection reads."""
+    first = join_processes_of(SCRIPTS[0])[1]
+    for script in SCRIPTS[1:]:
+        assert join_processes_of(script)[1] == first, script
+    for path in EXAMPLES.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        inside = {
+            id(n)
+            for f in tree.body
+            if isinstance(f, ast.FunctionDef) and f.name == "join_processes"
+            for n in ast.walk(f)
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and ast.unparse(n).endswith(
+                "distributed.initialize"
+            ):
+                assert id(n) in inside, f"{path}:{n.lineno}"
+    from jax._src import clusters, distributed
+
+    read = inspect.getsource(distributed) + "".join(
+        p.read_text() for p in pathlib.Path(clusters.__file__).parent.glob("*.py")
+    )
+    names = {
+        n.value
+        for n in ast.walk(ast.parse(first))
+        if isinstance(n, ast.Constant) and str(n.value).isupper()
+    }
+    assert len(names) == 8
+    for name in names:
+        assert f"'{name}'" in read, name
+
+
 # --- examples/smoke.py: the first thing to run on a new cluster ---------------------------------
 
 
 def test_smoke_exits_1_saying_what_is_wrong():
+    """No launcher: one process, and it says why. It never calls initialize(): JAX's Open
+    MPI 4 detection would take this address-less variable and raise (NEVER_JOINS)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -216,14 +323,15 @@ def test_smoke_exits_1_saying_what_is_wrong():
     result = subprocess.run(
         [sys.executable, "examples/smoke.py", "--expect-devices", "3"],
         cwd=ROOT,
-        env={**env, "JAX_NUM_CPU_DEVICES": "2"},
+        env={**env, "JAX_NUM_CPU_DEVICES": "2", **NEVER_JOINS},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 1
-    assert (
-        "no cluster detected (coordinator_address should be defined.)" in result.stdout
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stdout.startswith(
+        "running as one process: no launcher (mpirun, srun, Kubernetes, a TPU slice) "
+        "started several\n"
     )
     assert result.stderr.strip().endswith(
         "smoke test FAILED on process 0: the job has 2 devices, not 3: check the tasks per node, "

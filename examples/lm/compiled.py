@@ -2,6 +2,7 @@
 assigns each device and the bytes of every collective in the compiled program.
 """
 
+import argparse
 import collections
 import math
 import re
@@ -149,10 +150,26 @@ def offloaded_activations(step, shapes, args, mesh) -> str:
     )
 
 
-def compile_only(step, shapes, args, mesh) -> None:
-    """Compile one step for the requested sizes, allocating nothing; print its costs."""
+def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None:
+    """Compile one step for the requested sizes, allocating nothing; print its costs,
+    the evaluation step's memory (``eval_step``, with --eval-every) and, where the
+    devices say how much memory JAX may use, the largest global batch that fits
+    (``rebuild(args)``: the step for other flags). A step that does not fit stops in
+    one line (out_of_memory)."""
     start = time.perf_counter()
-    compiled = lower_step(step, shapes, args, mesh).compile()
+    try:
+        compiled = lower_step(step, shapes, args, mesh).compile()
+    # A TPU's compiler refuses a program that does not fit (XLA:CPU never does).
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        needed = needed_bytes(str(error))
+        largest = (
+            rebuild and needed and largest_batch(rebuild, shapes, args, mesh, needed)
+        )
+        raise SystemExit(
+            out_of_memory(str(error), shapes, args, mesh, largest)
+        ) from None
     memory = compiled.memory_analysis()
     arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
     # Donated arguments are reused for the outputs: only the rest is new memory.
@@ -179,6 +196,134 @@ def compile_only(step, shapes, args, mesh) -> None:
     stages, micro = mesh.shape["pipeline"], args.grad_accum
     if stages > 1:
         print(bubble_line(args.schedule, stages, micro, args.virtual_stages))
+    if eval_step is not None:
+        held_out = lower_step(eval_step, shapes, args, mesh).compile()
+        print(
+            f"the evaluation step: total "
+            f"{program_total(held_out.memory_analysis()) / 1e9:.3f} GB a device"
+        )
+    if (
+        rebuild
+        and memory_limit()
+        and (line := largest_batch(rebuild, shapes, args, mesh, total))
+    ):
+        print(line, flush=True)
+
+
+def program_total(memory) -> int:
+    """A program's memory a device (``memory_analysis()``): arguments, temporaries and
+    the outputs that reuse no donated argument."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+
+
+def memory_limit() -> int | None:
+    """The bytes JAX may use on each device (``memory_stats()``'s ``bytes_limit``);
+    None where the devices keep no count (XLA:CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def needed_bytes(error: str) -> int | None:
+    """The bytes a program that did not fit asked for, from the compiler's message:
+    XLA:TPU's "Ran out of memory in memory space hbm. Used 16.31G of 15.75G hbm"; None
+    if the message says no total (a run's "Attempting to allocate 1.00G")."""
+    found = re.search(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", error)
+    return round(float(found[1]) * UNITS[found[2]]) if found else None
+
+
+def step_bytes(step, shapes, args, mesh) -> int | None:
+    """The step's memory a device at ``args``' sizes: compiled, or what the compiler
+    said it needed when it refused; None if it said nothing."""
+    try:
+        compiled = lower_step(step, shapes, args, mesh).compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        return needed_bytes(str(error))
+    return program_total(compiled.memory_analysis())
+
+
+def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int:
+    """The most rows a device within ``limit`` bytes, the memory a straight line
+    (fixed + per row) through two sizes' (rows, totals)."""
+    (r1, r2), (t1, t2) = rows, totals
+    per_row = (t1 - t2) / (r1 - r2)
+    if per_row <= 0:
+        return 0
+    return max(int((limit - (t1 - per_row * r1)) // per_row), 0)
+
+
+def largest_batch(rebuild, shapes, args, mesh, total: int) -> str | None:
+    """The largest --global-batch at this --grad-accum whose step fits the devices'
+    memory (``total``: the step's bytes at ``args``), from a second compilation at half
+    the micro-batch (twice the accumulation); None where it cannot be halved."""
+    ways = math.prod(mesh.shape[axis] for axis in BATCH)
+    rows = args.global_batch // (args.grad_accum * ways)  # a micro-batch, a device
+    limit = memory_limit()
+    if rows < 2 or rows % 2 or not limit:
+        return None
+    halved = argparse.Namespace(**{**vars(args), "grad_accum": 2 * args.grad_accum})
+    half = step_bytes(rebuild(halved), shapes, halved, mesh)
+    if half is None:
+        return None
+    most = most_rows((rows, rows // 2), (total, half), limit)
+    batch = most * ways * args.grad_accum
+    if not batch:
+        return f"no --global-batch fits at --grad-accum {args.grad_accum}"
+    return (
+        f"the largest batch that fits ({limit / 1e9:.2f} GB): --global-batch {batch} "
+        f"--grad-accum {args.grad_accum}"
+    )
+
+
+def state_bytes(shapes) -> tuple[int, int]:
+    """(the weights', the optimizer state's) bytes a device keeps on the device (the
+    optimizer's kept in host memory, --offload optimizer, left out)."""
+    on_device = lambda tree: sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(tree)
+        if x.sharding.memory_kind != "pinned_host"
+    )
+    return on_device(shapes.params), on_device(shapes.opt_state)
+
+
+def out_of_memory(error: str, shapes, args, mesh, largest: str | None = None) -> str:
+    """One line for a step that does not fit: what it needs, what a device has, and
+    flags that would fit by the recipe's arithmetic (the weights, their gradient and
+    the optimizer's state stay; the rest grows with the micro-batch)."""
+    needed, limit = needed_bytes(error), memory_limit()
+    weights, optimizer = state_bytes(shapes)
+    state = 2 * weights + optimizer  # the weights, their gradient, the moments
+    said = f"needs {needed / 1e9:.2f} GB a device" if needed else "ran out of memory"
+    has = f", the device has {limit / 1e9:.2f} GB" if limit else ""
+    tries = []
+    if limit and state > 0.9 * limit and "optimizer" not in args.offload:
+        tries.append("--offload optimizer (the moments to host memory)")
+    if limit and needed and needed > state:
+        accum = args.grad_accum
+        while (
+            accum < args.global_batch
+            and state + (needed - state) * args.grad_accum / accum > 0.9 * limit
+        ):
+            accum *= 2
+        if accum > args.grad_accum and args.global_batch % accum == 0:
+            tries.append(f"--grad-accum {accum}")
+    if args.remat != "full":
+        tries.append("--remat full")
+    if largest:
+        tries.append(largest)
+    weights_line = f"weights, gradients and optimizer state {state / 1e9:.2f} GB"
+    return f"out of memory: the step {said}{has} ({weights_line}); try " + (
+        "; ".join(tries) or "more devices (--mesh fsdp=...)"
+    )
 
 
 def format_summary(

@@ -27,18 +27,34 @@ PEAK_FLOPS = {
 }
 
 
-def peak_memory(devices) -> str | None:
-    """The most memory one of ``devices`` held during the run (``memory_stats()``'s
-    ``peak_bytes_in_use``, PyTorch's ``max_memory_allocated``) and the limit JAX set
-    itself; None where the devices keep no count (XLA:CPU's)."""
+def program_bytes(memory) -> int:
+    """What a compiled program holds on a device while it runs (its
+    ``memory_analysis()``): its arguments, its temporaries and the outputs that do not
+    reuse a donated argument's memory."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+
+
+def peak_memory(devices, programs=()) -> str | None:
+    """The most memory one of ``devices`` held during the run, and the limit JAX set
+    itself; None where the devices keep no count (XLA:CPU's). The larger of
+    ``memory_stats()``'s ``peak_bytes_in_use`` (PyTorch's ``max_memory_allocated``) and
+    what each of the run's compiled ``programs`` (their memory analyses) holds while it
+    runs: a TPU's count leaves the programs' temporaries out."""
     stats = [device.memory_stats() for device in devices]
     if not stats or not all(stats):
         return None
-    peak = max(s["peak_bytes_in_use"] for s in stats)
+    counted = max(s["peak_bytes_in_use"] for s in stats)
+    program = max((program_bytes(m) for m in programs), default=0)
     limit = min(s.get("bytes_limit", 0) for s in stats)
+    source = "a compiled step's" if program > counted else "memory_stats()"
     return (
-        f"peak memory per device {peak / 1e9:.2f} GB "
-        f"(of {limit / 1e9:.2f} GB JAX may use)"
+        f"peak memory per device {max(counted, program) / 1e9:.2f} GB "
+        f"(of {limit / 1e9:.2f} GB JAX may use; {source} count)"
     )
 
 

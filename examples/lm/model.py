@@ -1,9 +1,10 @@
 """A Llama-style decoder in Flax Linen; each weight and activation names its axes.
 
-RMSNorm, rotary positions (RoPE), grouped-query attention three ways (XLA's reference
-jax.nn.dot_product_attention; cuDNN's fused kernel on NVIDIA GPUs; or chunked: blocks
-of an online softmax in plain JAX, memory linear in the sequence) or, with the sequence
-split over devices, ring attention, whose steps use the chunked blocks; a SwiGLU MLP
+RMSNorm, rotary positions (RoPE), grouped-query attention four ways (XLA's reference
+jax.nn.dot_product_attention; cuDNN's fused kernel on NVIDIA GPUs; splash, JAX's Pallas
+kernel for TPUs (splash.py); or chunked: blocks of an online softmax in plain JAX,
+memory linear in the sequence) or, with the sequence split over devices, ring
+attention, whose steps use the chunked blocks; a SwiGLU MLP
 or a mixture of SwiGLU experts; and a scan over the layers with a rematerialisation
 policy. The names ("embed", "mlp", "heads", ...) say what an axis means; the rules in
 layout.py say which mesh axis, if any, splits it.
@@ -36,6 +37,7 @@ import dropless
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import splash
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from model_config import ModelConfig, RopeScaling
@@ -131,7 +133,7 @@ def rope(
 
 MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
 BLOCK = 512  # chunked attention's largest query and key/value block (block_size)
-ATTENTIONS = ("xla", "cudnn", "chunked")
+ATTENTIONS = ("xla", "cudnn", "splash", "chunked")
 
 
 def document_starts(tokens_BT: jax.Array, eod_id: int) -> jax.Array:
@@ -585,6 +587,9 @@ class Attention(nn.Module):
         v_BTKA = constrain(v_BTKA, ("batch", "act_seq", "act_kv_heads", None))
         # Document starts, if any: per row, whole along the sequence on each device
         documents = () if starts_BT is None else (starts_BT,)
+        # Ring attention's blocks stay chunked, not splash: in the zigzag order a block
+        # pair's causal mask is not a static lower triangle, and merging the parts needs
+        # each part's log-sum-exp and its gradient, which the kernel does not give.
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             row_spec = nn.logical_to_mesh_axes(("batch", None))
@@ -603,6 +608,9 @@ class Attention(nn.Module):
             out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
         elif self.attention == "cudnn":  # positions in order: the lower triangle
             out_BTNA = placed(cudnn_attention)(q_BTNA, k_BTKA, v_BTKA, *documents)
+        elif self.attention == "splash":  # positions in order: the lower triangle
+            attend = placed(splash.splash_attention)
+            out_BTNA = attend(q_BTNA, k_BTKA, v_BTKA, *documents)
         elif self.attention == "xla":  # positions in order; the T x S scores in fp32
             out_BTNA = jax.nn.dot_product_attention(
                 q_BTNA, k_BTKA, v_BTKA, mask=document_mask(starts_BT), is_causal=True
@@ -908,8 +916,9 @@ class Transformer(nn.Module):
     scan_unroll: int = 1
     context_parallel: bool = False  # ring attention over the 'sequence' mesh axis
     # "xla": jax.nn.dot_product_attention's reference (the T x S scores in float32);
-    # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "chunked": blocks of an
-    # online softmax in plain JAX, memory linear in the sequence.
+    # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "splash": JAX's Pallas
+    # kernel for TPUs (splash.py); "chunked": blocks of an online softmax in plain JAX,
+    # memory linear in the sequence.
     attention: str = "xla"
     # The embedding lookup, one of LOOKUPS (layout.lookup says which). On a mesh whose
     # batch has replicas ('data' or 'expert'), left to XLA ("xla"), the lookup's
@@ -973,11 +982,22 @@ class Transformer(nn.Module):
         positions_T: jax.Array | None = None,
         starts_BT: jax.Array | None = None,
     ):
+        x_BTD, aux_loss = self.features(tokens_BT, positions_T, starts_BT)
+        return self.logits(x_BTD), aux_loss
+
+    def features(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: jax.Array | None = None,
+        starts_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Token ids -> (the last layer's output, before the final norm; the experts'
+        auxiliary loss): the model without its output projection, for a loss that
+        computes the logits a chunk at a time (fused_cross_entropy)."""
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
         x_BTD = self.embed_tokens(tokens_BT)
-        x_BTD, aux_loss = self.run_layers(x_BTD, positions_T, starts_BT)
-        return self.logits(x_BTD), aux_loss
+        return self.run_layers(x_BTD, positions_T, starts_BT)
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token ids -> the residual stream's first values, in its layout."""
@@ -1022,3 +1042,78 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
     target_logit_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT)
+
+
+# The most float32 logits a device holds at once in fused_cross_entropy (loss_chunks)
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_chunks(
+    tokens: int, length: int, vocab: int, devices: int, budget: int | None = None
+) -> int:
+    """How many chunks fused_cross_entropy cuts each row into: the fewest, dividing
+    ``length``, whose float32 logits (``tokens`` x ``vocab`` over ``devices``) keep
+    within ``budget`` bytes a device (LOSS_CHUNK_BYTES; 1: all the logits at once)."""
+    budget = budget or LOSS_CHUNK_BYTES
+    per_device = 4 * tokens * vocab / devices
+    fits = (c for c in range(1, length + 1) if length % c == 0)
+    return next((c for c in fits if per_device / c <= budget), length)
+
+
+def fused_cross_entropy(logits_fn, head, x_BTD, targets_BT, chunks: int, layout=None):
+    """cross_entropy(logits_fn(head, x_BTD), targets_BT), computed ``chunks`` columns
+    at a time, so that no device holds all the logits, in the forward pass or the
+    backward: each chunk's logits, their gradient and its share of the head's and the
+    inputs' gradients are computed together in the forward pass (three matrix
+    products a chunk, as unchunked; nothing recomputed), and the backward pass only
+    scales them. ``head``: the weights logits_fn uses; ``layout`` pins the running
+    sum of their gradient to their layout (FSDP keeps 1/fsdp of it a device).
+
+    Chunk c holds columns c, c + chunks, ...: a split sequence stays split."""
+    if chunks == 1:
+        return cross_entropy(logits_fn(head, x_BTD), targets_BT)
+    layout = layout or (lambda tree: tree)
+    B, T = targets_BT.shape
+    count = B * T
+
+    def split(a):  # (B, T, ...) -> (chunks, B, T / chunks, ...)
+        return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
+
+    def chunk_loss(head, x_BtD, targets_Bt):  # the chunk's summed loss
+        return cross_entropy(logits_fn(head, x_BtD), targets_Bt) * targets_Bt.size
+
+    @jax.custom_vjp
+    def loss(head, x_BTD, targets_BT):
+        def add(total, xs):
+            return total + chunk_loss(head, *xs), None
+
+        chunks_ = (split(x_BTD), split(targets_BT))
+        return jax.lax.scan(add, jnp.zeros((), jnp.float32), chunks_)[0] / count
+
+    def forward(head, x_BTD, targets_BT):
+        def add(carry, xs):
+            total, d_head = carry
+            x_BtD, targets_Bt = xs
+            value, vjp = jax.vjp(lambda h, x: chunk_loss(h, x, targets_Bt), head, x_BtD)
+            g_head, g_x_BtD = vjp(jnp.ones_like(value))
+            d_head = layout(
+                jax.tree.map(lambda d, g: d + g.astype(jnp.float32), d_head, g_head)
+            )
+            return (total + value, d_head), g_x_BtD
+
+        zeros = layout(jax.tree.map(lambda h: jnp.zeros(h.shape, jnp.float32), head))
+        start = (jnp.zeros((), jnp.float32), zeros)
+        (total, d_head), g_x_CBtD = jax.lax.scan(
+            add, start, (split(x_BTD), split(targets_BT))
+        )
+        g_x_BTD = jnp.moveaxis(g_x_CBtD, 0, 2).reshape(x_BTD.shape)
+        return total / count, (d_head, g_x_BTD, head)
+
+    def backward(saved, g):
+        d_head, g_x_BTD, head = saved
+        scale = g / count
+        d_head = jax.tree.map(lambda d, h: (d * scale).astype(h.dtype), d_head, head)
+        return d_head, (g_x_BTD * scale).astype(g_x_BTD.dtype), None
+
+    loss.defvjp(forward, backward)
+    return loss(head, x_BTD, targets_BT)

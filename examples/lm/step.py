@@ -173,13 +173,38 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     def loss(apply_fn, params, tokens_BT):
         inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
         params = cast(params, shardings, dtype)
-        logits_BTV, aux_loss = apply_fn(
-            {"params": params}, inputs_BT, positions_T, starts_BT
+        x_BTD, aux_loss = apply_fn(
+            {"params": params}, inputs_BT, positions_T, starts_BT, method="features"
         )
-        loss = model_lib.cross_entropy(logits_BTV, targets_BT)
+        loss = head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT)
         return loss + aux_loss, loss  # the experts' losses train the router
 
     return loss
+
+
+def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array:
+    """The final norm, the output projection and the mean next-token loss, a chunk of
+    columns at a time where all the float32 logits would take more than
+    model.LOSS_CHUNK_BYTES a device (model.fused_cross_entropy)."""
+    names = (
+        ("final_norm", "unembed") if "unembed" in params else ("final_norm", "embed")
+    )
+    head = {name: params[name] for name in names}
+    specs = {
+        name: jax.tree.map(lambda s: s.spec, shardings.params[name]) for name in names
+    }
+    vocab = params["embed"]["embedding"].shape[0]
+    chunks = model_lib.loss_chunks(
+        targets_BT.size, targets_BT.shape[1], vocab, mesh.size
+    )
+    return model_lib.fused_cross_entropy(
+        lambda head, x_BTD: apply_fn({"params": head}, x_BTD, method="logits"),
+        head,
+        x_BTD,
+        targets_BT,
+        chunks,
+        layout=lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, specs),
+    )
 
 
 class Pipeline:
@@ -451,10 +476,20 @@ def make_eval_step(
     model=None,
     microbatches: int = 1,
 ):
-    """The held-out loss of a batch: the training loss, without gradients."""
+    """The held-out loss of a batch: the training loss, without gradients, in the
+    training step's ``microbatches`` (so it needs no more memory than the step)."""
     loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, microbatches)
+    pipelined = mesh.shape["pipeline"] > 1  # the pipeline cuts its own micro-batches
+
+    def eval_step(state, tokens_BT):
+        loss = lambda tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1]
+        if pipelined or microbatches == 1:
+            return loss(tokens_BT)
+        micro_KBT = micro_batches(tokens_BT, microbatches, BATCH)
+        return jax.lax.map(loss, micro_KBT).mean()  # equal sizes: the mean of means
+
     return jax.jit(
-        lambda state, tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1],
+        eval_step,
         in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),
         out_shardings=NamedSharding(mesh, P()),
     )

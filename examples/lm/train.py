@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data
 import model as model_lib
 import model_config
-from compiled import compile_only
+from compiled import compile_only, lower_step, out_of_memory
 from layout import (
     AXES,
     BATCH,
@@ -198,9 +198,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--attention",
         choices=model_lib.ATTENTIONS,
-        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there); chunked: "
-        "blocks in plain JAX, memory linear in the sequence (the default elsewhere); "
-        "xla: XLA's reference, the T x T scores in float32",
+        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there); splash: "
+        "JAX's Pallas kernel (TPUs; the default there, for a --seq-len that is a "
+        "multiple of 128); chunked: blocks in plain JAX, memory linear in the sequence "
+        "(the default elsewhere); xla: XLA's reference, the T x T scores in float32",
     )
     add("--learning-rate", type=float, default=3e-3)
     add("--warmup-steps", type=int, default=20)
@@ -266,11 +267,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def join_processes() -> None:
-    """Join the other processes if mpirun or srun started several: JAX detects them."""
-    mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # Open MPI's mpirun
-    if mpi or int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # or SLURM's srun
+# Join only when a launcher started several processes. With none, initialize() still
+# looks for a cluster, and on a TPU VM it asks the Cloud metadata server, which fails or
+# hangs where there is none. JAX's detection reads these variables (jax/_src/clusters/).
+def join_processes() -> bool:
+    """Join the job's other processes if a launcher started several; say whether."""
+    env = os.environ
+    mpi = int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1  # Open MPI's mpirun
+    tpu_hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES", "")
+    several = (
+        mpi
+        # srun; an salloc shell or a batch script has SLURM_NTASKS but no step
+        or (int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in env)
+        or "JOB_COMPLETION_INDEX" in env  # a pod of a Kubernetes Indexed Job (a JobSet)
+        or "," in tpu_hosts  # a TPU slice of several hosts on GKE
+        or int(env.get("MEGASCALE_NUM_SLICES", 1)) > 1  # several TPU slices
+        or "JAX_COORDINATOR_ADDRESS" in env  # set by hand, as for a Cloud TPU VM slice
+    )
+    if several:  # jax 0.10.2 finds Open MPI 5's processes only through mpi4py
         jax.distributed.initialize(cluster_detection_method="mpi4py" if mpi else None)
+    return several
 
 
 def config_from_args(args) -> model_config.ModelConfig:
@@ -321,10 +337,7 @@ def make_evaluation(args, mesh, model, shapes, rows: slice, source: data.TokenRe
     placed on the devices once; None without --eval-every."""
     if not args.eval_every:
         return None
-    shardings = jax.tree.map(lambda s: s.sharding, shapes)
-    eval_step = make_eval_step(
-        shardings, mesh, jnp.dtype(args.dtype), args.eod_id, model, args.grad_accum
-    )
+    eval_step = held_out_step(args, mesh, model, shapes)
     sharding, shape = (
         NamedSharding(mesh, P(BATCH)),
         (args.global_batch, args.seq_len + 1),
@@ -340,7 +353,15 @@ def make_evaluation(args, mesh, model, shapes, rows: slice, source: data.TokenRe
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             return float(np.mean([eval_step(state, batch) for batch in held_out]))
 
+    evaluate.step = eval_step  # its memory counts toward the peak
     return evaluate
+
+
+def held_out_step(args, mesh, model, shapes):
+    """The jitted evaluation step, in the training step's micro-batches."""
+    shardings = jax.tree.map(lambda s: s.sharding, shapes)
+    dtype = jnp.dtype(args.dtype)
+    return make_eval_step(shardings, mesh, dtype, args.eod_id, model, args.grad_accum)
 
 
 def train(args, mesh, model, tx, step, shapes, init) -> None:
@@ -352,15 +373,15 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     batches = data.batches(
         sources, args.global_batch, rows, args.seed, args.data_weights, held_out
     )
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        # born sharded
-        state = jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes))(
-            jax.random.key(args.seed)
-        )
     manager = checkpoint_manager(args) if args.checkpoint_dir else None
-    if manager and manager.latest_step() is not None:
+    if manager and manager.latest_step() is not None:  # into the shapes: one copy
         state, batches = restore(manager, shapes, batches)
         print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
+    else:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):  # born sharded
+            state = jax.jit(
+                init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes)
+            )(jax.random.key(args.seed))
     tokens_per_step = args.global_batch * args.seq_len
     flops = model_config.flops_per_token(model.config, args.seq_len) * tokens_per_step
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
@@ -428,7 +449,10 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             break
     if pending:
         report(*pending)
-    if peak := peak_memory(jax.local_devices()):  # a GPU's or a TPU's
+    steps = [step] + ([evaluate.step] if evaluate else [])
+    if peak := peak_memory(
+        jax.local_devices(), steps_memory(steps, shapes, args, mesh)
+    ):
         print0(peak, flush=True)
     if args.profile and first < 6 <= now < 9:  # stopped before step 9: end the trace
         jax.profiler.stop_trace()
@@ -440,16 +464,41 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     log.close()
 
 
-def attention_kind(requested: str | None) -> str:
+def steps_memory(steps, shapes, args, mesh) -> list:
+    """The jitted steps' memory analyses, where the devices count memory (a GPU's or a
+    TPU's; none on XLA:CPU): compiled again, which reads JAX's compilation cache."""
+    if not jax.local_devices()[0].memory_stats():
+        return []
+    return [
+        lower_step(step, shapes, args, mesh).compile().memory_analysis()
+        for step in steps
+    ]
+
+
+def attention_kind(requested: str | None, seq_len: int | None = None) -> str:
     """--attention, or its default for the devices there are: cuDNN's kernel on NVIDIA
-    GPUs, chunked blocks elsewhere."""
+    GPUs, splash on TPUs (where the kernel's blocks fit ``seq_len``), chunked blocks
+    elsewhere."""
     platform = jax.devices()[0].platform
     if requested == "cudnn" and platform != "gpu":
         raise SystemExit(
             f"--attention cudnn needs an NVIDIA GPU; this machine has {platform} "
             "devices: use --attention chunked or xla"
         )
-    return requested or ("cudnn" if platform == "gpu" else "chunked")
+    # Off a TPU the kernel runs only interpreted (the tests' way): too slow to train.
+    if requested == "splash" and platform != "tpu":
+        raise SystemExit(
+            f"--attention splash needs a TPU; this machine has {platform} devices: "
+            "use --attention chunked or xla"
+        )
+    fits = seq_len is None or seq_len % model_lib.splash.LANES == 0
+    if requested == "splash" and not fits:
+        raise SystemExit(
+            f"--attention splash needs a --seq-len that is a multiple of "
+            f"{model_lib.splash.LANES}; got {seq_len}: use --attention chunked"
+        )
+    default = {"gpu": "cudnn", "tpu": "splash" if fits else "chunked"}
+    return requested or default.get(platform, "chunked")
 
 
 def setup(args):
@@ -503,8 +552,15 @@ def main(argv=None) -> None:
     join_processes()
     mesh, model, tx, step, shapes, init = setup(args)
     if args.compile_only:
-        return compile_only(step, shapes, args, mesh)
-    train(args, mesh, model, tx, step, shapes, init)
+        held_out = held_out_step(args, mesh, model, shapes) if args.eval_every else None
+        rebuild = lambda other_args: setup(other_args)[3]  # the step for other flags
+        return compile_only(step, shapes, args, mesh, held_out, rebuild)
+    try:
+        train(args, mesh, model, tx, step, shapes, init)
+    except jax.errors.JaxRuntimeError as error:  # out of memory: one line, no traceback
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise SystemExit(out_of_memory(str(error), shapes, args, mesh)) from None
 
 
 if __name__ == "__main__":

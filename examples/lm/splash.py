@@ -1,0 +1,94 @@
+"""Splash attention: JAX's Pallas kernel for TPUs, causal, with packed documents.
+
+The kernel is JAX's own (jax.experimental.pallas.ops.tpu.splash_attention, "sparse
+flash attention"): FlashAttention's blocks of queries and keys (Dao et al. 2022,
+arXiv:2205.14135) with a block-sparse mask, whose block maps, built once on the host,
+let it skip the blocks above the causal diagonal in the forward pass and in both
+backward kernels. Documents packed into a row (--eod-id) reach it as segment ids: a
+query sees a key only where the two ids are equal, and each token's document start
+(model.document_starts) is such an id. Grouped key/value heads are the kernel's own:
+query head n reads key/value head n // (N / K), so K and V are never repeated to N
+heads, in the forward pass or the backward.
+
+On other backends the same kernel runs in Pallas's interpret mode (``interpret=True``):
+exact, and far too slow to train with, which is how the tests run it on a CPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as kernels
+
+# A block spans whole 128-lane vector registers; the largest that divides the sequence
+# is taken (512: MaxText's default, its base.yml's sa_block_* settings).
+LANES = 128
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+def splash_blocks(length: int) -> kernels.BlockSizes:
+    """The kernel's blocks for ``length`` tokens, forward and backward: the largest of
+    SPLASH_BLOCKS that divides it."""
+    if length % LANES:
+        raise ValueError(
+            f"splash attention needs a sequence length that is a multiple of {LANES}; "
+            f"got {length}: use --attention chunked or another --seq-len"
+        )
+    size = next(block for block in SPLASH_BLOCKS if length % block == 0)
+    return kernels.BlockSizes(
+        block_q=size,
+        block_kv=size,
+        block_kv_compute=size,
+        block_q_dkv=size,
+        block_kv_dkv=size,
+        block_kv_dkv_compute=size,
+        block_q_dq=size,
+        block_kv_dq=size,
+    )
+
+
+@functools.cache
+def splash_kernel(num_heads: int, length: int, interpret: bool):
+    """The causal kernel for ``num_heads`` query heads of ``length`` tokens, built once
+    a shape: its mask's block maps (which block pairs to compute, which to skip) are
+    made on the host."""
+    causal = kernels.CausalMask((length, length))
+    mask = kernels.MultiHeadMask([causal] * num_heads)
+    # Concrete, even when first asked for inside a trace: the cache outlives it.
+    with jax.ensure_compile_time_eval():
+        kernel = kernels.make_splash_mha(
+            mask,
+            block_sizes=splash_blocks(length),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+    # The block maps as numpy: constants of each program, not device arrays it closes
+    # over (closed over inside shard_map, JAX 0.10.2 fails to run the backward pass of
+    # a jitted forward on its own).
+    return jax.tree.map(np.asarray, kernel)
+
+
+def splash_attention(
+    q_BTNA: jax.Array,
+    k_BTKA: jax.Array,
+    v_BTKA: jax.Array,
+    starts_BT: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Causal attention by the splash kernel, each query inside its document given
+    the document starts; in the queries' dtype. ``interpret``: by default off a TPU."""
+    _, T, N, A = q_BTNA.shape
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    kernel = splash_kernel(N, T, interpret)
+    # The kernel does not scale the scores, and takes heads before tokens.
+    q_BNTA = (q_BTNA * jnp.asarray(A**-0.5, q_BTNA.dtype)).transpose(0, 2, 1, 3)
+    k_BKTA, v_BKTA = (x.transpose(0, 2, 1, 3) for x in (k_BTKA, v_BTKA))
+    if starts_BT is None:
+        out_BNTA = jax.vmap(kernel)(q_BNTA, k_BKTA, v_BKTA)
+    else:
+        documents = kernels.SegmentIds(q=starts_BT, kv=starts_BT)
+        out_BNTA = jax.vmap(kernel)(q_BNTA, k_BKTA, v_BKTA, documents)
+    return out_BNTA.transpose(0, 2, 1, 3)
