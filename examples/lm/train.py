@@ -522,7 +522,7 @@ def setup(args):
         args.remat,
         offload_activations="activations" in args.offload,
         context_parallel=mesh.shape["sequence"] > 1,
-        attention=attention_kind(args.attention),
+        attention=attention_kind(args.attention, args.seq_len),
         lookup=lookup(config, mesh, args),
     )
     tx = make_optimizer(args)
