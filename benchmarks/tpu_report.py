@@ -45,20 +45,26 @@ BUDGET = 540  # seconds, the whole report
 SKIP = 3  # steps left out of the medians: compilation, then warm-up
 STEPS = 12
 CHIP = "TPU v5e"  # the planner's name for the chip
+PROBE = 4  # the global batch --compile-only tries first for a run whose batch is 0
 
 # (model, sequence length, attention, global batch, --grad-accum, --remat, --offload)
+# The rows: model, sequence, attention, global batch (0: the largest that fits, from
+# --compile-only), --grad-accum, --remat, --offload, --moments. 125m's best measured
+# settings on the chip; 1b fits only with bfloat16 moments (float32 weights, gradients
+# and moments take 19.8 GB; offloaded, the moments come back to the chip whole).
 RUNS = [
-    ("125m", 2048, "splash", 32, 1, "dots", "none"),
-    ("125m", 2048, "chunked", 32, 1, "dots", "none"),
-    ("125m", 2048, "xla", 32, 1, "dots", "none"),
-    ("125m", 8192, "splash", 8, 1, "dots", "none"),
-    ("125m", 8192, "chunked", 8, 1, "dots", "none"),
-    ("1b", 2048, "splash", 16, 2, "full", "optimizer"),
-    ("1b", 2048, "chunked", 16, 2, "full", "optimizer"),
-    ("1b", 8192, "splash", 4, 2, "full", "optimizer"),
-    ("125m", 8192, "xla", 8, 1, "dots", "none"),
-    ("1b", 2048, "xla", 16, 2, "full", "optimizer"),
+    ("125m", 2048, "splash", 16, 1, "dots", "none", "float32"),
+    ("1b", 2048, "splash", 0, 1, "full", "none", "bfloat16"),
+    ("125m", 8192, "splash", 4, 1, "dots", "none", "float32"),
+    ("125m", 2048, "chunked", 16, 1, "dots", "none", "float32"),
+    ("125m", 2048, "xla", 16, 1, "dots", "none", "float32"),
+    ("1b", 8192, "splash", 0, 1, "full", "none", "bfloat16"),
+    ("125m", 8192, "chunked", 4, 1, "dots", "none", "float32"),
+    ("125m", 8192, "xla", 4, 1, "dots", "none", "float32"),
+    ("1b", 2048, "chunked", 0, 1, "full", "none", "bfloat16"),
+    ("1b", 2048, "xla", 0, 1, "full", "none", "bfloat16"),
 ]
+# one row of RUNS, named
 KEYS = (
     "model",
     "seq_len",
@@ -67,6 +73,7 @@ KEYS = (
     "grad_accum",
     "remat",
     "offload",
+    "moments",
 )
 
 
@@ -145,6 +152,7 @@ def recipe_argv(run: dict, data: str, cache: str) -> list[str]:
             str(run["grad_accum"]),
         ),
         *("--remat", run["remat"], "--offload", run["offload"], "--steps", str(STEPS)),
+        *("--moments", run["moments"]),
         *("--data", data, "--compilation-cache", cache),
     ]
 
@@ -175,11 +183,27 @@ def planned(run: dict) -> dict:
     """The planner's prediction for the run on one chip: its step time and MFU, or the
     sentence with which it refuses."""
     command = [
-        sys.executable, "-m", "jaxdist_lessons.planning", "--model", run["model"],
-        "--devices", "1", "--chip", CHIP, "--seq-len", str(run["seq_len"]),
-        "--global-batch", str(run["global_batch"]), "--grad-accum", str(run["grad_accum"]),
-        "--dtype", "bfloat16", "--remat", run["remat"], "--json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "jaxdist_lessons.planning",
+        "--model",
+        run["model"],
+        "--devices",
+        "1",
+        "--chip",
+        CHIP,
+        "--seq-len",
+        str(run["seq_len"]),
+        "--global-batch",
+        str(run["global_batch"]),
+        "--grad-accum",
+        str(run["grad_accum"]),
+        "--dtype",
+        "bfloat16",
+        "--remat",
+        run["remat"],
+        "--json",
+    ]
     done = subprocess.run(
         command, capture_output=True, text=True, cwd=ROOT, check=False
     )
@@ -203,20 +227,15 @@ class Tee(io.StringIO):
         return super().write(text)
 
 
-def run_recipe(run: dict, workdir: pathlib.Path) -> dict:
-    """One run of train.py in this process; its numbers, or the line that stopped it."""
+def captured(argv: list[str]) -> tuple[str, str]:
+    """train.main(argv) in this process: (its output, how it ended: "ran", "stopped:
+    <the recipe's one line>" or "failed: <the error>")."""
+    import gc
+
     import jax
-    import model_config
     import train
 
-    vocab = model_config.PRESETS[run["model"]].vocab_size
-    rows = run["global_batch"] * (STEPS + 2)
-    data = random_tokens(
-        workdir / f"tokens-{vocab}-{run['seq_len']}.npy", vocab, rows, run["seq_len"]
-    )
-    argv = recipe_argv(run, data, str(workdir / "jax_cache"))
-    print(f"== train.py {' '.join(argv)}", flush=True)
-    out, start = Tee(), time.perf_counter()
+    out = Tee()
     try:
         with contextlib.redirect_stdout(out):
             train.main(argv)
@@ -224,18 +243,53 @@ def run_recipe(run: dict, workdir: pathlib.Path) -> dict:
     except SystemExit as stop:  # the recipe's one line (out of memory, a refusal)
         status = f"stopped: {stop.code}"
         print(status, flush=True)
+    # a failed run is a row of the report, not its end
     except Exception as error:
         status = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         print(status, flush=True)
     finally:
         jax.clear_caches()
-    seconds = time.perf_counter() - start
-    return {
-        **run,
-        "status": status,
-        "seconds": round(seconds, 1),
-        **step_summary(out.getvalue()),
-    }
+        gc.collect()  # the run's state off the chip before the next run
+    return out.getvalue(), status
+
+
+def largest_batch(run: dict, cache: str) -> int | None:
+    """The largest --global-batch that --compile-only finds fits the chip at ``run``'s
+    other flags (its two compilations, at PROBE and half of it)."""
+    argv = [
+        *recipe_argv({**run, "global_batch": PROBE}, "unused", cache),
+        "--compile-only",
+    ]
+    print(f"== train.py {' '.join(argv)}", flush=True)
+    text, status = captured(argv)
+    found = re.search(
+        r"largest batch that fits \([\d.]+ GB\): --global-batch (\d+)", text + status
+    )
+    return int(found[1]) if found else None
+
+
+def run_recipe(run: dict, workdir: pathlib.Path, found: dict) -> dict:
+    """One run of train.py in this process; its numbers, or the line that stopped it.
+    A global batch of 0: the largest that fits (largest_batch, asked once a model and
+    sequence length and kept in ``found``), less a tenth."""
+    import model_config
+
+    cache, fits, shape = str(workdir / "jax_cache"), {}, (run["model"], run["seq_len"])
+    if not run["global_batch"]:
+        if shape not in found:
+            found[shape] = largest_batch(run, cache)
+        if not (most := found[shape]):
+            return {**run, "status": "stopped: --compile-only found no batch that fits"}
+        run, fits = {**run, "global_batch": max(1, most * 9 // 10)}, {"fits": most}
+    vocab = model_config.PRESETS[run["model"]].vocab_size
+    rows = run["global_batch"] * (STEPS + 2)
+    path = workdir / f"tokens-{vocab}-{run['seq_len']}.npy"
+    argv = recipe_argv(run, random_tokens(path, vocab, rows, run["seq_len"]), cache)
+    print(f"== train.py {' '.join(argv)}", flush=True)
+    start = time.perf_counter()
+    text, status = captured(argv)
+    seconds = round(time.perf_counter() - start, 1)
+    return {**run, **fits, "status": status, "seconds": seconds, **step_summary(text)}
 
 
 def markdown(report: dict) -> str:
@@ -300,6 +354,7 @@ def main(argv=None) -> dict | None:
     print(json.dumps({k: report[k] for k in ("roofline", "copies")}), flush=True)
     workdir = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / "tpu_report"
     workdir.mkdir(parents=True, exist_ok=True)
+    found = {}  # (model, sequence length) -> the largest batch that fits
     for values in args.runs or RUNS:
         run = dict(zip(KEYS, values))
         if args.only and args.only not in ",".join(str(v) for v in values):
@@ -309,7 +364,8 @@ def main(argv=None) -> dict | None:
                 {**run, "status": "skipped: over the report's budget"}
             )
             continue
-        report["runs"].append({**run_recipe(run, workdir), **planned(run)})
+        result = run_recipe(run, workdir, found)
+        report["runs"].append({**result, **planned(result)})
         (args.out / "tpu_report.json").write_text(json.dumps(report, indent=1) + "\n")
     report["seconds"] = round(time.perf_counter() - start, 1)
     (args.out / "tpu_report.json").write_text(json.dumps(report, indent=1) + "\n")

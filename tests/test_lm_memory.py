@@ -243,3 +243,24 @@ def test_the_head_loss_chunks_the_vocabulary_of_a_1b_batch():
     chunks = model_lib.loss_chunks(8 * 2048, 2048, 128_256, 1)
     assert chunks == 32
     assert temporaries(chunks) < temporaries(1) / 4
+
+
+def test_compile_only_names_the_largest_batch_that_fits(monkeypatch, capsys):
+    """Where the devices say how much memory JAX may use (a GPU's or a TPU's; faked
+    here), --compile-only compiles the step at the batch asked for and at half of it and
+    names the largest --global-batch within that memory, on the straight line through
+    the two totals: here room for 3.5 rows a device more than 8, so 11 a device."""
+    argv = ["--model", "tiny", "--mesh", "data=8", "--seq-len", "128"]
+    totals = {}
+    for batch in (64, 32):
+        args = train.parse_args([*argv, "--global-batch", str(batch)])
+        mesh, _, _, step, shapes, _ = train.setup(args)
+        totals[batch] = compiled.step_bytes(step, shapes, args, mesh)
+    limit = int(totals[64] + 3.5 * (totals[64] - totals[32]) / 4)
+    monkeypatch.setattr(compiled, "memory_limit", lambda: limit)
+    train.main([*argv, "--global-batch", "64", "--compile-only"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (
+        f"the largest batch that fits ({limit / 1e9:.2f} GB): --global-batch 88 "
+        "--grad-accum 1"
+    )

@@ -154,8 +154,8 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
     """Compile one step for the requested sizes, allocating nothing; print its costs,
     the evaluation step's memory (``eval_step``, with --eval-every) and, where the
     devices say how much memory JAX may use, the largest global batch that fits
-    (``rebuild(args)``: the step for other flags). A step that does not fit stops in
-    one line (out_of_memory)."""
+    (``rebuild(args)``: the step and the state's shapes for other flags). A step that
+    does not fit stops in one line (out_of_memory)."""
     start = time.perf_counter()
     try:
         compiled = lower_step(step, shapes, args, mesh).compile()
@@ -164,9 +164,7 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         needed = needed_bytes(str(error))
-        largest = (
-            rebuild and needed and largest_batch(rebuild, shapes, args, mesh, needed)
-        )
+        largest = rebuild and needed and largest_batch(rebuild, args, mesh, needed)
         raise SystemExit(
             out_of_memory(str(error), shapes, args, mesh, largest)
         ) from None
@@ -205,7 +203,7 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
     if (
         rebuild
         and memory_limit()
-        and (line := largest_batch(rebuild, shapes, args, mesh, total))
+        and (line := largest_batch(rebuild, args, mesh, total))
     ):
         print(line, flush=True)
 
@@ -261,17 +259,20 @@ def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int
     return max(int((limit - (t1 - per_row * r1)) // per_row), 0)
 
 
-def largest_batch(rebuild, shapes, args, mesh, total: int) -> str | None:
+def largest_batch(rebuild, args, mesh, total: int) -> str | None:
     """The largest --global-batch at this --grad-accum whose step fits the devices'
     memory (``total``: the step's bytes at ``args``), from a second compilation at half
-    the micro-batch (twice the accumulation); None where it cannot be halved."""
+    the batch; None where it cannot be halved."""
     ways = math.prod(mesh.shape[axis] for axis in BATCH)
     rows = args.global_batch // (args.grad_accum * ways)  # a micro-batch, a device
     limit = memory_limit()
     if rows < 2 or rows % 2 or not limit:
         return None
-    halved = argparse.Namespace(**{**vars(args), "grad_accum": 2 * args.grad_accum})
-    half = step_bytes(rebuild(halved), shapes, halved, mesh)
+    halved = argparse.Namespace(
+        **{**vars(args), "global_batch": args.global_batch // 2}
+    )
+    half_step, half_shapes = rebuild(halved)
+    half = step_bytes(half_step, half_shapes, halved, mesh)
     if half is None:
         return None
     most = most_rows((rows, rows // 2), (total, half), limit)
@@ -321,9 +322,9 @@ def out_of_memory(error: str, shapes, args, mesh, largest: str | None = None) ->
     if largest:
         tries.append(largest)
     weights_line = f"weights, gradients and optimizer state {state / 1e9:.2f} GB"
-    return f"out of memory: the step {said}{has} ({weights_line}); try " + (
-        "; ".join(tries) or "more devices (--mesh fsdp=...)"
-    )
+    xla = " ".join(error.split())[:160]  # the start of XLA's own message
+    flags = "; ".join(tries) or "more devices (--mesh fsdp=...)"
+    return f"out of memory: the step {said}{has} ({weights_line}); try {flags} [{xla}]"
 
 
 def format_summary(

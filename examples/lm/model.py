@@ -505,7 +505,13 @@ def manual_axes(*specs: P) -> set[str]:
     return split - set(mesh.manual_axes)
 
 
-def placed(attend):
+def every_axis() -> set[str]:
+    """The mesh's axes that are not manual already."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return set(mesh.axis_names) - set(mesh.manual_axes)
+
+
+def placed(attend, kernel: bool = False):
     """``attend(q_BTNA, k_BTKA, v_BTKA, *extra)`` run on each device's batch rows and
     heads (jax.shard_map over the mesh axes the rules give "batch" and the heads), the
     whole sequence on each device; of ``extra``, a 1-D array (positions) goes whole to
@@ -534,7 +540,9 @@ def placed(attend):
             attend,
             in_specs=in_specs,
             out_specs=q_spec,
-            axis_names=manual_axes(q_spec, kv_spec),
+            # A kernel (Mosaic's, cuDNN's) must be manual over every axis: XLA cannot
+            # partition its call, even over axes of size 1.
+            axis_names=every_axis() if kernel else manual_axes(q_spec, kv_spec),
             check_vma=False,
         )
         return on_each(q_BTNA, k_BTKA, v_BTKA, *extra)
@@ -607,9 +615,11 @@ class Attention(nn.Module):
             )
             out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
         elif self.attention == "cudnn":  # positions in order: the lower triangle
-            out_BTNA = placed(cudnn_attention)(q_BTNA, k_BTKA, v_BTKA, *documents)
+            out_BTNA = placed(cudnn_attention, kernel=True)(
+                q_BTNA, k_BTKA, v_BTKA, *documents
+            )
         elif self.attention == "splash":  # positions in order: the lower triangle
-            attend = placed(splash.splash_attention)
+            attend = placed(splash.splash_attention, kernel=True)
             out_BTNA = attend(q_BTNA, k_BTKA, v_BTKA, *documents)
         elif self.attention == "xla":  # positions in order; the T x S scores in fp32
             out_BTNA = jax.nn.dot_product_attention(

@@ -24,7 +24,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as kernels
 # A block spans whole 128-lane vector registers; the largest that divides the sequence
 # is taken (512: MaxText's default, its base.yml's sa_block_* settings).
 LANES = 128
-SPLASH_BLOCKS = (512, 256, 128)
+SPLASH_BLOCKS = (1024, 512, 256, 128)
 
 
 def splash_blocks(length: int) -> kernels.BlockSizes:
@@ -43,8 +43,7 @@ def splash_blocks(length: int) -> kernels.BlockSizes:
         block_q_dkv=size,
         block_kv_dkv=size,
         block_kv_dkv_compute=size,
-        block_q_dq=size,
-        block_kv_dq=size,
+        use_fused_bwd_kernel=True,  # dq, dk and dv in one kernel: measured faster
     )
 
 

@@ -43,8 +43,9 @@ def make_optimizer(args) -> optax.GradientTransformation:
             schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
         ),
     )
+    moments = jnp.dtype(getattr(args, "moments", "float32"))
     if getattr(args, "balance", "loss") != "bias":
-        return adamw
+        return kept_in(moments, adamw)
 
     # --balance bias: the experts' routing biases move by sign descent, --bias-rate a
     # step against their gradient (load - 1/E: model.Experts.route); AdamW the rest.
@@ -57,7 +58,26 @@ def make_optimizer(args) -> optax.GradientTransformation:
         )
 
     sign_descent = optax.chain(optax.scale_by_sign(), optax.scale(-args.bias_rate))
-    return optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
+    both = optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
+    return kept_in(moments, both)
+
+
+def kept_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` with its floating-point state (Adam's moments) kept in ``dtype``
+    between steps and updated in float32 (--moments bfloat16: half the bytes, 4 a
+    weight instead of 8). Unchanged for float32."""
+    if dtype == jnp.float32:
+        return inner
+    floats = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+    to = lambda tree, dtype: jax.tree.map(
+        lambda x: x.astype(dtype) if floats(x) else x, tree
+    )
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, to(state, jnp.float32), params)
+        return updates, to(state, dtype)
+
+    return optax.GradientTransformation(lambda p: to(inner.init(p), dtype), update)
 
 
 def abstract_state(
