@@ -76,17 +76,23 @@ def test_loss_chunks_keep_a_devices_logits_within_the_budget(
 def test_the_recipes_step_in_chunks_gives_the_steps_of_all_the_logits(monkeypatch):
     """The training step with the loss cut into 8 chunks (a budget of 1/8 of the tiny
     model's logits) gives the losses and gradient norms of the whole logits, on
-    data=2,fsdp=2,tensor=2."""
-    argv = ["--model", "tiny", "--mesh", "data=2,fsdp=2,tensor=2", "--seq-len", "64"]
+    sequence=4,tensor=2 (a ring, the vocabulary split: no axis splits the batch)."""
+    argv = ["--model", "tiny", "--mesh", "sequence=4,tensor=2", "--seq-len", "64"]
     args = train.parse_args([*argv, "--global-batch", "8", "--steps", "3"])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 2048, (8, 65), dtype=np.int32) for _ in range(2)]
-    runs = []
-    for budget in (None, 4 * 8 * 64 * 2048 // 8 // 8):
-        monkeypatch.setattr(model_lib, "LOSS_CHUNK_BYTES", budget or 2**40)
+    runs, used, fused = [], [], model_lib.fused_cross_entropy
+
+    def spy(*args, **kwargs):  # the chunks the step asks for
+        used.append(args[4])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(model_lib, "fused_cross_entropy", spy)
+    for budget in (2**40, 4 * 8 * 64 * 2048 // 8 // 8):
+        monkeypatch.setattr(model_lib, "LOSS_CHUNK_BYTES", budget)
         mesh, _, _, step, shapes, init = train.setup(args)
         runs.append(steps_on(step, shapes, init, mesh, batches))
-    assert model_lib.loss_chunks(8 * 64, 64, 2048, 8, 4 * 8 * 64 * 2048 // 64) == 8
+    assert sorted(set(used)) == [1, 8]
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
 
 
@@ -216,10 +222,11 @@ def test_peak_memory_counts_the_compiled_steps_where_memory_stats_leaves_them_ou
     )
     assert metrics.program_bytes(step) == 13_100_000_000
     assert metrics.peak_memory([Device()], [step]) == (
-        "peak memory per device 13.10 GB (of 16.91 GB JAX may use; a compiled step's count)"
+        "peak memory per device 13.10 GB (of 16.91 GB JAX may use; memory_stats() "
+        "1.54 GB, the compiled step 13.10 GB)"
     )
     assert metrics.peak_memory([Device()]) == (
-        "peak memory per device 1.54 GB (of 16.91 GB JAX may use; memory_stats() count)"
+        "peak memory per device 1.54 GB (of 16.91 GB JAX may use; memory_stats() 1.54 GB)"
     )
     assert train.steps_memory([None], None, None, None) == []  # XLA:CPU counts nothing
 

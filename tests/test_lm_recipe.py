@@ -1063,7 +1063,10 @@ def test_peak_memory_reads_the_devices_counts_and_none_on_xla_cpu():
             return self.stats
 
     line = train.peak_memory([Device(31_400_000_000), Device(30_000_000_000)])
-    assert line == "peak memory per device 31.40 GB (of 127.00 GB JAX may use)"
+    assert line == (
+        "peak memory per device 31.40 GB (of 127.00 GB JAX may use; memory_stats() "
+        "31.40 GB)"
+    )
     assert train.peak_memory(jax.local_devices()) is None  # XLA:CPU counts nothing
 
 

@@ -36,6 +36,9 @@ EOD = 0
 DOCUMENTS = [(64, 100, 92), (200, 56)]
 
 
+RECIPE_BLOCKS = splash.SPLASH_BLOCKS
+
+
 @pytest.fixture(autouse=True)
 def blocks_of_128(monkeypatch):
     """Two blocks of 128 at T = 256 (not splash_blocks' one), a fresh kernel cache."""
@@ -108,39 +111,31 @@ def kernel_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
 
 
 def test_the_kernels_read_keys_and_values_at_their_own_heads(qkv):
-    """Grouped heads without repeating K and V: of the three kernels a gradient runs
-    (the forward; the backward's d k and d v; its d q), each takes k and v with their
-    K = 2 heads, and the d k, d v kernel gives their gradients so too. Repeated to N
-    heads beforehand, no operand would have K heads."""
+    """Grouped heads without repeating K and V: the two kernels a gradient runs (the
+    forward; the fused backward, d q, d k and d v at once) each take k and v with their
+    K = 2 heads, and the backward gives their gradients so too. Repeated to N heads
+    beforehand, no operand would have K heads."""
     q, k, v, d_out = qkv
     loss = lambda q, k, v: jnp.sum(splash.splash_attention(q, k, v) * d_out)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
     calls = kernel_shapes(jaxpr)
-    assert sorted(shapes.count((B, K, T, A)) for shapes in calls) == [2, 2, 4]
+    assert sorted(shapes.count((B, K, T, A)) for shapes in calls) == [2, 4]
 
 
 @pytest.mark.parametrize(
     "length, block",
-    [(128, 128), (256, 256), (384, 128), (512, 512), (768, 256), (2048, 512)],
+    [(128, 128), (384, 128), (512, 512), (768, 256), (2048, 1024), (8192, 1024)],
 )
-def test_blocks_are_the_largest_of_512_256_128_that_divide_the_length(
+def test_blocks_are_the_largest_of_splash_blocks_that_divide_the_length(
     length, block, monkeypatch
 ):
-    monkeypatch.setattr(splash, "SPLASH_BLOCKS", (512, 256, 128))
+    """Every block the same size, the largest of 1,024, 512, 256 and 128 that divides
+    the length, and one fused backward kernel (no dq kernel of its own)."""
+    monkeypatch.setattr(splash, "SPLASH_BLOCKS", RECIPE_BLOCKS)  # not the fixture's
     sizes = splash.splash_blocks(length)
-    assert {
-        getattr(sizes, name)
-        for name in (
-            "block_q",
-            "block_kv",
-            "block_kv_compute",
-            "block_q_dkv",
-            "block_kv_dkv",
-            "block_kv_dkv_compute",
-            "block_q_dq",
-            "block_kv_dq",
-        )
-    } == {block}
+    names = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
+    assert {getattr(sizes, name) for name in names} == {block}
+    assert sizes.use_fused_bwd_kernel and sizes.block_q_dq is None
 
 
 def test_a_length_not_a_multiple_of_128_is_refused_with_one_line():

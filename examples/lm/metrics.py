@@ -44,18 +44,20 @@ def peak_memory(devices, programs=()) -> str | None:
     itself; None where the devices keep no count (XLA:CPU's). The larger of
     ``memory_stats()``'s ``peak_bytes_in_use`` (PyTorch's ``max_memory_allocated``) and
     what each of the run's compiled ``programs`` (their memory analyses) holds while it
-    runs: a TPU's count leaves the programs' temporaries out."""
+    runs, both named: a TPU's count has left the programs' temporaries out, and the
+    compiled count can exceed what ran (an upper bound)."""
     stats = [device.memory_stats() for device in devices]
     if not stats or not all(stats):
         return None
     counted = max(s["peak_bytes_in_use"] for s in stats)
-    program = max((program_bytes(m) for m in programs), default=0)
     limit = min(s.get("bytes_limit", 0) for s in stats)
-    source = "a compiled step's" if program > counted else "memory_stats()"
-    return (
-        f"peak memory per device {max(counted, program) / 1e9:.2f} GB "
-        f"(of {limit / 1e9:.2f} GB JAX may use; {source} count)"
+    line = (
+        f"(of {limit / 1e9:.2f} GB JAX may use; memory_stats() {counted / 1e9:.2f} GB"
     )
+    program = max((program_bytes(m) for m in programs), default=0)
+    if program:
+        line += f", the compiled step {program / 1e9:.2f} GB"
+    return f"peak memory per device {max(counted, program) / 1e9:.2f} GB {line})"
 
 
 class MetricsLog:

@@ -22,7 +22,10 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as kernels
 
 # A block spans whole 128-lane vector registers; the largest that divides the sequence
-# is taken (512: MaxText's default, its base.yml's sa_block_* settings).
+# is taken. On a TPU v5e, 1,024 with the fused backward kernel ran 125m's attention
+# (16 x 2,048 tokens, 12 heads of 64) forward and backward in 9.4 ms, against 12.8 ms
+# at 512 with separate dq and dk/dv kernels (MaxText's default, its sa_block_*
+# settings); 2,048 did not fit the kernel's on-chip memory (splash_check.py --blocks).
 LANES = 128
 SPLASH_BLOCKS = (1024, 512, 256, 128)
 

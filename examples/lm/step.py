@@ -205,7 +205,11 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
 def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array:
     """The final norm, the output projection and the mean next-token loss, a chunk of
     columns at a time where all the float32 logits would take more than
-    model.LOSS_CHUNK_BYTES a device (model.fused_cross_entropy)."""
+    model.LOSS_CHUNK_BYTES a device (model.fused_cross_entropy), on a mesh that does not
+    split the batch (one device; tensor, sequence or pipeline axes). Where the batch is
+    split, the devices already cut the logits, and each chunk's share of the head's
+    gradient would be reduced over the batch's devices: one all-reduce a chunk, not one
+    a step (--grad-accum cuts the logits there)."""
     names = (
         ("final_norm", "unembed") if "unembed" in params else ("final_norm", "embed")
     )
@@ -214,8 +218,10 @@ def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array
         name: jax.tree.map(lambda s: s.spec, shardings.params[name]) for name in names
     }
     vocab = params["embed"]["embedding"].shape[0]
-    chunks = model_lib.loss_chunks(
-        targets_BT.size, targets_BT.shape[1], vocab, mesh.size
+    tokens, length = targets_BT.size, targets_BT.shape[1]
+    splits_batch = any(mesh.shape[axis] > 1 for axis in BATCH)
+    chunks = (
+        1 if splits_batch else model_lib.loss_chunks(tokens, length, vocab, mesh.size)
     )
     return model_lib.fused_cross_entropy(
         lambda head, x_BTD: apply_fn({"params": head}, x_BTD, method="logits"),
