@@ -809,6 +809,25 @@ def lm_scale(
     return fig
 
 
+def loss_curves(curves: Mapping[str, Sequence[float]], title: str = "") -> Figure:
+    """Each run's training loss by step (left) and each run's gap to the first (right)."""
+    if not curves:
+        raise ValueError("loss_curves needs at least one curve")
+    fig, (loss_ax, gap_ax) = plt.subplots(1, 2, figsize=(11, 3.6))
+    first = np.asarray(next(iter(curves.values())))
+    for name, losses in curves.items():
+        steps = np.arange(1, len(losses) + 1)
+        loss_ax.plot(steps, losses, label=name, alpha=0.8)
+        gap_ax.plot(steps, np.asarray(losses) - first, label=name, alpha=0.8)
+    loss_ax.set(xlabel="step", ylabel="training loss", title=title or "Loss")
+    gap_ax.set(xlabel="step", ylabel="loss - first run's", title="Gap to the first")
+    for ax in (loss_ax, gap_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def memory_vs_sequence(
     seq_lens: Sequence[int], memory: Mapping[str, Sequence[float]], unit: str = "GB"
 ) -> Figure:

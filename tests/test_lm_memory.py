@@ -30,6 +30,10 @@ TPU_OOM = (
     "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
     "space hbm. Used 16.31G of 15.75G hbm. Exceeded hbm capacity by 574.50M."
 )
+TPU_TEMPORARIES = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (18.67G) exceeds available HBM (15.75G)."
+)
 
 
 @pytest.mark.parametrize("chunks", [2, 4, 32])
@@ -135,7 +139,12 @@ def test_the_evaluation_step_in_micro_batches_gives_the_loss_of_the_whole_batch(
 
 
 def test_needed_bytes_reads_the_tpu_compilers_total():
+    """Two forms of XLA:TPU's message: a total, or (jax 0.10.2's libtpu, as the TPU v5e
+    printed it) the temporaries alone, to which the program's arguments are added."""
     assert compiled.needed_bytes(TPU_OOM) == round(16.31 * 2**30)
+    assert compiled.needed_bytes(TPU_TEMPORARIES, 9_887_000_000) == (
+        round(18.67 * 2**30) + 9_887_000_000
+    )
     assert (
         compiled.needed_bytes("RESOURCE_EXHAUSTED: Attempting to allocate 1.00G")
         is None
@@ -168,27 +177,25 @@ def oom_args(**flags):
 
 def test_out_of_memory_is_one_line_with_what_it_needs_and_flags_that_fit(monkeypatch):
     """1b's numbers: 1.24 G float32 weights (4.94 GB, their gradient as much, Adam's
-    moments 9.9 GB) do not fit 15.75 GB with the moments on the device: the line says
-    so and names --offload optimizer; with the moments offloaded, the rest (activations)
-    halves with each doubling of --grad-accum."""
+    moments 9.9 GB) do not fit 15.75 GB: the line says so, names bfloat16 moments and
+    the optimizer's offload, and ends with XLA's own words. A small model whose
+    activations overflow: four times the accumulation fits, the gradients' float32 sum
+    counted."""
     monkeypatch.setattr(compiled, "memory_limit", lambda: 15_750_000_000)
-    line = compiled.out_of_memory(
-        TPU_OOM, fake_shapes(1_235_814_400, 1_235_814_400), oom_args(), None
-    )
+    state = fake_shapes(1_235_814_400, 1_235_814_400)
+    line = compiled.out_of_memory(TPU_OOM, state, oom_args(), None)
     assert "\n" not in line
     assert line.startswith(
-        "out of memory: the step needs 17.51 GB a device, the device has 15.75 GB"
+        "out of memory: the step needs 17.51 GB a device, the device has 15.75 GB "
+        "(weights, gradients and optimizer state 19.77 GB); try --moments bfloat16"
     )
-    assert "weights, gradients and optimizer state 19.77 GB" in line
     assert "--offload optimizer" in line and "--remat full" in line
-    offloaded = fake_shapes(1_235_814_400, 1_235_814_400, "pinned_host")
-    line = compiled.out_of_memory(
-        TPU_OOM, offloaded, oom_args(offload={"optimizer"}), None
-    )
-    assert "optimizer state 9.89 GB" in line and "--offload optimizer" not in line
-    # 9.89 GB of state; 17.51 - 9.89 = 7.62 GB grows with the micro-batch: halved once,
-    # 13.7 GB, within 90% of 15.75 GB
-    assert "--grad-accum 2" in line
+    assert line.endswith(f"[{TPU_OOM}]")
+    small = fake_shapes(250_000_000, 250_000_000)  # 1 GB weights, 2 GB of moments
+    line = compiled.out_of_memory(TPU_TEMPORARIES, small, oom_args(remat="full"), None)
+    # 18.67 GiB of temporaries + 3 GB of arguments; 4 GB of state, 5 with the sum; the
+    # rest, 19.05 GB: halved, 14.5 GB in all, over 90% of 15.75 GB; quartered, 9.8 GB
+    assert "needs 23.05 GB a device" in line and "try --grad-accum 4 [" in line
 
 
 def test_a_step_that_does_not_fit_stops_the_recipe_in_one_line(monkeypatch, capsys):

@@ -362,3 +362,13 @@ def test_dropped_tokens_checks_its_curves():
         plots.dropped_tokens([1.0], {})
     with pytest.raises(ValueError, match="has 1 values for 2 capacity factors"):
         plots.dropped_tokens([1.0, 2.0], {"k=1": [0.1]})
+
+
+def test_loss_curves_draw_each_run_and_its_gap_to_the_first():
+    fig = plots.loss_curves({"float32": [3.0, 2.0, 1.5], "bfloat16": [3.0, 2.1, 1.4]})
+    loss_ax, gap_ax = fig.axes
+    assert [line.get_label() for line in loss_ax.get_lines()] == ["float32", "bfloat16"]
+    np.testing.assert_allclose(gap_ax.get_lines()[1].get_ydata(), [0.0, 0.1, -0.1])
+    np.testing.assert_allclose(gap_ax.get_lines()[0].get_ydata(), [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="at least one curve"):
+        plots.loss_curves({})

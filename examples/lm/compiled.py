@@ -163,7 +163,7 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        needed = needed_bytes(str(error))
+        needed = needed_bytes(str(error), sum(state_bytes(shapes)))
         largest = rebuild and needed and largest_batch(rebuild, args, mesh, needed)
         raise SystemExit(
             out_of_memory(str(error), shapes, args, mesh, largest)
@@ -229,12 +229,17 @@ def memory_limit() -> int | None:
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def needed_bytes(error: str) -> int | None:
+def needed_bytes(error: str, arguments: int = 0) -> int | None:
     """The bytes a program that did not fit asked for, from the compiler's message:
-    XLA:TPU's "Ran out of memory in memory space hbm. Used 16.31G of 15.75G hbm"; None
-    if the message says no total (a run's "Attempting to allocate 1.00G")."""
-    found = re.search(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", error)
-    return round(float(found[1]) * UNITS[found[2]]) if found else None
+    XLA:TPU's "Ran out of memory in memory space hbm. Used 16.31G of 15.75G hbm", or
+    jax 0.10.2's libtpu's "the total memory required for HLO temporaries (18.67G)
+    exceeds available HBM", to which the program's ``arguments`` are added; None if
+    the message says no total (a run's "Attempting to allocate 1.00G")."""
+    if used := re.search(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", error):
+        return round(float(used[1]) * UNITS[used[2]])
+    if temporaries := re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", error):
+        return round(float(temporaries[1]) * UNITS[temporaries[2]]) + arguments
+    return None
 
 
 def step_bytes(step, shapes, args, mesh) -> int | None:
@@ -245,7 +250,7 @@ def step_bytes(step, shapes, args, mesh) -> int | None:
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        return needed_bytes(str(error))
+        return needed_bytes(str(error), sum(state_bytes(shapes)))
     return program_total(compiled.memory_analysis())
 
 
@@ -299,23 +304,25 @@ def state_bytes(shapes) -> tuple[int, int]:
 def out_of_memory(error: str, shapes, args, mesh, largest: str | None = None) -> str:
     """One line for a step that does not fit: what it needs, what a device has, and
     flags that would fit by the recipe's arithmetic (the weights, their gradient and
-    the optimizer's state stay; the rest grows with the micro-batch)."""
-    needed, limit = needed_bytes(error), memory_limit()
+    the optimizer's state stay; the rest grows with the micro-batch, and accumulating
+    adds a float32 sum as large as the weights)."""
     weights, optimizer = state_bytes(shapes)
+    needed, limit = needed_bytes(error, weights + optimizer), memory_limit()
     state = 2 * weights + optimizer  # the weights, their gradient, the moments
     said = f"needs {needed / 1e9:.2f} GB a device" if needed else "ran out of memory"
     has = f", the device has {limit / 1e9:.2f} GB" if limit else ""
-    tries = []
-    if limit and state > 0.9 * limit and "optimizer" not in args.offload:
+    tries, full = [], limit and state > 0.9 * limit
+    if full and getattr(args, "moments", "float32") == "float32" and optimizer:
+        tries.append("--moments bfloat16 (Adam's moments in half the bytes)")
+    if full and "optimizer" not in args.offload:
         tries.append("--offload optimizer (the moments to host memory)")
     if limit and needed and needed > state:
-        accum = args.grad_accum
-        while (
-            accum < args.global_batch
-            and state + (needed - state) * args.grad_accum / accum > 0.9 * limit
-        ):
+        rest, accum = needed - state, args.grad_accum
+        summed = state + (weights if accum == 1 else 0)  # the gradients' running sum
+        fits = lambda k: summed + rest * args.grad_accum / k <= 0.9 * limit
+        while accum < args.global_batch and not fits(accum):
             accum *= 2
-        if accum > args.grad_accum and args.global_batch % accum == 0:
+        if accum > args.grad_accum and fits(accum) and args.global_batch % accum == 0:
             tries.append(f"--grad-accum {accum}")
     if args.remat != "full":
         tries.append("--remat full")

@@ -597,7 +597,8 @@ class Attention(nn.Module):
         documents = () if starts_BT is None else (starts_BT,)
         # Ring attention's blocks stay chunked, not splash: in the zigzag order a block
         # pair's causal mask is not a static lower triangle, and merging the parts needs
-        # each part's log-sum-exp and its gradient, which the kernel does not give.
+        # each part's log-sum-exp and its gradient: the kernel's backward takes the
+        # output's gradient alone.
         if self.context_parallel:  # each device: its tokens, its heads, its batch rows
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             row_spec = nn.logical_to_mesh_axes(("batch", None))
