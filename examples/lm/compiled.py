@@ -200,11 +200,7 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
             f"the evaluation step: total "
             f"{program_total(held_out.memory_analysis()) / 1e9:.3f} GB a device"
         )
-    if (
-        rebuild
-        and memory_limit()
-        and (line := largest_batch(rebuild, args, mesh, total))
-    ):
+    if rebuild and (line := largest_batch(rebuild, args, mesh, total)):
         print(line, flush=True)
 
 

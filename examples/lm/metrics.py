@@ -27,25 +27,13 @@ PEAK_FLOPS = {
 }
 
 
-def program_bytes(memory) -> int:
-    """What a compiled program holds on a device while it runs (its
-    ``memory_analysis()``): its arguments, its temporaries and the outputs that do not
-    reuse a donated argument's memory."""
-    return (
-        memory.argument_size_in_bytes
-        + memory.temp_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
-
-
 def peak_memory(devices, programs=()) -> str | None:
     """The most memory one of ``devices`` held during the run, and the limit JAX set
     itself; None where the devices keep no count (XLA:CPU's). The larger of
     ``memory_stats()``'s ``peak_bytes_in_use`` (PyTorch's ``max_memory_allocated``) and
-    what each of the run's compiled ``programs`` (their memory analyses) holds while it
-    runs, both named: a TPU's count has left the programs' temporaries out, and the
-    compiled count can exceed what ran (an upper bound)."""
+    the bytes each of the run's compiled ``programs`` holds while it runs
+    (compiled.program_total), both named: a TPU's count has left the programs'
+    temporaries out, and the compiled count can exceed what ran (an upper bound)."""
     stats = [device.memory_stats() for device in devices]
     if not stats or not all(stats):
         return None
@@ -54,7 +42,7 @@ def peak_memory(devices, programs=()) -> str | None:
     line = (
         f"(of {limit / 1e9:.2f} GB JAX may use; memory_stats() {counted / 1e9:.2f} GB"
     )
-    program = max((program_bytes(m) for m in programs), default=0)
+    program = max(programs, default=0)
     if program:
         line += f", the compiled step {program / 1e9:.2f} GB"
     return f"peak memory per device {max(counted, program) / 1e9:.2f} GB {line})"

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data
 import model as model_lib
 import model_config
-from compiled import compile_only, lower_step, out_of_memory
+from compiled import compile_only, out_of_memory, step_bytes
 from layout import (
     AXES,
     BATCH,
@@ -471,15 +471,13 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     log.close()
 
 
-def steps_memory(steps, shapes, args, mesh) -> list:
-    """The jitted steps' memory analyses, where the devices count memory (a GPU's or a
-    TPU's; none on XLA:CPU): compiled again, which reads JAX's compilation cache."""
+def steps_memory(steps, shapes, args, mesh) -> list[int]:
+    """The bytes each jitted step holds a device, where the devices count memory (a
+    GPU's or a TPU's; none on XLA:CPU): compiled again, which reads JAX's compilation
+    cache."""
     if not jax.local_devices()[0].memory_stats():
         return []
-    return [
-        lower_step(step, shapes, args, mesh).compile().memory_analysis()
-        for step in steps
-    ]
+    return [step_bytes(step, shapes, args, mesh) for step in steps]
 
 
 def attention_kind(requested: str | None, seq_len: int | None = None) -> str:
