@@ -85,6 +85,8 @@ builtins.__import__ = _timed_import
 
 
 def _report():
+    # The folder beside this file: a job whose environment was cleared still finds it.
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "records")
     record = dict(
         _times,
         pid=os.getpid(),
@@ -93,9 +95,11 @@ def _report():
         devices=os.environ.get("JAXDIST_NUM_DEVICES", ""),
         pytest="pytest" in sys.modules,
     )
-    folder = os.environ["JAXDIST_SUITE_RECORDS"]
-    with open(os.path.join(folder, f"process-{os.getpid()}.json"), "w") as f:
-        json.dump(record, f)
+    try:
+        with open(os.path.join(folder, f"process-{os.getpid()}.json"), "w") as f:
+            json.dump(record, f)
+    except OSError:  # the run's folder is gone: nothing to report to
+        pass
 
 
 atexit.register(_report)
@@ -103,20 +107,35 @@ atexit.register(_report)
 
 # Loaded into pytest with -p (PYTEST_ADDOPTS): one line per test phase, from the controller.
 PLUGIN = r"""
-import json, os
+import json, os, sys
+
+import pytest
+
+FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "records")
+_last = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # On the worker: the seconds this phase spent tracing, lowering and compiling.
+    outcome = yield
+    times = getattr(sys.modules.get("sitecustomize"), "_times", {})
+    spent = sum(times.get(k, 0.0) - _last.get(k, 0.0) for k in ("trace", "lower", "compile"))
+    _last.update(times)
+    outcome.get_result().user_properties.append(("compiling", spent))
 
 
 def pytest_runtest_logreport(report):
+    # On the controller (or in a run without workers): one line per phase.
     if hasattr(report, "node") or not os.environ.get("PYTEST_XDIST_WORKER"):
-        folder = os.environ["JAXDIST_SUITE_RECORDS"]
         line = dict(
             nodeid=report.nodeid,
             when=report.when,
             seconds=report.duration,
-            outcome=report.outcome,
+            compiling=dict(report.user_properties).get("compiling", 0.0),
             devices=os.environ.get("JAXDIST_NUM_DEVICES", ""),
         )
-        with open(os.path.join(folder, f"tests-{os.getpid()}.jsonl"), "a") as f:
+        with open(os.path.join(FOLDER, f"tests-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 """
 
@@ -162,14 +181,20 @@ def stages(lines: list[tuple[float, str]], first: str) -> list[tuple[str, float]
 def test_table(folder: pathlib.Path, top: int) -> list[str]:
     """The slowest tests and chapters, and the seconds per module, per device count."""
     per_test = collections.Counter()
+    compiling = collections.Counter()
     for path in folder.glob("tests-*.jsonl"):
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            devices = record["devices"] or "8"
-            per_test[(record["nodeid"], devices)] += record["seconds"]
-    out = ["| seconds | test or chapter (devices) |", "|---:|---|"]
+            key = (record["nodeid"], record["devices"] or "8")
+            per_test[key] += record["seconds"]
+            compiling[key] += record["compiling"]
+    out = [
+        "| seconds | compiling in the test's own process | test or chapter (devices) |",
+        "|---:|---:|---|",
+    ]
     for (nodeid, devices), seconds in per_test.most_common(top):
-        out.append(f"| {seconds:.1f} | `{nodeid}` ({devices}) |")
+        spent = compiling[nodeid, devices]
+        out.append(f"| {seconds:.1f} | {spent:.1f} | `{nodeid}` ({devices}) |")
     per_module = collections.Counter()
     count = collections.Counter()
     for (nodeid, devices), seconds in per_test.items():
@@ -245,7 +270,6 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(folder), env.get("PYTHONPATH", "")) if p
         )
-        env["JAXDIST_SUITE_RECORDS"] = str(folder / "records")
         env["PYTEST_ADDOPTS"] = f"-p suite_time_plugin {env.get('PYTEST_ADDOPTS', '')}"
         if args.ci:
             lines = run_timed(["bash", ".ci/run"], env)

@@ -26,7 +26,7 @@ from nbmake.nb_run import NotebookRun
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 CACHE = ROOT / CONFIG["execute"]["cache"]
-# The flag tests/conftest.py added to XLA_FLAGS for the package tests, if it added one.
+# The flags tests/conftest.py added to XLA_FLAGS for the package tests, if it added any.
 TESTS_FLAG = "JAXDIST_TESTS_XLA_FLAG"
 
 
@@ -91,11 +91,11 @@ DEFAULT_LEVEL_CHAPTERS = {
 
 def _execute_and_file(run: NotebookRun):
     flags = os.environ.get("XLA_FLAGS")
-    added = os.environ.get(TESTS_FLAG)
+    added = os.environ.get(TESTS_FLAG, "").split()
     default_level = pathlib.Path(run.filename).name in DEFAULT_LEVEL_CHAPTERS
-    strip = flags is not None and added is not None and default_level
+    strip = flags is not None and bool(added) and default_level
     if strip:
-        os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f != added)
+        os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f not in added)
     try:
         result = _execute(run)
     finally:

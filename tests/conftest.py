@@ -25,19 +25,26 @@ if os.environ.get("JAXDIST_COMPILATION_CACHE", "1") != "0":
     # limit of devices.setup (CACHE_MAX_BYTES), set here before anything imports JAX.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 1024**3))
 
-# The tests compile at XLA's backend optimisation level 0: the same HLO programs
-# (shardings, collectives, buffer sizes, all that the tests and the chapters read), turned
-# into less optimised machine code in about half the time. Their jobs, and the chapters'
-# kernels, inherit the flag, except the chapters whose outputs would change (their step
-# times, or a long training run's losses): book/conftest.py takes the flag out of those
-# kernels' environment (DEFAULT_LEVEL_CHAPTERS), since the book shows their outputs.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-# pytest-xdist's workers inherit the flag from the main process: add it once.
+# The tests compile at XLA's backend optimisation level 0, with XLA:CPU's older LLVM
+# emitters in place of its fusion emitters: the same HLO programs (shardings,
+# collectives, buffer sizes, all that the tests and the chapters read), turned into less
+# optimised machine code in about a third of the time (benchmarks/suite_time.py: 43 s of
+# compiling for tests/test_zero.py and tests/test_lm_memory.py at level 0 alone, 21 s with
+# both). Their jobs, and the chapters' kernels, inherit the flags, except the chapters
+# whose outputs would change (their step times, or a long training run's losses):
+# book/conftest.py takes the flags out of those kernels' environment
+# (DEFAULT_LEVEL_CHAPTERS), since the book shows their outputs.
+FAST_COMPILE = [
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+]
+# pytest-xdist's workers inherit the flags from the main process: add them once.
 flags = os.environ.get("XLA_FLAGS", "").split()
-if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0" and FAST_COMPILE not in flags:
-    os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_COMPILE])
-    # What was added, so that book/conftest.py takes out that flag and no flag of yours.
-    os.environ["JAXDIST_TESTS_XLA_FLAG"] = FAST_COMPILE
+added = [flag for flag in FAST_COMPILE if flag not in flags]
+if os.environ.get("JAXDIST_FAST_COMPILE", "1") != "0" and added:
+    os.environ["XLA_FLAGS"] = " ".join([*flags, *added])
+    # What was added, so that book/conftest.py takes out those flags and no flag of yours.
+    os.environ["JAXDIST_TESTS_XLA_FLAG"] = " ".join(added)
 
 from jaxdist_lessons import devices  # noqa: E402  (after the cache's folder is set)
 
