@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import compiled as lm_compiled  # noqa: E402
 import dropless  # noqa: E402
 import train  # noqa: E402
-from test_lm_recipe import COMMON, steps_on  # noqa: E402
+from test_lm_recipe import COMMON, SMALL, small_batches, steps_on  # noqa: E402
 
 E, R, D, F = 8, 2, 16, 24  # experts, choices a token, width, MLP width
 
@@ -212,8 +212,7 @@ def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
     gradient norms, to 1e-5; so does GShard's dispatch with a capacity factor of
     experts / top-k = 4, which drops nothing; a capacity factor of 1 drops choices and
     gives other losses."""
-    rng = np.random.default_rng(4)
-    batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(3)]
+    batches = small_batches(4, 3)
     moe = ["--experts", "8", "--top-k", "2", "--steps", "10"]
     runs = {}
     for spec, extra in (
@@ -223,7 +222,7 @@ def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
         ("data=8", ["--capacity-factor", "4"]),
         ("data=8", ["--capacity-factor", "1"]),
     ):
-        args = train.parse_args([*COMMON, "--mesh", spec, *moe, *extra])
+        args = train.parse_args([*SMALL, "--mesh", spec, *moe, *extra])
         mesh, _, _, step, shapes, init = train.setup(args)
         runs[spec, extra[-1]] = steps_on(step, shapes, init, mesh, batches)
     print(runs)

@@ -18,7 +18,7 @@ import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
 import step as step_lib  # noqa: E402
 import train  # noqa: E402
-from test_lm_recipe import COMMON, steps_on  # noqa: E402
+from test_lm_recipe import SMALL, small_batches, steps_on  # noqa: E402
 
 E, R = 8, 2
 CONFIG = dataclasses.replace(
@@ -129,8 +129,7 @@ def test_shared_experts_add_one_mlp_every_token_goes_through():
 def test_bias_balance_and_shared_experts_train_the_same_on_an_expert_axis():
     """--balance bias --shared-experts 1, dropless: 3 steps on data=8 and on
     data=2,expert=4 give the same losses and gradient norms, to 1e-5."""
-    rng = np.random.default_rng(5)
-    batches = [rng.integers(0, 2048, (16, 129), dtype=np.int32) for _ in range(3)]
+    batches = small_batches(5, 3)
     flags = [
         "--experts",
         "8",
@@ -147,7 +146,7 @@ def test_bias_balance_and_shared_experts_train_the_same_on_an_expert_axis():
     ]
     runs = []
     for spec in ("data=8", "data=2,expert=4"):
-        args = train.parse_args([*COMMON, "--mesh", spec, *flags])
+        args = train.parse_args([*SMALL, "--mesh", spec, *flags])
         mesh, _, _, step, shapes, init = train.setup(args)
         assert shapes.params["layers"]["experts"]["router_bias"].shape == (4, 8)
         runs.append(steps_on(step, shapes, init, mesh, batches))
