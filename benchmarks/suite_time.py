@@ -229,9 +229,9 @@ def kind_table(folder: pathlib.Path) -> list[str]:
     for kind, s in sorted(sums.items(), key=lambda item: -item[1]["seconds"]):
         rest = s["seconds"] - s["import"] - s["trace"] - s["lower"] - s["compile"]
         out.append(
-            f"| {s['processes']} | {kind} | {s['seconds']:.0f} | {s['import']:.0f} "
-            f"| {s['trace']:.0f} | {s['lower']:.0f} | {s['compile']:.0f} "
-            f"| {s['cached']:.0f} | {rest:.0f} |"
+            f"| {s['processes']} | {kind} | {s['seconds']:.1f} | {s['import']:.1f} "
+            f"| {s['trace']:.1f} | {s['lower']:.1f} | {s['compile']:.1f} "
+            f"| {s['cached']:.1f} | {rest:.1f} |"
         )
     return out
 
