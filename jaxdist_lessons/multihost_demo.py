@@ -251,7 +251,9 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
 
     Lines tagged by ``mpirun --output tag`` (``[1,0]<stdout>: ...``) or ``srun --label``
     (``0: ...``) show as ``[rank 0] ...``. Gloo's connection messages are counted, not shown.
-    With ``show_stderr``, stderr follows.
+    With ``show_stderr``, stderr follows. A last line names ``XLA_FLAGS`` when it is set
+    (the test suite's faster compiling, tests/conftest.py): the step times and tokens per
+    second printed above are those of the code it compiled.
     """
     print(f"$ {command}")
     start = time.monotonic()
@@ -275,6 +277,8 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
             print(TAG.sub(lambda m: f"[rank {m[1] or m[2]}] ", line))
     gloo = f"; {hidden} lines of gloo's connection messages hidden" if hidden else ""
     print(f"(exit status {job.returncode}, {job.seconds:.1f} s{gloo})")
+    if flags := os.environ.get("XLA_FLAGS", "").strip():
+        print(f"(compiled with XLA_FLAGS={flags})")
     return job
 
 

@@ -3,8 +3,9 @@
 A small random LlamaForCausalLM (PyTorch, CPU, float32) is saved as safetensors,
 converted to the recipe's checkpoint and back: the recipe's logits equal transformers'
 (eager attention) to 1e-4, the way back gives the same tensors exactly, and train.py
-resumes from the converted checkpoint and trains. Needs requirements-parity.txt (torch,
-transformers, safetensors); skipped without it.
+resumes from the converted checkpoint and trains. Those parity tests need
+requirements-parity.txt (torch, transformers) and skip without it; the others (the
+command line, config.json) need requirements.txt alone, as convert.py does.
 """
 
 import contextlib
@@ -16,14 +17,17 @@ import sys
 
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from safetensors import numpy as safetensors_numpy
 
-torch = pytest.importorskip("torch", reason="needs requirements-parity.txt (torch)")
-transformers = pytest.importorskip(
-    "transformers", reason="needs requirements-parity.txt (transformers)"
-)
-safetensors_numpy = pytest.importorskip(
-    "safetensors.numpy", reason="needs requirements-parity.txt (safetensors)"
+try:
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+parity = pytest.mark.skipif(
+    transformers is None, reason="needs requirements-parity.txt (torch, transformers)"
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,6 +86,19 @@ def hf_llama(directory: pathlib.Path, **extra) -> "transformers.LlamaForCausalLM
     return model
 
 
+def restore_state(checkpoint: pathlib.Path, step: int = 0) -> dict:
+    """A step's whole state item as NumPy arrays, through Orbax's own restore."""
+    path = (checkpoint / str(step) / "state").absolute()
+    tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        as_numpy = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree
+        )
+        return checkpointer.restore(
+            path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
+        )
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def converted(request, tmp_path_factory):
     """(case, the transformers model, its directory, the recipe checkpoint)."""
@@ -92,12 +109,13 @@ def converted(request, tmp_path_factory):
     return request.param, model, hf_dir, checkpoint
 
 
+@parity
 def test_logits_match_transformers(converted):
     case, hf_model, hf_dir, checkpoint = converted
     config = model_config.config_from_hf(str(hf_dir / "config.json"))
     assert config.tie_embeddings == (case == "tied_llama3_rope")
     assert (config.rope_scaling is not None) == (case == "tied_llama3_rope")
-    params, _ = convert.restore_params(checkpoint, config, None)
+    params = restore_state(checkpoint)["params"]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 128))
     with torch.no_grad():
         expected = hf_model(torch.tensor(tokens)).logits.numpy()
@@ -127,6 +145,7 @@ def pair_neighbours(w: np.ndarray) -> np.ndarray:
     return w.reshape(*lead, 2, width // 2).swapaxes(-1, -2).reshape(w.shape)
 
 
+@parity
 def test_round_trip_gives_the_same_tensors(converted, tmp_path):
     _, _, hf_dir, checkpoint = converted
     convert.main(["to-hf", str(checkpoint), str(tmp_path)])
@@ -143,6 +162,7 @@ def test_round_trip_gives_the_same_tensors(converted, tmp_path):
     assert reloaded.config.tie_word_embeddings == ("lm_head.weight" not in original)
 
 
+@parity
 def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     """train.py finds step 0 (no data item: the iterator starts at the step), with
     the optimizer's fresh state, and trains one step from Llama's weights."""
@@ -196,6 +216,17 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     assert "step 1 loss" in out.getvalue()
     loss = float(out.getvalue().split("step 1 loss ")[1].split()[0])
     assert loss < np.log(VOCAB) + 2  # a random Llama on random tokens: about ln V
+    if case == "tied_llama3_rope":
+        return
+    # to-hf reads train.py's own step 1 (once: the tied case reads the same way):
+    # arrays in chunks of its mesh's shards, each chunk spanning every layer.
+    convert.main(["to-hf", str(checkpoint), str(tmp_path / "back")])
+    trained = restore_state(checkpoint, 1)["params"]
+    back = safetensors_numpy.load_file(tmp_path / "back" / "model.safetensors")
+    for t in convert.hf_tensors(model.config):
+        leaf = convert.get_path(trained, t.path)
+        expected = t.back(leaf if t.layer is None else leaf[t.layer], model.config)
+        np.testing.assert_array_equal(back[t.name], expected, err_msg=t.name)
 
 
 def test_config_json_of_the_hub_and_head_dim(tmp_path):
@@ -228,6 +259,7 @@ def test_config_json_of_the_hub_and_head_dim(tmp_path):
         model_config.config_from_hf(str(path))
 
 
+@parity
 def test_rope_frequencies_match_transformers():
     """Llama 3.1's scaled frequencies, against transformers' own function."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -246,28 +278,101 @@ def test_rope_frequencies_match_transformers():
     assert not np.allclose(np.asarray(ours), np.asarray(unscaled))
 
 
-def test_sharded_bfloat16_checkpoint_round_trip(tmp_path):
+@parity
+def test_sharded_bfloat16_checkpoint_round_trip(tmp_path, monkeypatch):
     """As the Hub's Llamas come: bfloat16, in shards named by
-    model.safetensors.index.json. Float32 holds every bfloat16 value, so the tensors
-    come back exact, in bfloat16 (the config's dtype)."""
-    hf_dir, checkpoint, out = tmp_path / "hf", tmp_path / "checkpoint", tmp_path / "out"
-    hf_llama(hf_dir)  # saved float32; saved again below in bfloat16 and sharded
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
-    model.save_pretrained(hf_dir, safe_serialization=True, max_shard_size="60KB")
-    (hf_dir / "model.safetensors").unlink(missing_ok=True)
-    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    model.safetensors.index.json. from-hf of the shards gives the state that from-hf of
+    one file gives, written a block at a time (blocks of 4 KiB here: a layer, or rows of
+    the embeddings, each); to-hf writes shards again, which transformers loads. Float32
+    holds every bfloat16 value, so the tensors come back exact, in bfloat16."""
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    # Saved float32, then again in bfloat16, whole and sharded.
+    hf_llama(single)
+    model = transformers.LlamaForCausalLM.from_pretrained(single, dtype=torch.bfloat16)
+    model.save_pretrained(single, safe_serialization=True)
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="60KB")
+    index = json.loads((sharded / convert.INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1
-    convert.main(["from-hf", str(hf_dir), str(checkpoint)])
-    convert.main(["to-hf", str(checkpoint), str(out)])
+    assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
+    convert.main(["from-hf", str(single), str(tmp_path / "from_single")])
+    monkeypatch.setattr(convert, "BLOCK_BYTES", 4096)
+    convert.main(["from-hf", str(sharded), str(tmp_path / "from_shards")])
+    whole = restore_state(tmp_path / "from_single")
+    blocks = restore_state(tmp_path / "from_shards")
+    assert jax.tree.structure(blocks) == jax.tree.structure(whole)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, b, strict=True), blocks, whole
+    )
+    assert blocks["params"]["layers"]["mlp"]["up"]["kernel"].dtype == np.float32
+
+    out = tmp_path / "out"
+    convert.main(
+        ["to-hf", str(tmp_path / "from_shards"), str(out), "--max-shard-size", "60KB"]
+    )
+    back_index = json.loads((out / convert.INDEX).read_text())
+    files = sorted(set(back_index["weight_map"].values()))
+    assert files == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        for i in range(1, len(files) + 1)
+    ]
+    assert max((out / f).stat().st_size for f in files) < 60_000 + 4096
+    back = {}
+    for file in files:
+        back |= safetensors_numpy.load_file(out / file)
     original = {}
     for shard in shards:
-        original.update(safetensors_numpy.load_file(hf_dir / shard))
-    back = safetensors_numpy.load_file(out / "model.safetensors")
-    assert sorted(back) == sorted(original)
+        original |= safetensors_numpy.load_file(sharded / shard)
+    assert sorted(back) == sorted(original) == sorted(back_index["weight_map"])
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype == ml_dtypes.bfloat16, name
         np.testing.assert_array_equal(back[name], tensor, err_msg=name)
+    assert back_index["metadata"]["total_size"] == sum(t.nbytes for t in back.values())
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    expected = model.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_command_line_needs_requirements_txt_alone(capsys):
+    """convert.py's imports (this module's, at collection) and its parser: what
+    `python examples/lm/convert.py --help` runs, without torch or transformers."""
+    with pytest.raises(SystemExit) as stop:
+        convert.parse_args(["to-hf", "--help"])
+    assert stop.value.code == 0
+    assert "--max-shard-size" in capsys.readouterr().out
+    sizes = {"5GB": 5 * 10**9, "2GiB": 2 * 2**30, "60KB": 60_000, "1000": 1000}
+    for text, size in sizes.items():
+        args = convert.parse_args(["to-hf", "in", "out", "--max-shard-size", text])
+        assert args.max_shard_size == size
+    with pytest.raises(SystemExit) as stop:
+        convert.parse_args(["to-hf", "in", "out", "--max-shard-size", "5XB"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "argument --max-shard-size: '5XB': expected a size such as 5GB, 500MB or 2GiB\n"
+    )
+
+
+def refusal(argv: list[str]) -> str:
+    """convert.py's one-line refusal of ``argv`` (``__main__`` prints it, status 2)."""
+    with pytest.raises(SystemExit) as stop:
+        convert.main(argv)
+    return stop.value.code
+
+
+def test_refusals_say_what_is_missing(tmp_path):
+    """One line each, before any work: no config.json, no weights, no checkpoint."""
+    hf_dir, checkpoint = tmp_path / "hf", tmp_path / "checkpoint"
+    hf_dir.mkdir()
+    from_hf = ["from-hf", str(hf_dir), str(checkpoint)]
+    assert refusal(from_hf) == f"{hf_dir}: no config.json"
+    config = model_config.config_to_hf(model_config.PRESETS["tiny"])
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    assert refusal(from_hf) == (
+        f"{hf_dir}: no model.safetensors and no model.safetensors.index.json"
+    )
+    to_hf = ["to-hf", str(checkpoint), str(tmp_path / "out"), "--model", "tiny"]
+    assert refusal(to_hf) == f"{checkpoint} has no checkpoint"
+    assert not checkpoint.exists()
 
 
 @pytest.mark.parametrize("preset", sorted(model_config.PRESETS))

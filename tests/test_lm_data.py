@@ -1,7 +1,11 @@
 """examples/lm/data.py on small synthetic token files: read in place, checked against the
 vocabulary, mixed, held out for evaluation, split into each process's rows, resumed."""
 
+import argparse
+import os
 import pathlib
+import re
+import subprocess
 import sys
 
 import grain
@@ -75,8 +79,216 @@ def test_a_bin_needs_its_dtype_and_whole_ids(tmp_path):
         f"--data {tmp_path / 'ids.bin'}: 202 bytes is not a whole number of uint32 "
         "token ids"
     )
-    with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
-        data.prepare(str(tmp_path), SEQ_LEN, 100, str(tmp_path / "ids.txt"))
+
+
+def train_flags(**given) -> argparse.Namespace:
+    """train.py's flags that data.check_paths reads, as parse_args names them."""
+    flags = dict(
+        compile_only=False,
+        model_config=None,
+        data=None,
+        data_dtype="uint16",
+        seq_len=SEQ_LEN,
+        checkpoint_dir=None,
+        log_dir=None,
+        profile=None,
+    )
+    return argparse.Namespace(**(flags | given))
+
+
+def write_npy_bytes(path: pathlib.Path, size: int) -> None:
+    """The first ``size`` bytes of a .npy of 100 int32 ids."""
+    np.save(path, np.arange(100, dtype=np.int32))
+    path.write_bytes(path.read_bytes()[:size])
+
+
+# name -> (how to write it, what the refusal says after "--data PATH: ", a regex)
+BAD_FILES = {
+    "missing.npy": (lambda p: None, "No such file or directory"),
+    "empty.npy": (
+        lambda p: write_npy_bytes(p, 0),
+        r"is empty \(0 bytes\); write the token ids with numpy\.save",
+    ),
+    "text.npy": (
+        lambda p: p.write_text("1 2 3\n" * 20),
+        r"has no NumPy header; write the token ids with numpy\.save",
+    ),
+    # 50 bytes: into the header; 200: the header (128) and 18 of the 100 ids.
+    "header_cut.npy": (
+        lambda p: write_npy_bytes(p, 50),
+        r"NumPy cannot map this \.npy \(EOF: .*\); write the token ids again with "
+        r"numpy\.save",
+    ),
+    "ids_cut.npy": (
+        lambda p: write_npy_bytes(p, 200),
+        r"NumPy cannot map this \.npy \(mmap length .*\); write the token ids again "
+        r"with numpy\.save",
+    ),
+    "floats.npy": (
+        lambda p: np.save(p, np.zeros(100, np.float32)),
+        r"expected a 1-D array of integer token ids, not float32 of shape \(100,\)",
+    ),
+    "rows.npy": (
+        lambda p: np.save(p, np.zeros((10, 9), np.int32)),
+        r"expected a 1-D array of integer token ids, not int32 of shape \(10, 9\)",
+    ),
+    "odd.bin": (
+        lambda p: p.write_bytes(bytes(201)),
+        "201 bytes is not a whole number of uint16 token ids",
+    ),
+    "folder.npy": (lambda p: p.mkdir(), "Is a directory"),
+}
+
+
+def refusal(tmp_path, given: str) -> str:
+    """The line with which both train.py's start-up check and prepare refuse --data."""
+    with pytest.raises(SystemExit) as early:
+        data.check_paths(train_flags(data=given))
+    with pytest.raises(SystemExit) as late:
+        data.prepare(str(tmp_path), SEQ_LEN, 100, given, "uint16")
+    assert str(early.value) == str(late.value)
+    return str(early.value)
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_a_bad_data_file_stops_in_one_line(tmp_path, name):
+    """Alone, as one of a list, or as a shard of a directory: one line that names it."""
+    write, reason = BAD_FILES[name]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(shards / "00.bin")
+    write(shards / name)
+    bad = str(shards / name)
+    given = {"alone": bad, "listed": f"{shards / '00.bin'},{bad}", "shard": str(shards)}
+    # A missing shard is no shard, and a directory named x.npy, given, is one of shards.
+    only = {"missing.npy": ["alone", "listed"], "folder.npy": ["shard"]}
+    for form in only.get(name, given):
+        line = refusal(tmp_path, given[form])
+        assert re.fullmatch(f"--data {re.escape(bad)}: {reason}", line), (form, line)
+
+
+def test_data_entries_that_are_not_token_files(tmp_path):
+    """A .txt, a folder without shards, a missing folder, an empty list entry, and
+    files too short for one sequence: each refused in one line."""
+    (tmp_path / "ids.txt").write_text("1 2 3")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "ids.txt").write_text("1 2 3")
+    few = tmp_path / "few"
+    few.mkdir()
+    np.arange(5, dtype=np.uint16).tofile(few / "00.bin")
+    (few / "01.bin").touch()
+    refusals = {
+        f"{tmp_path}/ids.txt": f"--data {tmp_path}/ids.txt: expected a .npy or a .bin "
+        "file of token ids",
+        f"{tmp_path}/texts": f"--data {tmp_path}/texts: the directory has no .npy or "
+        ".bin files",
+        f"{tmp_path}/nothere": f"--data {tmp_path}/nothere: No such file or directory",
+        f"{tmp_path}/ids.txt,": f"--data {tmp_path}/ids.txt,: an empty entry; separate "
+        "files or directories with one comma, e.g. a.bin,b.bin",
+        str(few): f"--data {few}/00.bin, {few}/01.bin: 5 tokens cannot fill one "
+        "sequence of 9",
+    }
+    for given, message in refusals.items():
+        assert refusal(tmp_path, given) == message
+    # --compile-only reads no data: a path of the cluster's is not refused on a laptop.
+    data.check_paths(train_flags(data=f"{tmp_path}/nothere", compile_only=True))
+
+
+def test_directories_a_run_writes_must_be_directories(tmp_path):
+    """--checkpoint-dir, --log-dir, --profile and --data-dir: a file, or a path through
+    a file, is refused in one line; a new directory or a URL is not, and nothing is
+    made before the run."""
+    afile = tmp_path / "metrics.jsonl"
+    afile.write_text("{}")
+    for flag in ("--checkpoint-dir", "--log-dir", "--profile"):
+        name = flag[2:].replace("-", "_")
+        for path, why in (
+            (afile, "is a file, not a directory"),
+            (afile / "sub", f"{afile} is a file, not a directory"),
+        ):
+            with pytest.raises(SystemExit) as raised:
+                data.check_paths(train_flags(**{name: str(path)}))
+            assert str(raised.value) == f"{flag} {path}: {why}"
+        for fine in (str(tmp_path / "new" / "sub"), "gs://bucket/run"):
+            data.check_paths(train_flags(**{name: fine}))
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(SystemExit) as raised:
+        data.prepare(str(afile), SEQ_LEN, 2048)
+    assert str(raised.value) == (
+        f"--data-dir {afile}: is a file, not a directory; pass a directory to keep the "
+        "corpus's tokens in, or --data"
+    )
+
+
+def test_model_config_must_be_a_readable_file(tmp_path):
+    """Checked with --compile-only too, which builds the model from it."""
+    for path, why in ((tmp_path / "none.json", "No such file"), (tmp_path, "Is a")):
+        for compile_only in (False, True):
+            flags = train_flags(model_config=str(path), compile_only=compile_only)
+            message = f"^--model-config {re.escape(str(path))}: {why}"
+            with pytest.raises(SystemExit, match=message):
+                data.check_paths(flags)
+
+
+def test_a_model_config_that_is_not_a_llama_config_json_stops_in_one_line(tmp_path):
+    """config_from_hf: broken JSON, a list, a config without the model's sizes."""
+    import model_config
+
+    path = tmp_path / "config.json"
+    cases = {
+        '{"hidden_size": 64,': "Expecting property name enclosed in double quotes",
+        "[1, 2]": "not a JSON object; expected a Hugging Face config.json",
+        '{"hidden_size": 64, "vocab_size": 100}': (
+            "no num_attention_heads, num_hidden_layers, intermediate_size; "
+            "is it a Llama config.json?"
+        ),
+    }
+    for text, reason in cases.items():
+        path.write_text(text)
+        with pytest.raises(SystemExit, match=f"^{re.escape(str(path))}: ") as raised:
+            model_config.config_from_hf(str(path))
+        assert reason in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root reads and writes whatever the permissions say"
+)
+def test_what_this_user_cannot_read_or_write(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "ids.bin").chmod(0)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        with pytest.raises(SystemExit) as raised:
+            data.check_paths(train_flags(data=str(tmp_path / "ids.bin")))
+        assert str(raised.value) == f"--data {tmp_path}/ids.bin: Permission denied"
+        with pytest.raises(SystemExit) as raised:
+            data.check_paths(train_flags(log_dir=str(locked / "logs")))
+        assert str(raised.value) == (
+            f"--log-dir {locked}/logs: this user cannot write in {locked}"
+        )
+    finally:
+        locked.chmod(0o700)
+
+
+def test_train_py_refuses_missing_data_in_one_line(tmp_path):
+    """The one subprocess: train.py's own exit, one line on stderr and status 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JAXDIST"))}
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "lm" / "train.py"),
+        "--data",
+        str(tmp_path / "missing.npy"),
+        "--compilation-cache",
+        str(tmp_path / "cache"),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        result.stderr == f"--data {tmp_path}/missing.npy: No such file or directory\n"
+    )
 
 
 def test_an_id_outside_the_vocabulary_says_where(tmp_path, monkeypatch):

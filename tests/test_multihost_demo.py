@@ -14,6 +14,17 @@ def test_run_prints_stdout_with_mpiruns_and_sruns_tags_as_ranks(capsys):
     assert lines[4].startswith("(exit status 3, ")
 
 
+def test_run_names_the_xla_flags_its_command_compiled_with(capsys, monkeypatch):
+    """Step times under the test suite's flags are not those of a reader's run."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    multihost_demo.run("true")
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "(compiled with XLA_FLAGS=--xla_backend_optimization_level=0)"
+    monkeypatch.delenv("XLA_FLAGS")
+    multihost_demo.run("true")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("(exit status 0, ")
+
+
 def test_run_shows_stderr_without_gloos_messages_when_asked(capsys):
     multihost_demo.run(
         "echo '[Gloo] Rank 0 is connected to 1 peer ranks.' >&2; echo 'real error' >&2",
@@ -203,9 +214,10 @@ def test_scancel_sigterm_under_srun_saves_and_a_rerun_resumes_exactly(
     assert not pids_of(tmp_path)
 
 
-def test_run_hides_the_count_gloo_writes_apart(capsys):
+def test_run_hides_the_count_gloo_writes_apart(capsys, monkeypatch):
     """Under mpirun --output tag, gloo's "... peer ranks is : 7" can reach the tagger in two
     pieces: the count alone on a tagged line is gloo's too, and is not shown."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     job = multihost_demo.run(
         "printf '[1,1]<stdout>: 7\\n[1,0]<stdout>: step 1 loss 2.0\\n'"
     )

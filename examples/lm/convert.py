@@ -3,14 +3,18 @@
     python examples/lm/convert.py from-hf HF_DIR CHECKPOINT_DIR
     python examples/lm/train.py --model-config HF_DIR/config.json \\
         --checkpoint-dir CHECKPOINT_DIR --data tokens.npy ...  # fine-tune from step 0
-    python examples/lm/convert.py to-hf CHECKPOINT_DIR OUT_DIR [--step N]
+    python examples/lm/convert.py to-hf CHECKPOINT_DIR OUT_DIR [--step N] \\
+        [--max-shard-size 5GB]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json (Llama 3.x 1B, 8B, 70B, any shape). from-hf writes step 0
 of CHECKPOINT_DIR: the weights in float32, a fresh optimizer (Adam's moments and counts
 are zeros) and no data iterator (resilience.py's restore then starts the data at the
 checkpoint's step), plus hf_config.json, from which to-hf writes config.json again.
-Tokens for --data come from the model's own tokenizer, not train.py's corpus.
+to-hf writes Hugging Face's layout: model.safetensors, or, past --max-shard-size,
+model-00001-of-0000N.safetensors shards and model.safetensors.index.json, which
+transformers' from_pretrained reads. Tokens for --data come from the model's own
+tokenizer, not train.py's corpus.
 
 The layouts. Hugging Face's Linear stores (out, in) and computes x @ W.T; the recipe's
 kernels are (in, out), and its attention weights name their heads: q_proj (N*A, D) ->
@@ -24,18 +28,32 @@ in transformers/models/llama/convert_llama_weights_to_hf.py). model.rope rotates
 halves too: Hugging Face's q_proj and k_proj go in as they are, which the logits'
 parity with transformers checks (tests/test_lm_convert.py).
 
-Memory: the shards are read one tensor at a time, but the step written holds float32
-weights and Adam's two moments, and Orbax copies them as it writes: about 18 bytes per
-parameter of the host's at the peak (measured: 3.6 GB for 187 M parameters), so 8B
-wants a host with some 150 GB.
+Memory: neither command holds the model, nor one stacked leaf (all the layers' copies
+of a tensor: 75 GB in float32 for each of 70B's MLP kernels). from-hf hands Orbax
+``Blocks``, leaves that ``BlockHandler`` writes a block at a time (a block of layers, or
+of rows, of at most BLOCK_BYTES, or one layer where a layer is larger), each read from
+the safetensors files when its turn comes; Adam's zeros are never arrays. to-hf reads
+the checkpoint a storage chunk at a time with TensorStore (train.py's chunks are its
+arrays' shards, at most 2 GiB each: Orbax's cap) and writes each piece in place into
+safetensors files made at their full size. Measured (benchmarks/convert_memory.py,
+made-up Llamas in 50 MB shards, 2 cores, 2026-12-06), the peak resident memory of
+from-hf was 640 MB at 201 M parameters and 666 MB at 336 M, of to-hf 610 and 626 MB,
+against 286 MB to import this file. Before, when from-hf held the whole state and to-hf
+the whole params, from-hf peaked at 3,916 and 6,363 MB (18 bytes per parameter above
+the imports: some 150 GB for 8B) and to-hf at 1,533 and 2,357 MB (6 bytes per
+parameter).
 """
 
 import argparse
+import dataclasses
+import itertools
 import json
+import math
 import os
 import pathlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -43,15 +61,26 @@ import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib
 import model_config
 import train
 
-HF_CONFIG = "hf_config.json"  # beside the step folders, which Orbax lists by number
+# Beside the step folders, which Orbax lists by number.
+HF_CONFIG = "hf_config.json"
+INDEX = "model.safetensors.index.json"
+# The most bytes of a leaf read, converted and written at once, unless one row (one
+# layer, for a layer's tensor) is larger.
+BLOCK_BYTES = 64 * 2**20
+# --max-shard-size's units, as transformers reads them: kB = 1,000 bytes, KiB = 1,024.
+UNITS = {"": 1, "B": 1} | {
+    unit: base**power
+    for power, prefix in enumerate("KMGT", start=1)
+    for unit, base in ((f"{prefix}B", 1000), (f"{prefix}IB", 1024))
+}
 Array = np.ndarray
 Config = model_config.ModelConfig
 
@@ -108,158 +137,431 @@ DTYPES = {
     "bfloat16": ml_dtypes.bfloat16,
     "float16": np.float16,
 }
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One of Hugging Face's tensors and its place in the recipe's params."""
+
+    name: str
+    # Its params leaf, and its index on the leaf's leading (scan) axis: None for a
+    # top-level tensor.
+    path: tuple[str, ...]
+    layer: int | None
+    into: Convert
+    back: Convert
+
+    @property
+    def rows_axis(self) -> int:
+        """The leaf's axis along which this tensor's rows run (a layer's: layers)."""
+        return 1 if self.layer is None and self.into is transpose else 0
 
 
 def layer_name(i: int, name: str) -> str:
     return f"model.layers.{i}.{name}.weight"
 
 
-def tensor_files(hf_dir: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Each tensor's file: the index's weight_map if sharded, else model.safetensors."""
-    index = hf_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    with safe_open(hf_dir / "model.safetensors", framework="np") as f:
-        return {name: hf_dir / "model.safetensors" for name in f.keys()}  # noqa: SIM118
+def hf_tensors(c: Config) -> list[Tensor]:
+    """Hugging Face's tensors in transformers' order: embeddings, layers, norm, head."""
+    embed, norm, head = (
+        Tensor(name, path, None, into, back) for name, (path, into, back) in TOP.items()
+    )
+    layers = [
+        Tensor(layer_name(i, name), ("layers", *path), i, into, back)
+        for i in range(c.num_layers)
+        for name, (path, into, back) in LAYER.items()
+    ]
+    return [embed, *layers, norm] + ([] if c.tie_embeddings else [head])
 
 
-def expected_names(c: Config) -> list[str]:
-    layers = [layer_name(i, n) for i in range(c.num_layers) for n in LAYER]
-    top = [n for n in TOP if n != "lm_head.weight" or not c.tie_embeddings]
-    return top + layers
+def leaf_tensors(c: Config) -> dict[tuple[str, ...], list[Tensor]]:
+    """Each params leaf's tensors: a layer leaf's in layer order, a top-level one's."""
+    leaves: dict[tuple[str, ...], list[Tensor]] = {}
+    for t in hf_tensors(c):
+        leaves.setdefault(t.path, []).append(t)
+    return leaves
 
 
-def set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+def hf_shape(t: Tensor, leaf_shape: tuple[int, ...], c: Config) -> tuple[int, ...]:
+    """The tensor's shape in Hugging Face's files, from its params leaf's."""
+    shape = leaf_shape if t.layer is None else leaf_shape[1:]
+    leaf = jax.ShapeDtypeStruct(shape, np.float32)
+    return jax.eval_shape(lambda w: t.back(w, c), leaf).shape
 
 
-def get_path(tree: dict, path: tuple[str, ...]) -> Any:
+def block_rows(shape: tuple[int, ...], axis: int, itemsize: int) -> int:
+    """Rows per block along ``axis``: the most within BLOCK_BYTES that divide its size
+    (every block whole, one storage chunk each), or one."""
+    row_bytes = itemsize * math.prod(shape) // shape[axis]
+    fits = min(max(1, BLOCK_BYTES // row_bytes), shape[axis])
+    return max(d for d in range(1, fits + 1) if shape[axis] % d == 0)
+
+
+def get_path(tree: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
 
 
-def params_from_hf(hf_dir: pathlib.Path, c: Config) -> dict:
-    """The recipe's float32 params from the safetensors files, one tensor at a time."""
-    files = tensor_files(hf_dir)
-    handles = {}
+# Hugging Face's files, read a tensor (or a block of its rows) at a time.
 
-    def read(name: str) -> Array:
-        if files[name] not in handles:
-            handles[files[name]] = safe_open(files[name], framework="np")
-        return handles[files[name]].get_tensor(name).astype(np.float32)
 
-    names = set(files) - {n for n in files if n.endswith("rotary_emb.inv_freq")}
-    if c.tie_embeddings and "lm_head.weight" in names:
+def tensor_files(hf_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Each tensor's file: the index's weight_map if sharded, else model.safetensors."""
+    index, single = hf_dir / INDEX, hf_dir / "model.safetensors"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    if not single.exists():
+        raise SystemExit(f"{hf_dir}: no model.safetensors and no {INDEX}")
+    with safe_open(single, framework="np") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def file_shapes(files: dict[str, pathlib.Path]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from the files' headers alone."""
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="np") as f:
+            shapes |= {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    return shapes
+
+
+def read_rows(
+    file: pathlib.Path, name: str, start: int | None = None, stop: int | None = None
+) -> Array:
+    """Rows [start, stop) of one tensor, as float32. The file is mapped only while it
+    is read, so the pages read leave the process's memory with it."""
+    with safe_open(file, framework="np") as f:
+        return f.get_slice(name)[start:stop].astype(np.float32)
+
+
+def same_table(
+    files: dict[str, pathlib.Path], a: str, b: str, shape: tuple[int, ...]
+) -> bool:
+    """Whether tensors a and b (both ``shape``) are equal, a block of rows at a time."""
+    rows = block_rows(shape, 0, 4)
+    return all(
+        np.array_equal(
+            read_rows(files[a], a, i, i + rows), read_rows(files[b], b, i, i + rows)
+        )
+        for i in range(0, shape[0], rows)
+    )
+
+
+def check_tensors(hf_dir: pathlib.Path, files: dict, c: Config, params: Any) -> None:
+    """Stops, in one line, at a tensor missing, unexpected, or not of the shape that
+    config.json's model (``params``: its leaves' shapes) wants."""
+    shapes = file_shapes(files)
+    names = {n for n in files if not n.endswith("rotary_emb.inv_freq")}
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if c.tie_embeddings and head in names:
         # Some tied checkpoints store the table twice; it must be the same table.
-        if not np.array_equal(read("lm_head.weight"), read(TOP["lm_head.weight"][0])):
+        if shapes[head] != shapes[embed] or not same_table(
+            files, head, embed, shapes[head]
+        ):
             raise SystemExit(f"{hf_dir}: tie_word_embeddings, but lm_head differs")
-        names.discard("lm_head.weight")
-    wanted = set(expected_names(c))
+        names.discard(head)
+    tensors = hf_tensors(c)
+    wanted = {t.name for t in tensors}
     if names != wanted:
         raise SystemExit(
             f"{hf_dir}: missing {sorted(wanted - names)[:4]}, "
             f"unexpected {sorted(names - wanted)[:4]}"
         )
-    params: dict = {}
-    for name, (path, into, _) in TOP.items():
-        if name in wanted:
-            set_path(params, path, into(read(name), c))
-    for name, (path, into, _) in LAYER.items():
-        first = into(read(layer_name(0, name)), c)
-        stacked = np.empty((c.num_layers, *first.shape), np.float32)
-        for i in range(c.num_layers):
-            stacked[i] = into(read(layer_name(i, name)), c)
-        set_path(params, ("layers", *path), stacked)
-    return params
+    for t in tensors:
+        want = hf_shape(t, get_path(params, t.path).shape, c)
+        if shapes.get(t.name) != want:
+            raise SystemExit(
+                f"{hf_dir}: {t.name} is {shapes.get(t.name)}, "
+                f"config.json's model wants {want}"
+            )
 
 
-def params_to_hf(params: dict, c: Config, dtype: np.dtype) -> dict[str, Array]:
-    """Hugging Face's tensors (contiguous, as safetensors stores them) from params."""
-    tensors = {}
-    for name, (path, _, back) in TOP.items():
-        if name != "lm_head.weight" or not c.tie_embeddings:
-            tensors[name] = back(np.asarray(get_path(params, path)), c)
-    for name, (path, _, back) in LAYER.items():
-        stacked = np.asarray(get_path(params, ("layers", *path)))
-        for i in range(c.num_layers):
-            tensors[layer_name(i, name)] = back(stacked[i], c)
-    return {n: np.ascontiguousarray(t.astype(dtype)) for n, t in tensors.items()}
+# Step 0, written by Orbax a block at a time.
 
 
-def fresh_state(params: dict, model, args):
-    """Step 0: ``params`` and train.py's optimizer state before its first update.
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A leaf never whole in memory: ``read(start, stop)`` gives its block [start, stop)
+    along ``axis``, when BlockHandler writes that block."""
 
-    The state's structure comes from step.py's own abstract_state, so its restore
-    finds what it expects. Optax's AdamW starts at zeros (its count, its moments), as
-    the test checks against tx.init.
-    """
-    mesh = train.make_mesh("fsdp=-1")  # shapes only: any mesh will do
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    axis: int
+    read: Callable[[int, int], Array | float]
+
+    @property
+    def rows(self) -> int:
+        return block_rows(self.shape, self.axis, self.dtype.itemsize)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class BlockHandler(ocp.type_handlers.NumpyHandler):
+    """Writes Blocks as Orbax writes a NumPy array (the same files, restored as one),
+    a block at a time: each block is one storage chunk, written before the next block
+    is read. Orbax's own NumpyHandler copies each array and writes it whole."""
+
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.type_handlers.SaveArgs()] * len(values)
+        return [
+            ocp.future.CommitFutureAwaitingContractedSignals(
+                self._write(values, infos, args), name="blocks"
+            )
+        ]
+
+    async def _write(self, values: list[Blocks], infos, args) -> None:
+        for value, info, arg in zip(values, infos, args, strict=True):
+            await info.await_path_creation()
+            block = list(value.shape)
+            block[value.axis] = value.rows
+            ocdbt = info.is_ocdbt_checkpoint
+            spec = ocp.type_handlers.get_json_tspec_write(
+                info,
+                use_ocdbt=ocdbt,
+                global_shape=value.shape,
+                local_shape=tuple(block),
+                dtype=value.dtype,
+                process_index=jax.process_index() if ocdbt else None,
+                arg=arg,
+            )
+            array = await ts.open(
+                ts.Spec(spec), create=True, open=True, context=info.ts_context
+            )
+            for start in range(0, value.shape[value.axis], value.rows):
+                stop = start + value.rows
+                where = (slice(None),) * value.axis + (slice(start, stop),)
+                await array[where].write(value.read(start, stop))
+
+
+def params_from_hf(files: dict, c: Config, params: Any) -> dict:
+    """The recipe's params (``params``: their shapes) as Blocks that read the
+    safetensors files: a block of layers, or of a top-level tensor's rows."""
+    sources = leaf_tensors(c)
+
+    def leaf(path, s: jax.ShapeDtypeStruct) -> Blocks:
+        tensors = sources[tuple(k.key for k in path)]
+        first = tensors[0]
+        if first.layer is None:
+            read = lambda i, j: first.into(
+                read_rows(files[first.name], first.name, i, j), c
+            )
+        else:
+            read = lambda i, j: np.stack(
+                [t.into(read_rows(files[t.name], t.name), c) for t in tensors[i:j]]
+            )
+        return Blocks(s.shape, np.dtype(s.dtype), first.rows_axis, read)
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def zero_leaf(s: jax.ShapeDtypeStruct) -> Array | Blocks:
+    """A leaf of zeros: Blocks of TensorStore's broadcast 0, a scalar as NumPy's."""
+    if not s.shape:
+        return np.zeros((), s.dtype)
+    return Blocks(s.shape, np.dtype(s.dtype), 0, lambda i, j: 0.0)
+
+
+def state_shapes(model, args):
+    """train.py's state for this model: step.py's own abstract_state, so that its
+    restore finds what it expects."""
+    # Shapes only: any mesh will do.
+    mesh = train.make_mesh("fsdp=-1")
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
         shapes, _ = train.abstract_state(model, train.make_optimizer(args), mesh, 1)
-    leaves, name = jax.tree_util.tree_leaves_with_path, jax.tree_util.keystr
-    expected = {name(k): (s.shape, s.dtype) for k, s in leaves(shapes.params)}
-    for path, p in leaves(params):
-        if expected.pop(name(path), None) != (p.shape, p.dtype):
-            raise SystemExit(f"params{name(path)} {p.shape} does not fit the model")
-    if expected:
-        raise SystemExit(f"no tensor for params{next(iter(expected))}")
-    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-    return zeros.replace(params=params)
+    return shapes
+
+
+def step_zero(hf_dir: pathlib.Path, files: dict, c: Config, args) -> Any:
+    """train.py's state at step 0, its params Blocks that read Hugging Face's files:
+    Optax's AdamW starts at zeros (its count, its moments), as the test checks
+    against tx.init."""
+    shapes = state_shapes(model_lib.Transformer(c), args)
+    check_tensors(hf_dir, files, c, shapes.params)
+    params = params_from_hf(files, c, shapes.params)
+    return jax.tree.map(zero_leaf, shapes).replace(params=params)
+
+
+def block_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's handler with its own handlers for the NumPy scalars (and for jax.Array,
+    which it looks up), and ours for Blocks, which it must not copy whole."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (jax.Array, ocp.type_handlers.ArrayHandler()),
+        (Blocks, BlockHandler(deepcopy_host_arrays=False)),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     config_json = hf_dir / "config.json"
-    # train.py's defaults for this shape: its optimizer and its checkpoint layout
+    if not config_json.exists():
+        raise SystemExit(f"{hf_dir}: no config.json")
+    # train.py's defaults for this shape: its optimizer and its checkpoint layout.
     args = train.parse_args(
         ["--model-config", str(config_json), "--checkpoint-dir", str(checkpoint_dir)]
     )
     config = train.config_from_args(args)
-    params = params_from_hf(hf_dir, config)
-    state = fresh_state(params, model_lib.Transformer(config), args)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    manager = train.checkpoint_manager(args)
-    if manager.latest_step() is not None:
-        raise SystemExit(f"{checkpoint_dir} has step {manager.latest_step()} already")
-    manager.save(
-        0, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True
-    )
-    manager.wait_until_finished()
-    manager.close()
+    files = tensor_files(hf_dir)
+    with ocp.CheckpointManager(
+        checkpoint_dir.absolute(), item_handlers={"state": block_handler()}
+    ) as manager:
+        if manager.latest_step() is not None:
+            raise SystemExit(
+                f"{checkpoint_dir} has step {manager.latest_step()} already"
+            )
+        state = step_zero(hf_dir, files, config, args)
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+        manager.wait_until_finished()
     (checkpoint_dir / HF_CONFIG).write_text(config_json.read_text())
     print(
         f"{hf_dir} -> {checkpoint_dir} step 0 ({model_config.count_params(config):,})"
     )
 
 
-def restore_params(checkpoint_dir: pathlib.Path, config: Config, step: int | None):
-    """Only the params of the state item, as NumPy arrays: not the optimizer's."""
-    manager = ocp.CheckpointManager(
+# Back to Hugging Face's files, a storage chunk of the checkpoint at a time.
+
+
+def open_params(checkpoint_dir: pathlib.Path, step: int | None, c: Config):
+    """The step, and each params leaf of its state opened with TensorStore (through
+    Orbax's own spec) to be read a chunk at a time; stops if one does not fit."""
+    if not checkpoint_dir.is_dir():
+        raise SystemExit(f"{checkpoint_dir} has no checkpoint")
+    with ocp.CheckpointManager(
         checkpoint_dir.absolute(),
         item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+    ) as manager:
+        steps = manager.all_steps()
+        if not steps:
+            raise SystemExit(f"{checkpoint_dir} has no checkpoint")
+        step = max(steps) if step is None else step
+        if step not in steps:
+            having = ", ".join(map(str, steps))
+            raise SystemExit(f"{checkpoint_dir} has no step {step}, only {having}")
+        metadata = manager.item_metadata(step)["state"]
+    model = model_lib.Transformer(c)
+    wanted = nn.meta.unbox(
+        jax.eval_shape(
+            lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
+        )
     )
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise SystemExit(f"{checkpoint_dir} has no checkpoint")
-    model = model_lib.Transformer(config)
-    shapes = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
-    )
-    target = {"params": nn.meta.unbox(shapes)}
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=target, restore_args=as_numpy, partial_restore=True
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    leaves = {}
+    for path in leaf_tensors(c):
+        leaf, want = get_path(metadata.tree["params"], path), get_path(wanted, path)
+        if tuple(leaf.shape) != want.shape:
+            raise SystemExit(
+                f"{checkpoint_dir} step {step}: params.{'.'.join(path)} is "
+                f"{tuple(leaf.shape)}, the config's model wants {want.shape}"
             )
-        ),
+        ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(leaf.directory)
+        info = ocp.type_handlers.ParamInfo(
+            name=leaf.name,
+            parent_dir=leaf.directory,
+            is_ocdbt_checkpoint=ocdbt,
+            use_zarr3=metadata.use_zarr3,
+            ts_context=context,
+        )
+        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+        leaves[path] = ts.open(spec, context=context).result()
+    return step, leaves
+
+
+def shard_files(sizes: dict[str, int], max_bytes: int) -> dict[str, list[str]]:
+    """Tensors, in order, into files of at most ``max_bytes`` as transformers splits
+    them (a larger tensor alone in its own): model.safetensors if one file will do."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards, used = [*shards, []], 0
+        shards[-1].append(name)
+        used += size
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    n = len(shards)
+    return {f"model-{i:05d}-of-{n:05d}.safetensors": s for i, s in enumerate(shards, 1)}
+
+
+def create_safetensors(
+    file: pathlib.Path, shapes: dict[str, tuple[int, ...]], dtype: np.dtype
+) -> dict[str, int]:
+    """An empty safetensors file of these tensors, at its full size; each tensor's
+    offset in it. The format (github.com/huggingface/safetensors): the header's length
+    (8 bytes, little-endian), the JSON header padded to 8 bytes, the tensors' bytes.
+    Written here because safetensors' own writer wants every tensor in memory."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    end = 0
+    for name, shape in shapes.items():
+        start, end = end, end + math.prod(shape) * dtype.itemsize
+        code = SAFETENSORS_DTYPES[dtype.name]
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [start, end]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + end)
+    return {n: 8 + len(text) + header[n]["data_offsets"][0] for n in shapes}
+
+
+def chunks(leaf: ts.TensorStore) -> Iterator[tuple[slice, ...]]:
+    """The leaf's storage chunks: reading one decodes that chunk alone."""
+    step = leaf.chunk_layout.read_chunk.shape
+    corners = itertools.product(*(range(0, n, k) for n, k in zip(leaf.shape, step)))
+    for corner in corners:
+        yield tuple(
+            slice(i, min(i + k, n)) for i, k, n in zip(corner, step, leaf.shape)
+        )
+
+
+def pieces(
+    tensors: list[Tensor], box: tuple[slice, ...], data: Array
+) -> Iterator[tuple[Tensor, tuple[slice, ...], Array]]:
+    """A chunk of a leaf (``data``, at ``box``) as its tensors' pieces: each layer's,
+    or the top-level tensor's, with where each goes in the tensor's leaf layout."""
+    if tensors[0].layer is None:
+        yield tensors[0], box, data
+        return
+    for i in range(box[0].start, box[0].stop):
+        yield tensors[i], box[1:], data[i - box[0].start]
+
+
+def write_chunks(leaves: dict, c: Config, places: dict, shapes: dict, dtype) -> None:
+    """Every params leaf into the safetensors files, a storage chunk at a time, each
+    piece written in place (``places``: each tensor's file and offset)."""
+    # Not a layer at a time: train.py's chunks span every layer (its meshes split
+    # widths, heads and the MLP; only 'pipeline' splits the layers), so each chunk
+    # would be read and decoded once per layer.
+    for path, tensors in leaf_tensors(c).items():
+        for box in chunks(leaves[path]):
+            data = leaves[path][box].read().result()
+            for t, where, piece in pieces(tensors, box, data):
+                file, offset = places[t.name]
+                hf_array = np.memmap(file, dtype, "r+", offset, shapes[t.name])
+                # A view of the file in the leaf's layout (into's reshapes split
+                # axes: no copy), written in place and unmapped: its pages leave the
+                # process for the page cache, which writes them to disk.
+                t.into(hf_array, c)[where] = piece
+                del hf_array
+
+
+def hf_config(
+    checkpoint_dir: pathlib.Path, config_json: str | None, preset: str | None
+) -> tuple[Config, dict]:
+    """The checkpoint's shape, and the config.json to write beside its weights."""
+    if config_json or (checkpoint_dir / HF_CONFIG).exists():
+        source = pathlib.Path(config_json or checkpoint_dir / HF_CONFIG)
+        return model_config.config_from_hf(str(source)), json.loads(source.read_text())
+    if preset:
+        config = model_config.PRESETS[preset]
+        return config, model_config.config_to_hf(config)
+    raise SystemExit(
+        f"{checkpoint_dir} has no {HF_CONFIG}: say --model-config or --model"
     )
-    manager.close()
-    return restored.state["params"], step
 
 
 def to_hf(
@@ -268,30 +570,49 @@ def to_hf(
     step: int | None,
     config_json: str | None,
     preset: str | None,
+    max_shard_size: int,
 ) -> None:
-    if config_json or (checkpoint_dir / HF_CONFIG).exists():
-        source = pathlib.Path(config_json or checkpoint_dir / HF_CONFIG)
-        hf = json.loads(source.read_text())
-        config = model_config.config_from_hf(str(source))
-    elif preset:
-        config = model_config.PRESETS[preset]
-        hf = model_config.config_to_hf(config)
-    else:
-        raise SystemExit(
-            f"{checkpoint_dir} has no {HF_CONFIG}: say --model-config or --model"
-        )
-    params, step = restore_params(checkpoint_dir, config, step)
+    config, hf = hf_config(checkpoint_dir, config_json, preset)
+    step, leaves = open_params(checkpoint_dir, step, config)
     # The config's own type: a bfloat16 Llama comes back bfloat16, exactly (float32
     # holds every bfloat16 value).
-    dtype = DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), np.float32)
+    dtype = np.dtype(DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), np.float32))
+    shapes = {
+        t.name: hf_shape(t, leaves[t.path].shape, config) for t in hf_tensors(config)
+    }
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
+    files = shard_files(sizes, max_shard_size)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(
-        params_to_hf(params, config, dtype),
-        out_dir / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+    # A previous save's weights, which transformers would read beside these.
+    old = [*out_dir.glob("model-*-of-*.safetensors"), out_dir / INDEX]
+    for path in [*old, out_dir / "model.safetensors"]:
+        path.unlink(missing_ok=True)
+    places = {}
+    for file, names in files.items():
+        tensors = {n: shapes[n] for n in names}
+        offsets = create_safetensors(out_dir / file, tensors, dtype)
+        places |= {n: (out_dir / file, offset) for n, offset in offsets.items()}
+    write_chunks(leaves, config, places, shapes, dtype)
+    if len(files) > 1:
+        count = sum(math.prod(shape) for shape in shapes.values())
+        index = {
+            "metadata": {"total_parameters": count, "total_size": sum(sizes.values())},
+            "weight_map": {n: file for file, names in files.items() for n in names},
+        }
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    print(f"{checkpoint_dir} step {step} -> {out_dir}")
+    print(f"{checkpoint_dir} step {step} -> {out_dir} ({len(files)} safetensors files)")
+
+
+def shard_size(text: str) -> int:
+    """--max-shard-size: bytes, or a number with a unit as transformers spells it."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text.strip())
+    unit = match and UNITS.get(match[2].upper())
+    if not unit or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a size such as 5GB, 500MB or 2GiB"
+        )
+    return int(float(match[1]) * unit)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -310,6 +631,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=sorted(model_config.PRESETS),
         help="a preset's checkpoint (train.py --model)",
     )
+    back.add_argument(
+        "--max-shard-size",
+        type=shard_size,
+        default="5GB",
+        help="the largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB; "
+        "the memory to-hf needs does not depend on it)",
+    )
     return parser.parse_args(argv)
 
 
@@ -319,9 +647,21 @@ def main(argv=None) -> None:
         from_hf(args.hf_dir, args.checkpoint_dir)
     else:
         to_hf(
-            args.checkpoint_dir, args.hf_dir, args.step, args.model_config, args.model
+            args.checkpoint_dir,
+            args.hf_dir,
+            args.step,
+            args.model_config,
+            args.model,
+            args.max_shard_size,
         )
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    # A refusal: its one line, and status 2 as argparse's.
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)
+        sys.exit(2)

@@ -33,6 +33,9 @@ The API train.py uses:
         -> a checkpointable iterator over this process's rows of each global batch
     eval_batches(source, global_batch, rows, num_batches) -> list[np.ndarray]
         the held-out batches: the last num_batches x global_batch records of source
+    check_paths(args)
+        on every process, before the model is built: a bad path flag stops the run in
+        one line (train.py's other path flags too, which have no module of their own)
 """
 
 import bisect
@@ -90,22 +93,76 @@ def corpus_tokens(vocab_size: int, directory: pathlib.Path) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def corpus_file(vocab_size: int, directory: pathlib.Path) -> pathlib.Path:
-    """The default corpus's token ids as a .npy, tokenized on the first call."""
-    path = directory / f"pydoc-{vocab_size}.npy"
-    if not path.exists():
+def corpus_file(vocab_size: int, directory: str) -> pathlib.Path:
+    """The default corpus's token ids as a .npy in --data-dir, tokenized on the first
+    call (a directory that already holds them may be read-only)."""
+    path = pathlib.Path(directory).absolute() / f"pydoc-{vocab_size}.npy"
+    if not os.path.exists(path):
+        if why := directory_error(directory):
+            raise SystemExit(
+                f"--data-dir {directory}: {why}; pass a directory to keep the "
+                "corpus's tokens in, or --data"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
         dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
         partial = path.with_suffix(f".{os.getpid()}.partial")  # processes may write
         with open(partial, "wb") as file:
-            np.save(file, corpus_tokens(vocab_size, directory).astype(dtype))
+            np.save(file, corpus_tokens(vocab_size, path.parent).astype(dtype))
         os.replace(partial, path)  # readers never see a half-written file
     return path
 
 
+def directory_error(path: str) -> str | None:
+    """Why this process could not make directory ``path`` and write in it, or None. A
+    URL (gs://...) is left to its store."""
+    if "://" in path:
+        return None
+    target = pathlib.Path(path).absolute()
+    # The root exists: the first of these that does is where the directory is made.
+    existing = next(p for p in (target, *target.parents) if os.path.exists(p))
+    if not existing.is_dir():
+        where = "" if existing == target else f"{existing} "
+        return f"{where}is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"this user cannot write in {existing}"
+    return None
+
+
+def npy_ids(path: pathlib.Path) -> np.ndarray:
+    """A .npy's array, mapped in place; a file numpy.save did not write, or wrote only
+    in part, stops the run in one line."""
+    with open(path, "rb") as file:
+        magic = file.read(len(np.lib.format.MAGIC_PREFIX))
+    # np.load reads a file without the header as a pickle, and says so, misleadingly.
+    if magic != np.lib.format.MAGIC_PREFIX:
+        what = "is empty (0 bytes)" if not magic else "has no NumPy header"
+        raise SystemExit(f"--data {path}: {what}; write the token ids with numpy.save")
+    # NumPy's ValueError: a header or data cut short, or Python objects (not mappable).
+    try:
+        return np.load(path, mmap_mode="r")
+    except ValueError as error:
+        raise SystemExit(
+            f"--data {path}: NumPy cannot map this .npy ({error}); write the token "
+            "ids again with numpy.save"
+        ) from None
+
+
+def readable_size(path: pathlib.Path, flag: str = "--data") -> int:
+    """The size of a file this process can open; one line if it cannot (it is missing,
+    a directory, or not readable by this user)."""
+    try:
+        with open(path, "rb") as file:
+            return os.fstat(file.fileno()).st_size
+    except OSError as error:
+        raise SystemExit(f"{flag} {path}: {error.strerror or error}") from None
+
+
 def token_ids(path: pathlib.Path, dtype: str | None) -> np.ndarray:
     """A file's token ids, mapped in place: a .npy, or a raw .bin of ``dtype``."""
+    # A missing file is reported as missing before its name is judged.
+    size = readable_size(path)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        tokens = npy_ids(path)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise SystemExit(
                 f"--data {path}: expected a 1-D array of integer token ids, "
@@ -119,7 +176,7 @@ def token_ids(path: pathlib.Path, dtype: str | None) -> np.ndarray:
             f"--data {path}: a raw .bin does not say its dtype; "
             "pass --data-dtype uint16 or uint32"
         )
-    itemsize, size = np.dtype(BIN_DTYPES[dtype]).itemsize, path.stat().st_size
+    itemsize = np.dtype(BIN_DTYPES[dtype]).itemsize
     if size % itemsize:
         raise SystemExit(
             f"--data {path}: {size} bytes is not a whole number of {dtype} token ids"
@@ -204,12 +261,27 @@ def check_vocabulary(path, tokens: np.ndarray, vocab_size: int) -> None:
 def entry_files(entry: str) -> list[pathlib.Path]:
     """The files of one --data entry: the file itself, or a directory's shards."""
     path = pathlib.Path(entry).absolute()
-    if not path.is_dir():
-        return [path]
-    shards = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))
+    # An OSError: a directory this user may not list.
+    try:
+        if not path.is_dir():
+            return [path]
+        shards = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))
+    except OSError as error:
+        raise SystemExit(f"--data {path}: {error.strerror or error}") from None
     if not shards:
         raise SystemExit(f"--data {entry}: the directory has no .npy or .bin files")
     return shards
+
+
+def data_files(data: str) -> list[list[pathlib.Path]]:
+    """The files of each comma-separated --data entry."""
+    entries = data.split(",")
+    if "" in entries:
+        raise SystemExit(
+            f"--data {data}: an empty entry; separate files or directories with one "
+            "comma, e.g. a.bin,b.bin"
+        )
+    return [entry_files(entry) for entry in entries]
 
 
 def sources(
@@ -221,12 +293,7 @@ def sources(
 ) -> list[TokenRecords]:
     """One source per comma-separated --data entry (a file, or a directory of shards),
     or the default corpus (tokenized into ``directory`` on the first call)."""
-    if data:
-        entries = [entry_files(entry) for entry in data.split(",")]
-    else:
-        directory_path = pathlib.Path(directory).absolute()
-        directory_path.mkdir(parents=True, exist_ok=True)
-        entries = [[corpus_file(vocab_size, directory_path)]]
+    entries = data_files(data) if data else [[corpus_file(vocab_size, directory)]]
     return [TokenRecords(files, dtype, seq_len, vocab_size) for files in entries]
 
 
@@ -243,6 +310,28 @@ def prepare(
         for path, tokens in zip(source.paths, source.files):
             check_vocabulary(path, tokens, vocab_size)
     return opened
+
+
+def check_paths(args) -> None:
+    """Stop train.py in one line on a path flag that cannot work, before the model is
+    built and on every process (none then waits for one that stopped): --model-config,
+    --data's files, and the directories a run writes, which --compile-only does not
+    use. What config.json holds is model_config.config_from_hf's to check."""
+    if args.model_config:
+        readable_size(pathlib.Path(args.model_config), "--model-config")
+    if args.compile_only:
+        return
+    # Opened as the run opens them; prepare checks their ids against the vocabulary.
+    for files in data_files(args.data) if args.data else []:
+        TokenRecords(files, args.data_dtype, args.seq_len, vocab_size=0)
+    written = {
+        "--checkpoint-dir": args.checkpoint_dir,
+        "--log-dir": args.log_dir,
+        "--profile": args.profile,
+    }
+    for flag, path in written.items():
+        if path and (why := directory_error(path)):
+            raise SystemExit(f"{flag} {path}: {why}")
 
 
 def parse_weights(text: str | None, count: int) -> list[float] | None:

@@ -76,9 +76,23 @@ def config_from_hf(path: str) -> ModelConfig:
     Hub's Llama 3.x files, transformers 4) and ``rope_parameters`` (transformers 5
     writes theta and the scaling there). Stops on what this model does not have.
     """
-    with open(path) as f:
-        hf: dict[str, Any] = json.load(f)
+    try:
+        with open(path) as f:
+            hf: dict[str, Any] = json.load(f)
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise SystemExit(
+            f"{path}: {reason}; expected a Hugging Face config.json"
+        ) from None
+    if not isinstance(hf, dict):
+        raise SystemExit(
+            f"{path}: not a JSON object; expected a Hugging Face config.json"
+        )
     name = path
+    required = ("hidden_size", "num_attention_heads", "num_hidden_layers")
+    required += ("intermediate_size", "vocab_size")
+    if missing := [key for key in required if key not in hf]:
+        raise SystemExit(f"{name}: no {', '.join(missing)}; is it a Llama config.json?")
     if hf.get("model_type", "llama") != "llama":
         raise SystemExit(f"{name}: model_type {hf['model_type']!r}, expected 'llama'")
     if hf.get("hidden_act", "silu") != "silu":
