@@ -296,7 +296,21 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path, monkeypatch):
     assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
     convert.main(["from-hf", str(single), str(tmp_path / "from_single")])
     monkeypatch.setattr(convert, "BLOCK_BYTES", 4096)
+    # Every read of the shards, to check that none holds more than a block: 4 KiB, or
+    # one layer's tensor where that is larger, never a whole stacked leaf or table.
+    reads, read_rows = [], convert.read_rows
+    monkeypatch.setattr(
+        convert, "read_rows", lambda *a: reads.append(read_rows(*a)) or reads[-1]
+    )
     convert.main(["from-hf", str(sharded), str(tmp_path / "from_shards")])
+    tensors = {
+        n: np.prod(s) * 4
+        for n, s in convert.file_shapes(convert.tensor_files(sharded)).items()
+    }
+    layer_tensor = max(b for n, b in tensors.items() if ".layers." in n)
+    assert max(r.nbytes for r in reads) <= max(4096, layer_tensor)
+    assert layer_tensor < tensors["model.embed_tokens.weight"]
+    assert sum(r.nbytes for r in reads) == sum(tensors.values())
     whole = restore_state(tmp_path / "from_single")
     blocks = restore_state(tmp_path / "from_shards")
     assert jax.tree.structure(blocks) == jax.tree.structure(whole)

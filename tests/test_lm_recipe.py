@@ -8,11 +8,14 @@ tokenized once per session, into one shared data directory.
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
+import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -290,6 +294,176 @@ def test_a_resumed_run_continues_exactly(dirs, spec_run, long_run):
     assert {s: v for s, v in long_run.items() if s <= 10} == losses(first)
 
 
+def run_saving(dirs, directory, steps: int, every: int = 1, flags=()) -> str:
+    """run_in_process on SPEC with --checkpoint-dir ``directory``, saving every
+    ``every`` steps (run_in_process's checkpoint_dir saves every 10)."""
+    saving = ("--checkpoint-dir", str(directory), "--checkpoint-every", str(every))
+    return run_in_process(dirs, SPEC, steps, flags=(*saving, *flags))
+
+
+def files(directory: pathlib.Path) -> dict[str, bytes]:
+    """Every file under ``directory``, by its relative path."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def largest_chunk(step: pathlib.Path) -> pathlib.Path:
+    """The step's largest file of array data (OCDBT's)."""
+    chunks = (step / "state" / "ocdbt.process_0" / "d").iterdir()
+    return max(chunks, key=lambda p: p.stat().st_size)
+
+
+def saved_by_two_processes(step: pathlib.Path) -> None:
+    """Grain's file as a run of 2 processes names it: none for this process."""
+    grain_file = step / "data" / "process_0-of-1.json"
+    grain_file.rename(grain_file.with_name("process_0-of-2.json"))
+
+
+# Ways step 3 of a checkpoint is damaged, and the reason the fallback line gives.
+DAMAGES = {
+    "a chunk cut short": (
+        lambda ck: os.truncate(largest_chunk(ck / "3"), 1000),
+        r"state: [A-Z_]+: Error reading .*",
+    ),
+    "a chunk deleted": (
+        lambda ck: largest_chunk(ck / "3").unlink(),
+        r"state: [A-Z_]+: Error reading .*",
+    ),
+    "the state's metadata deleted": (
+        lambda ck: (ck / "3" / "state" / "_METADATA").unlink(),
+        r"state: its _METADATA file is missing",
+    ),
+    "the state's manifest deleted": (
+        lambda ck: (ck / "3" / "state" / "manifest.ocdbt").unlink(),
+        r"state: NOT_FOUND: .* does not exist",
+    ),
+    "the data iterator garbled": (
+        lambda ck: (ck / "3" / "data" / "process_0-of-1.json").write_text("{"),
+        r"data: Expecting property name enclosed in double quotes: .*",
+    ),
+    # Step 2 then restores with no Grain file of this process's: its data starts at
+    # step 2, which is the same batch.
+    "the state deleted, step 2 saved by 2 processes": (
+        lambda ck: [
+            shutil.rmtree(ck / "3" / "state"),
+            saved_by_two_processes(ck / "2"),
+        ],
+        re.escape("""state: Item "state" was not found in the checkpoint. """)
+        + re.escape("Available items: ['data']"),
+    ),
+}
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_step_before(dirs, tmp_path):
+    """Step 3 of a checkpoint damaged in each way of DAMAGES: a rerun to step 2 (no
+    step to train) says so in one line, moves it to 3.unrestorable, files untouched, and
+    resumes from step 2. Then the last, whose step 2 has no Grain file of this
+    process's, trains step 3 with the undamaged run's loss, and --keep 1's clean-up
+    leaves 3.unrestorable alone. When no step restores, one line and nothing moved."""
+    saved = tmp_path / "saved"
+    reference = losses(run_saving(dirs, saved, 3))
+    for name, (damage, reason) in DAMAGES.items():
+        checkpoints = tmp_path / name.replace(" ", "_").replace(",", "")
+        shutil.copytree(saved, checkpoints)
+        damage(checkpoints)
+        damaged = files(checkpoints / "3")
+        rerun = run_saving(dirs, checkpoints, 2)
+        where = re.escape(str(checkpoints))
+        line = (
+            f"checkpoint step 3 in {where} does not restore \\({reason}\\): moved to "
+            f"3\\.unrestorable, falling back\nresumed from step 2 in {where}\n"
+        )
+        assert re.match(line, rerun), (name, rerun)
+        assert files(checkpoints / "3.unrestorable") == damaged, name
+        assert {p.name for p in checkpoints.iterdir()} == {"1", "2", "3.unrestorable"}
+    rerun = run_saving(dirs, checkpoints, 3, flags=("--keep", "1"))
+    assert losses(rerun) == {3: reference[3]}
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["3", "3.unrestorable"]
+    assert files(checkpoints / "3.unrestorable") == damaged
+    for step in (1, 2, 3):
+        (saved / str(step) / "state" / "_METADATA").unlink()
+    kept = files(saved)
+    expected = (
+        f"no checkpoint step in {saved} restores (step 3: state: its _METADATA file is "
+        "missing; nor do the 2 steps before it): check that --model and the other "
+        "flags are the run's that saved them, or move the directory away to start from "
+        "step 0"
+    )
+    with pytest.raises(SystemExit, match=f"^{re.escape(expected)}$"):
+        run_saving(dirs, saved, 4)
+    assert files(saved) == kept
+
+
+class DiskFull:
+    """A save's write that finds the disk full, in Orbax's background thread."""
+
+    def result(self, timeout=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_save_stops_in_one_line_and_keeps_the_last_step(
+    dirs, tmp_path, monkeypatch, caplog
+):
+    """A save that fails in the background (step 2's) is said at the next save; one
+    that fails at once (the rerun's step 2) there: one line, the OS's reason, no
+    traceback logged, and step 1 kept."""
+    handler = ocp.StandardCheckpointHandler
+    real_save, saves = handler.async_save, []
+
+    async def full_after_one(self, *args, **kwargs):
+        """The first save writes; a later one finds the disk full as it finishes."""
+        writes = await real_save(self, *args, **kwargs)
+        saves.append(len(saves) + 1)
+        return writes if saves == [1] else [*writes, DiskFull()]
+
+    monkeypatch.setattr(handler, "async_save", full_after_one)
+    reason = f"({os.strerror(errno.ENOSPC)}): stopping; step 1 is the last saved there"
+    expected = (
+        f"checkpoint step 2 did not save in {tmp_path} {reason}, where a rerun resumes"
+    )
+    with pytest.raises(SystemExit, match=f"^{re.escape(expected)}$"):
+        run_saving(dirs, tmp_path, 3)
+
+    async def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(handler, "async_save", full)
+    with pytest.raises(SystemExit, match=f"^{re.escape(expected)}$"):
+        run_saving(dirs, tmp_path, 3)
+    assert saves == [1, 2] and (tmp_path / "1").is_dir()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_preemption_says_where_it_saved_or_that_nothing_was(
+    dirs, tmp_path, monkeypatch
+):
+    """A real SIGTERM at the first step: the run stops at the agreed step and says in
+    its last line where it saved, or that without --checkpoint-dir nothing was."""
+
+    class SignalledAtOnce(train.Preemption):
+        def vote(self):
+            if self.signal is None:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().vote()
+
+    monkeypatch.setattr(train, "Preemption", SignalledAtOnce)
+    printed = run_in_process(dirs, SPEC, 5)
+    [step] = re.findall(
+        r"^SIGTERM at step (\d+): no --checkpoint-dir, nothing saved, exiting$",
+        printed,
+        re.M,
+    )
+    assert max(losses(printed)) == int(step)
+    printed = run_saving(dirs, tmp_path, 5, every=10)
+    pattern = rf"^SIGTERM: saved step (\d+) in {re.escape(str(tmp_path))}, exiting$"
+    [step] = re.findall(pattern, printed, re.M)
+    assert max(losses(printed)) == int(step)
+    assert [p.name for p in tmp_path.iterdir()] == [step]
+
+
 def test_tiny_learns_the_corpus(dirs, long_run):
     """50 steps (warmup 20, cosine decay to step 50) take the loss from ln(2048) = 7.6 (and
     8.16 at initialisation) below the entropy of the corpus's token frequencies (6.3044 nats):
@@ -423,8 +597,6 @@ def test_a_readers_own_tokens_are_packed_and_read(tmp_path):
         assert sorted(map(tuple, batch)) == sorted(map(tuple, rows))
     with pytest.raises(SystemExit, match="^token id 42 at position 6 of .*mine.bin is"):
         data.prepare(str(tmp_path), 8, 40, str(tmp_path / "mine.bin"), "uint16")
-    with pytest.raises(SystemExit, match=r"expected a \.npy or a \.bin"):
-        data.prepare(str(tmp_path), 8, 50, str(tmp_path / "mine.txt"))
 
 
 def test_model_flops_match_the_compiled_programs(dirs):
@@ -590,7 +762,11 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
     stdout = signalled_run(
         command(20), tmp_path, lambda process: process.send_signal(signal.SIGUSR1)
     )
-    [saved] = re.findall(r"^SIGUSR1: saved step (\d+), exiting$", stdout, re.M)
+    [saved] = re.findall(
+        rf"^SIGUSR1: saved step (\d+) in {re.escape(str(checkpoints))}, exiting$",
+        stdout,
+        re.M,
+    )
     saved = int(saved)
     # signalled after step 1; the one-process resume reaches saved + 3
     assert 1 <= saved <= 7
@@ -647,7 +823,10 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
     stdout = signalled_run(
         command, tmp_path, lambda _: subprocess.run(scancel, check=True)
     )
-    [saved] = re.findall(r"^SIGTERM: saved step (\d+), exiting$", stdout, re.M)
+    where = re.escape(str(tmp_path / "checkpoints"))
+    [saved] = re.findall(
+        rf"^SIGTERM: saved step (\d+) in {where}, exiting$", stdout, re.M
+    )
     assert 1 <= int(saved) < 20
     expected = {s: reference[s] for s in range(1, min(int(saved), 10) + 1)}
     got = {s: v for s, v in losses(stdout).items() if s <= 10}
@@ -676,6 +855,88 @@ def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
     ) in result.stderr
     assert 'File "<string>", line 3 in <module>' in result.stderr  # where it is stuck
     assert train.parse_args(["--step-timeout", "600"]).step_timeout == 600
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The process id of the launcher's child of MPI rank ``rank``, or ``None``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def running(pid: int, program: str) -> bool:
+    """Whether process ``pid`` still runs ``program`` (a zombie no longer does)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return program.encode() in f.read()
+    except OSError:
+        return False
+
+
+def test_step_timeout_names_a_process_stopped_by_sigstop(dirs, tmp_path):
+    """mpirun -np 2 --step-timeout 5: process 1, stopped by SIGSTOP once step 3 is printed,
+    is named by its silent heartbeat, and process 0's deadline ends the job (status 124)."""
+    command = [
+        "mpirun",
+        "-np",
+        "2",
+        "python",
+        "examples/lm/train.py",
+        *SMALL,
+        "--mesh",
+        "data=8",
+        "--steps",
+        "1000",
+        "--data-dir",
+        str(dirs["data"]),
+        "--compilation-cache",
+        str(dirs["cache"]),
+        "--step-timeout",
+        "5",
+    ]
+    stopped = None
+    with open(tmp_path / "stderr", "w") as stderr:
+        job = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=environment(4),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+        try:
+            for line in job.stdout:
+                if line.startswith("step 3 loss"):
+                    stopped = rank_pid(job.pid, 1)
+                    assert stopped, "mpirun has no child of rank 1"
+                    os.kill(stopped, signal.SIGSTOP)
+            job.wait(timeout=60)
+        finally:
+            job.kill()
+            # mpirun ends the stopped process; if it did not, SIGKILL does
+            left = stopped is not None and running(stopped, "examples/lm/train.py")
+            if left:
+                os.kill(stopped, signal.SIGKILL)
+    output = (tmp_path / "stderr").read_text()
+    assert stopped and job.returncode == 124 and not left, output[-3000:]
+    assert re.search(
+        r"^step timeout: process 1 stopped running \(process 1 at step \d+; no "
+        r"heartbeat for [\d.]+ s: paused by SIGSTOP, a debugger or a suspended VM, "
+        r"or blocked in the kernel on a file system or a driver\); process 0 waits at "
+        r"step \d+\nprocess 0's Python stacks:$",
+        output,
+        re.M,
+    ), output[-3000:]
+    # stopped: process 1 printed nothing more
+    assert "process 1's Python stacks:" not in output
 
 
 def tensorboard_scalars(path: pathlib.Path) -> dict[str, dict[int, float]]:

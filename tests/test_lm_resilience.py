@@ -2,9 +2,11 @@
 against a key-value store in memory.
 
 Its run across real processes, where it ends a job, is chapter 07's hang lab (the ``sleep``
-case); the recipe's own run of ``--step-timeout`` is in ``test_lm_recipe.py``.
+case); the recipe's own runs of ``--step-timeout`` (one process stuck, and one of two under
+``mpirun`` stopped by SIGSTOP) are in ``test_lm_recipe.py``.
 """
 
+import re
 import time
 
 from jaxdist_lessons import recipe
@@ -29,7 +31,14 @@ class FakeStore:
         return self.values[key]
 
     def key_value_dir_get(self, prefix):
-        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+        # list(): another process's thread may add its first heartbeat meanwhile
+        return [(k, v) for k, v in list(self.values.items()) if k.startswith(prefix)]
+
+    def stopped_at(self, index, step):
+        """What a process stopped by SIGSTOP left: its step, and a heartbeat that no
+        longer changes."""
+        self.values[f"lm_deadline/step/{index}"] = str(step)
+        self.values[f"lm_deadline/beat/{index}"] = "41"
 
 
 def test_report_names_the_processes_behind():
@@ -45,13 +54,33 @@ def test_report_says_when_every_process_is_stuck_in_the_same_step():
     )
 
 
-def watched(store, index, ended, log):
+STOPPED = (
+    "paused by SIGSTOP, a debugger or a suspended VM, or blocked in the kernel on a "
+    "file system or a driver)"
+)
+
+
+def test_report_names_the_stopped_processes_first():
+    steps = {0: 4, 1: 3, 2: 2, 3: 4}
+    assert resilience.deadline_report(steps, 5, 6, {1: 3.04, 4: 2.96}) == (
+        "step timeout: processes 1, 4 stopped running (process 1 at step 3, process 4 "
+        f"at no step; no heartbeat for 3 s: {STOPPED}; process 2 did not reach step 4 "
+        "within 6 s (process 2 at step 2); processes 0, 3 wait at step 4"
+    )
+    # stopped in the step the others are in: not a deadlock
+    assert resilience.deadline_report({0: 3, 1: 3}, 2, 6, {0: 2.5}) == (
+        "step timeout: process 0 stopped running (process 0 at step 3; no heartbeat "
+        f"for 2.5 s: {STOPPED}; process 1 waits at step 3"
+    )
+
+
+def watched(store, index, ended, log, seconds=0.3, num_processes=2):
     dog = resilience.StepDeadline(
-        0.3,
+        seconds,
         poll_s=0.05,
         client=store,
         process_index=index,
-        num_processes=2,
+        num_processes=num_processes,
         stream=log.open("a"),  # faulthandler writes to a file descriptor
     )
     dog._end = ended.append  # record the report instead of ending the test's process
@@ -76,12 +105,32 @@ def test_a_process_whose_step_stops_advancing_reports_and_the_others_follow(tmp_
     wait_for(ended0), wait_for(ended1)
     expected = (
         "step timeout: process 1 did not reach step 3 within 0.3 s (process 1 at step 2); "
-        "processes 0 wait at step 3"
+        "process 0 waits at step 3"
     )
     assert store.values["lm_deadline/fired"] == expected
     # process 1 read process 0's report
     assert expected in ended0 and expected in ended1
     dog0.stop(), dog1.stop()
+
+
+def test_a_stopped_process_is_named_by_its_heartbeat_and_live_ones_are_not(tmp_path):
+    store, ended0, ended1 = FakeStore(), [], []
+    log = tmp_path / "log"
+    # 0.6 s: the threads listen from 0.3 s; quiet after max(3 polls, 0.15 s)
+    dog0 = watched(store, 0, ended0, log, seconds=0.6, num_processes=3)
+    dog1 = watched(store, 1, ended1, log, seconds=0.6, num_processes=3)
+    # processes 0 and 1 are alive and wait in step 4 for process 2, which is stopped
+    store.stopped_at(2, 3)
+    dog0.reached(3), dog1.reached(3)
+    wait_for(ended0), wait_for(ended1)
+    dog0.stop(), dog1.stop()
+    fired = store.values["lm_deadline/fired"]
+    assert re.fullmatch(
+        r"step timeout: process 2 stopped running \(process 2 at step 3; no heartbeat "
+        rf"for 0\.[3-9] s: {re.escape(STOPPED)}; processes 0, 1 wait at step 3",
+        fired,
+    ), fired
+    assert fired in ended0 and fired in ended1
 
 
 def test_the_deadline_starts_at_the_first_step(tmp_path):

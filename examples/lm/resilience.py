@@ -3,17 +3,22 @@ each step, and Orbax checkpoints of the model, the optimizer and the data iterat
 """
 
 import faulthandler
+import functools
+import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import warnings
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import AXES
@@ -51,26 +56,67 @@ class Preemption:
     def reason(self) -> str:
         return self.signal or "a preemption signal to another process"
 
+    def farewell(self, step: int, checkpoint_dir: str | None) -> str:
+        """The last line of a run stopped at ``step``: where it saved, if anywhere."""
+        if checkpoint_dir:
+            return f"{self.reason()}: saved step {step} in {checkpoint_dir}, exiting"
+        nothing = "no --checkpoint-dir, nothing saved, exiting"
+        return f"{self.reason()} at step {step}: {nothing}"
 
-def deadline_report(steps: dict[int, int], num_processes: int, seconds: float) -> str:
-    """Which processes did not reach the furthest step, from each one's last step."""
+
+def deadline_report(
+    steps: dict[int, int],
+    num_processes: int,
+    seconds: float,
+    silent: dict[int, float] | None = None,
+) -> str:
+    """Which processes stopped running, and which did not reach the furthest step.
+
+    ``steps``: each process's last step; ``silent``: the processes whose heartbeat
+    stopped, with the seconds since it last changed.
+    """
+    silent = silent or {}
     ahead = max(steps.values(), default=0)
-    behind = [p for p in range(num_processes) if steps.get(p, -1) < ahead]
-    if not behind:
+    stopped = sorted(silent)
+    behind = [
+        p for p in range(num_processes) if steps.get(p, -1) < ahead and p not in silent
+    ]
+    waiting = [p for p in range(num_processes) if p not in behind and p not in silent]
+    if not stopped and not behind:
         return (
             f"step timeout: every process reached step {ahead} and none went further "
             f"within {seconds:g} s (a collective whose order or shape differs between "
             "processes, or a deadlock inside the step)"
         )
-    where = ", ".join(
+    clauses = []
+    if stopped:
+        quiet = round(min(silent.values()), 1)
+        clauses.append(
+            f"{_processes(stopped)} stopped running ({_where(stopped, steps)}; no "
+            f"heartbeat for {quiet:g} s: paused by SIGSTOP, a debugger or a suspended "
+            "VM, or blocked in the kernel on a file system or a driver)"
+        )
+    if behind:
+        clauses.append(
+            f"{_processes(behind)} did not reach step {ahead} within {seconds:g} s "
+            f"({_where(behind, steps)})"
+        )
+    if waiting:
+        verb = "wait" if len(waiting) > 1 else "waits"
+        clauses.append(f"{_processes(waiting)} {verb} at step {ahead}")
+    return "step timeout: " + "; ".join(clauses)
+
+
+def _processes(indices: list[int]) -> str:
+    """``process 1`` or ``processes 1, 3``."""
+    return f"process{'es' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
+
+def _where(indices: list[int], steps: dict[int, int]) -> str:
+    """``process 1 at step 2, process 3 at no step``."""
+    return ", ".join(
         f"process {p} at step {steps[p]}" if p in steps else f"process {p} at no step"
-        for p in behind
-    )
-    waiting = ", ".join(str(p) for p in range(num_processes) if p not in behind)
-    return (
-        f"step timeout: process{'es' if len(behind) > 1 else ''} "
-        f"{', '.join(map(str, behind))} did not reach step {ahead} within "
-        f"{seconds:g} s ({where}); processes {waiting} wait at step {ahead}"
+        for p in indices
     )
 
 
@@ -79,14 +125,20 @@ class StepDeadline:
     ``seconds``.
 
     JAX's heartbeat ends a job whose process died, not one whose process is alive and
-    stuck (asleep, on a file system, or in a collective the others never enter). Each
-    process writes the step it reached into the key-value store of JAX's coordination
-    service; a thread checks that its own step advances. The first to pass its deadline
-    writes a report naming the processes behind (``deadline_report``) under a key every
-    thread polls; each prints it and its Python stacks (faulthandler; ``kill -USR2
-    <pid>`` does it by hand) and exits 124, which ``srun --kill-on-bad-exit=1`` or
-    ``mpirun`` turns into the end of the job. Every process makes one with the same
-    ``seconds``; the deadline starts at the first ``reached``. One process alone (no
+    stuck (asleep, on a file system, or in a collective the others never enter), nor,
+    before its timeout (100 s by default), one whose process is stopped. Each process
+    writes the step it reached into the key-value store of JAX's coordination service;
+    a thread checks that its own step advances, and bumps a heartbeat counter beside
+    the step at every poll. A stopped process's thread stops with it; a process stuck
+    in a collective keeps beating. In the second half of its deadline a thread reads
+    every heartbeat at each poll and notes, on its own clock (hosts' clocks differ),
+    when each last changed. The first to pass its deadline writes a report
+    (``deadline_report``) naming the processes whose heartbeat did not change for 3
+    polls and a quarter of the deadline, then those behind, under a key every thread
+    polls; each prints it and its Python stacks (faulthandler; ``kill -USR2 <pid>``
+    does it by hand) and exits 124, which ``srun --kill-on-bad-exit=1`` or ``mpirun``
+    turns into the end of the job. Every process makes one with the same ``seconds``;
+    the deadline starts at the first ``reached``. One process alone (no
     ``jax.distributed``) watches only itself. ``client``, ``process_index``,
     ``num_processes`` and ``stream`` are for tests.
     """
@@ -113,6 +165,12 @@ class StepDeadline:
         self.count = jax.process_count() if num_processes is None else num_processes
         self.stream = sys.stderr if stream is None else stream
         self.step, self.since = None, time.monotonic()
+        # A live process's thread beats every poll: no beat for 3 polls and a quarter
+        # of the deadline says it stopped. Listening over the deadline's second half
+        # tells so from a deadline of 6 polls (3 s) up.
+        self.quiet = max(3 * poll_s, seconds / 4)
+        # process -> (its heartbeat, when this process's clock first read that value)
+        self.heard: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -142,6 +200,29 @@ class StepDeadline:
         entries = self.client.key_value_dir_get(f"{self.KEY}/step/")
         return {int(key.rsplit("/", 1)[1]): int(value) for key, value in entries}
 
+    def listen(self) -> None:
+        """Read every process's heartbeat; note when each changed, on this clock."""
+        now = time.monotonic()
+        for key, value in self.client.key_value_dir_get(f"{self.KEY}/beat/"):
+            index = int(key.rsplit("/", 1)[1])
+            if self.heard.get(index, (None,))[0] != value:
+                self.heard[index] = (value, now)
+
+    def silent(self) -> dict[int, float]:
+        """The other processes whose heartbeat has not changed for ``quiet`` seconds,
+        and for how long, as far as this process listened."""
+        now = time.monotonic()
+        return {
+            index: now - since
+            for index, (_, since) in self.heard.items()
+            if now - since >= self.quiet and index != self.index
+        }
+
+    def _beat(self, count: int) -> None:
+        self.client.key_value_set(
+            f"{self.KEY}/beat/{self.index}", str(count), allow_overwrite=True
+        )
+
     def _fired(self) -> str | None:
         try:
             return self.client.key_value_try_get(f"{self.KEY}/fired")
@@ -149,13 +230,22 @@ class StepDeadline:
             return None
 
     def _watch(self) -> None:
+        beats = 0
         while not self._stop.wait(self.poll_s):
+            if self.client is not None:
+                beats += 1
+                self._beat(beats)
             message = self._fired()
-            late = (
-                self.step is not None and time.monotonic() - self.since > self.seconds
-            )
-            if message is None and late:
-                message = deadline_report(self.steps(), self.count, self.seconds)
+            idle = 0.0 if self.step is None else time.monotonic() - self.since
+            # Listening costs one read of every heartbeat a poll: only in a slow step.
+            if self.client is not None and idle > self.seconds / 2:
+                self.listen()
+            else:
+                self.heard.clear()
+            if message is None and idle > self.seconds:
+                message = deadline_report(
+                    self.steps(), self.count, self.seconds, self.silent()
+                )
                 try:
                     self.client.key_value_set(f"{self.KEY}/fired", message)
                 except Exception:  # another process fired first, or no store
@@ -174,7 +264,11 @@ class StepDeadline:
 
 def checkpoint_manager(args) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=args.keep, save_interval_steps=args.checkpoint_every
+        max_to_keep=args.keep,
+        save_interval_steps=args.checkpoint_every,
+        # A step's folders made before save() returns: a full disk fails there, at
+        # once, not as a wait of 300 s for a folder that no thread will make.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     return ocp.CheckpointManager(
         os.path.abspath(args.checkpoint_dir),
@@ -186,24 +280,204 @@ def checkpoint_manager(args) -> ocp.CheckpointManager:
     )
 
 
+class Unrestorable(Exception):
+    """A checkpoint step that does not restore; the message says which part and why."""
+
+
 def restore(manager: ocp.CheckpointManager, shapes, batches):
-    """The latest state, and the data iterator where that state left it."""
-    step = manager.latest_step()
-    data_item = grain.checkpoint.CheckpointRestore(batches)
+    """The newest step that restores: its state, and the data iterator where that
+    state left it.
+
+    Each newer step that does not restore (a file missing or cut short) is said in one
+    line and moved to STEP.unrestorable beside it, a name Orbax does not list: its files
+    stay, and no later save or ``--keep`` of Orbax's overwrites or deletes them. When no
+    step restores, a one-line SystemExit, and nothing is moved.
+    """
+    quiet_echoes()
+    failed = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored, why = restore_step(manager, step, shapes, batches), None
+        except Unrestorable as error:
+            restored, why = None, str(error)
+        # Every process takes the same step, or none does.
+        if everywhere(why is None):
+            set_aside(manager, failed)
+            return restored
+        failed.append((step, why or "another process's part does not restore"))
+    newest, why = failed[0]
+    before = len(failed) - 1
+    earlier = {0: "", 1: "; nor does the step before it"}.get(
+        before, f"; nor do the {before} steps before it"
+    )
+    raise SystemExit(
+        f"no checkpoint step in {manager.directory} restores (step {newest}: {why}"
+        f"{earlier}): check that --model and the other flags are the run's that saved "
+        "them, or move the directory away to start from step 0"
+    )
+
+
+def restore_step(manager: ocp.CheckpointManager, step: int, shapes, batches):
+    """``step``'s state and data iterator; Unrestorable if either does not restore."""
+    # Without the tree's metadata file, Orbax reads the state as a plain dict and fails
+    # on its structure: say which file is missing instead.
+    state_dir = manager.directory / str(step) / "state"
+    if state_dir.is_dir() and not (state_dir / "_METADATA").exists():
+        raise Unrestorable("state: its _METADATA file is missing")
+    state_only = ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
     try:
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(shapes), data=data_item
-            ),
-        )
-        return restored.state, restored.data
-    # ValueError: Grain keeps one file per process, saved with another process count;
-    # KeyError: no data item (convert.py from-hf's step 0)
-    except (ValueError, KeyError):
-        restored = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(shapes))
-        )
-        # Global batch s is the same on any layout: start the data at the step.
+        state = manager.restore(step, args=state_only).state
+    # The devices' fault (out of memory), not the files': train.main's one line.
+    except jax.errors.JaxRuntimeError:
+        raise
+    except Exception as error:
+        raise Unrestorable(f"state: {short_reason(error)}") from None
+    # Grain writes one file per process, named for the process count. No file for this
+    # process: no data item (convert.py from-hf's step 0), or one saved with another
+    # process count. Global batch s is the same on any layout: start the data at step s.
+    grain_file = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if not (manager.directory / str(step) / "data" / grain_file).exists():
         batches.set_state({"next_index": step})
-        return restored.state, batches
+        return state, batches
+    data_only = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(batches))
+    try:
+        return state, manager.restore(step, args=data_only).data
+    except Exception as error:
+        raise Unrestorable(f"data: {short_reason(error)}") from None
+
+
+def everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]]) -> None:
+    """Move each step that did not restore to STEP.unrestorable (process 0, once for
+    all), and say so; the step before it restored."""
+    for step, why in failed:
+        if jax.process_index() != 0:
+            continue
+        path = manager.directory / str(step)
+        moved, copies = path.with_name(f"{step}.unrestorable"), 1
+        while moved.exists():
+            copies += 1
+            moved = path.with_name(f"{step}.unrestorable-{copies}")
+        try:
+            path.rename(moved)
+        except OSError as error:
+            raise SystemExit(
+                f"checkpoint step {step} in {manager.directory} does not restore "
+                f"({why}) and cannot be moved aside ({short_reason(error)}): move it "
+                "away yourself and rerun"
+            ) from None
+        print(
+            f"checkpoint step {step} in {manager.directory} does not restore ({why}): "
+            f"moved to {moved.name}, falling back",
+            flush=True,
+        )
+    if not failed:
+        return
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("unrestorable steps moved")
+    # Orbax lists the steps it found at the start: forget the moved ones.
+    manager.reload()
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, batches) -> None:
+    """Save ``step`` in the background, once the previous save has finished. A save
+    that fails, now or in the background: a one-line SystemExit (``not_saved``)."""
+    quiet_echoes()
+    finish(manager)
+    items = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(batches),
+    )
+    try:
+        manager.save(step, force=True, args=items)
+    except Exception as error:
+        raise SystemExit(not_saved(manager, step, error)) from None
+
+
+def finish(manager: ocp.CheckpointManager) -> None:
+    """Wait for the save in the background; a one-line SystemExit if it failed."""
+    # Orbax lists a step from the start of its save, and forgets it if the save fails.
+    step = manager.latest_step()
+    try:
+        manager.wait_until_finished()
+    except Exception as error:
+        raise SystemExit(not_saved(manager, step, error)) from None
+
+
+def not_saved(manager: ocp.CheckpointManager, step: int, error: Exception) -> str:
+    """Which step did not save, where, why, and where a rerun starts."""
+    last = manager.latest_step()
+    then = (
+        f"step {last} is the last saved there, where a rerun resumes"
+        if last is not None
+        else "no step is saved there yet"
+    )
+    return (
+        f"checkpoint step {step} did not save in {manager.directory} "
+        f"({short_reason(error)}): stopping; {then}"
+    )
+
+
+def short_reason(error: BaseException) -> str:
+    """What went wrong in a few words: the operating system's words for a file's error,
+    else the first line of the innermost cause."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f": {error.filename}" if error.filename else "")
+    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    # TensorStore's errors end with the OS's error number: [os_error_code='28'].
+    if code := re.search(r"os_error_code='(\d+)'", text):
+        return os.strerror(int(code[1]))
+    # A first line that ends in a colon introduces the next (Orbax's tree mismatch).
+    lines = text.strip().splitlines() or [type(error).__name__]
+    shown = lines[:2] if lines[0].endswith(":") else lines[:1]
+    line = " ".join(part.strip() for part in shown)
+    line = line.split(" [tensorstore_spec", 1)[0].rstrip(":")
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+# Echoes of one failed save or restore, which the recipe says in one line: Orbax logs
+# the traceback it raises to the caller, asyncio logs its writes that failed beside the
+# first, TensorStore's callbacks reach an event loop the failure closed, and Orbax's
+# unfinished reads and writes raise as they are collected (GeneratorExit), or as Python
+# exits, or never started (the data item's thread, when the state's save fails at once).
+ECHOES = ("Event loop is closed", "Python is likely shutting down")
+
+
+def _not_an_echo(record: logging.LogRecord) -> bool:
+    """Keep a log record unless it is Orbax's error with a traceback, or asyncio's
+    error about Orbax's tasks (failed, or destroyed while pending)."""
+    if record.levelno < logging.ERROR:
+        return True
+    if record.name == "asyncio":
+        return "orbax" not in record.getMessage()
+    return not ("orbax" in record.pathname and record.exc_info)
+
+
+def _skip_echoes(unraisable, previous, echoes=ECHOES, closed=GeneratorExit) -> None:
+    # Bound arguments only: at exit, this module's globals may be gone.
+    error = unraisable.exc_value
+    cause = getattr(error, "__cause__", None) or getattr(error, "__context__", None)
+    collected = isinstance(cause, closed)
+    if not collected and not any(echo in str(error) for echo in echoes):
+        previous(unraisable)
+
+
+def quiet_echoes() -> None:
+    """Silence the echoes of a checkpoint's error (ECHOES); once per process."""
+    for logger in ("absl", "asyncio"):
+        logging.getLogger(logger).addFilter(_not_an_echo)
+    warnings.filterwarnings(
+        "ignore", "coroutine 'to_thread' was never awaited", RuntimeWarning
+    )
+    if getattr(sys.unraisablehook, "func", None) is not _skip_echoes:
+        sys.unraisablehook = functools.partial(
+            _skip_echoes, previous=sys.unraisablehook
+        )

@@ -26,7 +26,9 @@ model, the optimizer and the data iterator, so a rerun on the same --checkpoint-
 continues with the exact next batch. SIGTERM or SIGUSR1 (preemption notices) save at the
 next step boundary and exit 0. --step-timeout S ends a job whose step has not advanced
 on some process for S seconds (a process alive but stuck, which JAX's heartbeat does not
-catch), naming the processes behind and printing every process's stack.
+catch), naming the processes behind, or stopped, and printing every process's stack.
+A bad path, a damaged checkpoint or a failed save is said in one line (status 2); a
+damaged latest checkpoint falls back to the newest step that restores.
 """
 
 import argparse
@@ -36,11 +38,9 @@ import sys
 import time
 
 import flax.linen as nn
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -64,7 +64,9 @@ from resilience import (
     Preemption,
     StepDeadline,
     checkpoint_manager,
+    finish,
     restore,
+    save,
 )
 from schedules import SCHEDULES
 from step import (
@@ -397,7 +399,7 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     log = MetricsLog(args.log_dir)
     evaluate = make_evaluation(args, mesh, model, shapes, rows, sources[0])
     first = now = int(state.step)  # the one read of the step from the device
-    pending, clock = None, time.perf_counter()
+    pending, clock, stop = None, time.perf_counter(), False
 
     def report(now: int, metrics: dict, vote: jax.Array) -> bool:
         """Step ``now``'s numbers, read once the next step is queued; stop there?"""
@@ -439,20 +441,12 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             stop = report(*pending) or stop
             pending = None
         if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
-            manager.save(
-                now,
-                force=True,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    data=grain.checkpoint.CheckpointSave(batches),
-                ),
-            )
+            save(manager, now, state, batches)
         if evaluating:
             loss = evaluate(state)
             log.write(now, f"eval {now} loss {loss:.4f}", {"eval_loss": loss})
             clock = time.perf_counter()  # the next step's time leaves evaluation out
         if stop:
-            print0(f"{preemption.reason()}: saved step {now}, exiting", flush=True)
             break
     if pending:
         report(*pending)
@@ -466,8 +460,10 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
     if deadline:
         deadline.stop()
     if manager:
-        manager.wait_until_finished()  # the last save is asynchronous
+        finish(manager)  # the last save is asynchronous
         manager.close()
+    if stop:  # once the save is done
+        print0(preemption.farewell(now, args.checkpoint_dir), flush=True)
     log.close()
 
 
@@ -551,6 +547,7 @@ def setup(args):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    data.check_paths(args)
     if args.num_devices:
         jax.config.update("jax_num_cpu_devices", args.num_devices)
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
