@@ -278,7 +278,7 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     gloo = f"; {hidden} lines of gloo's connection messages hidden" if hidden else ""
     print(f"(exit status {job.returncode}, {job.seconds:.1f} s{gloo})")
     if flags := os.environ.get("XLA_FLAGS", "").strip():
-        print(f"(compiled with XLA_FLAGS={flags})")
+        print(f"(XLA_FLAGS: {flags})")
     return job
 
 
