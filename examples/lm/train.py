@@ -207,7 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--attention",
         choices=model_lib.ATTENTIONS,
-        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there); splash: "
+        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there, never run "
+        "on a GPU by this project); splash: "
         "JAX's Pallas kernel (TPUs; the default there, for a --seq-len that is a "
         "multiple of 128); chunked: blocks in plain JAX, memory linear in the sequence "
         "(the default elsewhere); xla: XLA's reference, the T x T scores in float32",
@@ -263,7 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compile one step, print memory, stop",
     )
     add(
-        "--profile", metavar="DIR", help="trace steps 5 to 7 with jax.profiler into DIR"
+        "--profile", metavar="DIR", help="trace steps 6 to 8 with jax.profiler into DIR"
     )
     add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
     add(

@@ -194,8 +194,12 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
         ]
         for r in rows
     ]
+    # The predicted collectives are a GPU's; a TPU row says it prices those, not its own.
+    on_tpu = run.chip.name.startswith("TPU")
     sent = {
-        "gpu": "a GPU's program (predicted)",
+        "gpu": "the recipe's program (predicted as on a GPU)"
+        if on_tpu
+        else "a GPU's program (predicted)",
         "xla-cpu": "XLA:CPU's program (float32 collectives)",
     }[run.bytes]
     title = (
