@@ -26,8 +26,6 @@ from nbmake.nb_run import NotebookRun
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 CACHE = ROOT / CONFIG["execute"]["cache"]
-# The flags tests/conftest.py added to XLA_FLAGS for the package tests, if it added any.
-TESTS_FLAG = "JAXDIST_TESTS_XLA_FLAG"
 
 
 def as_the_book_reads_it(md: pathlib.Path) -> nbformat.NotebookNode:
@@ -74,29 +72,14 @@ def file_for_the_build(
 _execute = getattr(NotebookRun.execute, "__wrapped__", NotebookRun.execute)
 
 
-# Chapters that compile at XLA's default level, as a reader's run does, because their
-# outputs would change: chapter 5 trains long enough for float32 rounding to grow into
-# other losses and accuracies (81.7 % held out at level 0, 83.9 % at the default). The
-# others compile as the package tests do (tests/conftest.py): the same HLO programs, so
-# the same shardings, collectives, bytes and, to float32 rounding, losses and errors,
-# compiled in about a third of the time into less optimised code. The step times and
-# tokens per second their jobs print (chapters 7, 8, 10 to 13) are that code's, and the
-# jobs say so: multihost_demo.run names XLA_FLAGS under their output.
-DEFAULT_LEVEL_CHAPTERS = {"05_resnet50.ipynb"}
-
-
 def _execute_and_file(run: NotebookRun):
-    flags = os.environ.get("XLA_FLAGS")
-    added = os.environ.get(TESTS_FLAG, "").split()
-    default_level = pathlib.Path(run.filename).name in DEFAULT_LEVEL_CHAPTERS
-    strip = flags is not None and bool(added) and default_level
-    if strip:
-        os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f not in added)
-    try:
-        result = _execute(run)
-    finally:
-        if strip:
-            os.environ["XLA_FLAGS"] = flags
+    """Execute a chapter as nbmake does, and file it for the build if it passed. The
+    chapters compile as the package tests do (tests/conftest.py's XLA_FLAGS): the same
+    HLO programs, so the same shardings, collectives, bytes and, to float32 rounding,
+    losses, compiled in about a third of the time into less optimised code. What that
+    changes on a page, each page says: step times and tokens per second (every job names
+    its XLA_FLAGS under its output) and chapter 5's accuracies."""
+    result = _execute(run)
     if result.error is None and not os.environ.get("JAXDIST_NUM_DEVICES"):
         file_for_the_build(result.nb, pathlib.Path(run.filename))
     return result

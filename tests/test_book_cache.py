@@ -97,16 +97,10 @@ def printed_xla_flags(page: pathlib.Path) -> list[str]:
 @pytest.mark.skipif(
     os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
 )
-def test_chapters_compile_as_the_tests_do_unless_their_outputs_would_change(tmp_path):
-    fast = os.environ[book_conftest.TESTS_FLAG].split()  # tests/conftest.py added them
-    assert fast == [
-        "--xla_backend_optimization_level=0",
-        "--xla_cpu_use_fusion_emitters=false",
-    ]
+def test_chapters_compile_as_the_tests_do(tmp_path):
+    """tests/conftest.py's flags reach every chapter's kernel, chapter 5's too."""
     flags = os.environ["XLA_FLAGS"].split()
+    fast = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
     assert set(fast) <= set(flags)
-    assert printed_xla_flags(tmp_path / "02_device_mesh.ipynb") == flags
-    assert {"05_resnet50.ipynb"} == book_conftest.DEFAULT_LEVEL_CHAPTERS
-    page = tmp_path / "05_resnet50.ipynb"
-    assert printed_xla_flags(page) == [f for f in flags if f not in fast]
-    assert os.environ["XLA_FLAGS"].split() == flags  # given back after the run
+    for page in ("02_device_mesh.ipynb", "05_resnet50.ipynb"):
+        assert printed_xla_flags(tmp_path / page) == flags
