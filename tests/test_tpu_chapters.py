@@ -1,0 +1,28 @@
+""".ci/tpu_chapters: every chapter executed without a Jupyter kernel, for the TPU machine."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_a_chapter_runs_through_ipythons_shell_and_is_recorded(tmp_path):
+    """The preface, as the TPU machine runs it: its own process, no kernel, a JSON row."""
+    out = tmp_path / "chapters.json"
+    done = subprocess.run(
+        [sys.executable, ".ci/tpu_chapters", "--chapters", "00_preface"]
+        + ["--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    [row] = record["chapters"]
+    assert (row["chapter"], row["status"], row["message"]) == ("00_preface", "ran", "")
+    assert row["cells"] > 0 and row["setup"].startswith("jaxdist: ")
+    assert record["jax"] == "0.10.2" and record["device_kind"] == "cpu"
+    assert done.stdout.splitlines()[-1] == "1 chapters: 0 failed"
