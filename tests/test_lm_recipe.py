@@ -697,9 +697,17 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     )
 
 
-def signalled_run(command: list[str], tmp_path, notify) -> str:
-    """Run ``command`` (4 devices a process), call ``notify(process)`` once step 1 is printed
-    (the signal handlers are set by then), and return its output once it exits 0."""
+def signalled_run(
+    command: list[str],
+    tmp_path,
+    notify,
+    at: str = "step 1 loss",
+    status: int = 0,
+    timeout: float = 120,
+) -> str:
+    """Run ``command`` (4 devices a process), call ``notify(process)`` once a line starting
+    with ``at`` is printed (step 1: the signal handlers are set by then), and return its
+    output once it exits with ``status``; its stderr is in ``tmp_path / "stderr"``."""
     with open(tmp_path / "stderr", "w") as stderr:
         process = subprocess.Popen(
             command,
@@ -713,13 +721,14 @@ def signalled_run(command: list[str], tmp_path, notify) -> str:
         try:
             for line in process.stdout:
                 lines.append(line)
-                if line.startswith("step 1 loss"):
+                if line.startswith(at):
                     notify(process)
-            process.wait(timeout=120)
+            process.wait(timeout=timeout)
         finally:
             process.kill()
     stdout = "".join(lines)
-    assert process.returncode == 0, stdout + (tmp_path / "stderr").read_text()[-3000:]
+    stderr = (tmp_path / "stderr").read_text()[-3000:]
+    assert process.returncode == status, stdout + stderr
     return stdout
 
 
@@ -902,31 +911,23 @@ def test_step_timeout_names_a_process_stopped_by_sigstop(dirs, tmp_path):
         "--step-timeout",
         "5",
     ]
-    stopped = None
-    with open(tmp_path / "stderr", "w") as stderr:
-        job = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=environment(4),
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
-        try:
-            for line in job.stdout:
-                if line.startswith("step 3 loss"):
-                    stopped = rank_pid(job.pid, 1)
-                    assert stopped, "mpirun has no child of rank 1"
-                    os.kill(stopped, signal.SIGSTOP)
-            job.wait(timeout=60)
-        finally:
-            job.kill()
-            # mpirun ends the stopped process; if it did not, SIGKILL does
-            left = stopped is not None and running(stopped, "examples/lm/train.py")
-            if left:
-                os.kill(stopped, signal.SIGKILL)
+    stopped = []
+
+    def stop_rank_1(job):
+        pid = rank_pid(job.pid, 1)
+        assert pid, "mpirun has no child of rank 1"
+        stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    try:
+        signalled_run(command, tmp_path, stop_rank_1, "step 3 loss", 124, timeout=60)
+    finally:
+        # mpirun ends the stopped process; if it did not, SIGKILL does
+        left = bool(stopped) and running(stopped[0], "examples/lm/train.py")
+        if left:
+            os.kill(stopped[0], signal.SIGKILL)
     output = (tmp_path / "stderr").read_text()
-    assert stopped and job.returncode == 124 and not left, output[-3000:]
+    assert stopped and not left, output[-3000:]
     assert re.search(
         r"^step timeout: process 1 stopped running \(process 1 at step \d+; no "
         r"heartbeat for [\d.]+ s: paused by SIGSTOP, a debugger or a suspended VM, "
