@@ -697,6 +697,17 @@ def test_compile_only_at_8b_matches_the_formulas(tmp_path):
     )
 
 
+def mpirun_train(dirs, *flags: str) -> list[str]:
+    """train.py in 2 processes under mpirun, on the session's corpus and compilation cache."""
+    shared = (
+        "--data-dir",
+        str(dirs["data"]),
+        "--compilation-cache",
+        str(dirs["cache"]),
+    )
+    return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *flags, *shared]
+
+
 def signalled_run(
     command: list[str],
     tmp_path,
@@ -745,28 +756,12 @@ def test_sigusr1_to_mpirun_saves_and_a_rerun_resumes(dirs, spec_run, tmp_path):
 
     def command(steps):
         # --step-timeout: the deadline's key-value store, across processes
-        return [
-            "mpirun",
-            "-np",
-            "2",
-            "python",
-            "examples/lm/train.py",
+        return mpirun_train(
+            dirs,
             *COMMON,
-            "--mesh",
-            SPEC,
-            "--steps",
-            str(steps),
-            "--data-dir",
-            str(dirs["data"]),
-            "--checkpoint-dir",
-            str(checkpoints),
-            "--checkpoint-every",
-            "10",
-            "--compilation-cache",
-            str(dirs["cache"]),
-            "--step-timeout",
-            "120",
-        ]
+            *("--mesh", SPEC, "--steps", str(steps), "--step-timeout", "120"),
+            *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"),
+        )
 
     stdout = signalled_run(
         command(20), tmp_path, lambda process: process.send_signal(signal.SIGUSR1)
@@ -893,24 +888,9 @@ def running(pid: int, program: str) -> bool:
 def test_step_timeout_names_a_process_stopped_by_sigstop(dirs, tmp_path):
     """mpirun -np 2 --step-timeout 5: process 1, stopped by SIGSTOP once step 3 is printed,
     is named by its silent heartbeat, and process 0's deadline ends the job (status 124)."""
-    command = [
-        "mpirun",
-        "-np",
-        "2",
-        "python",
-        "examples/lm/train.py",
-        *SMALL,
-        "--mesh",
-        "data=8",
-        "--steps",
-        "1000",
-        "--data-dir",
-        str(dirs["data"]),
-        "--compilation-cache",
-        str(dirs["cache"]),
-        "--step-timeout",
-        "5",
-    ]
+    command = mpirun_train(
+        dirs, *SMALL, "--mesh", "data=8", "--steps", "1000", "--step-timeout", "5"
+    )
     stopped = []
 
     def stop_rank_1(job):
