@@ -263,6 +263,9 @@ class StepDeadline:
 
 
 def checkpoint_manager(args) -> ocp.CheckpointManager:
+    """Orbax's manager of --checkpoint-dir; a failed save or restore through it is said
+    in one line (quiet_echoes), once for the process."""
+    quiet_echoes()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=args.keep,
         save_interval_steps=args.checkpoint_every,
@@ -293,7 +296,6 @@ def restore(manager: ocp.CheckpointManager, shapes, batches):
     stay, and no later save or ``--keep`` of Orbax's overwrites or deletes them. When no
     step restores, a one-line SystemExit, and nothing is moved.
     """
-    quiet_echoes()
     failed = []
     for step in sorted(manager.all_steps(), reverse=True):
         try:
@@ -388,7 +390,6 @@ def set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]]) -> 
 def save(manager: ocp.CheckpointManager, step: int, state, batches) -> None:
     """Save ``step`` in the background, once the previous save has finished. A save
     that fails, now or in the background: a one-line SystemExit (``not_saved``)."""
-    quiet_echoes()
     finish(manager)
     items = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
