@@ -1,4 +1,4 @@
-"""The program chapter 08_multi_host starts once per process: ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
+"""The program chapter 08_multi_host starts once per process (`hello`, `hybrid`; the tests also start `train`): ``python -m jaxdist_lessons.multihost_demo {hello,hybrid,train}``.
 
 Start it with the cluster's own tool, for example 2 processes of 4 simulated CPU devices each::
 

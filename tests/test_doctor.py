@@ -56,3 +56,43 @@ def test_doctor_piped_into_head_ends_quietly():
         timeout=120,
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, "Versions\n", "")
+
+
+def test_chapter_minimums_are_the_books():
+    """Every page of _toc.yml, in its order, with the minimum its setup() cell asks for."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    toc = re.findall(r"(?:root|file): book/(\S+)", (root / "_toc.yml").read_text())
+    pages = [p for p in toc if p != "glossary"]  # the glossary runs no code
+    asked = {}
+    for page in pages:
+        text = (root / "book" / f"{page}.md").read_text()
+        found = re.search(r"info = devices\.setup\(min_devices=(\d+)\)", text)
+        assert found, page
+        asked[page] = int(found[1])
+    assert doctor.CHAPTER_MIN_DEVICES == asked
+
+
+def test_chip_line_names_a_tpu_its_memory_and_peak():
+    tpu = devices.DeviceInfo("tpu", "TPU v5 lite", 1, False)
+    line = doctor.chip_line(tpu, 15_750_000_000)
+    assert line == (
+        "Chip: TPU v5e ('TPU v5 lite'), 15.8 GB usable by JAX, 16 GB on the datasheet; "
+        "dense bfloat16 peak 197 TFLOP/s"
+    )
+    unknown = doctor.chip_line(devices.DeviceInfo("gpu", "Tesla T4", 1, False), None)
+    assert unknown.startswith("Chip: 'Tesla T4' is not in hardware.CHIPS")
+
+
+def test_chapters_on_one_chip_use_it_or_simulate():
+    tpu = devices.DeviceInfo("tpu", "TPU v5 lite", 1, False)
+    rows = {row[0]: row[2] for row in doctor.chapters_table(tpu, None).rows}
+    assert rows["01_why_distribute"] == "1 TPU"
+    assert rows["03_sharding"] == rows["09_flax_partitioning"] == "8 simulated CPU"
+
+
+def test_missing_names_the_socket_a_job_needs():
+    gaps = doctor.missing(socket_error="[Errno 97] Address family not supported")
+    assert any(g.startswith("a TCP socket on the loopback ([Errno 97]") for g in gaps)
+    assert not any("loopback" in g for g in doctor.missing(socket_error=""))

@@ -1,7 +1,7 @@
 """The recipes in examples/, run as far as this machine allows.
 
-``examples/train.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter 08_multi_host, which checks
-their losses and output on several layouts and with a hostfile: here, only what the chapter does
+``examples/train.py``, ``examples/resumable.py`` and ``examples/smoke.py`` run under ``mpirun`` in chapter
+08_multi_host, which checks their losses and output on several layouts, with a hostfile, killed and preempted: here, only what the chapter does
 not run (``smoke.py``'s errors, what the scripts import). ``examples/recipe.py`` runs in one
 process and under ``mpirun``. Every script's ``join_processes`` is the same, and joins only
 under a launcher that started several processes. The Kubernetes JobSet cannot run here: it is parsed, and what it
@@ -209,7 +209,7 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
 
 # --- join_processes: every example joins only when a launcher started several ------------------
 
-SCRIPTS = ["bandwidth.py", "smoke.py", "train.py", "recipe.py", "lm/train.py"]
+SCRIPTS = ["bandwidth.py", "smoke.py", "train.py", "resumable.py", "recipe.py", "lm/train.py"]
 # JAX's Open MPI 4 detection (OmpiCluster) takes this variable alone, and raises on its missing
 # address: a script that called jax.distributed.initialize() here would fail at once.
 NEVER_JOINS = {"OMPI_MCA_orte_hnp_uri": "1.0;no-address"}
