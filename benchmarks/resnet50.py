@@ -12,11 +12,15 @@ equals model flops utilisation (MFU) here only because this step does no remat.
     python benchmarks/resnet50.py                          # 224x224, width 1: the real thing, for a GPU/TPU
     python benchmarks/resnet50.py --small                  # CPU: 64x64, width 0.25, about a minute
     python benchmarks/resnet50.py --per-device-batch 256 --steps 50
+    python benchmarks/resnet50.py --json book/data/resnet50_tpu.json   # also as data, dated
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import pathlib
 import sys
 
 from jaxdist_lessons import devices
@@ -46,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="peak TFLOP/s of one device for the compute dtype: needed for float32, and for devices"
         " the bf16 table does not know",
+    )
+    parser.add_argument(
+        "--json",
+        type=pathlib.Path,
+        default=None,
+        help="also write the numbers to this file, with the date, device and JAX version",
     )
     args = parser.parse_args(argv)
     small = {"image_size": 64, "width": 0.25, "per_device_batch": 4, "steps": 3}
@@ -128,6 +138,28 @@ def main(argv: list[str] | None = None) -> None:
         ["temporaries per device", stats.temp_bytes],
         ["live bytes per device (args + outputs + temps - aliased)", stats.live_bytes],
     ]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "date": datetime.date.today().isoformat(),
+            "device_kind": kind,
+            "platform": jax.devices()[0].platform,
+            "devices": n,
+            "jax_version": jax.__version__,
+            "image_size": args.image_size,
+            "width": args.width,
+            "dtype": args.dtype,
+            "global_batch": batch_size,
+            "steps": args.steps,
+            "step_seconds": seconds,
+            "images_per_second": batch_size / seconds,
+            "flops_per_step_per_device": stats.flops,
+            "peak_flops": peak,
+            "mfu": benchmark.mfu(stats.flops, seconds, peak) if peak else None,
+            "temp_bytes": stats.temp_bytes,
+            "live_bytes": stats.live_bytes,
+        }
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     print(benchmark.environment(), end="\n\n")
     print(Table(["ResNet50 training", "value"], rows, title="ResNet50, data parallel"))
 

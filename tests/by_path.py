@@ -3,6 +3,7 @@ imported by their path for their tests."""
 
 import importlib.util
 import pathlib
+import sys
 from types import ModuleType
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -12,5 +13,6 @@ def load(name: str, relative: str) -> ModuleType:
     """The script at ``relative`` (to the repository's root), imported as ``name``."""
     spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where a dataclass looks its module up
     spec.loader.exec_module(module)
     return module

@@ -26,3 +26,22 @@ def test_a_chapter_runs_through_ipythons_shell_and_is_recorded(tmp_path):
     assert row["cells"] > 0 and row["setup"].startswith("jaxdist: ")
     assert record["jax"] == "0.10.2" and record["device_kind"] == "cpu"
     assert done.stdout.splitlines()[-1] == "1 chapters: 0 failed"
+
+    # --update: the preface again, into a table that holds an earlier run's rows
+    earlier = {"chapter": "setup", "status": "ran", "message": "", "seconds": 1.0}
+    record["chapters"] = [{**row, "status": "FAILED"}, earlier]
+    record |= {"date": "2026-01-01", "machine": "the TPU machine"}
+    out.write_text(json.dumps(record))
+    subprocess.run(
+        [sys.executable, ".ci/tpu_chapters", "--chapters", "00_preface"]
+        + ["--json", str(out), "--update"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    updated = json.loads(out.read_text())
+    assert [r["chapter"] for r in updated["chapters"]] == ["00_preface", "setup"]
+    assert updated["chapters"][0]["status"] == "ran"
+    assert updated["chapters"][1] == {"date": "2026-01-01", **earlier}
+    assert updated["machine"] == "the TPU machine"
