@@ -51,6 +51,7 @@ CHAPTER_MIN_DEVICES: dict[str, int] = {
     "07_troubleshooting": 2,
     "08_multi_host": 2,
     "gpu_clusters": 2,
+    "tpus": 2,
     "09_flax_partitioning": 4,
     "10_language_model": 2,
     "11_pipelines_mesh_shape": 4,
@@ -109,7 +110,11 @@ def chip_line(available: devices.DeviceInfo, bytes_limit: int | None) -> str:
     if available.platform == "cpu":
         return "Chip: none (CPU devices; the chapters simulate as many as they need)"
     chip = hardware.chip_for_kind(available.device_kind)
-    usable = f"{bytes_limit / 1e9:.1f} GB usable by JAX" if bytes_limit else ""
+    usable = (
+        f"{bytes_limit / 1e9:.1f} GB ({bytes_limit / 2**30:.1f} GiB) usable by JAX"
+        if bytes_limit
+        else ""
+    )
     if chip is None:
         return (
             f"Chip: {available.device_kind!r} is not in hardware.CHIPS"

@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import pathlib
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -204,6 +205,33 @@ def collective_axes(
         for phase in ("-start", "-done"):  # an async pair's two ops, one collective
             out[c.name.replace(c.kind, c.kind + phase, 1)] = (c.kind, axes)
     return out
+
+
+def collective_bytes_by_axis(
+    hlo_text: str, mesh: jax.sharding.Mesh
+) -> dict[str, dict[str, int]]:
+    """Bytes per device and step of each collective kind, by the mesh axes its groups span
+    (``{'fsdp': {'all-gather': ...}, 'data+fsdp': {'all-reduce': ...}}``): the recipe's
+    count (``examples/lm/compiled.py``'s ``collective_bytes``, loops times their trip
+    counts) of the program with only the collectives on those axes left in it."""
+    axes = collective_axes(hlo_text, mesh)
+    count = recipe.module("compiled").collective_bytes
+    out = {}
+    for spanned in sorted({axis for _, axis in axes.values()}):
+        elsewhere = {name for name, (_, axis) in axes.items() if axis != spanned}
+        out[spanned] = count(_renamed(hlo_text, elsewhere))
+    return out
+
+
+def _renamed(hlo_text: str, names: set[str]) -> str:
+    """The program with the instructions called ``names`` given an opcode no collective
+    has (``all-gather-elsewhere``), so that counting passes over them."""
+    lines = hlo_text.splitlines()
+    for i, line in enumerate(lines):
+        found = re.match(r"\s*(?:ROOT\s+)?%?([^\s=]+) = .*? ([a-z][a-z0-9-]*)\(", line)
+        if found and found[1] in names:
+            lines[i] = line[: found.end(2)] + "-elsewhere" + line[found.end(2) :]
+    return "\n".join(lines)
 
 
 def _overlap_us(start: float, end: float, busy: list[tuple[float, float]]) -> float:

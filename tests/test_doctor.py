@@ -76,9 +76,10 @@ def test_chapter_minimums_are_the_books():
 
 def test_chip_line_names_a_tpu_its_memory_and_peak():
     tpu = devices.DeviceInfo("tpu", "TPU v5 lite", 1, False)
-    line = doctor.chip_line(tpu, 15_750_000_000)
+    line = doctor.chip_line(tpu, 16_910_671_872)  # about what the borrowed v5e reports
     assert line == (
-        "Chip: TPU v5e ('TPU v5 lite'), 15.8 GB usable by JAX, 16 GB on the datasheet; "
+        "Chip: TPU v5e ('TPU v5 lite'), 16.9 GB (15.7 GiB) usable by JAX, "
+        "16 GB on the datasheet; "
         "dense bfloat16 peak 197 TFLOP/s"
     )
     unknown = doctor.chip_line(devices.DeviceInfo("gpu", "Tesla T4", 1, False), None)

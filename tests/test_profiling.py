@@ -158,3 +158,44 @@ def test_each_collective_of_the_trace_is_put_on_the_mesh_axes_it_spans():
     for axis in compiled:
         assert 0 <= seen[axis]["exposed_us"] <= seen[axis]["time_us"]
     assert seen["compute"]["time_us"] > 0
+
+
+@pytest.mark.skipif(N < 4 or N % 2, reason="a data x fsdp mesh of 2 x N/2")
+def test_collective_bytes_are_split_by_the_axes_they_cross():
+    """Three gathers over fsdp inside a scan, one all-reduce over data after it: each axis
+    gets its own kind, the loop's bytes three times, and the axes add up to the recipe's
+    count of the whole program."""
+    from jaxdist_lessons import recipe
+
+    mesh = jax.make_mesh(
+        (2, N // 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+    )
+
+    def step(ws_block, x_block):
+        def layer(x, w_block):
+            w = jax.lax.all_gather(w_block, "fsdp", tiled=True)
+            return jnp.tanh(x @ w), None
+
+        x, _ = jax.lax.scan(layer, x_block, ws_block)
+        # not the program's ROOT: the recipe's count reads named results only
+        return 2 * jax.lax.psum(x.sum(0, keepdims=True), "data")
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(None, "fsdp"), P("data")),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    ws = jax.device_put(jnp.ones((3, 32, 32)), NamedSharding(mesh, P(None, "fsdp")))
+    x = jax.device_put(jnp.ones((8, 32)), NamedSharding(mesh, P("data")))
+    text = comms.compiled_text(fn, ws, x)
+    by_axis = profiling.collective_bytes_by_axis(text, mesh)
+    assert by_axis == {
+        "data": {"all-reduce": 4 * 32},
+        "fsdp": {"all-gather": 3 * 4 * 32 * 32},
+    }
+    whole = recipe.module("compiled").collective_bytes(text)
+    assert {k: sum(a.get(k, 0) for a in by_axis.values()) for k in whole} == whole
