@@ -12,19 +12,44 @@ import jax
 import mesh_spec
 import model_config
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_spec import AXES, BATCH, RULES
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
-    """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1."""
+    """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1.
+
+    On TPUs of several slices (multislice) `data` is the axis that crosses them: the
+    devices come from slices_grid, since jax.make_mesh refuses multi-slice topologies.
+    """
     try:
         sizes = mesh_spec.parse(spec, jax.device_count())
     except ValueError as error:
         raise SystemExit(str(error)) from None
     shape = tuple(sizes[a] for a in AXES)
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    axis_types = (AxisType.Auto,) * len(AXES)
+    devices = jax.devices()
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
+        grid = slices_grid(sizes, devices)
+        return jax.sharding.Mesh(grid, AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, AXES, axis_types=axis_types)
+
+
+def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:
+    """The devices of several TPU slices as a grid over AXES: `data` across the slices
+    (their data-center network carries one gradient reduction a step), every other axis
+    inside a slice, on its chips' own links."""
+    slices = len({d.slice_index for d in devices})
+    if sizes["data"] % slices:
+        raise SystemExit(
+            f"--mesh: data={sizes['data']} does not split over the {slices} slices: "
+            f"only the data axis crosses slices, so make it a multiple of {slices}"
+        )
+    inside = [sizes[a] // slices if a == "data" else sizes[a] for a in AXES]
+    across = [slices if a == "data" else 1 for a in AXES]
+    return mesh_utils.create_hybrid_device_mesh(inside, across, devices)
 
 
 def check_fits(config: model_config.ModelConfig, mesh, args) -> None:

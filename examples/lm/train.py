@@ -102,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--mesh",
         default="fsdp=-1",
-        help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: " + ", ".join(AXES),
+        help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: "
+        + ", ".join(AXES)
+        + " (on TPUs of several slices, data is the axis across them)",
     )
     add("--experts", type=int, default=0, help="experts per MLP (0: a dense MLP)")
     add("--top-k", type=int, default=1, help="experts per token")
