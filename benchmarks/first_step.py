@@ -14,9 +14,8 @@ seconds per call and achieved GFLOP/s, with the date, the device and the JAX ver
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
-import os
 import pathlib
 
 
@@ -69,7 +68,8 @@ def measure(calls: int) -> list[dict]:
     for name, (fn, args) in programs().items():
         executable = fn.lower(*args).compile()
         stats = compiled.stats(executable)
-        seconds = benchmark.time_per_call(lambda: executable(*args), calls=calls)
+        call = functools.partial(executable, *args)
+        seconds = benchmark.time_per_call(call, calls=calls)
         rows.append(
             {
                 "program": name,
@@ -87,22 +87,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, help="the JSON file to write")
     parser.add_argument("--calls", type=int, default=200, help="timed calls each")
     args = parser.parse_args(argv)
-    import jax
+    from jaxdist_lessons import benchmark
 
-    device = jax.devices()[0]
     report = {
-        "date": datetime.date.today().isoformat(),
-        "device_kind": device.device_kind,
-        "platform": device.platform,
-        "jax_version": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **benchmark.provenance(),
         "how": f"python benchmarks/first_step.py, one device, median of {args.calls} calls",
         "rows": measure(args.calls),
     }
     for row in report["rows"]:
         print(
             f"{row['program']}: {row['flops']:,.0f} flops, {row['seconds'] * 1e6:,.1f} us, "
-            f"{row['gflops_per_second']:,.1f} GFLOP/s ({device.device_kind})"
+            f"{row['gflops_per_second']:,.1f} GFLOP/s ({report['device_kind']})"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

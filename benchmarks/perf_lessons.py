@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import pathlib
 import sys
 import time
@@ -266,15 +264,10 @@ def main(argv=None) -> dict | None:
         for name in report["sizes"]:
             print("\n" + table(report, name))
         return None
-    import jax
+    from jaxdist_lessons import benchmark
 
-    device = jax.devices()[0]
     report = {
-        "date": datetime.date.today().isoformat(),
-        "device_kind": device.device_kind,
-        "platform": device.platform,
-        "jax_version": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **benchmark.provenance(),
         "how": "python benchmarks/perf_lessons.py, one device, "
         f"median of {args.calls} calls after 2 warm-up calls",
         "sizes": {},

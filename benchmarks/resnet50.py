@@ -18,7 +18,6 @@ equals model flops utilisation (MFU) here only because this step does no remat.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import sys
@@ -141,11 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {
-            "date": datetime.date.today().isoformat(),
-            "device_kind": kind,
-            "platform": jax.devices()[0].platform,
+            **benchmark.provenance(),
             "devices": n,
-            "jax_version": jax.__version__,
             "image_size": args.image_size,
             "width": args.width,
             "dtype": args.dtype,

@@ -340,3 +340,16 @@ def environment() -> str:
         + (f"XLA_FLAGS={flags}; " if flags else "")
         + f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     )
+
+
+def provenance() -> dict[str, str]:
+    """Where and when numbers were measured, as the fields of a benchmark's data file: the
+    date (UTC), the first device's kind and platform, the JAX version and ``XLA_FLAGS``."""
+    device = jax.devices()[0]
+    return {
+        "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}",
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }

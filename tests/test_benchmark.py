@@ -75,3 +75,12 @@ def test_strategy_comparison_tables_agree_with_theory():
     assert memory["fsdp"][2] < memory["zero1"][2] < memory["data"][2]
     (ring,) = benchmark.ring_table([work], N).values
     assert ring[1] == pytest.approx(ring[2]) and 1.4 < ring[4] <= 1.5
+
+
+def test_provenance_names_the_device_the_jax_and_the_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    record = benchmark.provenance()
+    assert record["device_kind"] == jax.devices()[0].device_kind == "cpu"
+    assert (record["platform"], record["jax_version"]) == ("cpu", jax.__version__)
+    assert record["xla_flags"] == "--xla_backend_optimization_level=0"
+    assert len(record["date"]) == 10 and record["date"].startswith("20")
