@@ -31,5 +31,7 @@ XLA:CPU compiles), ``gpu`` (a GPU's, predicted), ``timing`` (links and the step 
 recipe's own file. Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
 in the browser, in Pyodide (``tests/planning/test_cli.py`` imports them with JAX made
 unimportable). Beside them, ``costmodel``: chapter 11_pipelines_mesh_shape's roofline model of any Transformer,
-checked against compiled programs with JAX, on the same ``Layout`` and vocabulary.
+checked against compiled programs with JAX, on the same ``Layout`` and vocabulary; and
+``published``: the published measured runs (``book/data/published_runs.json``) the planner is
+to be fitted to and checked against, each with its source's words.
 """
