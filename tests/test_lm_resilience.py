@@ -6,6 +6,7 @@ case); the recipe's own runs of ``--step-timeout`` (one process stuck, and one o
 ``mpirun`` stopped by SIGSTOP) are in ``test_lm_recipe.py``.
 """
 
+import os
 import re
 import time
 
@@ -160,3 +161,9 @@ def test_one_process_alone_watches_itself(tmp_path):
         "(a collective whose order or shape differs between processes, or a deadlock "
         "inside the step)"
     ]
+
+
+def test_a_bucket_is_given_to_orbax_as_it_is_and_a_path_made_absolute():
+    """os.path.abspath would turn gs://bucket/run into CWD/gs:/bucket/run."""
+    assert resilience.location("gs://bucket/run") == "gs://bucket/run"
+    assert resilience.location("runs/a") == os.path.join(os.getcwd(), "runs", "a")

@@ -262,6 +262,14 @@ class StepDeadline:
         os._exit(124)
 
 
+def location(checkpoint_dir: str) -> str:
+    """--checkpoint-dir as Orbax is given it: a URL as it is (gs://bucket/run, which
+    every host of a slice sees and which outlives a preempted VM), a path absolute."""
+    return (
+        checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+    )
+
+
 def checkpoint_manager(args) -> ocp.CheckpointManager:
     """Orbax's manager of --checkpoint-dir; a failed save or restore through it is said
     in one line (quiet_echoes), once for the process."""
@@ -274,7 +282,7 @@ def checkpoint_manager(args) -> ocp.CheckpointManager:
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     return ocp.CheckpointManager(
-        os.path.abspath(args.checkpoint_dir),
+        location(args.checkpoint_dir),
         options=options,
         item_handlers={
             "state": ocp.StandardCheckpointHandler(),
