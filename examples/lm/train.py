@@ -434,7 +434,9 @@ def train(args, mesh, model, tx, step, shapes, init) -> None:
             )
         elif args.profile and now == 9:
             jax.profiler.stop_trace()
-        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        # "train N" on a profile's timelines: XProf finds the steps by it
+        marked = jax.profiler.StepTraceAnnotation("train", step_num=now)
+        with marked, jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             state, metrics = step(state, tokens)  # queued: the device runs it
         # Step now - 1's numbers, while step now runs: no wait between steps.
         stop = pending is not None and report(*pending)
