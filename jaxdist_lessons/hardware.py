@@ -4,7 +4,9 @@ Chapter 01_why_distribute divides a model's memory by a chip's; chapter 06_perfo
 peak; chapter 10_language_model's cost model prices communication with its interconnect. They all read this one
 table. Each fact names the page it comes from, and quotes the page's own words and unit:
 NVIDIA writes memory in GB (10^9 bytes), Google writes TPU v4 and v5p memory in GiB (2^30 bytes)
-and v5e memory in GB, so ``memory_bytes`` follows the unit each vendor uses.
+and v5e and v6e memory in GB, so ``memory_bytes`` follows the unit each vendor uses. Where a vendor
+gives only a system's total (a DGX B200's eight GPUs) or a per-link figure (a TPU v4's ICI), the
+quote says how the per-chip figure follows from it.
 
 A chip is found by its name here (``'H100 80GB'``) or by the ``device_kind`` string JAX reports
 (``jax.devices()[0].device_kind``), matched exactly: a near miss (an H100 NVL, a ``'TPU v4 lite'``)
@@ -26,6 +28,15 @@ _H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 _TPU_V4 = "https://cloud.google.com/tpu/docs/v4"
 _TPU_V5E = "https://cloud.google.com/tpu/docs/v5e"
 _TPU_V5P = "https://cloud.google.com/tpu/docs/v5p"
+_TPU_V6E = "https://cloud.google.com/tpu/docs/v6e"
+# The newer v5e page, whose table also counts ICI ports and host NICs.
+_TPU_V5E_TABLE = "https://docs.cloud.google.com/tpu/docs/v5e"
+_SCALING_BOOK = "https://jax-ml.github.io/scaling-book/tpus/"
+_DGX_B200 = "https://www.nvidia.com/en-us/data-center/dgx-b200/"
+_DGX_B200_GUIDE = (
+    "https://docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html"
+)
+_HGX = "https://www.nvidia.com/en-us/data-center/hgx/"
 _CUDA_NAME = (
     "https://docs.nvidia.com/cuda/cuda-runtime-api/structcudaDeviceProp.html: the CUDA "
     "device name (cudaDeviceProp.name), which JAX reports as device_kind"
@@ -46,6 +57,8 @@ class Chip:
     to other nodes (hosts, slices) at once, one way, through the adapters its reference system
     gives each chip (``None`` where none is recorded). ``host_bytes_per_s`` is what one chip
     can move to or from its host's memory, one way (PCIe; ``None`` where none is recorded).
+    ``ici_links`` counts a TPU's inter-chip links (its neighbours in the torus) and ``torus`` names
+    the shape they make (``None`` for GPUs, whose peers sit behind a switch).
     ``sources`` maps each field to its page.
     """
 
@@ -62,6 +75,8 @@ class Chip:
     network_bytes_per_s: float | None = None
     network: str = ""
     host_bytes_per_s: float | None = None
+    ici_links: int | None = None
+    torus: str | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -93,11 +108,12 @@ def _chip(
     words: dict[str, str],
     network: tuple[str, float, str] | None = None,
     host: tuple[float, str] | None = None,
+    ici: tuple[int | None, str] | None = None,
 ) -> Chip:
     """A chip from its vendor's page: ``memory`` as (figure, unit), ``tflops`` as (bf16, fp32),
     ``link`` as (name, GB/s over both directions, of which half goes each way); ``network`` as
     (name, Gb/s one way per chip, the source's page and words); ``host`` as (GB/s over both
-    directions, the page's words)."""
+    directions, the page's words); ``ici`` as (links per chip, torus), each quoted in ``words``."""
     link_name, both_ways = link
     across = {}
     if network is not None:
@@ -106,6 +122,8 @@ def _chip(
     if host is not None:
         across["host_bytes_per_s"] = host[0] / 2 * 1e9
         words = {**words, "host_bytes_per_s": host[1]}
+    if ici is not None:
+        across["ici_links"], across["torus"] = ici
     kinds_source = _TPU_KINDS if name.startswith("TPU") else _CUDA_NAME
     return Chip(
         name,
@@ -244,12 +262,15 @@ CHIPS: dict[str, Chip] = {
             (80, "GB"),
             (756, 51),
             2000,
-            ("PCIe", None),
+            # Peers over PCIe: an NVLink bridge joins only a pair of cards, not a node.
+            ("PCIe Gen5 x16", 128),
             {
                 **_H100_WORDS,
                 "memory": "H100 PCIe, GPU memory 80GB",
                 "peak_bf16_flops": "H100 PCIe, BF16 Tensor Core 1,513 teraFLOPS with sparsity, so 756 dense",
                 "hbm_bytes_per_s": "H100 PCIe, GPU memory bandwidth 2TB/s",
+                "link_bytes_per_s": "H100 PCIe, Interconnect: PCIe Gen5 128GB/s, "
+                "so 64GB/s each way to a peer card",
             },
             host=(128, "Interconnect: PCIe Gen5 128GB/s"),
         ),
@@ -273,18 +294,52 @@ CHIPS: dict[str, Chip] = {
             (128, "Interconnect: PCIe Gen5 128GB/s"),
         ),
         _chip(
+            "B200",
+            ("NVIDIA B200",),
+            _DGX_B200_GUIDE,
+            (180, "GB"),
+            (2250, None),
+            8000,
+            ("NVLink 5", 1800),
+            {
+                "memory": "8 x NVIDIA B200 GPUs that provide 1,440 GB total GPU memory, "
+                "so 180 GB each",
+                "peak_bf16_flops": f"{_HGX}: HGX B200 (8 GPUs), FP16/BF16 Tensor Core "
+                "36 PFLOPS with sparsity, so 4.5 PFLOPS per GPU and 2,250 TFLOPS dense",
+                "hbm_bytes_per_s": f"{_DGX_B200}: GPU Memory 1,440GB total, 64TB/s HBM3e "
+                "bandwidth, so 8TB/s for each of 8 GPUs",
+                "link_bytes_per_s": "2 x 5th generation NVLink switches that provide 14.4 TB/s "
+                "aggregate bandwidth, so 1.8 TB/s for each of 8 GPUs",
+            },
+            (
+                "InfiniBand NDR",
+                400,
+                f"{_DGX_B200_GUIDE}: 4 x OSFP ports for 8 x NVIDIA ConnectX-7 Single Port "
+                "Cards, InfiniBand (default): Up to 400Gbps, one per GPU",
+            ),
+        ),
+        _chip(
             "TPU v4",
             ("TPU v4",),
             _TPU_V4,
             (32, "GiB"),
             (275, None),
             1200,
-            ("ICI", None),
+            ("ICI", 540),
             {
                 "memory": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
                 "peak_bf16_flops": "Peak compute per chip: 275 teraflops (bf16 or int8)",
                 "hbm_bytes_per_s": "HBM2 capacity and bandwidth: 32 GiB, 1200 GBps",
+                # Google's v4 page gives no per-chip ICI figure; the scaling book gives one per link.
+                "link_bytes_per_s": f"{_SCALING_BOOK}: ICI BW/link (one-way, bytes/s), TPU v4p: "
+                "4.5e10; over its 6 links, 2.7e11 bytes/s one way (540 GB/s both ways)",
+                "ici_links": "v4 TPUs have a direct connection to the nearest neighboring chips "
+                "in 3 dimensions, so two along each of three axes: 6",
+                "torus": "The connections can be configured as a 3D torus on slices where the "
+                "topology, AxBxC, is either 2A=B=C or 2A=2B=C, where each dimension is a "
+                "multiple of 4; Interconnect topology: 3D mesh",
             },
+            ici=(6, "3D mesh, or 3D torus on slices such as 4x4x8"),
         ),
         _chip(
             "TPU v5e",
@@ -299,7 +354,10 @@ CHIPS: dict[str, Chip] = {
                 "peak_bf16_flops": "Peak compute per chip (bf16): 197 TFLOPs",
                 "hbm_bytes_per_s": "HBM2 capacity and bandwidth: 16 GB, 819 GBps",
                 "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 400 GBps",
+                "ici_links": f"{_TPU_V5E_TABLE}: ICI ports per chip: 4",
+                "torus": "Interconnect topology: 2D Torus; TPU Pod size: 256 chips",
             },
+            ici=(4, "2D torus, 256-chip pod"),
         ),
         _chip(
             "TPU v5p",
@@ -314,12 +372,33 @@ CHIPS: dict[str, Chip] = {
                 "peak_bf16_flops": "Peak compute per chip (BF16) (TFLOPs): 459",
                 "hbm_bytes_per_s": "HBM bandwidth per chip (GBps): 2765",
                 "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth per chip (GBps): 1200",
+                "ici_links": "Interconnect topology: 3D torus, so two links along each of three axes: 6",
+                "torus": "Number of chips per pod: 8960; Interconnect topology: 3D torus",
             },
             (
                 "DCN",
                 50,
                 f"{_TPU_V5P}: Data center network (DCN) bandwidth per chip: 50 Gbps",
             ),
+            ici=(6, "3D torus, 8960-chip pod"),
+        ),
+        _chip(
+            "TPU v6e",
+            ("TPU v6 lite", "TPU v6e"),
+            _TPU_V6E,
+            (32, "GB"),
+            (918, None),
+            1638,
+            ("ICI", 800),
+            {
+                "memory": "HBM capacity per chip: 32 GB",
+                "peak_bf16_flops": "Peak compute per chip (bf16): 918 TFLOPs",
+                "hbm_bytes_per_s": "HBM bandwidth per chip: 1638 GBps",
+                "link_bytes_per_s": "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 800 GBps",
+                "ici_links": "ICI ports per chip: 4",
+                "torus": "Interconnect topology: 2D torus; TPU Pod size: 256 chips",
+            },
+            ici=(4, "2D torus, 256-chip pod"),
         ),
     ]
 }

@@ -1,8 +1,11 @@
 """hardware: one record per chip, every fact with its page, found by name or by JAX's device_kind."""
 
+import json
+
 import pytest
 
 from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import cli
 
 FIGURES = [
     "memory",
@@ -12,7 +15,10 @@ FIGURES = [
     "link_bytes_per_s",
     "network_bytes_per_s",
     "device_kinds",
+    "ici_links",
+    "torus",
 ]
+NEW = ["TPU v4", "H100 PCIe", "TPU v6e", "B200"]  # issue 59: figures added since
 
 
 def test_figures_match_the_datasheets():
@@ -100,3 +106,93 @@ def test_an_unknown_chip_names_the_known_ones():
         ValueError, match="unknown accelerator 'V100'; allowed: A100 40GB"
     ):
         hardware.chip("V100")
+
+
+def test_the_added_figures_match_their_pages():
+    # TPU v4: 6 ICI links of 4.5e10 bytes/s one way (scaling book), 540 GB/s both ways.
+    v4 = hardware.chip("TPU v4")
+    assert (v4.link_bytes_per_s, v4.ici_links) == (6 * 4.5e10, 6)
+    # H100 PCIe: its peers over PCIe Gen5 x16, 128 GB/s both ways; no network recorded.
+    pcie = hardware.chip("H100 PCIe")
+    assert pcie.link_bytes_per_s == 64e9 == pcie.host_bytes_per_s
+    assert pcie.link.startswith("PCIe Gen5 x16")
+    # TPU v6e (Trillium): 918 TFLOP/s, 32 GB, 1,638 GB/s, 800 GB/s of ICI over 4 ports.
+    v6e = hardware.chip("TPU v6e")
+    assert (v6e.peak_bf16_flops, v6e.memory_bytes, v6e.hbm_bytes_per_s) == (
+        918e12,
+        32e9,
+        1638e9,
+    )
+    assert (2 * v6e.link_bytes_per_s, v6e.ici_links) == (800e9, 4)
+    assert v6e.torus.startswith("2D torus") and v6e.network_bytes_per_s is None
+    # B200: the DGX B200's totals over its 8 GPUs, and HGX B200's sparse peak halved.
+    b200 = hardware.chip("B200")
+    assert (b200.peak_bf16_flops, b200.memory_bytes, b200.hbm_bytes_per_s) == (
+        2250e12,
+        180e9,
+        8000e9,
+    )
+    assert (2 * b200.link_bytes_per_s, b200.network_bytes_per_s * 8) == (1800e9, 400e9)
+    # Tori: 2D for the v5e and v6e, 3D for the v4 and v5p; GPUs have none.
+    assert [
+        hardware.chip(f"TPU {v}").ici_links for v in ("v4", "v5e", "v5p", "v6e")
+    ] == [
+        6,
+        4,
+        6,
+        4,
+    ]
+    assert all(
+        c.torus is None and c.ici_links is None
+        for c in hardware.CHIPS.values()
+        if not c.name.startswith("TPU")
+    )
+    # No page gives a v5e's DCN per chip (only per host and per pod): none recorded.
+    assert hardware.chip("TPU v5e").network_bytes_per_s is None
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_every_added_figure_quotes_its_page(name):
+    chip = hardware.chip(name)
+    for field in FIGURES:
+        if getattr(chip, field) is None:
+            continue
+        url, words = chip.sources[field].split(": ", 1)
+        assert url.startswith("https://") and " " not in url, (name, field)
+        assert any(ch.isdigit() for ch in words) or field == "device_kinds", (
+            name,
+            field,
+        )
+
+
+def test_the_added_kinds_are_found_exactly():
+    assert hardware.chip_for_kind("TPU v6 lite") is hardware.chip("TPU v6e")
+    assert hardware.chip_for_kind("TPU v6e") is hardware.chip("TPU v6e")
+    assert hardware.chip_for_kind("NVIDIA B200") is hardware.chip("B200")
+    for near in [
+        "TPU v6",
+        "TPU7x",
+        "NVIDIA B200 NVL",
+        "nvidia b200",
+        "NVIDIA GB200",
+        "B200",
+    ]:
+        assert hardware.chip_for_kind(near) is None, near
+
+
+@pytest.mark.parametrize("name", ["TPU v4", "H100 PCIe", "TPU v6e", "B200"])
+def test_the_planner_plans_one_node_of_each_added_chip(name):
+    argv = ["--model", "1b", "--devices", "8", "--global-batch", "64", "--chip", name]
+    shown = json.loads(cli.page_json(argv))
+    assert "error" not in shown, shown
+    assert shown["run"] and shown["rows"]
+
+
+def test_the_planner_still_refuses_what_has_no_figure():
+    # No DCN figure per chip for a v4, v5e or v6e: one node only; no link for a PCIe A100.
+    run = ["--model", "1b", "--devices", "16", "--global-batch", "64"]
+    for name in ["TPU v4", "TPU v5e", "TPU v6e"]:
+        shown = json.loads(cli.page_json([*run, "--nodes", "2", "--chip", name]))
+        assert f"{name} has no network bandwidth" in shown["error"]
+    shown = json.loads(cli.page_json([*run, "--chip", "A100 80GB PCIe"]))
+    assert "A100 80GB PCIe has no chip-to-chip bandwidth" in shown["error"]

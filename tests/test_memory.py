@@ -181,18 +181,20 @@ def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
     names = [row[0] for row in table.values]
     assert names == [
         "TPU v5e",
+        "TPU v6e",  # 32 GB, a little less than a v4's 32 GiB
         "TPU v4",
         "A100 40GB",
         "A100 80GB / H100 80GB",  # the same memory, the same count: one row
         "TPU v5p",
         "H200 141GB",
+        "B200",
     ]
     # a PCIe card is its SXM chip's twin
     assert not any("PCIe" in name for name in names)
-    assert [row[2] for row in table.values] == [175, 82, 70, 35, 28, 20]
+    assert [row[2] for row in table.values] == [175, 88, 82, 70, 35, 28, 20, 16]
     # no two rows alike
     assert len({tuple(row[1:3]) for row in table.values}) == len(names)
-    assert table.values[3][-1] == (
+    assert table.values[4][-1] == (
         "https://www.nvidia.com/en-us/data-center/a100/, "
         "https://www.nvidia.com/en-us/data-center/h100/"
     )
@@ -226,8 +228,8 @@ def test_devices_needed_table_has_one_row_per_memory_size_and_each_chip_once():
             "num_devices must be a positive integer, got 0",
         ),
         (
-            lambda: memory.devices_needed(1e9, "B200"),
-            "unknown accelerator 'B200'; allowed: A100 40GB, A100 40GB PCIe, A100 80GB, A100 80GB PCIe, H100 80GB, H100 PCIe, H200 141GB, TPU v4, TPU v5e, TPU v5p",
+            lambda: memory.devices_needed(1e9, "V100"),
+            "unknown accelerator 'V100'; allowed: A100 40GB, A100 40GB PCIe, A100 80GB, A100 80GB PCIe, B200, H100 80GB, H100 PCIe, H200 141GB, TPU v4, TPU v5e, TPU v5p, TPU v6e",
         ),
         (
             lambda: memory.devices_needed(1e9, "TPU v4", usable_fraction=0),

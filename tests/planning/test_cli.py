@@ -33,8 +33,8 @@ from jaxdist_lessons.planning import cli, footprint, model_config, ranking
         ),
         (["--model", None, "--layers", "2"], "missing --width --heads --kv-heads"),
         (
-            ["--chip", "TPU v4"],
-            "TPU v4 has no chip-to-chip bandwidth in hardware.CHIPS",
+            ["--chip", "A100 80GB PCIe"],
+            "A100 80GB PCIe has no chip-to-chip bandwidth in hardware.CHIPS",
         ),
         (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
         (["--devices", "131072"], "--devices 131072: the planner plans up to 65,536"),

@@ -207,9 +207,11 @@ def test_layouts_checks_and_labels():
 
 
 def test_the_cost_model_needs_a_chip_with_a_link_figure():
-    with pytest.raises(ValueError, match="H100 PCIe has no chip-to-chip bandwidth"):
+    with pytest.raises(
+        ValueError, match="A100 80GB PCIe has no chip-to-chip bandwidth"
+    ):
         roofline.estimate(
-            costmodel.MODELS["ViT-B/16"], costmodel.Layout(data=8), "H100 PCIe"
+            costmodel.MODELS["ViT-B/16"], costmodel.Layout(data=8), "A100 80GB PCIe"
         )
 
 
