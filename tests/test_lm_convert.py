@@ -50,6 +50,8 @@ LLAMA3_SCALING = {
 }
 CASES = {
     "untied": {"tie_word_embeddings": False},
+    # heads of 32 where the width gives 4 x 16 (Gemma's, Qwen3's shapes)
+    "head_dim": {"tie_word_embeddings": False, "head_dim": 32},
     "tied_llama3_rope": {
         "tie_word_embeddings": True,
         "rope_scaling": LLAMA3_SCALING,
@@ -115,6 +117,7 @@ def test_logits_match_transformers(converted):
     config = model_config.config_from_hf(str(hf_dir / "config.json"))
     assert config.tie_embeddings == (case == "tied_llama3_rope")
     assert (config.rope_scaling is not None) == (case == "tied_llama3_rope")
+    assert config.head_width == (32 if case == "head_dim" else 16)
     params = restore_state(checkpoint)["params"]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 128))
     with torch.no_grad():
@@ -231,7 +234,7 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
 
 def test_config_json_of_the_hub_and_head_dim(tmp_path):
     """The Hub's Llama 3.x spelling (rope_theta, rope_scaling: transformers 4) reads as
-    transformers 5's rope_parameters does; a head_dim that is not D/N stops."""
+    transformers 5's rope_parameters does; a head_dim that is not D/N is kept."""
     hub = {
         "model_type": "llama",
         "vocab_size": 128256,
@@ -255,8 +258,9 @@ def test_config_json_of_the_hub_and_head_dim(tmp_path):
         rope_scaling=model_config.RopeScaling(32.0, 1.0, 4.0, 8192),
     )
     path.write_text(json.dumps({**hub, "head_dim": 128}))
-    with pytest.raises(SystemExit, match="head_dim 128 x 32 heads != hidden_size"):
-        model_config.config_from_hf(str(path))
+    wide = model_config.config_from_hf(str(path))
+    assert (wide.head_dim, wide.head_width) == (128, 128)
+    assert model_config.config_to_hf(wide)["head_dim"] == 128
 
 
 @parity

@@ -125,6 +125,8 @@ def random_request(rng: random.Random) -> dict[str, str]:
                 "kv-heads": rng.choice([1, 2, 4]),
                 "mlp-width": rng.choice([512, 1024, 4096]),
                 "vocab": rng.choice([1000, 32_000, 50_304]),
+                "head-dim": rng.choice(["", "", "96", "256"]),  # heads of their own
+                "tie-embeddings": rng.choice(["", "yes"]),
             }
         )
     return {k: str(v) for k, v in values.items()}
@@ -155,6 +157,7 @@ INVALID = [
 
 
 SHAPE = ["layers", "width", "heads", "kv-heads", "mlp-width", "vocab"]
+OPTIONAL = ["head-dim", "tie-embeddings"]  # a custom shape's, left empty by default
 # The form's values when the page opens (form.html).
 DEFAULTS = {
     "model": "8b",
@@ -177,6 +180,8 @@ def flags(values: dict[str, str]) -> list[str]:
     out = ["--model", form["model"]] if form["model"] else []
     if not form["model"]:
         out += [x for k in SHAPE if form.get(k) for x in (f"--{k}", form[k])]
+        out += ["--head-dim", form["head-dim"]] if form.get("head-dim") else []
+        out += ["--tie-embeddings"] if form.get("tie-embeddings") == "yes" else []
     return out + [x for k in list(DEFAULTS)[1:] for x in (f"--{k}", form[k])]
 
 
@@ -216,7 +221,8 @@ TYPE = """(values) => {
   const form = document.getElementById("planner-form");
   for (const [name, value] of Object.entries(values)) {
     const field = form.elements[name];
-    field.value = value;
+    if (field.type === "checkbox") field.checked = value === "yes";
+    else field.value = value;
     field.dispatchEvent(new Event("input", {bubbles: true}));
     field.dispatchEvent(new Event("change", {bubbles: true}));
   }
@@ -227,7 +233,7 @@ def fill(page, values: dict[str, str]) -> None:
     """Enter the request into the form, as a reader would, and press Plan."""
     form = {**DEFAULTS, **values}
     if not form["model"]:  # the shape's fields count for a custom shape only
-        form.update({name: form.get(name, "") for name in SHAPE})
+        form.update({name: form.get(name, "") for name in [*SHAPE, *OPTIONAL]})
     page.evaluate(TYPE, form)
     page.click("#planner-submit")
 
@@ -248,6 +254,8 @@ def test_the_page_gives_the_planners_tables_and_errors(site):
     assert {v["experts"] for v in requests} > {"0"} and {
         v["nodes"] for v in requests
     } > {"1"}
+    assert any(v.get("head-dim") for v in requests)  # custom heads, and tied tables
+    assert any(v.get("tie-embeddings") for v in requests)
     requests += INVALID
     start = time.perf_counter()
     with sync_playwright() as p:

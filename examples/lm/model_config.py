@@ -49,10 +49,13 @@ class ModelConfig:
     balance: str = "loss"  # Switch's loss, or "bias": DeepSeek-V3's routing bias
     shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
     rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
+    # A, a head's width; 0: width / num_heads. Set, the heads need not add up to the
+    # width (Gemma's, Qwen3's and MaxText's shapes): the projections map D to N x A.
+    head_dim: int = 0
 
     @property
     def head_width(self) -> int:  # A
-        return self.width // self.num_heads
+        return self.head_dim or self.width // self.num_heads
 
 
 # Published shapes: Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, width
@@ -101,11 +104,6 @@ def config_from_hf(path: str) -> ModelConfig:
         raise SystemExit(f"{name}: attention_bias or mlp_bias; this model has none")
     width, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or width // heads
-    if head_dim * heads != width:
-        raise SystemExit(
-            f"{name}: head_dim {head_dim} x {heads} heads != hidden_size {width}; "
-            "this model's heads are hidden_size / num_attention_heads wide"
-        )
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -120,6 +118,7 @@ def config_from_hf(path: str) -> ModelConfig:
         mlp_width=hf["intermediate_size"],
         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10_000.0)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=0 if head_dim * heads == width else head_dim,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
         rope_scaling=None
         if kind == "default"

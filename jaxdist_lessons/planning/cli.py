@@ -135,10 +135,18 @@ def model_shape(args: argparse.Namespace) -> ModelConfig:
         )
     else:
         shape = ModelConfig(**given)
-    if shape.width % shape.num_heads or shape.num_heads % shape.num_kv_heads:
+    if args.head_dim is not None:
+        if args.head_dim < 1:
+            raise PlanError("--head-dim must be positive")
+        shape = dataclasses.replace(shape, head_dim=args.head_dim)
+    if args.tie_embeddings:
+        shape = dataclasses.replace(shape, tie_embeddings=True)
+    uneven = not shape.head_dim and shape.width % shape.num_heads
+    if uneven or shape.num_heads % shape.num_kv_heads:
         raise PlanError(
             f"width {shape.width}, {shape.num_heads} heads and {shape.num_kv_heads} "
-            "KV heads: heads must divide the width, KV heads the heads"
+            "KV heads: heads must divide the width (or give --head-dim), KV heads "
+            "the heads"
         )
     return dataclasses.replace(
         shape,
@@ -168,6 +176,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             type=int,
             help="the model's shape, without --model",
         )
+    add(
+        "--head-dim",
+        type=int,
+        help="a head's width, when the heads do not split the width evenly "
+        "(default: width / heads)",
+    )
+    add(
+        "--tie-embeddings",
+        action="store_true",
+        help="the output projection reuses the embedding table (a custom shape; "
+        "the presets say it themselves)",
+    )
     add("--experts", type=int, default=0, help="experts per MLP (0: dense)")
     add("--top-k", type=int, default=1)
     add("--capacity-factor", type=float, default=1.25)

@@ -199,3 +199,22 @@ def test_page_json_is_the_tables_cells_or_the_error_line():
     assert shown["usable_bytes"] == footprint.USABLE * run.chip.memory_bytes
     bad = [*EXAMPLE[:-1], "0"]
     assert json.loads(cli.page_json(bad)) == {"error": run_main(bad)[2].strip()}
+
+
+def test_a_head_dim_of_its_own_and_tied_embeddings():
+    """MaxText's shapes give heads that do not add up to the width: --head-dim sets
+    them; --tie-embeddings drops the output projection. Both reach the parameters."""
+    sizes = {"layers": 4, "width": 1000, "heads": 12, "kv-heads": 4, "mlp-width": 4000}
+    sizes |= {"vocab": 32000, "devices": 8, "global-batch": 16}
+    shape = [x for flag, n in sizes.items() for x in (f"--{flag}", str(n))]
+    assert cli.main(shape) == 2  # 12 heads do not split a width of 1,000
+    planned = lambda *flags: cli.model_shape(cli.parse_args([*shape, *flags]))
+    a128, a100 = planned("--head-dim", "128"), planned("--head-dim", "100")
+    tied = planned("--head-dim", "100", "--tie-embeddings")
+    assert (a128.head_width, a100.head_width, a100.tie_embeddings) == (128, 100, False)
+    # per unit of a head's width: each layer's q and out (12 heads), k and v (4)
+    attention = 4 * 1000 * (2 * 12 + 2 * 4)
+    count = model_config.count_params
+    assert count(a128) - count(a100) == attention * (128 - 100)
+    assert count(a100) - count(tied) == 32000 * 1000  # the output projection
+    assert cli.main([*shape, "--head-dim", "128"]) == 0

@@ -39,7 +39,11 @@
     const out = [];
     const value = (name) => form.elements[name].value.trim();
     if (value("model")) out.push("--model", value("model"));
-    else for (const name of SHAPE) if (value(name)) out.push("--" + name, value(name));
+    else {
+      for (const name of SHAPE) if (value(name)) out.push("--" + name, value(name));
+      if (value("head-dim")) out.push("--head-dim", value("head-dim"));
+      if (form.elements["tie-embeddings"].checked) out.push("--tie-embeddings");
+    }
     for (const name of FLAGS) if (value(name)) out.push("--" + name, value(name));
     return out;
   }
