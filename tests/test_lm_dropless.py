@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import compiled as lm_compiled  # noqa: E402
 import dropless  # noqa: E402
 import train  # noqa: E402
-from test_lm_recipe import COMMON, SMALL, small_batches, steps_on  # noqa: E402
+from test_lm_recipe import COMMON, small_batches, small_experts, steps_on  # noqa: E402
 
 E, R, D, F = 8, 2, 16, 24  # experts, choices a token, width, MLP width
 
@@ -205,14 +205,15 @@ def test_dropless_compiles_in_bfloat16_with_float32_sums_of_gradients():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
-    """8 experts, top-2, 3 steps in float32: --dispatch dropless on data=8, on
-    data=2,expert=4 (worst-case all_to_alls) and on fsdp=2,expert=2,tensor=2 (weights
-    gathered over fsdp, the MLP width split over tensor) give the same losses and
-    gradient norms, to 1e-5; so does GShard's dispatch with a capacity factor of
-    experts / top-k = 4, which drops nothing; a capacity factor of 1 drops choices and
-    gives other losses."""
+def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity(tmp_path):
+    """8 experts, top-2, 3 steps in float32, 2 layers (test_lm_recipe.SMALL_EXPERTS):
+    --dispatch dropless on data=8, on data=2,expert=4 (worst-case all_to_alls) and on
+    fsdp=2,expert=2,tensor=2 (weights gathered over fsdp, the MLP width split over
+    tensor) give the same losses and gradient norms, to 1e-5; so does GShard's dispatch
+    with a capacity factor of experts / top-k = 4, which drops nothing; a capacity
+    factor of 1 drops choices and gives other losses."""
     batches = small_batches(4, 3)
+    shape = small_experts(tmp_path)
     moe = ["--experts", "8", "--top-k", "2", "--steps", "10"]
     runs = {}
     for spec, extra in (
@@ -222,7 +223,7 @@ def test_dropless_steps_are_the_same_on_every_mesh_and_as_a_roomy_capacity():
         ("data=8", ["--capacity-factor", "4"]),
         ("data=8", ["--capacity-factor", "1"]),
     ):
-        args = train.parse_args([*SMALL, "--mesh", spec, *moe, *extra])
+        args = train.parse_args([*shape, "--mesh", spec, *moe, *extra])
         mesh, _, _, step, shapes, init = train.setup(args)
         runs[spec, extra[-1]] = steps_on(step, shapes, init, mesh, batches)
     print(runs)

@@ -9,6 +9,7 @@ tokenized once per session, into one shared data directory.
 import contextlib
 import dataclasses
 import errno
+import gzip
 import io
 import json
 import logging
@@ -34,6 +35,7 @@ import compiled as lm_compiled  # noqa: E402
 import data  # noqa: E402
 import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
+import resilience  # noqa: E402
 import train  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -59,6 +61,29 @@ def small_batches(seed: int, count: int, low: int = 0) -> list[np.ndarray]:
     """``count`` batches of SMALL's sizes: 8 rows of 33 token ids from ``low`` up."""
     rng = np.random.default_rng(seed)
     return [rng.integers(low, 2048, (8, 33), dtype=np.int32) for _ in range(count)]
+
+
+# tiny with 2 layers and an MLP 96 wide, as a Hugging Face Llama config.json
+# (--model-config), for the tests that train 8 experts on several meshes: tiny's experts
+# have 4 layers x 8 x 3 x 128 x 384 = 4.7 M weights, these 2 x 8 x 3 x 128 x 96 = 0.6 M.
+# At tiny's, the steps took longer than the compiling (test_lm_dropless.py's mesh test:
+# 51 s with an empty compilation cache, 21 s at this shape; 2 busy cores, 2026-12-06).
+SMALL_EXPERTS = {
+    "vocab_size": 2048,
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def small_experts(directory: pathlib.Path) -> list[str]:
+    """SMALL's flags with SMALL_EXPERTS's shape, its config.json written in ``directory``."""
+    path = directory / "small_experts.json"
+    path.write_text(json.dumps(SMALL_EXPERTS))
+    return [*SMALL, "--model-config", str(path)]
 
 
 MESHES = [
@@ -158,11 +183,15 @@ def environment(devices: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def spec_run(dirs, tmp_path_factory):
-    """10 steps on SPEC, checkpointed at step 10, its metrics logged (--log-dir): what
-    it printed, and the checkpoints' directory (the logs in lm_logs beside it)."""
+    """10 steps on SPEC, checkpointed at step 10, its metrics logged (--log-dir), steps 6
+    to 8 traced (--profile): what it printed, and the checkpoints' directory (the logs in
+    lm_logs beside it, the trace in lm_profile)."""
     checkpoints = tmp_path_factory.mktemp("lm_checkpoints")
-    log = ("--log-dir", str(checkpoints.parent / "lm_logs"))
-    return run_in_process(dirs, SPEC, 10, checkpoint_dir=checkpoints, flags=log), (
+    flags = (
+        *("--log-dir", str(checkpoints.parent / "lm_logs")),
+        *("--profile", str(checkpoints.parent / "lm_profile")),
+    )
+    return run_in_process(dirs, SPEC, 10, checkpoint_dir=checkpoints, flags=flags), (
         checkpoints
     )
 
@@ -626,37 +655,49 @@ def test_model_flops_match_the_compiled_programs(dirs):
     assert counted == pytest.approx(estimate, rel=0.02)  # measured: 0.4% apart
 
 
-def test_compile_only_at_8b_matches_the_formulas(tmp_path):
+# What the two tests below compile on 16 simulated devices, in one process
+# (tests/lm_compile_driver.py: JAX starts once): Llama 3 8B at sequence 2048, global batch
+# 16, on three meshes; Llama 3.2 1B at sequence 4,096 on fsdp=8 x tensor=2, a global batch
+# of 16 and one of 64 in 4 micro-batches (a run's flags after its mesh override these).
+MESHES_8B = ["data=16", "fsdp=16", "fsdp=8,tensor=2"]
+ONE_B = "fsdp=8,tensor=2 --model 1b --seq-len 4096"
+RUNS_1B = [ONE_B, f"{ONE_B} --global-batch 64 --grad-accum 4"]
+
+
+@pytest.fixture(scope="module")
+def compiled_on_16(tmp_path_factory):
+    """lm_compile_driver.py's JSON for MESHES_8B and RUNS_1B, by run."""
+    cache = tmp_path_factory.mktemp("lm_compile_16")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tests/lm_compile_driver.py",
+            *("16", "8b", "2048", "16", str(cache)),
+            *MESHES_8B,
+            *RUNS_1B,
+        ],
+        cwd=ROOT,
+        env=environment(16),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_compile_only_at_8b_matches_the_formulas(compiled_on_16):
     """Llama 3 8B at sequence 2048, global batch 16, on 16 simulated devices (one process
-    compiles the three meshes: tests/lm_compile_driver.py). Bytes are per device, float32."""
+    compiles the three meshes: compiled_on_16). Bytes are per device, float32."""
     config = model_config.PRESETS["8b"]
     params = model_config.count_params(config)
     assert params == 8_030_261_248
     V, D, L = config.vocab_size, config.width, config.num_layers
     layers = params - 2 * V * D - D  # the scanned layers' weights, norms included
     out_projection = L * config.num_heads * config.head_width * D
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tests/lm_compile_driver.py",
-            "16",
-            "8b",
-            "2048",
-            "16",
-            str(tmp_path),
-            "data=16",
-            "fsdp=16",
-            "fsdp=8,tensor=2",
-        ],
-        cwd=ROOT,
-        env=environment(16),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     measured = {}
-    for spec, printed in json.loads(result.stdout.splitlines()[-1]).items():
+    for spec in MESHES_8B:
+        printed = compiled_on_16[spec]
         summary = printed["summary"]
         measured[spec] = {
             "arguments": summary["arguments"] * 1e9,
@@ -838,10 +879,13 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
 
 
 def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
-    """--step-timeout's thread: no step for 1 s after step 3 -> the message, the stack, status 124."""
+    """--step-timeout's thread: no step for 1 s after step 3 -> the message, the stack, status 124.
+    The process imports resilience.py, where train.py's StepDeadline is, not all of
+    train.py (2 s fewer of importing)."""
+    assert train.StepDeadline is resilience.StepDeadline
     program = (
-        "import sys, time; sys.path.insert(0, 'examples/lm'); import train\n"
-        "train.StepDeadline(1).start().reached(3)\n"
+        "import sys, time; sys.path.insert(0, 'examples/lm'); import resilience\n"
+        "resilience.StepDeadline(1).start().reached(3)\n"
         "time.sleep(30)  # stuck\n"
     )
     result = subprocess.run(
@@ -1014,11 +1058,15 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
         for batch in small_batches(1, 3, low=1)
     ]
     runs = {}
-    for spec, eod in (("data=8", True), ("data=2,sequence=4", True), ("data=8", False)):
-        flags = ["--eod-id", "0"] if eod else []
-        args = train.parse_args([*SMALL, "--mesh", spec, "--steps", "10", *flags])
+    for spec in ("data=8", "data=2,sequence=4"):
+        args = train.parse_args(
+            [*SMALL, "--mesh", spec, "--steps", "10", "--eod-id", "0"]
+        )
         mesh, _, _, step, shapes, init = train.setup(args)
-        runs[spec, eod] = steps_on(step, shapes, init, mesh, batches)
+        runs[spec, True] = steps_on(step, shapes, init, mesh, batches)
+    # without --eod-id: SMALL on data=8, the step the pipeline test compares with
+    mesh, _, _, step, shapes, init = prepared("data=8", 10, SMALL_SIZES)
+    runs["data=8", False] = steps_on(step, shapes, init, mesh, batches)
     print(runs)
     masked = runs["data=8", True]
     np.testing.assert_allclose(runs["data=2,sequence=4", True], masked, rtol=1e-5)
@@ -1208,7 +1256,10 @@ def test_zero1_splits_the_optimizer_over_data_and_trains_the_same():
     runs, sent = [], []
     for extra in ((), ("--zero1",)):
         args = train.parse_args([*COMMON, "--mesh", "data=8", "--steps", "10", *extra])
-        mesh, _, _, step, shapes, init = train.setup(args)
+        # without --zero1: the step of the runs on data=8 (prepared)
+        mesh, _, _, step, shapes, init = (
+            train.setup(args) if extra else prepared("data=8", 10)
+        )
         runs.append(steps_on(step, shapes, init, mesh, batches))
         compiled = lm_compiled.lower_step(step, shapes, args, mesh).compile()
         shard = lambda s: np.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
@@ -1246,32 +1297,13 @@ def test_accumulation_reduces_over_data_once_and_fsdp_per_micro_batch():
     assert 3 * fsdp_1["all-gather"] < fsdp_4["all-gather"] < 4 * fsdp_1["all-gather"]
 
 
-def test_accumulation_at_1b_keeps_the_temporaries_of_one_micro_batch(tmp_path):
+def test_accumulation_at_1b_keeps_the_temporaries_of_one_micro_batch(compiled_on_16):
     """Llama 3.2 1B on 16 devices, fsdp=8 x tensor=2, sequences of 4,096 tokens: a global
     batch of 64 in 4 micro-batches needs at most 1.15 times the temporaries of a batch of
     16 (the micro-batch's size): the activations are one micro-batch's, plus the
-    gradients' running sum, split like the weights. Measured 11.128 -> 11.437 GB."""
-    runs = ["fsdp=8,tensor=2", "fsdp=8,tensor=2 --global-batch 64 --grad-accum 4"]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tests/lm_compile_driver.py",
-            "16",
-            "1b",
-            "4096",
-            "16",
-            str(tmp_path),
-            *runs,
-        ],
-        cwd=ROOT,
-        env=environment(16),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    printed = json.loads(result.stdout.splitlines()[-1])
-    temporaries = [printed[run]["summary"]["temporaries"] for run in runs]
+    gradients' running sum, split like the weights (compiled_on_16's RUNS_1B). Measured
+    11.128 -> 11.437 GB."""
+    temporaries = [compiled_on_16[run]["summary"]["temporaries"] for run in RUNS_1B]
     print(f"temporaries {temporaries} GB")
     assert temporaries[1] <= 1.15 * temporaries[0]
 
@@ -1365,12 +1397,19 @@ def test_each_preset_starts_near_a_uniform_guess(name):
     assert abs(loss - np.log(config.vocab_size)) < 1.0
 
 
-def test_profile_writes_one_trace_per_process(dirs, tmp_path):
+def test_profile_writes_one_trace_per_process(dirs, spec_run, tmp_path):
     """--profile DIR traces steps 6 to 8 into DIR/process_<index>: two processes on one
-    host no longer write the same file (jax.profiler names a trace by host)."""
-    for steps, where in ((9, tmp_path / "nine"), (7, tmp_path / "seven")):
-        # 7 steps: the run ends inside the traced steps, and the trace is written still
-        run_in_process(dirs, SPEC, steps, flags=("--profile", str(where)))
+    host no longer write the same file (jax.profiler names a trace by host). spec_run's
+    10 steps trace them; a run of 7 ends inside the traced steps, and writes its trace
+    still."""
+    traced = spec_run[1].parent / "lm_profile"
+    run_in_process(dirs, SPEC, 7, flags=("--profile", str(tmp_path / "seven")))
+    for where in (traced, tmp_path / "seven"):
         assert [p.name for p in where.iterdir()] == ["process_0"]
         traces = list((where / "process_0").rglob("*.xplane.pb"))
         assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
+    # each traced step is marked for the profiler's per-step analysis (XProf's overview)
+    [chrome] = (traced / "process_0").rglob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(chrome.read_bytes()))["traceEvents"]
+    marked = [e["args"]["step_num"] for e in events if e.get("name") == "train"]
+    assert marked == ["6", "7", "8"], marked

@@ -24,6 +24,9 @@ PEAK_FLOPS = {
     "TPU v5e": 197e12,
     "TPU v5": 459e12,  # v5p
     "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "NVIDIA B200": 2250e12,  # HGX B200: 4,500 T with sparsity
 }
 
 
