@@ -1,6 +1,7 @@
 """The first cell of every chapter installs the package on Colab or Kaggle, and only there."""
 
 import fnmatch
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -102,6 +103,7 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
             "wheel",
             "-q",
             "--no-deps",
+            *no_build_isolation(),
             str(source),
             "-w",
             str(wheel_dir),
@@ -112,12 +114,26 @@ def colab_like(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     return runtime_venv(tmp / "venv"), wheel_dir
 
 
-def runtime_venv(venv: pathlib.Path, with_pip: bool = True) -> pathlib.Path:
-    """A venv that sees this environment's packages (JAX included) but not jaxdist_lessons;
-    without its own pip (``ensurepip`` takes seconds) where nothing will be installed."""
-    no_pip = [] if with_pip else ["--without-pip"]
+def no_build_isolation() -> list[str]:
+    """``--no-build-isolation`` where this environment has the setuptools that
+    pyproject.toml's build-system requires: the wheel is built with it, without pip's
+    isolated build environment (seconds to set up); elsewhere, nothing."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return ["--no-build-isolation"] if int(version.split(".")[0]) >= 77 else []
+
+
+def runtime_venv(venv: pathlib.Path) -> pathlib.Path:
+    """A venv that sees this environment's packages (JAX and pip included) but not
+    jaxdist_lessons. It has no pip of its own (``ensurepip`` takes seconds): ``python -m
+    pip`` there runs this environment's pip, which installs into the venv, the interpreter
+    that runs it, as Colab's pip installs into Colab's Python."""
     subprocess.run(
-        [sys.executable, "-m", "venv", *no_pip, str(venv)], check=True, timeout=120
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
     )
     python = venv / "bin" / "python"
     site = subprocess.run(
@@ -158,34 +174,37 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
     colab_like,
 ):
     python, content = colab_like
-    assert python_in(python, "import jaxdist_lessons", content).returncode == 1
-    show_jax = "import jax; print(jax.__file__, jax.__version__)"
-    jax_before = python_in(python, show_jax, content).stdout
+    # Before and after the cell, one fresh process each (each imports JAX once).
+    before = python_in(python, SHOW_JAX + TRY_PACKAGE, content)
+    assert before.returncode == 0, before.stderr
+    jax_before, package = before.stdout.splitlines()
+    assert package == "ModuleNotFoundError"
     proc = run_cell(str(python), content, COLAB_RELEASE_TAG="simulated")
     assert proc.returncode == 0, proc.stderr
-    installed = python_in(
-        python, "import jaxdist_lessons; print(jaxdist_lessons.__file__)", content
-    )
-    assert installed.returncode == 0, installed.stderr
+    after = python_in(python, SHOW_JAX + AFTER_INSTALL, content)
+    assert after.returncode == 0, after.stderr
+    jax_after, installed, width, zigzag = after.stdout.splitlines()
     # the wheel, not the editable copy
-    assert str(python.parent.parent) in installed.stdout
-    assert python_in(python, show_jax, content).stdout == jax_before
+    assert str(python.parent.parent) in installed
+    assert jax_after == jax_before
     # The planner's model_config.py is a link to the recipe's file: the wheel holds the file.
-    planned = python_in(
-        python,
-        "from jaxdist_lessons.planning import model_config as m; "
-        "print(m.PRESETS['8b'].width)",
-        content,
-    )
-    assert (planned.returncode, planned.stdout.strip()) == (0, "4096"), planned.stderr
+    assert width == "4096"
     # The recipe's modules ship in the wheel too (jaxdist_lessons/lm links examples/lm).
-    zigzag = python_in(
-        python,
-        "from jaxdist_lessons import recipe; "
-        "print(recipe.module('layout').zigzag(8, 2).tolist())",
-        content,
-    )
-    assert zigzag.stdout.strip() == "[0, 1, 6, 7, 2, 3, 4, 5]", zigzag.stderr
+    assert zigzag == "[0, 1, 6, 7, 2, 3, 4, 5]"
+
+
+SHOW_JAX = "import jax; print(jax.__file__, jax.__version__)\n"
+TRY_PACKAGE = (
+    "try:\n    import jaxdist_lessons\n    print('imported')\n"
+    "except ImportError as error:\n    print(type(error).__name__)\n"
+)
+AFTER_INSTALL = (
+    "import jaxdist_lessons; print(jaxdist_lessons.__file__)\n"
+    "from jaxdist_lessons.planning import model_config as m; "
+    "print(m.PRESETS['8b'].width)\n"
+    "from jaxdist_lessons import recipe; "
+    "print(recipe.module('layout').zigzag(8, 2).tolist())\n"
+)
 
 
 def test_on_simulated_colab_the_chapter_runs_after_the_cell(colab_like, tmp_path):
@@ -257,7 +276,7 @@ def test_on_simulated_colab_with_an_old_jax_the_cell_says_how_to_upgrade_it(
     _, content = colab_like
     assert fnmatch.filter(os.listdir(content), "jaxdist_lessons-*.whl")
     # Another test installs the wheel in colab_like's venv; here pip never runs.
-    python = runtime_venv(tmp_path / "venv", with_pip=False)
+    python = runtime_venv(tmp_path / "venv")
     proc = run_cell(
         str(python),
         content,
