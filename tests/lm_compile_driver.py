@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import pathlib
-import re
 import sys
 
 import jax
@@ -25,46 +24,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" 
 
 import compiled  # noqa: E402
 import layout  # noqa: E402
-import numpy as np  # noqa: E402
 import train  # noqa: E402
 
-from jaxdist_lessons import hlo  # noqa: E402
-
-
-def axes_of(groups: list[list[int]], mesh) -> str:
-    """Which mesh axes a collective's groups span: 'fsdp', 'tensor', 'fsdp+tensor', ..."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    where = {int(d): np.argwhere(ids == d)[0] for d in ids.flat}
-    spanned = set()
-    for group in groups:
-        coords = np.array([where[d] for d in group])
-        spanned |= {
-            layout.AXES[i] for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1
-        }
-    return "+".join(a for a in layout.AXES if a in spanned) or "none"
+from jaxdist_lessons import profiling  # noqa: E402
 
 
 def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
-    """All-gather bytes by the axes they gather over, with collective_bytes's loop counting:
-    the program's text with only one kind of group's all-gathers left in it."""
-    lines = text.splitlines()
-    kinds = {}
-    for number, line in enumerate(lines):
-        if re.search(r" all-gather(-start)?\(", line):
-            groups = hlo.attribute(line, "replica_groups")
-            kinds[number] = axes_of(
-                hlo.replica_group_lists(groups, len(mesh.devices.flat)), mesh
-            )
-    result = {}
-    for kind in set(kinds.values()):
-        kept = [
-            line.replace(" all-gather", " other-gather")
-            if kinds.get(n, kind) != kind
-            else line
-            for n, line in enumerate(lines)
-        ]
-        result[kind] = compiled.collective_bytes("\n".join(kept)).get("all-gather", 0)
-    return result
+    """All-gather bytes by the mesh axes their groups span, with collective_bytes's loop
+    counting (``profiling.collective_bytes_by_axis``)."""
+    by_axis = profiling.collective_bytes_by_axis(text, mesh)
+    return {
+        axes: kinds["all-gather"]
+        for axes, kinds in by_axis.items()
+        if "all-gather" in kinds
+    }
 
 
 def main():
