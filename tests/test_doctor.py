@@ -71,7 +71,7 @@ def test_chapter_minimums_are_the_books():
         found = re.search(r"info = devices\.setup\(min_devices=(\d+)\)", text)
         assert found, page
         asked[page] = int(found[1])
-    assert doctor.CHAPTER_MIN_DEVICES == asked
+    assert asked == doctor.CHAPTER_MIN_DEVICES
 
 
 def test_chip_line_names_a_tpu_its_memory_and_peak():

@@ -209,7 +209,14 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
 
 # --- join_processes: every example joins only when a launcher started several ------------------
 
-SCRIPTS = ["bandwidth.py", "smoke.py", "train.py", "resumable.py", "recipe.py", "lm/train.py"]
+SCRIPTS = [
+    "bandwidth.py",
+    "smoke.py",
+    "train.py",
+    "resumable.py",
+    "recipe.py",
+    "lm/train.py",
+]
 # JAX's Open MPI 4 detection (OmpiCluster) takes this variable alone, and raises on its missing
 # address: a script that called jax.distributed.initialize() here would fail at once.
 NEVER_JOINS = {"OMPI_MCA_orte_hnp_uri": "1.0;no-address"}

@@ -34,7 +34,11 @@ def test_table_compares_with_the_baseline_measured_last():
         "sizes": {
             "tiny": {
                 "shape": {},
-                "steps": [row("base", 4e6, 9), row("full", 2e6, 3), row("base", 4e6, 2)],
+                "steps": [
+                    row("base", 4e6, 9),
+                    row("full", 2e6, 3),
+                    row("base", 4e6, 2),
+                ],
                 "attention": [
                     {"kind": "splash", "length": 8, "status": "TPU only"},
                 ],
