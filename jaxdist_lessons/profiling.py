@@ -188,22 +188,25 @@ def collective_axes(
     """Each collective of a compiled program by its HLO name (``'all-gather.3'``, or
     ``'psum.7'`` where ``jax.shard_map`` named it; an async pair's ``-start`` and ``-done``
     too): its kind, and the mesh axes its groups span (``'fsdp'``, ``'data+fsdp'``), read
-    from its replica groups or a permute's pairs."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    position = {int(i): at for at, i in np.ndenumerate(ids)}
+    from its replica groups or a permute's pairs. The groups number the devices in the
+    mesh's order (the program's device assignment), not by their ids: the two differ
+    for a mesh over a reordered list of devices, such as a TPU slice's."""
+    position = dict(enumerate(np.ndindex(mesh.devices.shape)))
     out = {}
     for c in comms.collectives(hlo_text):
         groups = hlo.replica_group_lists(c.replica_groups, mesh.size)
         spanned = {
             mesh.axis_names[k]
             for group in groups
-            for k in range(ids.ndim)
+            for k in range(mesh.devices.ndim)
             if len({position[d][k] for d in group}) > 1
         }
         axes = "+".join(a for a in mesh.axis_names if a in spanned) or "none"
         out[c.name] = (c.kind, axes)
-        for phase in ("-start", "-done"):  # an async pair's two ops, one collective
-            out[c.name.replace(c.kind, c.kind + phase, 1)] = (c.kind, axes)
+        # An async pair's two ops, one collective: all-gather-start.3, all-gather-done.3
+        base = re.sub(rf"^{c.kind}-(start|done)", c.kind, c.name)
+        for phase in ("-start", "-done"):
+            out[base.replace(c.kind, c.kind + phase, 1)] = (c.kind, axes)
     return out
 
 
@@ -213,14 +216,31 @@ def collective_bytes_by_axis(
     """Bytes per device and step of each collective kind, by the mesh axes its groups span
     (``{'fsdp': {'all-gather': ...}, 'data+fsdp': {'all-reduce': ...}}``): the recipe's
     count (``examples/lm/compiled.py``'s ``collective_bytes``, loops times their trip
-    counts) of the program with only the collectives on those axes left in it."""
+    counts) of the program with only the collectives on those axes left in it. Across
+    TPU slices, the sends to the Megascale runtime ("dcn-all-reduce"), which name no
+    groups: under the mesh axes along which the slice changes."""
     axes = collective_axes(hlo_text, mesh)
     count = recipe.module("compiled").collective_bytes
     out = {}
     for spanned in sorted({axis for _, axis in axes.values()}):
         elsewhere = {name for name, (_, axis) in axes.items() if axis != spanned}
-        out[spanned] = count(_renamed(hlo_text, elsewhere))
+        kinds = count(_renamed(hlo_text, elsewhere)).items()
+        out[spanned] = {k: v for k, v in kinds if not k.startswith("dcn-")}
+    if dcn := {k: v for k, v in count(hlo_text).items() if k.startswith("dcn-")}:
+        out.setdefault(slice_axes(mesh), {}).update(dcn)
     return out
+
+
+def slice_axes(mesh: jax.sharding.Mesh) -> str:
+    """The mesh axes along which the devices' TPU slice changes, "+"-joined (the
+    recipe's `data`; "none" on one slice)."""
+    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+    changes = [
+        axis
+        for k, axis in enumerate(mesh.axis_names)
+        if (np.diff(slices, axis=k) != 0).any()
+    ]
+    return "+".join(changes) or "none"
 
 
 def _renamed(hlo_text: str, names: set[str]) -> str:

@@ -87,6 +87,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.suffix != ".ipynb")
 
 
+@pytest.fixture(scope="session")
+def libtpu() -> pathlib.Path:
+    """The folder holding libtpu, the TPU compiler (requirements-libtpu.txt), that
+    JAXDIST_LIBTPU names, for a subprocess's PYTHONPATH: skip a test without one, or fail
+    it under JAXDIST_REQUIRE_LIBTPU=1."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    folder = pathlib.Path(
+        os.environ.get("JAXDIST_LIBTPU") or root / ".libtpu"
+    ).resolve()
+    if (folder / "libtpu").is_dir():
+        return folder
+    reason = (
+        f"no libtpu in {folder}: pip install --target {folder} -r "
+        f"requirements-libtpu.txt, and JAXDIST_LIBTPU={folder}"
+    )
+    if os.environ.get("JAXDIST_REQUIRE_LIBTPU") == "1":
+        pytest.fail(f"JAXDIST_REQUIRE_LIBTPU=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def slurm():
     """Skip a test that needs an idle SLURM node, or fail it under JAXDIST_REQUIRE_SLURM=1."""

@@ -5,10 +5,12 @@
 A MESH may carry more of train.py's flags after it, in the same argument
 ("fsdp=8,tensor=2 --global-batch 64 --grad-accum 4"); they override the common ones.
 
-Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes. For each mesh,
-train.main(["--compile-only", ...]) as the command line runs it: the numbers it prints, read
-back by compiled.read_summary (memory per device in GB, bytes per collective kind), and the
-all-gather bytes of the same compiled program split by the mesh axes each one's groups span.
+Used by tests/test_lm_recipe.py, so that JAX starts once for all the meshes, and by
+tests/test_lm_compiled.py for TPU slices (--topology, with libtpu on PYTHONPATH). For each
+mesh, train.main(["--compile-only", ...]) as the command line runs it: what it prints, and
+read back by compiled.read_summary (memory per device in GB, bytes per collective kind);
+the same compiled program's bytes split by the mesh axes each collective's groups span,
+and its Pallas kernels (the TPU compiler's tpu_custom_call: Mosaic's, not interpreted).
 """
 
 import contextlib
@@ -23,32 +25,28 @@ jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
 
 import compiled  # noqa: E402
-import layout  # noqa: E402
 import train  # noqa: E402
 
 from jaxdist_lessons import profiling  # noqa: E402
 
 
-def all_gathers_by_axes(text: str, mesh) -> dict[str, int]:
-    """All-gather bytes by the mesh axes their groups span, with collective_bytes's loop
-    counting (``profiling.collective_bytes_by_axis``)."""
-    by_axis = profiling.collective_bytes_by_axis(text, mesh)
-    return {
-        axes: kinds["all-gather"]
-        for axes, kinds in by_axis.items()
-        if "all-gather" in kinds
-    }
-
-
 def main():
     _, _, model_name, seq_len, global_batch, cache, *meshes = sys.argv
-    texts, collective_bytes = [], compiled.collective_bytes
+    programs, collective_bytes = [], compiled.collective_bytes
+    compile_only = train.compile_only
 
-    def recording(text):  # compile_only's compiled program, kept for the split by axes
-        texts.append(text)
-        return collective_bytes(text)
+    def recording(step, shapes, args, mesh, *rest):  # the program and its mesh, kept
+        def counting(text):
+            programs.append((text, mesh))
+            return collective_bytes(text)
 
-    compiled.collective_bytes = recording
+        compiled.collective_bytes = counting
+        try:
+            return compile_only(step, shapes, args, mesh, *rest)
+        finally:
+            compiled.collective_bytes = collective_bytes
+
+    train.compile_only = recording
     out = {}
     for run in meshes:
         spec, *flags = run.split()
@@ -70,16 +68,21 @@ def main():
                     *flags,
                 ]
             )
-        summary = compiled.read_summary(printed.getvalue())
-        compiled.collective_bytes = collective_bytes
+        text, mesh = programs[0]  # the step's (an evaluation step's comes after)
+        programs.clear()
+        by_axis = profiling.collective_bytes_by_axis(text, mesh)
         out[run] = {
-            "summary": summary,
-            "all_gathers_by_axes": all_gathers_by_axes(
-                texts[-1], layout.make_mesh(spec)
-            ),
+            "printed": printed.getvalue(),
+            "summary": compiled.read_summary(printed.getvalue()),
+            "by_axis": by_axis,
+            "all_gathers_by_axes": {
+                axes: kinds["all-gather"]
+                for axes, kinds in by_axis.items()
+                if "all-gather" in kinds
+            },
+            "tpu_kernels": text.count('custom_call_target="tpu_custom_call"'),
         }
-        compiled.collective_bytes = recording
-        print(run, json.dumps(out[run]), file=sys.stderr, flush=True)
+        print(run, json.dumps(out[run]["summary"]), file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

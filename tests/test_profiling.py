@@ -177,8 +177,7 @@ def test_collective_bytes_are_split_by_the_axes_they_cross():
             return jnp.tanh(x @ w), None
 
         x, _ = jax.lax.scan(layer, x_block, ws_block)
-        # not the program's ROOT: the recipe's count reads named results only
-        return 2 * jax.lax.psum(x.sum(0, keepdims=True), "data")
+        return jax.lax.psum(x.sum(0, keepdims=True), "data")  # the program's ROOT
 
     fn = jax.jit(
         jax.shard_map(
@@ -199,3 +198,24 @@ def test_collective_bytes_are_split_by_the_axes_they_cross():
     }
     whole = recipe.module("compiled").collective_bytes(text)
     assert {k: sum(a.get(k, 0) for a in by_axis.values()) for k in whole} == whole
+
+
+@pytest.mark.skipif(N < 4 or N % 2, reason="a mesh of 2 x N/2 over reordered devices")
+def test_collective_axes_number_devices_in_the_meshs_order():
+    """A mesh over devices in another order than their ids (as a TPU slice's mesh is):
+    the groups of a psum over `b` number the devices by their place in the mesh, and
+    still read as `b`."""
+    order = [*range(0, N, 2), *range(1, N, 2)]
+    devices = np.array(jax.devices())[order].reshape(2, N // 2)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    total = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "b"),
+            mesh=mesh,
+            in_specs=P("a", "b"),
+            out_specs=P("a"),
+        )
+    )
+    x = jax.device_put(jnp.ones((2, N)), NamedSharding(mesh, P("a", "b")))
+    text = comms.compiled_text(total, x)
+    assert set(profiling.collective_axes(text, mesh).values()) == {("all-reduce", "b")}

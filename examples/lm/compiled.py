@@ -22,6 +22,44 @@ from layout import BATCH, RULES
 SIZES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
 
 
+# An instruction's line: its name, its shape, its opcode (an async op's "-start" apart).
+INSTRUCTION = r"\s*(?:ROOT )?%?([\w.-]+) = (.+?) ([a-z-]+?)(-start)?\("
+
+
+def loop_trips(hlo_text: str) -> dict[str, int]:
+    """Each while loop's trip count, by the loop's name. XLA:CPU writes it in the loop's
+    backend_config; the TPU compiler does not, and the loop's condition (``i < N``) and
+    the counter's first value give it: N - first, since the TPU compiler may peel a
+    loop's first trip into the code before it and start the counter at 1."""
+    scalars, firsts, bounds, trips = {}, {}, {}, {}
+    constants, name = collections.defaultdict(list), None
+    for line in hlo_text.splitlines():
+        if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
+            name = header[1]
+        elif found := re.match(
+            r"\s*(?:ROOT )?%([\w.-]+) = (.+?) ([a-z-]+)\((.*)", line
+        ):
+            target, shape, opcode, rest = found.groups()
+            operand = re.match(r"%([\w.-]+)", rest)
+            if opcode == "constant" and shape.startswith("s32[]"):
+                scalars[target] = int(re.match(r"-?\d+", rest)[0])
+                constants[name].append(scalars[target])
+            elif opcode == "copy" and operand and operand[1] in scalars:
+                scalars[target] = scalars[operand[1]]
+            elif opcode == "tuple" and operand:
+                firsts[target] = operand[1]
+            elif opcode == "compare" and "direction=LT" in rest:
+                if len(constants[name]) == 1:
+                    bounds[name] = constants[name][0]
+            elif opcode == "while":
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                condition = re.search(r"condition=%([\w.-]+)", rest)[1]
+                first = scalars.get(firsts.get(operand and operand[1]), 0)
+                counted = bounds.get(condition, first + 1) - first
+                trips[target] = int(known[1]) if known else counted
+    return trips
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
     """Bytes per collective kind in a compiled program, loops times their trip counts,
     a conditional its costliest branch (an upper bound: a pipeline's loop runs a
@@ -29,6 +67,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
     All-gather: its output; the others: their operand (here, its output too). On a ring
     of n devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
+    Across TPU slices the program sends to the Megascale runtime, over the data-center
+    network: "dcn-all-reduce", its operand.
     """
     kinds = (
         "all-gather",
@@ -40,26 +80,33 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     choices = collections.defaultdict(list)  # computation -> its conditionals' branches
+    trips = loop_trips(hlo_text)
     for line in hlo_text.splitlines():
         if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
             name = header.group(1)
             calls[name], entry = [], name if line.startswith("ENTRY") else None
             if entry:
                 root = name
-        elif match := re.match(r"\s*\S+ = (.+?) ([a-z-]+?)(?:-start)?\(", line):
-            shape, opcode = match.groups()
-            if opcode in kinds:
+        elif match := re.match(INSTRUCTION, line):
+            target, shape, opcode, start = match.groups()
+            dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+            if opcode == "send" and dcn:
+                opcode = "dcn-" + dcn[1].lower().replace("_", "-")
+            if opcode in kinds or opcode.startswith("dcn-"):
+                tensors = re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                if opcode.startswith("dcn-"):
+                    tensors = tensors[:1]  # (operand, u32[], token[])
+                elif start and shape.startswith("(") and opcode != "all-reduce":
+                    tensors = tensors[1:2]  # (operand, output, ...): the output
                 own[name][opcode] += sum(
                     sizes[t]
                     * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                    for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                    for t, dims in tensors
                     if t in sizes
                 )
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            trip = trips.get(target, 1) if opcode == "while" else 1
             for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
-                calls[name].append(
-                    (callee, int(trips.group(1)) if trips and opcode == "while" else 1)
-                )
+                calls[name].append((callee, trip))
             if branches := re.search(r"branch_computations=\{([^}]*)\}", line):
                 choices[name].append(re.findall(r"%([\w.-]+)", branches[1]))
 
@@ -101,7 +148,12 @@ def lower_step(step, shapes, args, mesh, platform=None) -> jax.stages.Lowered:
         jnp.int32,
         sharding=NamedSharding(mesh, P(BATCH)),
     )
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    # Chips that are not here (train.py --topology) get the mesh's shape alone: with
+    # the devices too, JAX would run the constants made while tracing (the splash
+    # kernel's block maps) on them.
+    here = mesh.devices.flat[0] in jax.devices()
+    abstract = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with jax.set_mesh(mesh) if here else abstract, nn.logical_axis_rules(RULES):
         if platform is None:
             return step.lower(shapes, tokens)
         return step.trace(shapes, tokens).lower(lowering_platforms=(platform,))
@@ -173,9 +225,13 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
     # Donated arguments are reused for the outputs: only the rest is new memory.
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     sent = collective_bytes(compiled.as_text())
-    seconds, platform = time.perf_counter() - start, jax.devices()[0].platform
-    cpu = platform == "cpu"
-    where = "XLA:CPU's buffer assignment, not a GPU's" if cpu else platform
+    seconds, device = time.perf_counter() - start, mesh.devices.flat[0]
+    where = {
+        "cpu": "XLA:CPU's buffer assignment, not a GPU's",
+        "tpu": f"{device.device_kind}: the TPU compiler's buffer assignment",
+    }.get(device.platform, device.platform)
+    if getattr(args, "topology", None):
+        where += f", for {args.slices} x {args.topology} with no chip here"
     print(
         f"compiled {args.model_config or args.model} on "
         f"{mesh_spec.mesh_flag(dict(mesh.shape))} in {seconds:.1f} s ({where})"

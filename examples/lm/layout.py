@@ -18,23 +18,24 @@ from jax.sharding import PartitionSpec as P
 from mesh_spec import AXES, BATCH, RULES
 
 
-def make_mesh(spec: str) -> jax.sharding.Mesh:
+def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
     """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1.
+    Over ``devices``, by default all of this job's.
 
     On TPUs of several slices (multislice) `data` is the axis that crosses them: the
     devices come from slices_grid, since jax.make_mesh refuses multi-slice topologies.
     """
+    devices = jax.devices() if devices is None else devices
     try:
-        sizes = mesh_spec.parse(spec, jax.device_count())
+        sizes = mesh_spec.parse(spec, len(devices))
     except ValueError as error:
         raise SystemExit(str(error)) from None
     shape = tuple(sizes[a] for a in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
-    devices = jax.devices()
     if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         grid = slices_grid(sizes, devices)
         return jax.sharding.Mesh(grid, AXES, axis_types=axis_types)
-    return jax.make_mesh(shape, AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
 
 
 def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:

@@ -72,6 +72,13 @@ def splash_kernel(num_heads: int, length: int, interpret: bool):
     return jax.tree.map(np.asarray, kernel)
 
 
+def program_platform() -> str:
+    """The platform of the devices the program being traced is for: the current
+    mesh's, else this machine's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
 def splash_attention(
     q_BTNA: jax.Array,
     k_BTKA: jax.Array,
@@ -80,10 +87,12 @@ def splash_attention(
     interpret: bool | None = None,
 ) -> jax.Array:
     """Causal attention by the splash kernel, each query inside its document given
-    the document starts; in the queries' dtype. ``interpret``: by default off a TPU."""
+    the document starts; in the queries' dtype. ``interpret``: by default when the
+    program is not for a TPU (the mesh's devices say, which --topology's are without a
+    TPU here; outside a mesh, this machine's)."""
     _, T, N, A = q_BTNA.shape
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = program_platform() != "tpu"
     kernel = splash_kernel(N, T, interpret)
     # The kernel does not scale the scores, and takes heads before tokens.
     q_BNTA = (q_BTNA * jnp.asarray(A**-0.5, q_BTNA.dtype)).transpose(0, 2, 1, 3)

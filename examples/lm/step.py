@@ -96,7 +96,9 @@ def abstract_state(
         params = plain.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-    boxed = jax.eval_shape(init, jax.random.key(0))  # weights carry their logical axes
+    # The weights carry their logical axes. The key is traced too: a mesh of chips that
+    # are not here (train.py --topology) runs nothing, not even the key's creation.
+    boxed = jax.eval_shape(lambda: init(jax.random.key(0)))
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
     strip = lambda tree: jax.tree.map(
         lambda x: x.unbox(False) if is_box(x) else x, tree, is_leaf=is_box

@@ -6,6 +6,8 @@
     srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b
     python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
         --global-batch 16 --num-devices 16 --compile-only  # memory, bytes: no hardware
+    python examples/lm/train.py --model 8b --mesh fsdp=64,tensor=4 --seq-len 2048 \
+        --global-batch 256 --compile-only --topology v5e:16x16  # libtpu, no TPU
     python examples/lm/train.py --model tiny --mesh data=2,sequence=4  # ring attention
     python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
     python examples/lm/train.py --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
@@ -266,6 +268,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compile one step, print memory, stop",
     )
     add(
+        "--topology",
+        metavar="NAME",
+        help="with --compile-only: compile for a TPU slice that is not here, by "
+        "libtpu's name for it (v5e:16x16, v5p:4x4x8, v6e:8x8); needs libtpu "
+        "installed, not a TPU",
+    )
+    add(
+        "--slices",
+        type=int,
+        default=1,
+        help="with --topology: that many slices joined by the data-center network",
+    )
+    add(
         "--profile", metavar="DIR", help="trace steps 6 to 8 with jax.profiler into DIR"
     )
     add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
@@ -481,11 +496,13 @@ def steps_memory(steps, shapes, args, mesh) -> list[int]:
     return [step_bytes(step, shapes, args, mesh) for step in steps]
 
 
-def attention_kind(requested: str | None, seq_len: int | None = None) -> str:
-    """--attention, or its default for the devices there are: cuDNN's kernel on NVIDIA
-    GPUs, splash on TPUs (where the kernel's blocks fit ``seq_len``), chunked blocks
-    elsewhere."""
-    platform = jax.devices()[0].platform
+def attention_kind(
+    requested: str | None, seq_len: int | None = None, platform: str | None = None
+) -> str:
+    """--attention, or its default for the devices (``platform``: by default this
+    machine's): cuDNN's kernel on NVIDIA GPUs, splash on TPUs (where the kernel's blocks
+    fit ``seq_len``), chunked blocks elsewhere."""
+    platform = platform or jax.devices()[0].platform
     if requested == "cudnn" and platform != "gpu":
         raise SystemExit(
             f"--attention cudnn needs an NVIDIA GPU; this machine has {platform} "
@@ -507,20 +524,57 @@ def attention_kind(requested: str | None, seq_len: int | None = None) -> str:
     return requested or default.get(platform, "chunked")
 
 
-def setup(args):
-    """The mesh, the model, the optimizer, the jitted step and the state's shapes."""
-    mesh = make_mesh(args.mesh)
+def target_devices(args) -> list:
+    """The devices the step is for: this machine's, or with --topology a TPU slice's
+    (or --slices of them) that the TPU compiler describes without the chips, as
+    MaxText's train_compile.py does."""
+    if not args.topology:
+        if args.slices != 1:
+            raise SystemExit("--slices needs --topology: the slices to compile for")
+        return jax.devices()
+    if not args.compile_only:
+        raise SystemExit(
+            "--topology compiles for chips that are not here: add --compile-only"
+        )
+    from jax.experimental import topologies
+
+    # JAX would write the program to its persistent cache and could not read it back:
+    # deserializing needs a client of those chips.
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        topology = topologies.get_topology_desc(
+            args.topology, "tpu", num_slices=args.slices
+        )
+    except RuntimeError as error:  # no libtpu, or a name it does not know: its words
+        said = str(error).splitlines()[0]
+        if "not installed" in said:
+            raise SystemExit(
+                f"--topology needs libtpu, the TPU compiler (no TPU): pip install "
+                f"'jax[tpu]=={jax.__version__}'; JAX said: {said}"
+            ) from None
+        raise SystemExit(
+            f"--topology {args.topology}: {said} (libtpu's names: v5e:16x16, "
+            f"v5p:4x4x8, v6e:8x8, v4:2x2x2)"
+        ) from None
+    return topology.devices
+
+
+def setup(args, devices=None):
+    """The mesh, the model, the optimizer, the jitted step and the state's shapes;
+    over ``devices`` (by default this machine's)."""
+    mesh = make_mesh(args.mesh, devices)
+    platform = mesh.devices.flat[0].platform
     config = config_from_args(args)
     check_fits(config, mesh, args)
     # dropless.py's exchange: ragged_all_to_all where the backend has it
-    ragged = jax.default_backend() in ("gpu", "tpu")
+    ragged = platform in ("gpu", "tpu")
     config = dataclasses.replace(config, exchange="ragged" if ragged else "padded")
     dropless_split = config.dispatch == "dropless" and mesh.shape["expert"] > 1
     if dropless_split and not ragged and jax.process_index() == 0:  # said once
         print(
             f"dropless experts on expert={mesh.shape['expert']}: all_to_alls of "
             f"worst-case buffers (room for all of a device's choices for every "
-            f"device): {jax.default_backend()} has no jax.lax.ragged_all_to_all"
+            f"device): {platform} has no jax.lax.ragged_all_to_all"
         )
     model = model_lib.Transformer(
         config,
@@ -528,7 +582,7 @@ def setup(args):
         args.remat,
         offload_activations="activations" in args.offload,
         context_parallel=mesh.shape["sequence"] > 1,
-        attention=attention_kind(args.attention, args.seq_len),
+        attention=attention_kind(args.attention, args.seq_len, platform),
         lookup=lookup(config, mesh, args),
     )
     tx = make_optimizer(args)
@@ -557,10 +611,12 @@ def main(argv=None) -> None:
         jax.config.update("jax_num_cpu_devices", args.num_devices)
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     join_processes()
-    mesh, model, tx, step, shapes, init = setup(args)
+    devices = target_devices(args)
+    mesh, model, tx, step, shapes, init = setup(args, devices)
     if args.compile_only:
         held_out = held_out_step(args, mesh, model, shapes) if args.eval_every else None
-        rebuild = lambda other: setup(other)[3:5]  # the step, shapes for other flags
+        # the step and the state's shapes for other flags
+        rebuild = lambda other: setup(other, devices)[3:5]
         return compile_only(step, shapes, args, mesh, held_out, rebuild)
     try:
         train(args, mesh, model, tx, step, shapes, init)
