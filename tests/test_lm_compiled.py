@@ -21,7 +21,9 @@ import train  # noqa: E402
 # 2 x v5e:2x2: no known_trip_count in the loop's backend_config; the condition compares
 # the counter with 4, and the counter starts at 1 (the first trip was peeled into the
 # code before the loop). Each trip sends a gradient over the data-center network and
-# all-gathers a weight; after the loop, an async permute ((operand, output, ...)).
+# all-gathers a weight, which the fusion that overlaps it with compute writes again (an
+# echo); after the loop, an async permute ((operand, output, ...)) and a reduce-scatter
+# in the TPU's form (an all-reduce in a fusion that keeps a device's slice).
 TPU_PROGRAM = """\
 HloModule jit_train_step, is_scheduled=true
 
@@ -32,10 +34,23 @@ HloModule jit_train_step, is_scheduled=true
   ROOT %lt.42 = pred[]{:T(512)} compare(%get-tuple-element.1521, %constant.315), direction=LT
 }
 
+%async_collective_fusion.481 (param_0.1473: f32[8,128]) -> bf16[2,64,192] {
+  %param_0.1473 = f32[8,128]{1,0:T(8,128)} parameter(0)
+  ROOT %all-gather.118 = bf16[2,64,192]{2,0,1:T(2,128)(2,1)} all-gather(%param_0.1473), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%all-reduce-scatter.17 (input.24: s32[2,256,1]) -> s32[1,256,1] {
+  %input.24 = s32[2,256,1]{1,0,2:T(2,128)} parameter(0)
+  %all-reduce.245 = s32[2,256,1]{1,0,2:T(2,128)} all-reduce(%input.24), channel_id=11, replica_groups={{0,1},{2,3}}, use_global_device_ids=true, to_apply=%add.1
+  %constant.1540 = s32[] constant(0)
+  ROOT %dynamic-slice.608 = s32[1,256,1]{1,0,2:T(2,128)} dynamic-slice(%all-reduce.245, %constant.1540, %constant.1540, %constant.1540), dynamic_slice_sizes={1,256,1}
+}
+
 %region_8.body (param.1: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
   %param.1 = (s32[]{:T(128)}, f32[8,128]{1,0:T(8,128)}) parameter(0)
   %get-tuple-element.2 = f32[8,128]{1,0:T(8,128)} get-tuple-element(%param.1), index=1
   %all-gather.329 = bf16[2,64,192]{2,0,1:T(2,128)(2,1)} all-gather(%get-tuple-element.2), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true
+  %fusion.481 = bf16[2,64,192]{2,0,1:T(2,128)(2,1)} fusion(%get-tuple-element.2), kind=kOutput, calls=%async_collective_fusion.481
   %after-all.22 = token[] after-all()
   %send.22 = (f32[40,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%get-tuple-element.2, %after-all.22), channel_id=10, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
   %get-tuple-element.3 = s32[]{:T(128)} get-tuple-element(%param.1), index=0
@@ -50,6 +65,7 @@ ENTRY %main.38_spmd (param.2: f32[8,128]) -> f32[8,128] {
   %while.47 = (s32[]{:T(128)}, f32[8,128]{1,0:T(8,128)}) while(%tuple.234), condition=%region_16.cond, body=%region_8.body
   %collective-permute-start = (s32[2,256,1]{1,0,2:T(2,128)}, s32[2,256,1]{1,0,2:T(2,128)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%param.2), channel_id=78, source_target_pairs={{0,0},{1,2},{2,1},{3,3}}
   %collective-permute-done = s32[2,256,1]{1,0,2:T(2,128)} collective-permute-done(%collective-permute-start)
+  %fusion.479 = s32[1,256,1]{1,0,2:T(2,128)} fusion(%collective-permute-done), kind=kCustom, calls=%all-reduce-scatter.17
   ROOT %get-tuple-element.9 = f32[8,128]{1,0:T(8,128)} get-tuple-element(%while.47), index=1
 }
 """
@@ -66,12 +82,14 @@ def test_a_tpu_loop_counts_from_its_condition_and_its_first_count():
 
 
 def test_collective_bytes_in_the_tpu_compilers_form():
-    """Each trip's all-gather (its output) and send over the data-center network (its
-    operand), times 3; the async permute once, by its output alone."""
+    """Each trip's all-gather (its output, once: not its echo) and send over the
+    data-center network (its operand), times 3; the async permute once, by its output
+    alone; the TPU's reduce-scatter by its operand."""
     assert lm_compiled.collective_bytes(TPU_PROGRAM) == {
         "all-gather": 3 * 2 * 64 * 192 * 2,
         "dcn-all-reduce": 3 * 40 * 8 * 128 * 4,
         "collective-permute": 2 * 256 * 4,
+        "reduce-scatter": 2 * 256 * 4,
     }
 
 

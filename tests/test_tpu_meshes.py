@@ -67,3 +67,30 @@ def test_each_shapes_first_mesh_is_the_planners_first_choice():
     for shape in BENCHMARK.SHAPES[::2]:
         run, _ = BENCHMARK.planned(shape)
         assert ranking.plan(run)[0]["mesh"] == shape[7], shape
+
+
+@pytest.mark.parametrize(
+    "row", MESHES["rows"], ids=lambda r: f"{r['name']} {r['mesh']}"
+)
+def test_the_tpu_compilers_rows_fit_add_up_or_say_the_recipes_refusal(row):
+    """The TPU compiler's compile for each shape's topology (--libtpu): the topology the
+    benchmark names for the shape; a program that fits the chip, whose bytes by axis add
+    up to its bytes by kind, with the data-center network's sends on `data` alone; or,
+    for fsdp over two slices, the recipe's refusal."""
+    assert MESHES["meta"]["tpu_compiler"] == BENCHMARK.TPU_COMPILER
+    tpu = row["tpu_compiled"]
+    assert (tpu["topology"], row["slices"]) == BENCHMARK.TOPOLOGIES[row["name"]]
+    if row["slices"] > 1 and not row["mesh"].startswith("data="):
+        assert tpu == {
+            "topology": tpu["topology"],
+            "error": f"--mesh: data=1 does not split over the {row['slices']} slices: "
+            f"only the data axis crosses slices, so make it a multiple of "
+            f"{row['slices']}",
+        }
+        return
+    assert 0 < tpu["total"] < hardware.chip(row["chip"]).memory_bytes
+    assert tpu["attention"] == "splash"
+    by_axis, whole = tpu["by_axis"], tpu["collectives"]
+    assert {k: sum(a.get(k, 0) for a in by_axis.values()) for k in whole} == whole
+    across = {axis for axis, kinds in by_axis.items() if "dcn-all-reduce" in kinds}
+    assert across == ({"data"} if row["slices"] > 1 else set())

@@ -80,7 +80,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     choices = collections.defaultdict(list)  # computation -> its conditionals' branches
-    trips = loop_trips(hlo_text)
+    trips, echoes = loop_trips(hlo_text), set()
     for line in hlo_text.splitlines():
         if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
             name = header.group(1)
@@ -92,6 +92,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
             if opcode == "send" and dcn:
                 opcode = "dcn-" + dcn[1].lower().replace("_", "-")
+            if opcode == "all-reduce" and name.startswith("all-reduce-scatter"):
+                opcode = "reduce-scatter"  # the TPU's: an all-reduce, then its slice
             if opcode in kinds or opcode.startswith("dcn-"):
                 tensors = re.findall(r"(\w+)\[([\d,]*)\]", shape)
                 if opcode.startswith("dcn-"):
@@ -107,11 +109,16 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             trip = trips.get(target, 1) if opcode == "while" else 1
             for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
                 calls[name].append((callee, trip))
+            # The TPU compiler writes an async collective three times: in the fusion
+            # that starts it (counted), in those that overlap it with compute and in
+            # the one that waits for it (echoes, not counted).
+            if "AsyncCollectiveDone" in line or name.startswith("async_collective"):
+                echoes.add(name)
             if branches := re.search(r"branch_computations=\{([^}]*)\}", line):
                 choices[name].append(re.findall(r"%([\w.-]+)", branches[1]))
 
     def total(computation: str) -> collections.Counter:
-        counts = collections.Counter(own[computation])
+        counts = collections.Counter({} if computation in echoes else own[computation])
         for callee, times in calls.get(computation, []):
             for kind, size in total(callee).items():
                 counts[kind] += times * size
