@@ -132,7 +132,7 @@ def on_devices(monkeypatch, sizes: dict[str, int]) -> None:
         axis_types=(AxisType.Auto,) * len(shape),
         devices=jax.devices()[: math.prod(shape)],
     )
-    monkeypatch.setattr(train, "make_mesh", lambda spec: mesh)
+    monkeypatch.setattr(train, "make_mesh", lambda spec, devices=None: mesh)
 
 
 def lowered() -> list[tuple[str, str]]:

@@ -524,14 +524,14 @@ def attention_kind(
     return requested or default.get(platform, "chunked")
 
 
-def target_devices(args) -> list:
-    """The devices the step is for: this machine's, or with --topology a TPU slice's
-    (or --slices of them) that the TPU compiler describes without the chips, as
-    MaxText's train_compile.py does."""
+def target_devices(args) -> list | None:
+    """With --topology, the devices of a TPU slice (or of --slices of them) that the TPU
+    compiler describes without the chips, as MaxText's train_compile.py does; without
+    it, None: this machine's."""
     if not args.topology:
         if args.slices != 1:
             raise SystemExit("--slices needs --topology: the slices to compile for")
-        return jax.devices()
+        return None
     if not args.compile_only:
         raise SystemExit(
             "--topology compiles for chips that are not here: add --compile-only"
@@ -563,7 +563,7 @@ def setup(args, devices=None):
     """The mesh, the model, the optimizer, the jitted step and the state's shapes;
     over ``devices`` (by default this machine's)."""
     mesh = make_mesh(args.mesh, devices)
-    platform = mesh.devices.flat[0].platform
+    platform = devices[0].platform if devices else jax.default_backend()
     config = config_from_args(args)
     check_fits(config, mesh, args)
     # dropless.py's exchange: ragged_all_to_all where the backend has it
