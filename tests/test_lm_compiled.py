@@ -158,3 +158,25 @@ def test_the_step_compiled_for_two_tpu_slices_without_a_tpu(libtpu, tmp_path):
     )
     sent = out["by_axis"]["data"]["dcn-all-reduce"]
     assert gradients <= sent <= 1.25 * gradients, (sent, gradients)
+
+
+def test_a_step_too_big_for_the_slice_stops_as_it_would_on_the_slice(libtpu):
+    """8b on a v5e 2x2 (4 chips of 16 GB): the TPU compiler refuses the program, and
+    train.py says so in one line with the compiler's words, status 2, as on a TPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(libtpu), str(ROOT)])
+    flags = "--model 8b --mesh fsdp=4 --seq-len 2048 --global-batch 4 --dtype bfloat16"
+    done = subprocess.run(
+        [sys.executable, "examples/lm/train.py", *flags.split()]
+        + ["--compile-only", "--topology", "v5e:2x2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("out of memory: the step needs "), said
+    assert "[RESOURCE_EXHAUSTED: Ran out of memory on HBM" in said
+    assert "Traceback" not in done.stderr
