@@ -56,6 +56,8 @@ CASES = [
     ("scoped VMEM 96 MiB", ONE_SLICE, ["--xla_tpu_scoped_vmem_limit_kib=98304"]),
     ("default, two slices", TWO_SLICES, []),
     ("MaxText's DCN flags, two slices", TWO_SLICES, DCN),
+    # libtpu must refuse a flag it does not know, or "it took every flag" means nothing
+    ("a misspelled flag", ONE_SLICE, ["--xla_tpu_enable_async_colective_fusion=true"]),
 ]
 
 

@@ -76,6 +76,10 @@ def pytest_itemcollected(item):
     ``pytest_collection_modifyitems`` hooks of conftest files run."""
     if "slurm" in getattr(item, "fixturenames", ()):
         item.add_marker(pytest.mark.xdist_group("slurm"))
+    elif "libtpu" in getattr(
+        item, "fixturenames", ()
+    ):  # libtpu's lock file: one at a time
+        item.add_marker(pytest.mark.xdist_group("libtpu"))
     elif item.path.name in ONE_WORKER_MODULES:
         item.add_marker(pytest.mark.xdist_group(item.path.name))
 

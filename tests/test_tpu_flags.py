@@ -16,13 +16,16 @@ def test_each_flag_set_of_the_benchmark_compiled_once_with_its_flags():
         (name, slices, flags) for name, slices, flags in BENCHMARK.CASES
     ]
     for row in FLAGS["rows"]:
+        if row["name"] == "a misspelled flag":  # libtpu refuses a flag it does not know
+            assert row.keys() == {"name", "slices", "flags", "error"}, row
+            continue
         assert "error" not in row, row
         assert len(row["program_sha256"]) == 64
         assert 0 < row["temporaries"] < row["total"]
 
 
 def test_across_slices_only_the_two_slice_programs_send_over_the_dcn():
-    for row in FLAGS["rows"]:
+    for row in (r for r in FLAGS["rows"] if "error" not in r):
         sends = row["collectives"].get("dcn-all-reduce", 0)
         assert (sends > 0) == ("--slices" in row["slices"]), row["name"]
 

@@ -57,6 +57,10 @@ def loop_trips(hlo_text: str) -> dict[str, int]:
                 first = scalars.get(firsts.get(operand and operand[1]), 0)
                 counted = bounds.get(condition, first + 1) - first
                 trips[target] = int(known[1]) if known else counted
+                if trips[target] < 1:
+                    raise ValueError(
+                        f"{target}: {trips[target]} trips, from its condition"
+                    )
     return trips
 
 
@@ -65,8 +69,10 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     a conditional its costliest branch (an upper bound: a pipeline's loop runs a
     forward or a backward or nothing each tick, and is counted as a backward each).
 
-    All-gather: its output; the others: their operand (here, its output too). On a ring
-    of n devices each device sends (n-1)/n of that, or 2(n-1)/n for an all-reduce.
+    All-gather and reduce-scatter: their output (the TPU compiler's reduce-scatter is
+    an all-reduce whose result each device slices: that slice); the others: their
+    operand, as big as their output. On a ring of n devices each device sends (n-1)/n
+    of the gathered or scattered whole, or 2(n-1)/n of an all-reduce's operand.
     Across TPU slices the program sends to the Megascale runtime, over the data-center
     network: "dcn-all-reduce", its operand.
     """
@@ -80,7 +86,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     choices = collections.defaultdict(list)  # computation -> its conditionals' branches
-    trips, echoes = loop_trips(hlo_text), set()
+    trips, echoes, scattering = loop_trips(hlo_text), set(), set()
     for line in hlo_text.splitlines():
         if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
             name = header.group(1)
@@ -92,8 +98,12 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
             if opcode == "send" and dcn:
                 opcode = "dcn-" + dcn[1].lower().replace("_", "-")
-            if opcode == "all-reduce" and name.startswith("all-reduce-scatter"):
-                opcode = "reduce-scatter"  # the TPU's: an all-reduce, then its slice
+            if name.startswith("all-reduce-scatter"):  # the TPU's: an all-reduce,
+                if opcode == "all-reduce":  # then each device's slice of its result:
+                    scattering.add(name)  # a reduce-scatter, counted by that slice
+                    continue
+                if line.lstrip().startswith("ROOT") and name in scattering:
+                    opcode = "reduce-scatter"
             if opcode in kinds or opcode.startswith("dcn-"):
                 tensors = re.findall(r"(\w+)\[([\d,]*)\]", shape)
                 if opcode.startswith("dcn-"):

@@ -278,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--slices",
         type=int,
         default=1,
-        help="with --topology: that many slices joined by the data-center network",
+        help="with --topology: that many slices joined by the data-center network "
+        "(--mesh's data, the axis across them, a multiple of it)",
     )
     add(
         "--profile", metavar="DIR", help="trace steps 6 to 8 with jax.profiler into DIR"
@@ -528,6 +529,8 @@ def target_devices(args) -> list | None:
     """With --topology, the devices of a TPU slice (or of --slices of them) that the TPU
     compiler describes without the chips, as MaxText's train_compile.py does; without
     it, None: this machine's."""
+    if args.slices < 1:
+        raise SystemExit(f"--slices {args.slices}: give 1 or more")
     if not args.topology:
         if args.slices != 1:
             raise SystemExit("--slices needs --topology: the slices to compile for")
@@ -549,8 +552,10 @@ def target_devices(args) -> list | None:
         said = str(error).splitlines()[0]
         if "not installed" in said:
             raise SystemExit(
-                f"--topology needs libtpu, the TPU compiler (no TPU): pip install "
-                f"'jax[tpu]=={jax.__version__}'; JAX said: {said}"
+                f"--topology needs libtpu, the TPU compiler (no TPU needed), in a "
+                f"folder of its own: pip install --target DIR libtpu, of the version "
+                f"jax[tpu]=={jax.__version__} asks for, then PYTHONPATH=DIR; JAX said: "
+                f"{said}"
             ) from None
         raise SystemExit(
             f"--topology {args.topology}: {said} (libtpu's names: v5e:16x16, "
