@@ -56,11 +56,9 @@ def loop_trips(hlo_text: str) -> dict[str, int]:
                 condition = re.search(r"condition=%([\w.-]+)", rest)[1]
                 first = scalars.get(firsts.get(operand and operand[1]), 0)
                 counted = bounds.get(condition, first + 1) - first
+                if not known and counted < 1:
+                    raise ValueError(f"{target}: {counted} trips, from its condition")
                 trips[target] = int(known[1]) if known else counted
-                if trips[target] < 1:
-                    raise ValueError(
-                        f"{target}: {trips[target]} trips, from its condition"
-                    )
     return trips
 
 
