@@ -71,14 +71,13 @@ ONE_WORKER_MODULES = {
 def pytest_itemcollected(item):
     """Under pytest-xdist (-n), what uses the one-node SLURM cluster runs on one worker, one
     job after another: two jobs at once would find the node busy (book/conftest.py groups
-    the chapters that submit jobs). The modules above each run on one worker too. Marked
+    the chapters that submit jobs). What uses libtpu runs on one worker too: libtpu takes
+    its lock file even to compile. The modules above each run on one worker too. Marked
     here, as each test is collected: pytest-xdist reads the groups before
     ``pytest_collection_modifyitems`` hooks of conftest files run."""
     if "slurm" in getattr(item, "fixturenames", ()):
         item.add_marker(pytest.mark.xdist_group("slurm"))
-    elif "libtpu" in getattr(
-        item, "fixturenames", ()
-    ):  # libtpu's lock file: one at a time
+    elif "libtpu" in getattr(item, "fixturenames", ()):
         item.add_marker(pytest.mark.xdist_group("libtpu"))
     elif item.path.name in ONE_WORKER_MODULES:
         item.add_marker(pytest.mark.xdist_group(item.path.name))
