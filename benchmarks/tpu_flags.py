@@ -8,7 +8,8 @@ and under ``data=2,fsdp=16`` on two of them for the flags of a data axis across 
 each it records whether libtpu took the flags, the memory a chip holds, the bytes of each
 collective kind, how many collectives are asynchronous and how many run inside
 "continuation fusions" (the TPU compiler's ``async_collective_fusion`` computations), and a
-hash of the compiled program's text, to tell a flag that changes nothing. (The compiler's
+hash of the compiled program's text, to tell a flag that changes nothing (compare hashes
+within one run: the text names the recipe's source lines, which an edit moves). (The compiler's
 ``cost_analysis()["optimal_seconds"]`` came out negative for these programs: not kept.)
 Writes ``book/data/tpu_flags.json``.
 
@@ -21,13 +22,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from jaxdist_lessons.planning import checking  # noqa: E402  (the checkout's package)
+
 OUT = ROOT / "book" / "data" / "tpu_flags.json"
 
 ONE_SLICE = "--mesh fsdp=16 --topology v5e:4x4"
@@ -93,10 +96,7 @@ def worker(argv: list[str]) -> None:
 
 def run_case(libtpu: str, slices: str, flags: list[str]) -> dict:
     """One flag set in a process of its own: its JSON line, or what libtpu said."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([libtpu, str(ROOT), env.get("PYTHONPATH", "")])
+    env = checking.compile_environment(libtpu)
     env["LIBTPU_INIT_ARGS"] = " ".join(flags)
     argv = [*RUN.split(), *slices.split()]
     done = subprocess.run(

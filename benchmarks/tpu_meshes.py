@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import pathlib
 import platform
 import subprocess
@@ -42,7 +41,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from jaxdist_lessons import hardware  # noqa: E402  (the checkout's package)
-from jaxdist_lessons.planning import layouts, model_config, ranking  # noqa: E402
+from jaxdist_lessons.planning import (  # noqa: E402
+    checking,
+    layouts,
+    model_config,
+    ranking,
+)
 
 OUT = ROOT / "book" / "data" / "tpu_meshes.json"
 COMPILER = "XLA:CPU's compile of simulated devices"
@@ -137,15 +141,6 @@ def run_worker(devices: int, runs: list[list[str]], env: dict) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def environment(*paths: str) -> dict:
-    """This environment without JAX's settings, with ``paths`` first on PYTHONPATH."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
 def compile_all(shapes: list[tuple]) -> list[dict]:
     """Each shape compiled by XLA:CPU, one worker process per device count."""
     found: dict[int, dict] = {}
@@ -153,7 +148,9 @@ def compile_all(shapes: list[tuple]) -> list[dict]:
         indices = [i for i, s in enumerate(shapes) if s[2] == devices]
         runs = [planned(shapes[i])[1]["flags"].split() for i in indices]
         for i, row in zip(
-            indices, run_worker(devices, runs, environment()), strict=True
+            indices,
+            run_worker(devices, runs, checking.compile_environment()),
+            strict=True,
         ):
             found[i] = row
     return [found[i] for i in range(len(shapes))]
@@ -168,7 +165,11 @@ def compile_for_tpus(shapes: list[tuple], libtpu: str) -> list[dict]:
         topology, slices = TOPOLOGIES[shape[0]]
         flags = planned(shape)[1]["flags"].split()
         flags += ["--topology", topology, "--slices", str(slices)]
-        [row] = run_worker(1, [flags], environment(str(pathlib.Path(libtpu).resolve())))
+        [row] = run_worker(
+            1,
+            [flags],
+            checking.compile_environment(str(pathlib.Path(libtpu).resolve())),
+        )
         rows.append({"topology": topology, **row})
         print(f"  {shape[0]} {shape[7]}: {row.get('total', row.get('error'))}")
     return rows

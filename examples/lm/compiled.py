@@ -22,7 +22,9 @@ from layout import BATCH, RULES
 SIZES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
 
 
-# An instruction's line: its name, its shape, its opcode (an async op's "-start" apart).
+# A computation's first line (its name), and an instruction's: its name, its shape, its
+# opcode (an async op's "-start" apart).
+COMPUTATION = r"(?:ENTRY )?%(\S+) .*\{$"
 INSTRUCTION = r"\s*(?:ROOT )?%?([\w.-]+) = (.+?) ([a-z-]+?)(-start)?\("
 
 
@@ -34,7 +36,7 @@ def loop_trips(hlo_text: str) -> dict[str, int]:
     scalars, firsts, bounds, trips = {}, {}, {}, {}
     constants, name = collections.defaultdict(list), None
     for line in hlo_text.splitlines():
-        if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
+        if header := re.match(COMPUTATION, line):
             name = header[1]
         elif found := re.match(
             r"\s*(?:ROOT )?%([\w.-]+) = (.+?) ([a-z-]+)\((.*)", line
@@ -86,7 +88,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     choices = collections.defaultdict(list)  # computation -> its conditionals' branches
     trips, echoes, scattering = loop_trips(hlo_text), set(), set()
     for line in hlo_text.splitlines():
-        if header := re.match(r"(?:ENTRY )?%(\S+) .*\{$", line):
+        if header := re.match(COMPUTATION, line):
             name = header.group(1)
             calls[name], entry = [], name if line.startswith("ENTRY") else None
             if entry:

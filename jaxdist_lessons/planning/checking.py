@@ -56,6 +56,17 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
         )
 
 
+def compile_environment(*paths: str) -> dict[str, str]:
+    """This environment for a process that compiles the recipe's step: without JAX's and
+    XLA's settings (a device count or flags of this process's own), with ``paths`` (a
+    folder holding libtpu, say) and the checkout first on PYTHONPATH."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
 def compile_flags(
     devices: int, flag_lines: Sequence[str], progress: bool = True, strict: bool = True
 ) -> list[dict]:
@@ -68,10 +79,7 @@ def compile_flags(
         "from jaxdist_lessons.planning import checking\n"
         f"checking.compile_worker({devices}, {runs!r})"
     )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = compile_environment()
     worker = subprocess.Popen(
         [sys.executable, "-c", program],
         stdout=subprocess.PIPE,
