@@ -212,9 +212,12 @@ def measure(size_name: str, calls: int) -> dict:
 def table(report: dict, size_name: str) -> str:
     """One size's steps and attentions as Markdown, each against the baseline."""
     part = report["sizes"][size_name]
-    base = part["steps"][-1]
+    # The baseline measured last where there is one ("the baseline again"): a process's
+    # first program is timed slow. Older files, and runs cut short, have only the first.
+    base = [row for row in part["steps"] if row["lesson"] == "baseline"][-1]
     lines = [
         f"{size_name}: {part['shape']}",
+        *([part["note"]] if "note" in part else []),
         "",
         "| lesson | variant | temp MB | live MB | temp / base | step ms | step / base | MFU |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

@@ -1,20 +1,11 @@
 """.ci/sweep_counts: its choice of chapters and counts, its verdict on an error, its table."""
 
-import importlib.machinery
-import importlib.util
 import io
-import sys
 
 import pytest
-from by_path import ROOT
+from by_path import ROOT, load
 
-loader = importlib.machinery.SourceFileLoader(
-    "sweep_counts", str(ROOT / ".ci/sweep_counts")
-)
-spec = importlib.util.spec_from_loader("sweep_counts", loader)
-sweep = importlib.util.module_from_spec(spec)
-sys.modules["sweep_counts"] = sweep  # its dataclass looks its module up
-loader.exec_module(sweep)
+sweep = load("sweep_counts", ".ci/sweep_counts")
 Outcome = sweep.Outcome
 
 

@@ -5,6 +5,9 @@ import pathlib
 import subprocess
 import sys
 
+import nbformat
+from by_path import load
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -45,3 +48,17 @@ def test_a_chapter_runs_through_ipythons_shell_and_is_recorded(tmp_path):
     assert updated["chapters"][0]["status"] == "ran"
     assert updated["chapters"][1] == {"date": "2026-01-01", **earlier}
     assert updated["machine"] == "the TPU machine"
+
+
+def test_cells_run_with_history_as_in_a_kernel(tmp_path, monkeypatch):
+    """The appendix reads the cells run so far from IPython's ``In``, as under a kernel."""
+    tpu_chapters = load("tpu_chapters", ".ci/tpu_chapters")
+    cells = [
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("assert In[1] == 'x = 1', In"),
+    ]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "history.ipynb")
+    monkeypatch.chdir(tmp_path)  # run_one moves into the book's folder
+    monkeypatch.setattr(tpu_chapters, "BOOK", tmp_path)
+    row = tpu_chapters.run_one("history")
+    assert (row["status"], row["message"], row["cells"]) == ("ran", "", 2)
