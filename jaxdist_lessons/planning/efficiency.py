@@ -1,0 +1,190 @@
+"""How much of a chip's peak published runs reach, and whether one number per chip predicts
+the runs it was not fitted to.
+
+Each run of ``book/data/published_runs.json`` (``published.load_runs``) gives its
+throughput in its source's unit. ``utilisation`` turns that into the run's hardware flops
+utilisation: the model's training flops a second (``model_config.flops_per_token``'s
+count), times the planner's remat factor (4/3 for full remat, else 1: selective schemes
+recompute little), over the chip's dense bfloat16 peak (``hardware.CHIPS``). That is the
+planner's ``timing.COMPUTE_EFFICIENCY`` as one run measured it, communication included
+in whatever the run left exposed.
+
+``fit`` fits three models on the runs whose split is "fit" and predicts every run:
+
+- ``one constant``: one utilisation for every chip (the planner's approach);
+- ``per chip``: one utilisation per chip;
+- ``per chip and width``: per chip, times a power of the model's width, the same power
+  for every chip (wider matrices keep the units busier).
+
+A prediction's error is predicted / measured throughput, which for a fixed model and
+layout is the predicted over the measured utilisation. Standard library only, like the
+rest of ``planning``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import model_config, published
+
+# Within this of the measured throughput, a prediction is counted good (issue 59's goal).
+GOOD = (0.75, 1.33)
+MODELS = ("one constant", "per chip", "per chip and width")
+# A GeLU MLP (GPT, MPT) has two matrices of D x F, a SwiGLU MLP three.
+MLP_MATRICES = {"gelu": 2, "swiglu": 3}
+# A width the power law is centred on, so a chip's constant reads as its utilisation there.
+REFERENCE_WIDTH = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Utilisation:
+    """One run's measured hardware flops utilisation, or why it has none."""
+
+    run: published.PublishedRun
+    value: float | None
+    how: str  # which published figure it came from, or why none
+
+
+def model_flops_per_token(run: published.PublishedRun) -> float | None:
+    """Training flops per token of the run's model (``model_config.flops_per_token``,
+    with a GeLU MLP's two matrices where the model has one); ``None`` without a shape."""
+    m = run.model
+    shape = (m.layers, m.width, m.heads, m.kv_heads, m.ffn, m.vocab, m.mlp)
+    if None in shape or m.mlp not in MLP_MATRICES:
+        return None
+    config = model_config.ModelConfig(
+        vocab_size=m.vocab,
+        num_layers=m.layers,
+        width=m.width,
+        num_heads=m.heads,
+        num_kv_heads=m.kv_heads,
+        mlp_width=m.ffn,
+        tie_embeddings=bool(m.tied_embeddings),
+        head_dim=m.head_dim or 0,
+    )
+    flops = model_config.flops_per_token(config, run.seq_len)
+    unused = 3 - MLP_MATRICES[m.mlp]
+    return flops - 6 * unused * m.layers * m.width * m.ffn
+
+
+def remat_factor(remat: str | None) -> float:
+    """The planner's flops over the model's (``timing.remat_flops`` for 'full'): full remat
+    runs each layer's forward again; the selective schemes recompute little."""
+    return 4 / 3 if remat == "full" else 1.0
+
+
+def utilisation(run: published.PublishedRun) -> Utilisation:
+    """The run's hardware flops utilisation from its published throughput."""
+    if run.chip not in hardware.CHIPS:
+        return Utilisation(run, None, f"{run.chip} is not in hardware.CHIPS")
+    if run.dtype == "fp8":
+        return Utilisation(run, None, "Float8 matmuls: the planner has no float8")
+    peak = hardware.CHIPS[run.chip].peak_bf16_flops
+    value, unit = run.measured.value, run.measured.unit
+    flops = model_flops_per_token(run)
+    if unit == "TFLOP/s/GPU" and run.group.startswith("megatron"):
+        # Megatron-LM's Eq. 3 counts the recomputed forward pass: already hardware flops
+        return Utilisation(run, value * 1e12 / peak, "TFLOP/s with recomputation")
+    if unit in ("TFLOP/s/GPU", "TFLOP/s/chip"):
+        model = value * 1e12 / peak
+        how = "model TFLOP/s"
+    elif unit == "MFU %":
+        model, how = value / 100, "MFU"
+    elif flops is None:
+        mfu = [q.value for q in run.also_published if q.unit == "MFU %"]
+        if not mfu:
+            return Utilisation(run, None, "no model shape and no MFU published")
+        model, how = mfu[0] / 100, "MFU (no model shape published)"
+    elif unit == "tokens/s/GPU":
+        model, how = value * flops / peak, "tokens/s"
+    elif unit == "sequences/s":
+        model = value * run.seq_len / run.devices * flops / peak
+        how = "sequences/s"
+    else:
+        return Utilisation(run, None, f"unit {unit!r} not read")
+    return Utilisation(run, model * remat_factor(run.remat), how)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The three models' parameters, fitted on the 'fit' runs."""
+
+    constant: float
+    per_chip: dict[str, float]
+    per_chip_at_reference: dict[str, float]  # the width model's, at REFERENCE_WIDTH
+    width_power: float
+
+    def predict(self, model: str, run: published.PublishedRun) -> float:
+        """The utilisation ``model`` predicts for ``run`` (a chip with no fitted run
+        falls back to the constant)."""
+        if model == "one constant":
+            return self.constant
+        if model == "per chip":
+            return self.per_chip.get(run.chip, self.constant)
+        if model == "per chip and width":
+            base = self.per_chip_at_reference.get(run.chip)
+            if base is None or run.model.width is None:
+                return self.per_chip.get(run.chip, self.constant)
+            return base * (run.model.width / REFERENCE_WIDTH) ** self.width_power
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+
+
+def _geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def fit(measured: list[Utilisation]) -> Fit:
+    """The models, least squares in log utilisation over the runs split 'fit' that have
+    one. The width power is the within-chip slope (each chip its own intercept), from
+    the runs whose width is published."""
+    rows = [u for u in measured if u.value is not None and u.run.split == "fit"]
+    if not rows:
+        raise ValueError("no fitted run has a utilisation")
+    by_chip: dict[str, list[Utilisation]] = {}
+    for u in rows:
+        by_chip.setdefault(u.run.chip, []).append(u)
+    per_chip = {c: _geometric_mean([u.value for u in us]) for c, us in by_chip.items()}
+    # within each chip, log utilisation against log width: one shared slope
+    sxy = sxx = 0.0
+    centres = {}
+    for c, us in by_chip.items():
+        pts = [
+            (math.log(u.run.model.width / REFERENCE_WIDTH), math.log(u.value))
+            for u in us
+            if u.run.model.width
+        ]
+        if not pts:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        centres[c] = (mx, my)
+        sxy += sum((x - mx) * (y - my) for x, y in pts)
+        sxx += sum((x - mx) ** 2 for x, _ in pts)
+    power = sxy / sxx if sxx else 0.0
+    at_reference = {c: math.exp(my - power * mx) for c, (mx, my) in centres.items()}
+    return Fit(
+        constant=_geometric_mean([u.value for u in rows]),
+        per_chip=per_chip,
+        per_chip_at_reference=at_reference,
+        width_power=power,
+    )
+
+
+def ratios(
+    result: Fit, measured: list[Utilisation], model: str, split: str
+) -> list[float]:
+    """Predicted over measured throughput for the runs of ``split`` that have a
+    utilisation."""
+    return [
+        result.predict(model, u.run) / u.value
+        for u in measured
+        if u.value is not None and u.run.split == split
+    ]
+
+
+def share_good(values: list[float]) -> float:
+    """The fraction of ``values`` within ``GOOD``."""
+    low, high = GOOD
+    return sum(low <= v <= high for v in values) / len(values)
