@@ -88,6 +88,9 @@ def utilisation(run: published.PublishedRun) -> Utilisation:
         # Megatron-LM's Eq. 3 counts the recomputed forward pass: already hardware flops
         return Utilisation(run, value * 1e12 / peak, "TFLOP/s with recomputation")
     if unit in ("TFLOP/s/GPU", "TFLOP/s/chip"):
+        # model flops: MaxText's calculate_tflops_training_per_device counts the forward
+        # and the backward, three passes (src/maxtext/utils/maxtext_utils.py); Llama 3's
+        # Table 4 prints a BF16 MFU within a point of these teraFLOP/s over the 989 peak
         model = value * 1e12 / peak
         how = "model TFLOP/s"
     elif unit == "MFU %":
