@@ -3,11 +3,10 @@ the runs it was not fitted to.
 
 Each run of ``book/data/published_runs.json`` (``published.load_runs``) gives its
 throughput in its source's unit. ``utilisation`` turns that into the run's hardware flops
-utilisation: the model's training flops a second (``model_config.flops_per_token``'s
-count), times the planner's remat factor (4/3 for full remat, else 1: selective schemes
-recompute little), over the chip's dense bfloat16 peak (``hardware.CHIPS``). That is the
-planner's ``timing.COMPUTE_EFFICIENCY`` as one run measured it, communication included
-in whatever the run left exposed.
+utilisation (HFU): the model's training flops a second (``model_config.flops_per_token``'s
+count), times what its remat policy runs again (``remat_factor``), over the chip's dense
+bfloat16 peak (``hardware.CHIPS``). That is the planner's ``timing.COMPUTE_EFFICIENCY`` as
+one run measured it, with whatever communication the run left exposed inside it.
 
 ``fit`` fits three models on the runs whose split is "fit" and predicts every run:
 
@@ -69,10 +68,34 @@ def model_flops_per_token(run: published.PublishedRun) -> float | None:
     return flops - 6 * unused * m.layers * m.width * m.ffn
 
 
-def remat_factor(remat: str | None) -> float:
-    """The planner's flops over the model's (``timing.remat_flops`` for 'full'): full remat
-    runs each layer's forward again; the selective schemes recompute little."""
-    return 4 / 3 if remat == "full" else 1.0
+def attention_flops_per_token(run: published.PublishedRun) -> float:
+    """The attention scores' share of ``model_flops_per_token``: 12 x layers x T x N x A."""
+    m = run.model
+    head_width = m.head_dim or m.width // m.heads
+    return 12 * m.layers * run.seq_len * m.heads * head_width
+
+
+def remat_factor(run: published.PublishedRun) -> float:
+    """The flops a step runs over the model's, by the run's remat policy. Full remat runs
+    each layer's forward again (4/3). MaxText's qkv_proj_offloaded keeps only the query,
+    key and value projections (offloaded to the host) and recomputes the rest of the
+    forward; torchtitan's selective op-level checkpointing saves the outputs of every
+    matmul but every second one, so about half of the weights' forward runs again. The
+    other policies (MaxText's minimal ones, none) recompute no matmul: 1."""
+    flops = model_flops_per_token(run)
+    if run.remat == "full":
+        return 4 / 3
+    if flops is None or run.remat not in ("qkv_proj_offloaded", "selective (op)"):
+        return 1.0
+    if run.remat == "selective (op)":
+        weights = flops - attention_flops_per_token(
+            run
+        )  # 6 per weight, 2 of them forward
+        return 1 + weights / 6 / flops
+    m = run.model
+    head_width = m.head_dim or m.width // m.heads
+    qkv = 2 * m.layers * m.width * (m.heads + 2 * m.kv_heads) * head_width  # forward
+    return 1 + (flops / 3 - qkv) / flops
 
 
 def utilisation(run: published.PublishedRun) -> Utilisation:
@@ -99,7 +122,8 @@ def utilisation(run: published.PublishedRun) -> Utilisation:
         mfu = [q.value for q in run.also_published if q.unit == "MFU %"]
         if not mfu:
             return Utilisation(run, None, "no model shape and no MFU published")
-        model, how = mfu[0] / 100, "MFU (no model shape published)"
+        # the source's MFU, whose flop count it does not state
+        model, how = mfu[0] / 100, "MFU as published (no model shape)"
     elif unit == "tokens/s/GPU":
         model, how = value * flops / peak, "tokens/s"
     elif unit == "sequences/s":
@@ -107,7 +131,7 @@ def utilisation(run: published.PublishedRun) -> Utilisation:
         how = "sequences/s"
     else:
         return Utilisation(run, None, f"unit {unit!r} not read")
-    return Utilisation(run, model * remat_factor(run.remat), how)
+    return Utilisation(run, model * remat_factor(run), how)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ def test_each_unit_becomes_a_share_of_the_peak_with_full_remat_counted():
     playbook = RUNS["Playbook 8B, 8 H100, DP 2 x TP 1 x PP 4, ZeRO-1"]
     assert efficiency.model_flops_per_token(playbook) is None  # no shape published
     assert efficiency.utilisation(playbook).value == pytest.approx(0.452)
+    assert efficiency.utilisation(playbook).how == "MFU as published (no model shape)"
 
 
 def test_runs_the_planner_cannot_price_say_why():
@@ -97,3 +98,29 @@ def test_the_fit_recovers_a_power_law_shared_by_the_chips():
 
 def test_good_is_within_three_quarters_and_four_thirds():
     assert efficiency.share_good([0.75, 1.33, 0.74, 1.34]) == 0.5
+
+
+def test_remat_policies_count_the_forward_they_run_again():
+    """Full remat: the whole forward again (4/3). MaxText's qkv_proj_offloaded keeps only
+    the query, key and value projections: the rest of the forward again. torchtitan's
+    selective op-level checkpointing: half of the weights' forward again."""
+    full = RUNS["MaxText 16B, 1x v5e-256 (256 chips), FSDP 256"]
+    assert efficiency.remat_factor(full) == 4 / 3
+    offloaded = RUNS[
+        "MaxText 128B, 8x v5e-256 (2048 chips), FSDP 16 x TP 16 x DCN data 8"
+    ]
+    m = offloaded.model
+    qkv = 2 * m.layers * m.width * (m.heads + 2 * m.kv_heads) * m.head_dim
+    forward = efficiency.model_flops_per_token(offloaded) / 3
+    assert efficiency.remat_factor(offloaded) == pytest.approx(
+        1 + (forward - qkv) / (3 * forward)
+    )
+    assert 1.25 < efficiency.remat_factor(offloaded) < 4 / 3
+    selective = RUNS["torchtitan Llama 3 8B, 64 A100, FSDP"]
+    flops = efficiency.model_flops_per_token(selective)
+    weights = flops - efficiency.attention_flops_per_token(selective)
+    assert efficiency.remat_factor(selective) == pytest.approx(
+        1 + weights / 2 / (3 * flops)
+    )
+    minimal = RUNS["MaxText 32B, 1x v5p-128 (64 chips), FSDP 16 x TP 4"]
+    assert minimal.remat == "minimal" and efficiency.remat_factor(minimal) == 1.0
