@@ -88,13 +88,13 @@ def remat_factor(run: published.PublishedRun) -> float:
     if flops is None or run.remat not in ("qkv_proj_offloaded", "selective (op)"):
         return 1.0
     if run.remat == "selective (op)":
-        weights = flops - attention_flops_per_token(
-            run
-        )  # 6 per weight, 2 of them forward
+        # 6 flops per weight a token, 2 of them the forward's: half of those again
+        weights = flops - attention_flops_per_token(run)
         return 1 + weights / 6 / flops
     m = run.model
     head_width = m.head_dim or m.width // m.heads
-    qkv = 2 * m.layers * m.width * (m.heads + 2 * m.kv_heads) * head_width  # forward
+    # the query, key and value projections' forward flops, a token
+    qkv = 2 * m.layers * m.width * (m.heads + 2 * m.kv_heads) * head_width
     return 1 + (flops / 3 - qkv) / flops
 
 
