@@ -46,9 +46,12 @@ class Utilisation:
     how: str  # which published figure it came from, or why none
 
 
-def model_flops_per_token(run: published.PublishedRun) -> float | None:
-    """Training flops per token of the run's model (``model_config.flops_per_token``,
-    with a GeLU MLP's two matrices where the model has one); ``None`` without a shape."""
+def model_flops_per_token(
+    run: published.PublishedRun, seq_len: int | None = None
+) -> float | None:
+    """Training flops per token of the run's model at ``seq_len`` (the run's by default;
+    ``model_config.flops_per_token``, with a GeLU MLP's two matrices where the model has
+    one); ``None`` without a shape."""
     m = run.model
     shape = (m.layers, m.width, m.heads, m.kv_heads, m.ffn, m.vocab, m.mlp)
     if None in shape or m.mlp not in MLP_MATRICES:
@@ -63,16 +66,17 @@ def model_flops_per_token(run: published.PublishedRun) -> float | None:
         tie_embeddings=bool(m.tied_embeddings),
         head_dim=m.head_dim or 0,
     )
-    flops = model_config.flops_per_token(config, run.seq_len)
+    flops = model_config.flops_per_token(
+        config, run.seq_len if seq_len is None else seq_len
+    )
     unused = 3 - MLP_MATRICES[m.mlp]
     return flops - 6 * unused * m.layers * m.width * m.ffn
 
 
 def attention_flops_per_token(run: published.PublishedRun) -> float:
-    """The attention scores' share of ``model_flops_per_token``: 12 x layers x T x N x A."""
-    m = run.model
-    head_width = m.head_dim or m.width // m.heads
-    return 12 * m.layers * run.seq_len * m.heads * head_width
+    """The attention scores' part of ``model_flops_per_token``: what a token's flops
+    gain from its sequence (``model_config.flops_per_token``'s 12 x layers x T x N x A)."""
+    return model_flops_per_token(run) - model_flops_per_token(run, seq_len=0)
 
 
 def remat_factor(run: published.PublishedRun) -> float:
