@@ -214,7 +214,7 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train.train(args, mesh, model, tx, step, shapes, init)
+        train.train(args, mesh, model, step, shapes, init)
     assert "resumed from step 0" in out.getvalue()
     assert "step 1 loss" in out.getvalue()
     loss = float(out.getvalue().split("step 1 loss ")[1].split()[0])

@@ -392,7 +392,7 @@ def held_out_step(args, mesh, model, shapes):
     return make_eval_step(shardings, mesh, dtype, args.eod_id, model, args.grad_accum)
 
 
-def train(args, mesh, model, tx, step, shapes, init) -> None:
+def train(args, mesh, model, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
     sources = prepare_data(args, model.config.vocab_size)
     rows = process_rows(mesh, args.global_batch, args.seq_len)
@@ -617,14 +617,14 @@ def main(argv=None) -> None:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     join_processes()
     devices = target_devices(args)
-    mesh, model, tx, step, shapes, init = setup(args, devices)
+    mesh, model, _, step, shapes, init = setup(args, devices)
     if args.compile_only:
         held_out = held_out_step(args, mesh, model, shapes) if args.eval_every else None
         # the step and the state's shapes for other flags
         rebuild = lambda other: setup(other, devices)[3:5]
         return compile_only(step, shapes, args, mesh, held_out, rebuild)
     try:
-        train(args, mesh, model, tx, step, shapes, init)
+        train(args, mesh, model, step, shapes, init)
     except jax.errors.JaxRuntimeError as error:  # out of memory: one line, no traceback
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
