@@ -159,11 +159,10 @@ def run_in_process(
     ]
     if checkpoint_dir:
         argv += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", "10"]
+    mesh, model, _, step, shapes, init = prepared(spec, schedule_steps, tuple(extra))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train.train(
-            train.parse_args(argv), *prepared(spec, schedule_steps, tuple(extra))
-        )
+        train.train(train.parse_args(argv), mesh, model, step, shapes, init)
     return out.getvalue()
 
 
