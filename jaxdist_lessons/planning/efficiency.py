@@ -46,17 +46,14 @@ class Utilisation:
     how: str  # which published figure it came from, or why none
 
 
-def model_flops_per_token(
-    run: published.PublishedRun, seq_len: int | None = None
-) -> float | None:
-    """Training flops per token of the run's model at ``seq_len`` (the run's by default;
-    ``model_config.flops_per_token``, with a GeLU MLP's two matrices where the model has
-    one); ``None`` without a shape."""
+def shape_of(run: published.PublishedRun) -> model_config.ModelConfig | None:
+    """The run's model as the planner's ``ModelConfig`` (its MLP counted as SwiGLU's
+    three matrices); ``None`` where the source gives no full shape."""
     m = run.model
     shape = (m.layers, m.width, m.heads, m.kv_heads, m.ffn, m.vocab, m.mlp)
     if None in shape or m.mlp not in MLP_MATRICES:
         return None
-    config = model_config.ModelConfig(
+    return model_config.ModelConfig(
         vocab_size=m.vocab,
         num_layers=m.layers,
         width=m.width,
@@ -66,11 +63,22 @@ def model_flops_per_token(
         tie_embeddings=bool(m.tied_embeddings),
         head_dim=m.head_dim or 0,
     )
+
+
+def model_flops_per_token(
+    run: published.PublishedRun, seq_len: int | None = None
+) -> float | None:
+    """Training flops per token of the run's model at ``seq_len`` (the run's by default;
+    ``model_config.flops_per_token``, with a GeLU MLP's two matrices where the model has
+    one); ``None`` without a shape."""
+    config = shape_of(run)
+    if config is None:
+        return None
     flops = model_config.flops_per_token(
         config, run.seq_len if seq_len is None else seq_len
     )
-    unused = 3 - MLP_MATRICES[m.mlp]
-    return flops - 6 * unused * m.layers * m.width * m.ffn
+    unused = 3 - MLP_MATRICES[run.model.mlp]
+    return flops - 6 * unused * config.num_layers * config.width * config.mlp_width
 
 
 def attention_flops_per_token(run: published.PublishedRun) -> float:
@@ -86,19 +94,19 @@ def remat_factor(run: published.PublishedRun) -> float:
     forward; torchtitan's selective op-level checkpointing saves the outputs of every
     matmul but every second one, so about half of the weights' forward runs again. The
     other policies (MaxText's minimal ones, none) recompute no matmul: 1."""
-    flops = model_flops_per_token(run)
     if run.remat == "full":
         return 4 / 3
+    flops = model_flops_per_token(run)
     if flops is None or run.remat not in ("qkv_proj_offloaded", "selective (op)"):
         return 1.0
     if run.remat == "selective (op)":
         # 6 flops per weight a token, 2 of them the forward's: half of those again
         weights = flops - attention_flops_per_token(run)
         return 1 + weights / 6 / flops
-    m = run.model
-    head_width = m.head_dim or m.width // m.heads
+    c = shape_of(run)
     # the query, key and value projections' forward flops, a token
-    qkv = 2 * m.layers * m.width * (m.heads + 2 * m.kv_heads) * head_width
+    heads = c.num_heads + 2 * c.num_kv_heads
+    qkv = 2 * c.num_layers * c.width * heads * c.head_width
     return 1 + (flops / 3 - qkv) / flops
 
 
