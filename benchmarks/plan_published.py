@@ -4,7 +4,8 @@ Each run is modelled as closely as ``jaxdist_lessons.planning`` can: the model's
 count and nodes, the sequence length and batch, the mesh. Its settings are read from the
 run's source (quoted in ``RUNS``); what the planner cannot express (Float8 matmuls, selective
 activation checkpointing, ``torch.compile``, a 500 W H100 variant) is said in the row's note,
-and no constant is fitted to any run. Writes ``book/data/plan_published.json``, which the "Plan
+and no constant is fitted to these runs: the planner's H100 number comes from
+``planning.against_published``. Writes ``book/data/plan_published.json``, which the "Plan
 your run" page shows and ``tests/test_plan_published.py`` recomputes.
 
     python benchmarks/plan_published.py        # a second: no compiling
@@ -208,14 +209,6 @@ def log_error(entries: list[dict], efficiency: float) -> float:
     )
 
 
-def fit_efficiency() -> float:
-    """The one compute efficiency for every run, to 0.01: the fraction of the peak that
-    minimises ``log_error`` over the bfloat16 runs (a Float8 run's matmuls run at another
-    peak, so it is left out)."""
-    runs = [entry for entry in RUNS if "Float8" not in entry["name"]]
-    return min(GRID, key=lambda efficiency: log_error(runs, efficiency))
-
-
 def implied_efficiency(entry: dict) -> float:
     """The efficiency at which the planner would predict this run's measured throughput
     (to 0.01): what the run reached, in the planner's terms."""
@@ -242,18 +235,7 @@ def table() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(OUT))
-    parser.add_argument(
-        "--fit",
-        action="store_true",
-        help="print the fitted compute efficiency and stop",
-    )
     args = parser.parse_args()
-    if args.fit:
-        print(
-            f"compute efficiency, fitted: {fit_efficiency()} "
-            f"(timing.COMPUTE_EFFICIENCY is {timing.COMPUTE_EFFICIENCY})"
-        )
-        return
     rows = table()
     for r in rows:
         print(
@@ -265,8 +247,8 @@ def main() -> None:
         "chip": "H100 80GB (hardware.CHIPS)",
         "command": "python benchmarks/plan_published.py",
         "ratio": "predicted / measured tokens per second per GPU",
-        "efficiency": timing.COMPUTE_EFFICIENCY,
-        "fitted_efficiency": fit_efficiency(),
+        # the planner's (timing.compute_efficiency), fitted per chip on published_runs.json
+        "efficiency": timing.compute_efficiency(hardware.chip("H100 80GB")),
     }
     limits = thresholds()
     print(

@@ -357,6 +357,13 @@ CHIPS: dict[str, Chip] = {
                 "ici_links": f"{_TPU_V5E_TABLE}: ICI ports per chip: 4",
                 "torus": "Interconnect topology: 2D Torus; TPU Pod size: 256 chips",
             },
+            network=(
+                "DCN",
+                25,
+                f"{_TPU_V5E_TABLE}: Chips per host: 8; Per-host NIC configuration: 2 x "
+                "100 Gbps NIC; Data center network bandwidth per Pod: 6.4 Tbps, so 25 "
+                "Gbps a chip either way (256 chips)",
+            ),
             ici=(4, "2D torus, 256-chip pod"),
         ),
         _chip(

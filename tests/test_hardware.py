@@ -147,8 +147,11 @@ def test_the_added_figures_match_their_pages():
         for c in hardware.CHIPS.values()
         if not c.name.startswith("TPU")
     )
-    # No page gives a v5e's DCN per chip (only per host and per pod): none recorded.
-    assert hardware.chip("TPU v5e").network_bytes_per_s is None
+    # A v5e's DCN per chip, from its page's figures per host and per pod, which agree:
+    # 2 x 100 Gb/s for a host's 8 chips, 6.4 Tb/s for a pod's 256.
+    v5e = hardware.chip("TPU v5e")
+    assert v5e.network_bytes_per_s * 8 == 2 * 100e9 / 8 == 6.4e12 / 256
+    assert all(f in v5e.sources["network_bytes_per_s"] for f in ("2 x 100", "6.4 Tbps"))
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -189,9 +192,9 @@ def test_the_planner_plans_one_node_of_each_added_chip(name):
 
 
 def test_the_planner_still_refuses_what_has_no_figure():
-    # No DCN figure per chip for a v4, v5e or v6e: one node only; no link for a PCIe A100.
+    # No DCN figure per chip for a v4 or v6e: one node only; no link for a PCIe A100.
     run = ["--model", "1b", "--devices", "16", "--global-batch", "64"]
-    for name in ["TPU v4", "TPU v5e", "TPU v6e"]:
+    for name in ["TPU v4", "TPU v6e"]:
         shown = json.loads(cli.page_json([*run, "--nodes", "2", "--chip", name]))
         assert f"{name} has no network bandwidth" in shown["error"]
     shown = json.loads(cli.page_json([*run, "--chip", "A100 80GB PCIe"]))

@@ -15,8 +15,8 @@ flags. ``--check`` compiles the best rows with the recipe's
 
 The bytes sent and the step time are a GPU's, predicted: weights gathered and gradients
 reduce-scattered in the compute type, Megatron's sequence-parallel activations, the matmuls at
-``COMPUTE_EFFICIENCY`` of the datasheet peak (one constant fitted to published GPU runs,
-``benchmarks/plan_published.py``), FSDP's collectives hidden behind the compute and tensor
+``timing.compute_efficiency`` of the datasheet peak (a fraction per chip fitted to published
+runs, ``against_published``), FSDP's collectives hidden behind the compute and tensor
 parallelism's waited for. ``--bytes xla-cpu`` prices instead the collectives of the program
 XLA:CPU compiles from the recipe (JAX 0.10.2): every one moves float32, even under
 ``--dtype bfloat16``, and their counts per layer were read from compiled programs
@@ -32,6 +32,8 @@ recipe's own file. Standard library only (no JAX, no NumPy): the "Plan your run"
 in the browser, in Pyodide (``tests/planning/test_cli.py`` imports them with JAX made
 unimportable). Beside them, ``costmodel``: chapter 11_pipelines_mesh_shape's roofline model of any Transformer,
 checked against compiled programs with JAX, on the same ``Layout`` and vocabulary; and
-``published``: the published measured runs (``book/data/published_runs.json``) the planner is
-to be fitted to and checked against, each with its source's words.
+``published``: the published measured runs (``book/data/published_runs.json``), each with its
+source's words; ``efficiency``: the flops utilisation each one reached; and
+``against_published``: the planner's whole step for each run, predicted over measured, and the
+per-chip compute efficiency fitted from them.
 """

@@ -20,7 +20,7 @@ from jaxdist_lessons.planning.footprint import USABLE
 from jaxdist_lessons.planning.layouts import PlanError, Run, candidates, problems
 from jaxdist_lessons.planning.model_config import PRESETS, ModelConfig, config_to_hf
 from jaxdist_lessons.planning.ranking import CONFIG_FILE, plan, table
-from jaxdist_lessons.planning.timing import COMPUTE_EFFICIENCY
+from jaxdist_lessons.planning.timing import compute_efficiency
 
 MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
 
@@ -227,7 +227,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--efficiency",
         type=float,
-        help=f"of the chip's peak the matmuls reach (default {COMPUTE_EFFICIENCY}, fitted)",
+        help="of the chip's peak the matmuls reach (default: the chip's, fitted to "
+        "published runs)",
     )
     add("--json", action="store_true", help="print the rows as JSON")
     add(
@@ -355,5 +356,5 @@ def run_summary(run: Run) -> dict[str, Any]:
         "remat": run.remat,
         "grad_accum": "auto" if run.fit_accum else run.grad_accum,
         "bytes": run.bytes,
-        "efficiency": run.efficiency or COMPUTE_EFFICIENCY,
+        "efficiency": run.efficiency or compute_efficiency(run.chip),
     }

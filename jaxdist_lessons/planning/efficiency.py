@@ -5,12 +5,13 @@ Each run of ``book/data/published_runs.json`` (``published.load_runs``) gives it
 throughput in its source's unit. ``utilisation`` turns that into the run's hardware flops
 utilisation (HFU): the model's training flops a second (``model_config.flops_per_token``'s
 count), times what its remat policy runs again (``remat_factor``), over the chip's dense
-bfloat16 peak (``hardware.CHIPS``). That is the planner's ``timing.COMPUTE_EFFICIENCY`` as
+bfloat16 peak (``hardware.CHIPS``). That is the planner's ``timing.compute_efficiency`` as
 one run measured it, with whatever communication the run left exposed inside it.
 
 ``fit`` fits three models on the runs whose split is "fit" and predicts every run:
 
-- ``one constant``: one utilisation for every chip (the planner's approach);
+- ``one constant``: one utilisation for every chip (the planner's approach before
+  ``against_published`` fitted one per chip);
 - ``per chip``: one utilisation per chip;
 - ``per chip and width``: per chip, times a power of the model's width, the same power
   for every chip (wider matrices keep the units busier).

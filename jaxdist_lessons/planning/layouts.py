@@ -110,7 +110,7 @@ class Run:
     fit_accum: bool = False  # --grad-accum auto: each layout's fewest that fit (plan)
     # the collectives priced: "gpu" (predicted) or "xla-cpu" (compiled)
     bytes: str = "gpu"
-    efficiency: float | None = None  # of the chip's peak; None: COMPUTE_EFFICIENCY
+    efficiency: float | None = None  # of the chip's peak; None: the chip's fitted one
 
     @property
     def per_node(self) -> int:

@@ -1,6 +1,6 @@
 """From bytes to seconds: which share of each ring crosses nodes, the bytes each device sends
 inside its node, across nodes and to its host, and the step time: the matmuls at
-``COMPUTE_EFFICIENCY`` of the chip's peak (one constant fitted to published GPU runs), the
+``compute_efficiency`` of the chip's peak (fitted per chip to published runs), the
 overlapped collectives hidden behind the compute, the exposed ones added.
 """
 
@@ -10,6 +10,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 
+from jaxdist_lessons import hardware
 from jaxdist_lessons.bubble import bubble_fraction
 from jaxdist_lessons.planning.footprint import host_bytes
 from jaxdist_lessons.planning.gpu import priced_transfers
@@ -61,11 +62,36 @@ def link_bytes(run: Run, c: Layout, moves: Sequence[Transfer]) -> dict[str, floa
     return out
 
 
-# Of the chip's datasheet peak that a step's matmuls reach: FITTED, one constant for every
-# chip and run, to the bfloat16 runs of book/data/plan_published.json (least squares in
-# log(predicted / measured); benchmarks/plan_published.py --fit prints it, and
-# tests/test_plan_published.py refits it). --efficiency overrides it.
-COMPUTE_EFFICIENCY = 0.41
+# Of the chip's datasheet peak that a step's matmuls reach: FITTED per chip, end to end
+# (this module's step, collectives and all), to the runs split "fit" in
+# book/data/published_runs.json (``against_published.fit``: the least sum of absolute
+# log errors, so a few runs the planner cannot explain do not pull the rest;
+# tests/planning/test_against_published.py refits them). --efficiency overrides it.
+COMPUTE_EFFICIENCY = {
+    "A100 40GB": 0.68,
+    "A100 80GB": 0.55,
+    "H100 80GB": 0.53,
+    "TPU v5e": 0.80,
+    "TPU v5p": 0.74,
+}
+# For a chip no published run was fitted on: one number fitted on every chip's runs.
+EFFICIENCY_ELSEWHERE = 0.62
+
+
+def compute_efficiency(chip: hardware.Chip) -> float:
+    """The planner's fraction of ``chip``'s peak: its own fitted number; else the lowest
+    of the fitted chips of its family or with its bfloat16 peak (an H200 has an H100's
+    989 TFLOP/s; only its memory differs); else ``EFFICIENCY_ELSEWHERE``."""
+    if chip.name in COMPUTE_EFFICIENCY:
+        return COMPUTE_EFFICIENCY[chip.name]
+    kin = [
+        value
+        for name, value in COMPUTE_EFFICIENCY.items()
+        for fitted in [hardware.CHIPS[name]]
+        if fitted.family == chip.family
+        or fitted.peak_bf16_flops == chip.peak_bf16_flops
+    ]
+    return min(kin, default=EFFICIENCY_ELSEWHERE)
 
 
 def remat_flops(run: Run) -> float:
@@ -96,14 +122,14 @@ def collective_seconds(run: Run, c: Layout, moves: Sequence[Transfer]) -> float:
 def step_seconds(
     run: Run, c: Layout, moves: tuple[list, list] | None = None
 ) -> dict[str, float]:
-    """Predicted seconds: the compute at ``COMPUTE_EFFICIENCY`` of the chip's peak, with
+    """Predicted seconds: the compute at ``compute_efficiency`` of the chip's peak, with
     remat's extra flops and a pipeline's bubble; the collectives that overlap with it
     (and the host copies) hidden behind it up to its length; the exposed ones added."""
     chip = run.chip
     overlapped, exposed = moves or priced_transfers(run, c)
     flops = flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
     peak = chip.peak_bf16_flops if run.dtype == "bfloat16" else chip.peak_fp32_flops
-    efficiency = run.efficiency or COMPUTE_EFFICIENCY
+    efficiency = run.efficiency or compute_efficiency(chip)
     compute = flops * remat_flops(run) / run.devices / (peak * efficiency)
     if c.stages > 1:
         micro = run.global_batch // c.batch_ways

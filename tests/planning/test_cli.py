@@ -36,7 +36,7 @@ from jaxdist_lessons.planning import cli, footprint, model_config, ranking
             ["--chip", "A100 80GB PCIe"],
             "A100 80GB PCIe has no chip-to-chip bandwidth in hardware.CHIPS",
         ),
-        (["--chip", "TPU v5e"], "TPU v5e has no network bandwidth in hardware.CHIPS"),
+        (["--chip", "TPU v6e"], "TPU v6e has no network bandwidth in hardware.CHIPS"),
         (["--devices", "131072"], "--devices 131072: the planner plans up to 65,536"),
         (
             ["--chip", "v5p", "--dtype", "float32"],
