@@ -51,6 +51,19 @@ class Transfer:
     group_size: int | None
     what: str = ""
     axes: tuple[str, ...] = ()  # the mesh axes its groups span, where known
+    # how many collectives carry ``bytes`` between them (a step's per-layer gathers): each
+    # pays its ring's latency (the planner's ``timing.latency_seconds``)
+    calls: int = 1
+
+
+def ring_steps(transfer: Transfer) -> int:
+    """Steps of the ring a collective runs, each a message to the next device: ``N - 1``
+    for a gather, a reduce-scatter or an all-to-all, ``2 (N - 1)`` for an all-reduce (the
+    two of them), one for a permute."""
+    g = transfer.group_size
+    if transfer.kind == "collective-permute" or g is None:
+        return 1
+    return (2 if transfer.kind == "all-reduce" else 1) * (g - 1)
 
 
 def sent_bytes(transfer: Transfer) -> float:

@@ -38,24 +38,34 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     embedding table's once for the lookup; each micro-batch's gradient reduce-scattered in
     the compute type (the gradient of a bfloat16 weight is bfloat16; XLA:CPU's float32 is
     its own normalisation); then one all-reduce over each other batch axis, in float32
-    after an accumulation (the sums), in the compute type otherwise."""
+    after an accumulation (the sums), in the compute type otherwise.
+
+    Calls: the layers are scanned, so each layer's weights are gathered at once, in each
+    pass, and its gradients reduced at once; the output projection and the table are one
+    more each. A micro-batch repeats the gathers and the reduce-scatters."""
     m, f, t, e = run.shape, c.size("fsdp"), c.size("tensor"), c.size("expert")
     layers, D, V, G = m.num_layers, m.width, m.vocab_size, run.grad_accum
     size, params = run.itemsize, count_params(m)
     summed = F32 if G > 1 else size
-    if c.strategy in (NAMES["data"], NAMES["zero1"]) or f == 1:
-        return collective("all-reduce", summed * params, c, "data", what="gradients")
     per_pass = (
         layers * (attention_weights(m) + mlp_weights(m) / e) / t + layers * 2 * D + D
     )
     per_pass += V * D / t  # the output projection (or the tied table as it)
     table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
+    grads = layers + 1 + (1 if table else 0)  # reductions a step: a layer's at once
+    if c.strategy in (NAMES["data"], NAMES["zero1"]) or f == 1:
+        # what a device holds: tensor parallelism splits the blocks and the vocabulary
+        held = params if t == 1 else per_pass + table
+        return collective(
+            "all-reduce", summed * held, c, "data", what="gradients", calls=grads
+        )
     out = collective(
         "all-gather",
         G * size * (2 * per_pass + table),
         c,
         "fsdp",
         what="weights (FSDP)",
+        calls=G * (2 * (layers + 1) + (1 if table else 0)),
     )
     out += collective(
         "reduce-scatter",
@@ -63,9 +73,15 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         c,
         "fsdp",
         what="gradients (FSDP)",
+        calls=G * grads,
     )
     out += collective(
-        "all-reduce", summed * params / f, c, "data", what="gradients over data"
+        "all-reduce",
+        summed * params / f,
+        c,
+        "data",
+        what="gradients over data",
+        calls=grads,
     )
     out += collective(
         "all-reduce",
@@ -73,6 +89,7 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         c,
         "sequence",
         what="gradients over sequence",
+        calls=G * grads,
     )
     # not the experts' own
     shared = params - layers * (mlp_weights(m) - D * m.num_experts)
@@ -82,6 +99,7 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
         c,
         "expert",
         what="gradients of shared weights",
+        calls=G * grads,
     )
     return out
 
@@ -101,10 +119,15 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
         act = size * rows * T * D  # one micro-batch's, whole sequence
         count = G * (2 * k * layers + 2)
         out += collective(
-            "all-gather", count * act, c, "tensor", what="activations (SP)"
+            "all-gather", count * act, c, "tensor", what="activations (SP)", calls=count
         )
         out += collective(
-            "reduce-scatter", count * act / t, c, "tensor", what="activations (SP)"
+            "reduce-scatter",
+            count * act / t,
+            c,
+            "tensor",
+            what="activations (SP)",
+            calls=count,
         )
     if s > 1:
         kv = size * rows * (T // s) * m.num_kv_heads * m.head_width
@@ -114,11 +137,18 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
             c,
             "sequence",
             what="K and V around the ring",
+            calls=G * layers * k * (s - 1) * 2,
         )
     if m.num_experts and e > 1:
         logits = F32 * 2 * layers * run.global_batch * T * m.num_experts
         out += collective(
-            "all-gather", logits, c, "fsdp", "expert", what="router logits"
+            "all-gather",
+            logits,
+            c,
+            "fsdp",
+            "expert",
+            what="router logits",
+            calls=2 * layers,
         )
         if c.dispatch == "dropless":
             pairs = G * rows * T * m.top_k
@@ -128,6 +158,7 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
                 c,
                 "expert",
                 what="pairs to experts and back",
+                calls=G * layers * k * 2,
             )
         group = min(m.group_size, T)
         slots = math.ceil(m.top_k * group * m.capacity_factor / m.num_experts)
@@ -138,6 +169,7 @@ def gpu_activation_transfers(run: Run, c: Layout) -> list[Transfer]:
             c,
             "expert",
             what="tokens to experts and back",
+            calls=G * layers * k * 2,
         )
     return out
 
@@ -155,14 +187,19 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
         rows = run.global_batch // c.batch_ways
         each = dataclasses.replace(per_stage, grad_accum=rows)
         exposed = gpu_activation_transfers(each, c)
+        # each micro-batch's activations forward and gradient back, per virtual stage
+        sends = dataclasses.replace(sends, calls=2 * c.virtual * rows)
         return [sends, *gpu_weight_transfers(per_stage, inside)], exposed
     # gradients' shards, then float32 weights gathered
     if c.strategy.startswith("ZeRO"):
         n, params = run.devices, count_params(run.shape)
         summed = F32 if run.grad_accum > 1 else run.itemsize
+        calls = run.shape.num_layers + 1  # a layer's at once, and the rest
         return [
-            Transfer("reduce-scatter", summed * params / n, n, "gradients", ("data",)),
-            Transfer("all-gather", F32 * params, n, "weights", ("data",)),
+            Transfer(
+                "reduce-scatter", summed * params / n, n, "gradients", ("data",), calls
+            ),
+            Transfer("all-gather", F32 * params, n, "weights", ("data",), calls),
         ], []
     activations = gpu_activation_transfers(run, c)
     ring = [move for move in activations if move.kind == "collective-permute"]

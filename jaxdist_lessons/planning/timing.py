@@ -16,7 +16,7 @@ from jaxdist_lessons.planning.footprint import host_bytes
 from jaxdist_lessons.planning.gpu import priced_transfers
 from jaxdist_lessons.planning.layouts import AXES, Layout, Run
 from jaxdist_lessons.planning.model_config import flops_per_token
-from jaxdist_lessons.traffic import Transfer, sent_bytes
+from jaxdist_lessons.traffic import Transfer, ring_steps, sent_bytes
 
 
 def crossing_share(run: Run, c: Layout, axes: Sequence[str]) -> float:
@@ -69,13 +69,13 @@ def link_bytes(run: Run, c: Layout, moves: Sequence[Transfer]) -> dict[str, floa
 # tests/planning/test_against_published.py refits them). --efficiency overrides it.
 COMPUTE_EFFICIENCY = {
     "A100 40GB": 0.68,
-    "A100 80GB": 0.55,
+    "A100 80GB": 0.56,
     "H100 80GB": 0.53,
     "TPU v5e": 0.80,
     "TPU v5p": 0.74,
 }
 # For a chip no published run was fitted on: one number fitted on every chip's runs.
-EFFICIENCY_ELSEWHERE = 0.62
+EFFICIENCY_ELSEWHERE = 0.64
 
 
 def compute_efficiency(chip: hardware.Chip) -> float:
@@ -107,15 +107,37 @@ def remat_flops(run: Run) -> float:
     return 1.0
 
 
+# NCCL's own latency model for a ring with its Simple protocol (the one large messages
+# use), in seconds: a launch costs BASE, and each step of the ring a hop inside a node
+# (NVLink) or across nodes (the network). From NCCL's src/graph/tuning.cc, baseLat and
+# hwLat, Ring / Simple: 8.4, 3.4 (NVLink) and 14.0 (NET) microseconds
+# (https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc).
+NCCL_LATENCY = {"base": 8.4e-6, "inside": 3.4e-6, "across": 14.0e-6}
+
+
+def latency_seconds(run: Run, c: Layout, move: Transfer) -> float:
+    """The latency of ``move``'s collectives on a GPU, however few bytes they carry:
+    per call, NCCL's launch and one hop per step of its ring, the ring's share across
+    nodes (``crossing_share``) at the network's latency. 0 on a TPU: no published
+    figure per ICI or DCN hop is recorded here."""
+    if run.chip.name.startswith("TPU"):
+        return 0.0
+    steps = ring_steps(move)
+    across = crossing_share(run, c, move.axes) * steps
+    hops = (steps - across) * NCCL_LATENCY["inside"] + across * NCCL_LATENCY["across"]
+    return move.calls * (NCCL_LATENCY["base"] + hops)
+
+
 def collective_seconds(run: Run, c: Layout, moves: Sequence[Transfer]) -> float:
     """Seconds to send ``moves`` one after another, each a ring whose sends inside the node
-    and across it run at once, on NVLink and the network adapters: the slower sets the
-    pace."""
+    and across it run at once, on NVLink and the network adapters (the slower sets the
+    pace), plus each call's latency (``latency_seconds``)."""
     chip, total = run.chip, 0.0
     for move in moves:
         sent, share = sent_bytes(move), crossing_share(run, c, move.axes)
         across = share * sent / chip.network_bytes_per_s if share else 0.0
         total += max((1 - share) * sent / chip.link_bytes_per_s, across)
+        total += latency_seconds(run, c, move)
     return total
 
 

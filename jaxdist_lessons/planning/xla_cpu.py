@@ -20,11 +20,14 @@ from jaxdist_lessons.traffic import Transfer
 
 
 def collective(
-    kind: str, nbytes: float, c: Layout, *axes: str, what: str = ""
+    kind: str, nbytes: float, c: Layout, *axes: str, what: str = "", calls: int = 1
 ) -> list[Transfer]:
-    """One collective over ``axes`` (an empty list if those axes have one device)."""
+    """``calls`` collectives over ``axes`` carrying ``nbytes`` between them (an empty list
+    if those axes have one device)."""
     group = math.prod(c.size(a) for a in axes)
-    return [Transfer(kind, nbytes, group, what, axes)] if group > 1 and nbytes else []
+    if group == 1 or not nbytes:
+        return []
+    return [Transfer(kind, nbytes, group, what, axes, calls)]
 
 
 def weight_transfers(run: Run, c: Layout) -> list[Transfer]:

@@ -25,7 +25,7 @@ def test_a_chip_without_fitted_runs_takes_its_familys_lowest_or_the_constant():
     chip = hardware.chip
     assert timing.compute_efficiency(chip("H200 141GB")) == 0.53  # H100 80GB's peak
     assert timing.compute_efficiency(chip("H100 PCIe")) == 0.53  # its family
-    assert timing.compute_efficiency(chip("A100 80GB PCIe")) == 0.55  # of 0.55, 0.68
+    assert timing.compute_efficiency(chip("A100 80GB PCIe")) == 0.56  # of 0.56, 0.68
     assert timing.compute_efficiency(chip("B200")) == timing.EFFICIENCY_ELSEWHERE
     assert timing.compute_efficiency(chip("TPU v6e")) == timing.EFFICIENCY_ELSEWHERE
 

@@ -30,3 +30,52 @@ def test_overlap_hides_fsdps_collectives_and_waits_for_tensor_parallelisms():
     assert gather.bytes == (6 * 32 + 2) * whole and scatter.bytes == gather.bytes / 2
     none = dataclasses.replace(run, remat="none")
     assert gpu.gpu_activation_transfers(none, tp)[0].bytes == (4 * 32 + 2) * whole
+
+
+def test_each_collective_pays_nccls_latency_per_call_and_per_ring_step():
+    """8B under FSDP on 16 GPUs over 2 nodes: a ring of 16 steps 15 times, 2 of its 16
+    edges across nodes; 2 x 33 gathers a step (each layer's, then the output projection,
+    in both passes) and the table's lookup once, untied."""
+    flags = ["--model", "8b", "--devices", "16", "--nodes", "2"]
+    run, fsdp = fsdp_run([*flags, "--seq-len", "4096", "--global-batch", "32"])
+    gather = gpu.gpu_weight_transfers(run, fsdp)[0]
+    assert (gather.kind, gather.calls, gather.group_size) == ("all-gather", 67, 16)
+    nccl = timing.NCCL_LATENCY
+    across = 15 * 2 / 16
+    each = nccl["base"] + (15 - across) * nccl["inside"] + across * nccl["across"]
+    assert timing.latency_seconds(run, fsdp, gather) == pytest.approx(67 * each)
+    # the bandwidth's time and the latency, one after the other
+    alone = timing.collective_seconds(run, fsdp, [gather])
+    no_latency = dataclasses.replace(gather, calls=0)
+    assert alone == pytest.approx(
+        timing.collective_seconds(run, fsdp, [no_latency]) + 67 * each
+    )
+
+
+def test_a_tpu_collective_is_priced_on_bandwidth_alone():
+    run, fsdp = fsdp_run([*GPU_8B[:4], "--chip", "TPU v5p", "--global-batch", "8"])
+    gather = gpu.gpu_weight_transfers(run, fsdp)[0]
+    assert gather.calls > 1 and timing.latency_seconds(run, fsdp, gather) == 0
+
+
+def test_data_x_tensor_all_reduces_the_gradients_a_device_holds():
+    """Without FSDP, each device reduces its own tensor-split share of the gradients
+    over the data axis, not the whole model's."""
+    run, _ = fsdp_run(GPU_8B)
+    both = layouts.Layout(data=2, tensor=4, strategy="published")
+    [reduce] = gpu.gpu_weight_transfers(run, both)
+    [whole] = gpu.gpu_weight_transfers(run, layouts.Layout(data=8, strategy="DP"))
+    m = run.shape
+    held = (
+        m.num_layers
+        * (
+            (m.width * m.head_width * (2 * m.num_heads + 2 * m.num_kv_heads))
+            + 3 * m.width * m.mlp_width
+        )
+        / 4
+        + m.num_layers * 2 * m.width
+        + m.width
+        + 2 * m.vocab_size * m.width / 4
+    )
+    assert reduce.bytes == run.itemsize * held < whole.bytes
+    assert reduce.calls == whole.calls == m.num_layers + 2
