@@ -18,6 +18,7 @@ NAMES: dict[str, str] = {
     "tensor": "TP",
     "hybrid": "DP+TP",
     "fsdp+tensor": "FSDP+TP",
+    "hsdp+tensor": "HSDP+TP",  # replicas across nodes, FSDP and tensor inside each
     "sequence": "sequence",
     "fsdp_all_gathered": "FSDP, all layers gathered at once",
     "fsdp_per_layer": "FSDP, layer by layer",

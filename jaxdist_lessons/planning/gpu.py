@@ -53,9 +53,9 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     per_pass += V * D / t  # the output projection (or the tied table as it)
     table = 0 if m.tie_embeddings else V * D / t  # the lookup's, forward only
     grads = layers + 1 + (1 if table else 0)  # reductions a step: a layer's at once
+    # what a device holds before FSDP: tensor parallelism splits the blocks and vocabulary
+    held = params if t == 1 else per_pass + table
     if c.strategy in (NAMES["data"], NAMES["zero1"]) or f == 1:
-        # what a device holds: tensor parallelism splits the blocks and the vocabulary
-        held = params if t == 1 else per_pass + table
         return collective(
             "all-reduce", summed * held, c, "data", what="gradients", calls=grads
         )
@@ -77,7 +77,7 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     )
     out += collective(
         "all-reduce",
-        summed * params / f,
+        summed * held / f,
         c,
         "data",
         what="gradients over data",
@@ -85,14 +85,14 @@ def gpu_weight_transfers(run: Run, c: Layout) -> list[Transfer]:
     )
     out += collective(
         "all-reduce",
-        G * size * params / f,
+        G * size * held / f,
         c,
         "sequence",
         what="gradients over sequence",
         calls=G * grads,
     )
     # not the experts' own
-    shared = params - layers * (mlp_weights(m) - D * m.num_experts)
+    shared = held - layers * (mlp_weights(m) - D * m.num_experts) / t
     out += collective(
         "all-reduce",
         G * size * shared / f,

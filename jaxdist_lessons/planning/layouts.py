@@ -127,10 +127,17 @@ def checked(run: Run, c: Layout) -> bool:
     were read under full remat, one micro-batch a step. Not yet for pipelines (their
     predicted bytes and memory are not the compiled program's), nor ZeRO-1 (XLA:CPU
     all-reduces the gradient where the prediction has a reduce-scatter), nor offloading
-    (XLA:CPU's program keeps everything in device memory)."""
+    (XLA:CPU's program keeps everything in device memory), nor a tensor axis beside data
+    or sequence (the counts were read with FSDP beside it; compiled, such programs
+    all-reduce 1.1 to 1.5 times the predicted bytes)."""
     plain = run.remat == "full" and run.grad_accum == 1
+    read = c.tensor == 1 or c.data == c.sequence == 1
     return (
-        plain and c.stages == 1 and not c.strategy.startswith("ZeRO") and not c.offload
+        plain
+        and read
+        and c.stages == 1
+        and not c.strategy.startswith("ZeRO")
+        and not c.offload
     )
 
 
@@ -156,7 +163,10 @@ def mesh_sizes(flag: str) -> dict[str, int]:
 
 
 def candidates(run: Run) -> list[Layout]:
-    """Every layout family at the sizes the devices allow; ``problems`` filters what cannot run."""
+    """Every layout family at the sizes the devices allow; ``problems`` filters what cannot
+    run. Besides one strategy alone: tensor parallelism inside a node with FSDP, data
+    parallelism or both (HSDP) across; context parallelism with it; and pipelines of every
+    depth ``pipeline_depths`` allows, FSDP or data parallelism inside the stages."""
     n, p, m = run.devices, run.per_node, run.shape
     out = [
         Layout(data=n, strategy=z)
@@ -171,8 +181,9 @@ def candidates(run: Run) -> list[Layout]:
     # Inside a node, not all devices, powers of two: on an odd ring XLA:CPU moves the embedding
     # table instead of the activations, which the counts below do not follow.
     inside = [k for k in (2, 4, 8) if p % k == 0 and k < n]
+    tensors = tensor_sizes(run)
     out += [
-        Layout(fsdp=n // t, tensor=t, strategy=NAMES["fsdp+tensor"]) for t in inside
+        Layout(fsdp=n // t, tensor=t, strategy=NAMES["fsdp+tensor"]) for t in tensors
     ]
     out += [Layout(fsdp=n // s, sequence=s, strategy=NAMES["sequence"]) for s in inside]
     if m.num_experts:
@@ -186,31 +197,92 @@ def candidates(run: Run) -> list[Layout]:
             ]
     if run.chip.host_bytes_per_s and n > 1:
         out.append(Layout(fsdp=n, offload=True, strategy=f"{NAMES['fsdp']} + offload"))
-    stages = run.nodes if run.nodes > 1 else 2
-    if n % stages == 0 and n > 1:
-        for schedule, virtual in (("GPipe", 1), ("1F1B", 1), ("interleaved", 2)):
-            out.append(
-                Layout(
-                    fsdp=n // stages,
-                    stages=stages,
-                    virtual=virtual,
-                    schedule=schedule,
-                    strategy=f"pipeline {schedule}",
-                )
-            )
-        # tensor parallelism inside each stage's node, FSDP beside it
-        stage = n // stages
+    # Megatron's data x tensor; HSDP's replicas across nodes, FSDP and tensor inside each
+    out += [Layout(data=n // t, tensor=t, strategy=NAMES["hybrid"]) for t in tensors]
+    if run.nodes > 1:
         out += [
-            Layout(
-                fsdp=stage // t,
-                tensor=t,
-                stages=stages,
-                schedule="1F1B",
-                strategy=f"pipeline 1F1B + {NAMES['tensor']}",
-            )
-            for t in inside
-            if stage % t == 0 and t <= p
+            Layout(data=run.nodes, fsdp=p // t, tensor=t, strategy=NAMES["hsdp+tensor"])
+            for t in tensors
+            if p > t
         ]
+    # context parallelism beside tensor parallelism, both inside a node, FSDP across
+    out += [
+        Layout(
+            fsdp=n // (s * t),
+            sequence=s,
+            tensor=t,
+            strategy=f"{NAMES['sequence']} + {NAMES['tensor']}",
+        )
+        for s in inside
+        for t in tensors
+        if p % (s * t) == 0
+    ]
+    home = run.nodes if run.nodes > 1 else 2
+    for stages in pipeline_depths(run):
+        out += pipelines(run, stages, tensors, every_schedule=stages == home)
+    return out
+
+
+def tensor_sizes(run: Run) -> list[int]:
+    """Tensor-parallel sizes: powers of two that divide a node, not all the devices, up
+    to 16 (a TPU slice's torus holds 16 neighbours, MaxText's TP 16; a GPU node has 8)."""
+    return [t for t in (2, 4, 8, 16) if run.per_node % t == 0 and t < run.devices]
+
+
+def pipeline_depths(run: Run) -> list[int]:
+    """Pipeline stages the planner tries: the node count (2 in one node), as chapter 11
+    cuts a pipeline, first; then every other divisor of the devices that divides the
+    layers (a stage holds whole layers), as Megatron picks its depth for the model."""
+    n, layers = run.devices, run.shape.num_layers
+    home = run.nodes if run.nodes > 1 else 2
+    depths = [home] if n % home == 0 and n > 1 else []
+    return depths + [
+        d
+        for d in range(2, min(n, layers) + 1)
+        if n % d == 0 and layers % d == 0 and d != home
+    ]
+
+
+def pipelines(
+    run: Run, stages: int, tensors: list[int], every_schedule: bool
+) -> list[Layout]:
+    """Pipelines of ``stages`` stages: FSDP inside each stage (1F1B, and with
+    ``every_schedule`` GPipe and interleaved too), and 1F1B with tensor parallelism inside
+    a node and FSDP or data parallelism beside it in the stage."""
+    stage = run.devices // stages
+    schedules = [("GPipe", 1), ("1F1B", 1), ("interleaved", 2)]
+    out = [
+        Layout(
+            fsdp=stage,
+            stages=stages,
+            virtual=virtual,
+            schedule=schedule,
+            strategy=f"pipeline {schedule}",
+        )
+        for schedule, virtual in (schedules if every_schedule else schedules[1:2])
+    ]
+    inner = [t for t in tensors if stage % t == 0]
+    out += [
+        Layout(
+            fsdp=stage // t,
+            tensor=t,
+            stages=stages,
+            schedule="1F1B",
+            strategy=f"pipeline 1F1B + {NAMES['tensor']}",
+        )
+        for t in inner
+    ]
+    out += [
+        Layout(
+            data=stage // t,
+            tensor=t,
+            stages=stages,
+            schedule="1F1B",
+            strategy=f"pipeline 1F1B + {NAMES['hybrid']}",
+        )
+        for t in inner
+        if stage > t
+    ]
     return out
 
 

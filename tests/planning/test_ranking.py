@@ -178,3 +178,48 @@ def test_grad_accum_auto_takes_each_layouts_fewest_micro_batches_that_fit():
         and "--mesh pipeline=2,fsdp=4,tensor=2" in staged["flags"]
     )
     assert rows[("pipeline 1F1B", "pipeline=2,fsdp=8")]["seconds"]["exposed"] == 0
+
+
+def test_the_new_families_are_ranked_rows_and_ties_go_to_fewer_bytes_across():
+    """70b on 64 H100s in 8 nodes: data x tensor, HSDP x tensor, context x tensor and
+    pipelines of 2 to 16 stages (data or FSDP beside tensor parallelism inside them) are
+    rows with flags the recipe takes. Where the predicted steps tie (to 3 figures: the
+    compute-bound layouts), the row sending fewer bytes across nodes ranks first, then
+    fewer to the host, then the one holding less memory."""
+    argv = [*H100_70B_64, "--global-batch", "256"]
+    rows = json.loads(run_main([*argv, "--json"])[1])["rows"]
+    strategies = {r["strategy"] for r in rows}
+    assert {
+        "DP+TP",
+        "HSDP+TP",
+        "sequence + TP",
+        "pipeline 1F1B + DP+TP",
+    } <= strategies
+    depths = {
+        int(r["mesh"].split(",")[0].split("=")[1])
+        for r in rows
+        if r["mesh"].startswith("pipeline=")
+    }
+    assert depths == {2, 4, 8, 16}
+    for r in rows:
+        if r["runnable"]:
+            assert_the_recipe_takes(r["flags"])
+    keys = [ranking.rank(r) for r in rows]
+    assert keys == sorted(keys)
+    tied = [(a, b) for a, b in zip(keys, keys[1:]) if a[:3] == b[:3]]
+    assert len(tied) > 5  # ties are common: they are broken by what follows
+    assert all(a[3:] <= b[3:] for a, b in tied)
+
+
+H100_70B_64 = [
+    "--model",
+    "70b",
+    "--devices",
+    "64",
+    "--nodes",
+    "8",
+    "--chip",
+    "h100",
+    "--seq-len",
+    "4096",
+]

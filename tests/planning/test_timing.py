@@ -79,3 +79,18 @@ def test_data_x_tensor_all_reduces_the_gradients_a_device_holds():
     )
     assert reduce.bytes == run.itemsize * held < whole.bytes
     assert reduce.calls == whole.calls == m.num_layers + 2
+
+
+def test_hsdp_with_tensor_reduces_over_data_the_share_a_device_holds():
+    """FSDP beside tensor parallelism, replicas across: the all-reduce over data moves
+    a device's tensor-split share, split again over fsdp."""
+    run, _ = fsdp_run(GPU_8B)
+    hsdp = layouts.Layout(data=2, fsdp=2, tensor=2, strategy="HSDP+TP")
+    [over_data] = [
+        move
+        for move in gpu.gpu_weight_transfers(run, hsdp)
+        if move.what == "gradients over data"
+    ]
+    both = layouts.Layout(data=4, tensor=2, strategy="DP+TP")
+    [whole] = gpu.gpu_weight_transfers(run, both)
+    assert over_data.bytes == whole.bytes / 2
