@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import efficiency, published, timing
+from jaxdist_lessons.planning import efficiency, published, ranking, timing
 from jaxdist_lessons.planning.layouts import Layout, Run
 from jaxdist_lessons.planning.model_config import ModelConfig
 from jaxdist_lessons.strategies import NAMES
@@ -190,3 +190,18 @@ def predict_all(
     return [
         predict(r, efficiency.utilisation(r), fitted.efficiency(r.chip)) for r in runs
     ]
+
+
+def published_rank(p: Prediction) -> tuple[int | None, list[dict]]:
+    """Where the planner ranks ``p``'s published layout among the rows it offers for
+    the same request (the chip's own efficiency, ``--grad-accum auto``): its position
+    from 1, or ``None`` where it does not offer it; and the rows."""
+    request = dataclasses.replace(
+        planner_run(p.run, planner_shape(p.run), p.layout, 1.0),
+        efficiency=None,
+        fit_accum=True,
+    )
+    rows = ranking.plan(request)
+    meshes = [row["mesh"].split(" (")[0] for row in rows]
+    mesh = p.layout.mesh_flag
+    return (meshes.index(mesh) + 1 if mesh in meshes else None), rows

@@ -104,3 +104,16 @@ def test_a_pipeline_costs_its_bubble_in_the_prediction():
     assert less / full == pytest.approx(
         (1 - 63 / (512 + 63)) / (1 - 63 / (128 + 63)) / 4
     )
+
+
+def test_the_planner_ranks_a_published_layout_among_its_own_rows():
+    predictions = {p.run.name: p for p in against_published.predict_all() if p.ratio}
+    first, rows = against_published.published_rank(
+        predictions["MaxText 16B, 1x v5e-256 (256 chips), FSDP 256"]
+    )
+    assert first == 1 and rows[0]["mesh"] == "fsdp=256"
+    # 16,384 * 2 / 3 rounds to 10,923 MLP units, which 4 tensor shards cannot split
+    missing, rows = against_published.published_rank(
+        predictions["Megatron-LM GPT 7.5B, 128 A100, TP 4 x PP 1 x DP 32"]
+    )
+    assert missing is None and "data=32,tensor=4" not in {r["mesh"] for r in rows}
