@@ -36,6 +36,12 @@ CHIP_NAMES = {
 
 def make_run(args: argparse.Namespace) -> Run:
     """The reader's request, checked; ``PlanError`` says what is wrong."""
+    if args.slices is not None:
+        if args.slices < 1:
+            raise PlanError(f"--slices must be positive, got {args.slices}")
+        if args.nodes != 1:
+            raise PlanError("--slices and --nodes say the same thing: give one")
+        args = argparse.Namespace(**{**vars(args), "nodes": args.slices})
     for name in ("devices", "nodes", "seq_len", "global_batch", "top_k", "group_size"):
         if getattr(args, name) < 1:
             raise PlanError(
@@ -58,6 +64,10 @@ def make_run(args: argparse.Namespace) -> Run:
             f"{', '.join(hardware.CHIPS)}"
         )
     chip = hardware.CHIPS[name]
+    if args.slices is not None and not chip.name.startswith("TPU"):
+        raise PlanError(
+            f"--slices {args.slices}: slices are a TPU's; a GPU cluster has --nodes"
+        )
     if chip.link_bytes_per_s is None or (
         args.nodes > 1 and chip.network_bytes_per_s is None
     ):
@@ -193,7 +203,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--capacity-factor", type=float, default=1.25)
     add("--group-size", type=int, default=512)
     add("--devices", type=int, required=True)
-    add("--nodes", type=int, default=1)
+    add(
+        "--nodes",
+        type=int,
+        default=1,
+        help="servers of GPUs; for a TPU, slices joined over the data-center network",
+    )
+    add(
+        "--slices",
+        type=int,
+        help="a TPU's slices (multislice), each one node to the planner: --nodes's "
+        "name for a TPU",
+    )
     add(
         "--chip",
         default="h100",

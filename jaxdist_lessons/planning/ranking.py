@@ -202,8 +202,9 @@ def table(run: Run, rows: Sequence[dict[str, Any]]) -> Table:
         else "a GPU's program (predicted)",
         "xla-cpu": "XLA:CPU's program (float32 collectives)",
     }[run.bytes]
+    unit = "slice" if on_tpu else "node"
     title = (
-        f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} node"
+        f"{run.model} on {run.devices} x {run.chip.name} ({run.nodes} {unit}"
         f"{'s' if run.nodes > 1 else ''}), {run.global_batch} x {run.seq_len} tokens a "
         f"step, {run.dtype}, remat {run.remat}; GB sent "
         f"per device per step by {sent}"

@@ -218,3 +218,23 @@ def test_a_head_dim_of_its_own_and_tied_embeddings():
     assert count(a128) - count(a100) == attention * (128 - 100)
     assert count(a100) - count(tied) == 32000 * 1000  # the output projection
     assert cli.main([*shape, "--head-dim", "128"]) == 0
+
+
+def test_a_tpus_slices_are_its_nodes():
+    """--slices is --nodes's name for a TPU: the same plan, titled in slices; a GPU's
+    cluster, a second count or a count below one are refused in one line."""
+    request = ["--model", "8b", "--devices", "512", "--chip", "v5p"]
+    request += ["--global-batch", "512", "--seq-len", "2048"]
+    slices = json.loads(cli.page_json([*request, "--slices", "2"]))
+    nodes = json.loads(cli.page_json([*request, "--nodes", "2"]))
+    assert slices == nodes and "(2 slices)" in slices["title"]
+    for extra, message in [
+        (["--slices", "2", "--nodes", "2"], "--slices and --nodes say the same thing"),
+        (["--slices", "0"], "--slices must be positive, got 0"),
+    ]:
+        assert json.loads(cli.page_json([*request, *extra]))["error"].startswith(
+            f"plan: {message}"
+        )
+    gpu = ["--model", "8b", "--devices", "16", "--global-batch", "32"]
+    error = json.loads(cli.page_json([*gpu, "--slices", "2"]))["error"]
+    assert error == "plan: --slices 2: slices are a TPU's; a GPU cluster has --nodes"
