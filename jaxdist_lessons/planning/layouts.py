@@ -262,26 +262,19 @@ def pipelines(
         for schedule, virtual in (schedules if every_schedule else schedules[1:2])
     ]
     inner = [t for t in tensors if stage % t == 0]
+    # tensor parallelism inside each stage, FSDP beside it; then data beside it
+    beside = (("fsdp", NAMES["tensor"]), ("data", NAMES["hybrid"]))
     out += [
         Layout(
-            fsdp=stage // t,
+            **{axis: stage // t},
             tensor=t,
             stages=stages,
             schedule="1F1B",
-            strategy=f"pipeline 1F1B + {NAMES['tensor']}",
+            strategy=f"pipeline 1F1B + {name}",
         )
+        for axis, name in beside
         for t in inner
-    ]
-    out += [
-        Layout(
-            data=stage // t,
-            tensor=t,
-            stages=stages,
-            schedule="1F1B",
-            strategy=f"pipeline 1F1B + {NAMES['hybrid']}",
-        )
-        for t in inner
-        if stage > t
+        if axis == "fsdp" or stage > t
     ]
     return out
 

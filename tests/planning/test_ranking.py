@@ -61,23 +61,24 @@ def test_json_has_the_tables_rows():
             assert "--mesh pipeline=" in r["flags"] and "--grad-accum " in r["flags"]
 
 
+H100_70B_64 = [
+    "--model",
+    "70b",
+    "--devices",
+    "64",
+    "--nodes",
+    "8",
+    "--chip",
+    "h100",
+    "--seq-len",
+    "4096",
+]
+
+
 @pytest.mark.parametrize(
     "request_",
     [
-        [
-            "--model",
-            "70b",
-            "--devices",
-            "64",
-            "--nodes",
-            "8",
-            "--chip",
-            "h100",
-            "--seq-len",
-            "4096",
-            "--global-batch",
-            "256",
-        ],
+        [*H100_70B_64, "--global-batch", "256"],
         [
             "--model",
             "8b",
@@ -209,17 +210,3 @@ def test_the_new_families_are_ranked_rows_and_ties_go_to_fewer_bytes_across():
     tied = [(a, b) for a, b in zip(keys, keys[1:]) if a[:3] == b[:3]]
     assert len(tied) > 5  # ties are common: they are broken by what follows
     assert all(a[3:] <= b[3:] for a, b in tied)
-
-
-H100_70B_64 = [
-    "--model",
-    "70b",
-    "--devices",
-    "64",
-    "--nodes",
-    "8",
-    "--chip",
-    "h100",
-    "--seq-len",
-    "4096",
-]
