@@ -1,7 +1,7 @@
 """Splash attention against XLA's, at the 125m preset's attention shape: errors and times.
 
 The recipe's three attentions (examples/lm: splash.splash_attention, JAX's Pallas kernel
-for TPUs; model.chunked_attention; XLA's jax.nn.dot_product_attention) on 2 rows of
+for TPUs; attention.chunked_attention; XLA's jax.nn.dot_product_attention) on 2 rows of
 2,048 tokens, 12 query heads sharing 4 key/value heads of 64 (``--model 125m``), causal,
 and causal inside documents (EOD about every 400 tokens, as ``--eod-id`` masks them).
 For float32 and bfloat16 inputs it prints each one's largest error in the output and in
@@ -39,7 +39,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import model as model_lib  # noqa: E402
+import attention as attention_lib  # noqa: E402
 import splash  # noqa: E402
 
 B, N, K, A = 2, 12, 4, 64  # the 125m preset: 12 heads of 64, 4 key/value heads
@@ -119,17 +119,22 @@ def inputs(length: int, dtype) -> tuple[list[jax.Array], jax.Array]:
     arrays = [jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes)]
     rng = np.random.default_rng(0)
     tokens_BT = np.where(rng.random((B, length)) < 1 / DOCUMENT_LENGTH, 0, 1)
-    return arrays, model_lib.document_starts(jnp.asarray(tokens_BT), 0)
+    return arrays, attention_lib.document_starts(jnp.asarray(tokens_BT), 0)
 
 
 def attentions(length: int) -> dict:
     """name -> attend(q, k, v, starts or None), each as the recipe calls it."""
     positions_T = jnp.arange(length)
-    chunked = lambda q, k, v, s: model_lib.chunked_attention(
-        q, k, v, positions_T, positions_T, model_lib.BLOCK, s, s
+    chunked = lambda q, k, v, s: attention_lib.chunked_attention(
+        q, k, v, positions_T, positions_T, attention_lib.BLOCK, s, s
     )
     xla = lambda q, k, v, s: jax.nn.dot_product_attention(
-        q, k, v, mask=model_lib.document_mask(s), is_causal=True, implementation="xla"
+        q,
+        k,
+        v,
+        mask=attention_lib.document_mask(s),
+        is_causal=True,
+        implementation="xla",
     )
     return {"splash": splash.splash_attention, "chunked": chunked, "xla": xla}
 

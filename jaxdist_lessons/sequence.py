@@ -38,7 +38,7 @@ from jaxdist_lessons._checks import positive_int
 zigzag = recipe.module("layout").zigzag
 
 # finite, so that a row with nothing unmasked yet gives no NaN: the recipe's value
-MASKED = recipe.module("model").MASKED
+MASKED = recipe.module("attention").MASKED
 
 
 def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:

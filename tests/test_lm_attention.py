@@ -1,4 +1,4 @@
-"""examples/lm/model.py's attentions: chunked blocks, ring attention on them, cuDNN's placement.
+"""examples/lm/attention.py's attentions: chunked blocks, ring attention on them, cuDNN's placement.
 
 Float32 on the 8 simulated CPU devices of conftest.py. The reference is XLA's
 jax.nn.dot_product_attention (the T x S scores, softmax, a matmul). cuDNN's kernel needs an
@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import attention as attention_lib  # noqa: E402
 import layout  # noqa: E402
 import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
@@ -61,7 +62,7 @@ def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
     positions_T = np.arange(T) if order == "in order" else layout.zigzag(T, 4)
     q, k, v, d_out = (x[:, positions_T] for x in qkv)
     chunked = jax.jit(
-        lambda q, k, v: model_lib.chunked_attention(
+        lambda q, k, v: attention_lib.chunked_attention(
             q, k, v, positions_T, positions_T, block
         )
     )
@@ -78,7 +79,7 @@ def test_chunked_equals_xla_forward_and_gradients(qkv, block, order):
 def test_blocks_are_the_largest_that_divide_the_length(length, block, size):
     """A length the block does not divide (--seq-len 768) gets smaller blocks, not an
     error; a length no larger than the block is one block."""
-    assert model_lib.block_size(length, block) == size
+    assert attention_lib.block_size(length, block) == size
 
 
 def temporaries(attend, length: int) -> int:
@@ -107,7 +108,7 @@ def test_chunked_memory_is_linear_in_the_sequence_forward_and_backward():
 
     def chunked(q, k, v):
         positions_T = jnp.arange(q.shape[1])
-        return model_lib.chunked_attention(q, k, v, positions_T, positions_T, 128)
+        return attention_lib.chunked_attention(q, k, v, positions_T, positions_T, 128)
 
     chunked_bytes = [temporaries(chunked, t) for t in (1024, 2048)]
     xla_bytes = [temporaries(reference, t) for t in (1024, 2048)]
@@ -127,7 +128,7 @@ def test_ring_attention_on_chunked_blocks_equals_one_device(qkv):
     positions_T = layout.zigzag(T, 4)
     split = P(None, "sequence")
     ring = jax.shard_map(
-        functools.partial(model_lib.ring_attention, block=8),
+        functools.partial(attention_lib.ring_attention, block=8),
         mesh=mesh,
         in_specs=(split, split, split, P()),
         out_specs=split,
@@ -194,7 +195,7 @@ def test_the_placement_splits_rows_and_heads_and_keeps_the_result(qkv):
         return reference(q_BTNA, k_BTKA, v_BTKA)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        placed = jax.jit(model_lib.placed(stand_in))(q_BTNA, k_BTKA, v_BTKA)
+        placed = jax.jit(attention_lib.placed(stand_in))(q_BTNA, k_BTKA, v_BTKA)
     unplaced = reference(q_BTNA, k_BTKA, v_BTKA)
     np.testing.assert_allclose(placed, unplaced, **CLOSE)
     assert seen == [((1, T, N // 2, A), (1, T, K // 2, A))]  # 4 rows / 4, heads / 2
@@ -204,7 +205,7 @@ def test_the_placement_splits_rows_and_heads_and_keeps_the_result(qkv):
 
 def test_document_starts_restart_after_each_end_of_document():
     tokens_BT = jnp.array([[5, 0, 3, 4, 0, 0, 7], [1, 2, 3, 4, 5, 6, 0]])
-    starts_BT = model_lib.document_starts(tokens_BT, eod_id=0)
+    starts_BT = attention_lib.document_starts(tokens_BT, eod_id=0)
     np.testing.assert_array_equal(
         starts_BT, [[0, 0, 2, 2, 2, 5, 6], [0, 0, 0, 0, 0, 0, 0]]
     )
@@ -247,7 +248,7 @@ def test_a_packed_row_gives_each_documents_logits_alone(packed, kind, monkeypatc
     model, params, tokens_BT = packed
     monkeypatch.setattr(model_lib, "BLOCK", 16)
     model = model.clone(attention=kind)
-    starts_BT = model_lib.document_starts(tokens_BT, EOD)
+    starts_BT = attention_lib.document_starts(tokens_BT, EOD)
     masked, _ = jax.jit(model.apply)(params, tokens_BT, None, starts_BT)
     expected = alone(model, params, tokens_BT)
     np.testing.assert_allclose(masked, expected, **CLOSE)
@@ -269,7 +270,7 @@ def test_document_masking_gradients_agree_across_xla_chunked_and_the_ring(
 
     def loss_and_grads(model, order):
         def loss(params):
-            starts_BT = model_lib.document_starts(tokens_BT, EOD)
+            starts_BT = attention_lib.document_starts(tokens_BT, EOD)
             logits_BTV, _ = model.apply(
                 params, tokens_BT[:, order], order, starts_BT[:, order]
             )

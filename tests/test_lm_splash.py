@@ -24,6 +24,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
+import attention as attention_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
 import splash  # noqa: E402
@@ -56,11 +57,11 @@ def qkv():
 
 
 def starts(documents) -> jax.Array:
-    """Document starts (model.document_starts) of rows packed with ``documents``."""
+    """Document starts (attention.document_starts) of rows packed with ``documents``."""
     tokens_BT = np.ones((len(documents), T), np.int32)
     for row, lengths in enumerate(documents):
         tokens_BT[row, np.cumsum(lengths) - 1] = EOD
-    return model_lib.document_starts(jnp.asarray(tokens_BT), EOD)
+    return attention_lib.document_starts(jnp.asarray(tokens_BT), EOD)
 
 
 def reference(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
@@ -68,7 +69,7 @@ def reference(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
         q_BTNA,
         k_BTKA,
         v_BTKA,
-        mask=model_lib.document_mask(starts_BT),
+        mask=attention_lib.document_mask(starts_BT),
         is_causal=True,
         implementation="xla",
     )
@@ -151,14 +152,14 @@ def test_a_length_not_a_multiple_of_128_is_refused_with_one_line():
 
 
 def test_splash_on_a_mesh_equals_one_device(qkv):
-    """Placed as the model places it (model.placed) on data=2 x fsdp=2 x tensor=2, 4 rows
+    """Placed as the model places it (attention.placed) on data=2 x fsdp=2 x tensor=2, 4 rows
     of documents split 4 ways and the heads 2 ways (each device's kernel: 2 query heads,
     1 key/value head): the output and gradients of XLA's attention on one device."""
     mesh = train.make_mesh("data=2,fsdp=2,tensor=2")
     q, k, v, d_out = (jnp.concatenate([x, 2 * x]) for x in qkv)
     starts_BT = starts(DOCUMENTS * 2)
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        placed = model_lib.placed(splash.splash_attention)
+        placed = attention_lib.placed(splash.splash_attention)
         attend = jax.jit(lambda q, k, v: placed(q, k, v, starts_BT))
         got = value_and_grads(attend, q, k, v, d_out)
     expected = value_and_grads(

@@ -21,7 +21,7 @@ DIFFERENT = {
     "MLP": "the chapters' small models' MLPs",
     "DTYPES": "convert.py's checkpoint dtypes by name; memory.DTYPES are byte sizes",
     "batches": "chapter 05's image batches; the recipe's are token rows",
-    "blocks": "model.blocks cuts attention into blocks; sharding.blocks shows shards",
+    "blocks": "attention.blocks cuts attention into blocks; sharding.blocks shows shards",
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
     "ring_attention": "chapter 12's reference, one block a step; the recipe's is blockwise",

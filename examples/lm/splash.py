@@ -6,7 +6,7 @@ arXiv:2205.14135) with a block-sparse mask, whose block maps, built once on the 
 let it skip the blocks above the causal diagonal in the forward pass and in both
 backward kernels. Documents packed into a row (--eod-id) reach it as segment ids: a
 query sees a key only where the two ids are equal, and each token's document start
-(model.document_starts) is such an id. Grouped key/value heads are the kernel's own:
+(attention.document_starts) is such an id. Grouped key/value heads are the kernel's own:
 query head n reads key/value head n // (N / K), so K and V are never repeated to N
 heads, in the forward pass or the backward.
 

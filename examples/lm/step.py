@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pipeline
 import schedules
+from attention import document_starts
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -161,7 +162,7 @@ def make_inputs(mesh, eod_id: int | None = None):
         positions_T = np.arange(inputs_BT.shape[1])
         starts_BT = None
         if eod_id is not None:  # found in text order, then moved with the tokens
-            starts_BT = model_lib.document_starts(inputs_BT, eod_id)
+            starts_BT = document_starts(inputs_BT, eod_id)
         if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
             positions_T = zigzag(inputs_BT.shape[1], sequence)
             inputs_BT, targets_BT = (

@@ -14,13 +14,14 @@
         --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
 This file parses the command line, sets up and runs the loop. Beside it: model_config.py
-(the shape, the presets, config.json), model.py (the decoder), dropless.py (experts
-without a capacity), data.py (tokens read in place, with Grain), mesh_spec.py (--mesh's
-axes and sizes, the rules, what splits evenly), layout.py (the mesh, the check that
-stops a mesh in one line), step.py (the loss, gradients, accumulation, AdamW, ZeRO-1
-and the optimizer's offload), pipeline.py and schedules.py (the pipeline schedules),
-resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the
-metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
+(the shape, the presets, config.json), model.py (the decoder), attention.py (the
+attention kernels it calls; splash.py the TPU's), dropless.py (experts without a
+capacity), data.py (tokens read in place, with Grain), mesh_spec.py (--mesh's axes and
+sizes, the rules, what splits evenly), layout.py (the mesh, the check that stops a mesh
+in one line), step.py (the loss, gradients, accumulation, AdamW, ZeRO-1 and the
+optimizer's offload), pipeline.py and schedules.py (the pipeline schedules),
+resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
+log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
@@ -51,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data
 import model as model_lib
 import model_config
+from attention import ATTENTIONS
 from compiled import compile_only, out_of_memory, step_bytes
 from layout import (
     AXES,
@@ -210,7 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add(
         "--attention",
-        choices=model_lib.ATTENTIONS,
+        choices=ATTENTIONS,
         help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there, never run "
         "on a GPU by this project); splash: "
         "JAX's Pallas kernel (TPUs; the default there, for a --seq-len that is a "

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxdist_lessons import recipe
 
 lm_model = recipe.module("model")
+lm_attention = recipe.module("attention")
 constrain = lm_model.constrain
 
 
@@ -83,7 +84,7 @@ class NNXAttention(nnx.Module):
             q_BTNA,
             k_BTKA,
             v_BTKA,
-            mask=lm_model.document_mask(starts_BT),
+            mask=lm_attention.document_mask(starts_BT),
             is_causal=True,
         )
         out_BTNA = constrain(out_BTNA, heads)

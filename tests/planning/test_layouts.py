@@ -132,9 +132,10 @@ def test_the_recipes_refusals_hold_for_the_new_layouts():
     whose stages do not hold whole layers or that has fewer micro-batches than stages;
     ``problems`` says so in its words and the other sizes stay."""
     run = plan_request(f"{H100_70B} --global-batch 256")
+    # 28,676 splits in 4, not 8; 36 layers over 8 nodes
     odd = dataclasses.replace(
         run, shape=dataclasses.replace(run.shape, mlp_width=28_676, num_layers=36)
-    )  # 28,676 splits in 4, not 8; 36 layers over 8 nodes
+    )
     said = {
         (c.strategy, c.mesh_flag): layouts.problems(odd, c)
         for c in layouts.candidates(odd)
