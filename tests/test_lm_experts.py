@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import model as model_lib  # noqa: E402
 import model_config  # noqa: E402
-import step as step_lib  # noqa: E402
+import optimizer as optimizer_lib  # noqa: E402
 import train  # noqa: E402
 from test_lm_recipe import small_batches, small_experts, steps_on  # noqa: E402
 
@@ -94,10 +94,10 @@ def test_sign_descent_moves_the_bias_by_the_rate():
         "router_bias": jnp.array([0.2, -0.1, 0.0, 0.05]),
         "kernel": jnp.full((2, 2), 0.3),
     }
-    tx = step_lib.make_optimizer(args)
+    tx = optimizer_lib.make_optimizer(args)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["router_bias"], [-0.001, 0.001, 0.0, -0.001])
-    alone = step_lib.make_optimizer(
+    alone = optimizer_lib.make_optimizer(
         SimpleNamespace(**{**vars(args), "balance": "loss"})
     )
     kernel = {"kernel": params["kernel"]}

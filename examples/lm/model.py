@@ -303,7 +303,7 @@ class Experts(nn.Module):
         al. 2024, arXiv:2412.19437, section 2.1.2), a per-expert bias is added to the
         scores to choose the experts (not to the gates), and the auxiliary loss holds
         bias x (load - 1/E) in place of Switch's loss: its gradient, each expert's
-        load above the mean, moves the bias by sign descent (step.make_optimizer):
+        load above the mean, moves the bias by sign descent (optimizer.make_optimizer):
         an overloaded expert's bias goes down by --bias-rate each step."""
         c = self.config
         D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k

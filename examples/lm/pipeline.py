@@ -16,14 +16,21 @@ activations to the next stage and another hands gradients back.
   al. 2021, arXiv:2006.09503; interleaved: Megatron-LM, arXiv:2104.04473). A backward
   recomputes its stage from the input it kept (jax.vjp), so a stage keeps at most P
   inputs, whatever M: its own backward is written here, not by jax.grad.
+
+Pipeline cuts the recipe's model into those stages; make_pipeline_loss runs it on GPipe
+(step.py differentiates it), make_pipeline_grads on 1F1B or interleaved 1F1B.
 """
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import model as model_lib
 import schedules
+from inputs import cast, make_inputs, micro_batches
 from jax.sharding import PartitionSpec as P
+from layout import BATCH
 
 AXIS = "pipeline"
 
@@ -207,3 +214,151 @@ def low(tree, dtype):
     """high's float32 leaves back in ``dtype``."""
     back = lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a
     return jax.tree.map(back, tree)
+
+
+class Pipeline:
+    """The model cut for the 'pipeline' axis into ``stages`` stages of equal depth: the
+    embedding before the first, the final norm and the output projection after the
+    last, run by gpipe or scheduled."""
+
+    def __init__(self, model, shardings, mesh, dtype, eod_id, microbatches, stages):
+        self.model, self.shardings, self.dtype = model, shardings, dtype
+        self.prepare = make_inputs(mesh, eod_id)
+        self.microbatches = microbatches
+        config = model.config
+        self.stage_model = model.clone(
+            config=dataclasses.replace(config, num_layers=config.num_layers // stages)
+        )
+
+    def stage(self, positions_T):
+        """stage(layers, x_BTD, micro) -> (x_BTD, the experts' losses)."""
+
+        def run(layers, x_BTD, micro):
+            _, starts_BT = micro
+            return self.stage_model.apply(
+                {"params": {"layers": layers}},
+                x_BTD,
+                positions_T,
+                starts_BT,
+                method="run_layers",
+            )
+
+        return run
+
+    def last(self, rest, x_BTD, micro):
+        """The last stage's loss: the final norm, the output projection, the mean
+        next-token loss of the micro-batch."""
+        targets_BT, _ = micro
+        logits_BTV = self.model.apply({"params": rest}, x_BTD, method="logits")
+        return model_lib.cross_entropy(logits_BTV, targets_BT)
+
+    def split(self, a):
+        """(B, ...) -> (M, B / M, ...), the micro-batches (None stays None)."""
+        return None if a is None else micro_batches(a, self.microbatches, BATCH)
+
+    def inputs(self, apply_fn, params, tokens_BT):
+        """-> (the weights cast, the first stage's input, positions, per micro-batch
+        (targets, document starts))."""
+        inputs_BT, targets_BT, positions_T, starts_BT = self.prepare(tokens_BT)
+        params = cast(params, self.shardings, self.dtype)
+        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
+        per_micro = (self.split(targets_BT), self.split(starts_BT))
+        return params, x_BTD, positions_T, per_micro
+
+
+def make_pipeline_loss(
+    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
+):
+    """step.make_loss's loss, its layers run as a pipeline over the 'pipeline' axis
+    (gpipe) in ``microbatches`` micro-batches; the embedding on every stage, the
+    final norm and output projection on the last."""
+    stages = mesh.shape["pipeline"]
+    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, stages)
+
+    def loss(apply_fn, params, tokens_BT):
+        params, x_BTD, positions_T, per_micro = pipe.inputs(apply_fn, params, tokens_BT)
+        rest = {name: tree for name, tree in params.items() if name != "layers"}
+        loss, aux_loss = gpipe(
+            pipe.stage(positions_T),
+            pipe.last,
+            params["layers"],
+            rest,
+            pipe.split(x_BTD),
+            per_micro,
+        )
+        return (loss + aux_loss) / microbatches, loss / microbatches
+
+    return loss
+
+
+def make_pipeline_grads(
+    model,
+    shardings,
+    mesh,
+    dtype=jnp.float32,
+    eod_id=None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+):
+    """(apply_fn, params, tokens_BT) -> (the loss, its gradient), the layers run on
+    1F1B or interleaved 1F1B (scheduled), which computes the gradients itself.
+
+    Interleaved 1F1B runs stage c P + p on device p: the layers' weights, kept in the
+    model's order (P blocks of layers, so that checkpoints restore on any mesh), are
+    reordered into (V, P, layers per stage) once per step, an all-to-all over
+    'pipeline', and their gradients back."""
+    stages = mesh.shape["pipeline"]
+    cut = stages * virtual
+    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, cut)
+    table = schedules.schedule(schedule, stages, microbatches, virtual)
+    specs = shardings.params["layers"]
+
+    def to_chunks(layers):  # (L, ...) -> (V, P, L / (P V), ...), P over 'pipeline'
+        return jax.tree.map(
+            lambda a, s: jax.lax.with_sharding_constraint(
+                a.reshape(virtual, stages, -1, *a.shape[1:]),
+                P(None, "pipeline", None, *s.spec[1:]),
+            ),
+            layers,
+            specs,
+        )
+
+    def from_chunks(chunks):
+        return jax.tree.map(
+            lambda a, s: jax.lax.with_sharding_constraint(
+                a.reshape(-1, *a.shape[3:]), s.spec
+            ),
+            chunks,
+            specs,
+        )
+
+    def loss_and_grads(apply_fn, params, tokens_BT):
+        def front(params):  # the cast weights and the first stage's input
+            cast_params, x_BTD, positions_T, per_micro = pipe.inputs(
+                apply_fn, params, tokens_BT
+            )
+            return (cast_params, x_BTD), (positions_T, per_micro)
+
+        (cast_params, x_BTD), front_vjp, (positions_T, per_micro) = jax.vjp(
+            front, params, has_aux=True
+        )
+        rest = {name: tree for name, tree in cast_params.items() if name != "layers"}
+        loss, aux_loss, g_chunks, g_rest, g_x_MBTD = scheduled(
+            pipe.stage(positions_T),
+            pipe.last,
+            to_chunks(cast_params["layers"]),
+            rest,
+            pipe.split(x_BTD),
+            per_micro,
+            table,
+        )
+        g_cast = {**g_rest, "layers": from_chunks(g_chunks)}
+        g_cast = jax.tree.map(lambda g, w: g.astype(w.dtype), g_cast, cast_params)
+        B, *rest_shape = x_BTD.shape
+        g_x_BTD = g_x_MBTD.swapaxes(0, 1).reshape(B, *rest_shape)
+        (grads,) = front_vjp((g_cast, g_x_BTD))
+        mean = lambda a: a / microbatches
+        return mean(loss), jax.tree.map(mean, grads)
+
+    return loss_and_grads

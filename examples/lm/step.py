@@ -1,5 +1,6 @@
-"""The training step: AdamW, the train state's shapes and shardings, the loss, and
-its gradient over one batch or over --grad-accum micro-batches; the held-out loss.
+"""The training step: the train state's shapes and shardings, the loss, and its gradient
+over one batch or over --grad-accum micro-batches (through pipeline.py's stages with a
+'pipeline' axis); the held-out loss.
 """
 
 import dataclasses
@@ -10,75 +11,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import model as model_lib
-import numpy as np
 import optax
-import pipeline
-import schedules
-from attention import document_starts
 from flax.training import train_state
+from inputs import cast, make_inputs, micro_batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from layout import BATCH, RULES, without, zigzag
-
-
-def make_optimizer(args) -> optax.GradientTransformation:
-    """AdamW, warmup + cosine decay, global-norm clipping; only the kernels decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        args.learning_rate,
-        args.warmup_steps,
-        max(args.total_steps or args.steps, args.warmup_steps + 1),
-        end_value=args.learning_rate / 10,
-    )
-
-    def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
-        return jax.tree_util.tree_map_with_path(
-            lambda p, _: "kernel" in jax.tree_util.keystr(p), params
-        )
-
-    # Under jit the gradients are sharded arrays, and clip_by_global_norm sums over all
-    # of them: the clipping sees the whole model's norm, whatever the mesh.
-    adamw = optax.chain(
-        optax.clip_by_global_norm(args.clip_norm),
-        optax.adamw(
-            schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
-        ),
-    )
-    moments = jnp.dtype(getattr(args, "moments", "float32"))
-    if getattr(args, "balance", "loss") != "bias":
-        return kept_in(moments, adamw)
-
-    # --balance bias: the experts' routing biases move by sign descent, --bias-rate a
-    # step against their gradient (load - 1/E: model.Experts.route); AdamW the rest.
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, _: (
-                "bias" if "router_bias" in jax.tree_util.keystr(p) else "adamw"
-            ),
-            params,
-        )
-
-    sign_descent = optax.chain(optax.scale_by_sign(), optax.scale(-args.bias_rate))
-    both = optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
-    return kept_in(moments, both)
-
-
-def kept_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``inner`` with its floating-point state (Adam's moments) kept in ``dtype``
-    between steps and updated in float32 (--moments bfloat16: half the bytes, 4 a
-    weight instead of 8). Unchanged for float32."""
-    if dtype == jnp.float32:
-        return inner
-    floats = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
-    to = lambda tree, dtype: jax.tree.map(
-        lambda x: x.astype(dtype) if floats(x) else x, tree
-    )
-
-    def update(updates, state, params=None):
-        updates, state = inner.update(updates, to(state, jnp.float32), params)
-        return updates, to(state, dtype)
-
-    return optax.GradientTransformation(lambda p: to(inner.init(p), dtype), update)
+from layout import BATCH, RULES, without
+from pipeline import make_pipeline_grads, make_pipeline_loss
 
 
 def abstract_state(
@@ -138,54 +77,6 @@ def over_data(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     return sharding
 
 
-def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Array:
-    """(B, T) -> (grad_accum, B / grad_accum, T); micro-batch k holds rows k, k + K, ...
-
-    Every K-th row, not K blocks of rows: each device's rows are a contiguous block of
-    the batch, so each micro-batch takes B / (K x devices) rows from every device and
-    no row moves (a block split would put micro-batch 0 on the first devices alone).
-    """
-    B, *rest = tokens_BT.shape
-    micro_KBT = tokens_BT.reshape(B // grad_accum, grad_accum, *rest).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(micro_KBT, P(None, batch_axes))
-
-
-def make_inputs(mesh, eod_id: int | None = None):
-    """tokens_BT -> (inputs_BT, targets_BT, positions_T, starts_BT): the model's inputs
-    and the next tokens, in ring attention's zigzag order if there is a 'sequence'
-    axis. With ``eod_id``, each document of a row (ending with that token) is attended
-    to and positioned on its own (starts_BT); else starts_BT is None."""
-    sequence = mesh.shape["sequence"]
-
-    def inputs(tokens_BT):
-        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
-        positions_T = np.arange(inputs_BT.shape[1])
-        starts_BT = None
-        if eod_id is not None:  # found in text order, then moved with the tokens
-            starts_BT = document_starts(inputs_BT, eod_id)
-        if sequence > 1:  # zigzag: each device of the ring gets early and late tokens
-            positions_T = zigzag(inputs_BT.shape[1], sequence)
-            inputs_BT, targets_BT = (
-                inputs_BT[:, positions_T],
-                targets_BT[:, positions_T],
-            )
-            starts_BT = None if starts_BT is None else starts_BT[:, positions_T]
-        return inputs_BT, targets_BT, positions_T, starts_BT
-
-    return inputs
-
-
-def cast(params, shardings, dtype):
-    """Float32 master weights, cast to the compute type on each device's shard: FSDP
-    then gathers bfloat16 weights, half the bytes (as FSDP2's param_dtype does)."""
-    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
-    return jax.tree.map(
-        lambda p, spec: jax.lax.with_sharding_constraint(p.astype(dtype), spec),
-        params,
-        specs,
-    )
-
-
 def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss).
 
@@ -236,158 +127,10 @@ def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array
     )
 
 
-class Pipeline:
-    """The model cut for the 'pipeline' axis into ``stages`` stages of equal depth
-    (pipeline.py): the embedding before the first, the final norm and the output
-    projection after the last, run by any of pipeline.py's schedules."""
-
-    def __init__(self, model, shardings, mesh, dtype, eod_id, microbatches, stages):
-        self.model, self.shardings, self.dtype = model, shardings, dtype
-        self.prepare = make_inputs(mesh, eod_id)
-        self.microbatches = microbatches
-        config = model.config
-        self.stage_model = model.clone(
-            config=dataclasses.replace(config, num_layers=config.num_layers // stages)
-        )
-
-    def stage(self, positions_T):
-        """stage(layers, x_BTD, micro) -> (x_BTD, the experts' losses)."""
-
-        def run(layers, x_BTD, micro):
-            _, starts_BT = micro
-            return self.stage_model.apply(
-                {"params": {"layers": layers}},
-                x_BTD,
-                positions_T,
-                starts_BT,
-                method="run_layers",
-            )
-
-        return run
-
-    def last(self, rest, x_BTD, micro):
-        """The last stage's loss: the final norm, the output projection, the mean
-        next-token loss of the micro-batch."""
-        targets_BT, _ = micro
-        logits_BTV = self.model.apply({"params": rest}, x_BTD, method="logits")
-        return model_lib.cross_entropy(logits_BTV, targets_BT)
-
-    def split(self, a):
-        """(B, ...) -> (M, B / M, ...), the micro-batches (None stays None)."""
-        return None if a is None else micro_batches(a, self.microbatches, BATCH)
-
-    def inputs(self, apply_fn, params, tokens_BT):
-        """-> (the weights cast, the first stage's input, positions, per micro-batch
-        (targets, document starts))."""
-        inputs_BT, targets_BT, positions_T, starts_BT = self.prepare(tokens_BT)
-        params = cast(params, self.shardings, self.dtype)
-        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
-        per_micro = (self.split(targets_BT), self.split(starts_BT))
-        return params, x_BTD, positions_T, per_micro
-
-
-def make_pipeline_loss(
-    model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
-):
-    """make_loss's loss, its layers run as a pipeline over the 'pipeline' axis (GPipe,
-    pipeline.py) in ``microbatches`` micro-batches; the embedding on every stage, the
-    final norm and output projection on the last."""
-    stages = mesh.shape["pipeline"]
-    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, stages)
-
-    def loss(apply_fn, params, tokens_BT):
-        params, x_BTD, positions_T, per_micro = pipe.inputs(apply_fn, params, tokens_BT)
-        rest = {name: tree for name, tree in params.items() if name != "layers"}
-        loss, aux_loss = pipeline.gpipe(
-            pipe.stage(positions_T),
-            pipe.last,
-            params["layers"],
-            rest,
-            pipe.split(x_BTD),
-            per_micro,
-        )
-        return (loss + aux_loss) / microbatches, loss / microbatches
-
-    return loss
-
-
-def make_pipeline_grads(
-    model,
-    shardings,
-    mesh,
-    dtype=jnp.float32,
-    eod_id=None,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    virtual: int = 1,
-):
-    """(apply_fn, params, tokens_BT) -> (the loss, its gradient), the layers run on
-    1F1B or interleaved 1F1B (pipeline.scheduled), which computes the gradients itself.
-
-    Interleaved 1F1B runs stage c P + p on device p: the layers' weights, kept in the
-    model's order (P blocks of layers, so that checkpoints restore on any mesh), are
-    reordered into (V, P, layers per stage) once per step, an all-to-all over
-    'pipeline', and their gradients back."""
-    stages = mesh.shape["pipeline"]
-    cut = stages * virtual
-    pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, cut)
-    table = schedules.schedule(schedule, stages, microbatches, virtual)
-    specs = shardings.params["layers"]
-
-    def to_chunks(layers):  # (L, ...) -> (V, P, L / (P V), ...), P over 'pipeline'
-        return jax.tree.map(
-            lambda a, s: jax.lax.with_sharding_constraint(
-                a.reshape(virtual, stages, -1, *a.shape[1:]),
-                P(None, "pipeline", None, *s.spec[1:]),
-            ),
-            layers,
-            specs,
-        )
-
-    def from_chunks(chunks):
-        return jax.tree.map(
-            lambda a, s: jax.lax.with_sharding_constraint(
-                a.reshape(-1, *a.shape[3:]), s.spec
-            ),
-            chunks,
-            specs,
-        )
-
-    def loss_and_grads(apply_fn, params, tokens_BT):
-        def front(params):  # the cast weights and the first stage's input
-            cast_params, x_BTD, positions_T, per_micro = pipe.inputs(
-                apply_fn, params, tokens_BT
-            )
-            return (cast_params, x_BTD), (positions_T, per_micro)
-
-        (cast_params, x_BTD), front_vjp, (positions_T, per_micro) = jax.vjp(
-            front, params, has_aux=True
-        )
-        rest = {name: tree for name, tree in cast_params.items() if name != "layers"}
-        loss, aux_loss, g_chunks, g_rest, g_x_MBTD = pipeline.scheduled(
-            pipe.stage(positions_T),
-            pipe.last,
-            to_chunks(cast_params["layers"]),
-            rest,
-            pipe.split(x_BTD),
-            per_micro,
-            table,
-        )
-        g_cast = {**g_rest, "layers": from_chunks(g_chunks)}
-        g_cast = jax.tree.map(lambda g, w: g.astype(w.dtype), g_cast, cast_params)
-        B, *rest_shape = x_BTD.shape
-        g_x_BTD = g_x_MBTD.swapaxes(0, 1).reshape(B, *rest_shape)
-        (grads,) = front_vjp((g_cast, g_x_BTD))
-        mean = lambda a: a / microbatches
-        return mean(loss), jax.tree.map(mean, grads)
-
-    return loss_and_grads
-
-
 def make_step_loss(
     model, shardings, mesh, dtype=jnp.float32, eod_id=None, microbatches: int = 1
 ):
-    """make_loss's loss, or with a 'pipeline' axis make_pipeline_loss's."""
+    """make_loss's loss, or with a 'pipeline' axis pipeline.make_pipeline_loss's."""
     if mesh.shape["pipeline"] > 1:
         return make_pipeline_loss(model, shardings, mesh, dtype, eod_id, microbatches)
     return make_loss(shardings, mesh, dtype, eod_id)

@@ -18,10 +18,12 @@ This file parses the command line, sets up and runs the loop. Beside it: model_c
 attention kernels it calls; splash.py the TPU's), dropless.py (experts without a
 capacity), data.py (tokens read in place, with Grain), mesh_spec.py (--mesh's axes and
 sizes, the rules, what splits evenly), layout.py (the mesh, the check that stops a mesh
-in one line), step.py (the loss, gradients, accumulation, AdamW, ZeRO-1 and the
-optimizer's offload), pipeline.py and schedules.py (the pipeline schedules),
-resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
-log), compiled.py (--compile-only) and convert.py (Hugging Face).
+in one line), step.py (the loss, gradients, accumulation, ZeRO-1 and the optimizer's
+offload), inputs.py (what the loss takes in: inputs and targets, the weights cast,
+micro-batches), optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py
+(the model cut into stages, and the schedules that run them) and schedules.py (their
+timetables), resilience.py (preemption, the step deadline, checkpoints), metrics.py
+(MFU, the metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
@@ -64,6 +66,7 @@ from layout import (
     process_rows,
 )
 from metrics import PEAK_FLOPS, MetricsLog, peak_memory
+from optimizer import make_optimizer
 from resilience import (
     Preemption,
     StepDeadline,
@@ -73,12 +76,7 @@ from resilience import (
     save,
 )
 from schedules import SCHEDULES
-from step import (
-    abstract_state,
-    make_eval_step,
-    make_optimizer,
-    make_train_step,
-)
+from step import abstract_state, make_eval_step, make_train_step
 
 OFFLOADS = ("optimizer", "activations")
 
