@@ -9,6 +9,7 @@ command line, config.json) need requirements.txt alone, as convert.py does.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import pathlib
@@ -137,7 +138,7 @@ def test_logits_match_transformers(converted):
     )
     assert np.abs(logits(config, meta) - expected).max() > 1e-2
     if config.rope_scaling:
-        unscaled = model_lib.dataclasses.replace(config, rope_scaling=None)
+        unscaled = dataclasses.replace(config, rope_scaling=None)
         assert np.abs(logits(unscaled, params) - expected).max() > 1e-2
 
 
@@ -252,7 +253,7 @@ def test_config_json_of_the_hub_and_head_dim(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hub))
     config = model_config.config_from_hf(str(path))
-    assert config == model_lib.dataclasses.replace(
+    assert config == dataclasses.replace(
         model_config.PRESETS["1b"],
         norm_eps=1e-5,
         rope_scaling=model_config.RopeScaling(32.0, 1.0, 4.0, 8192),

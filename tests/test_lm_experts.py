@@ -1,4 +1,4 @@
-"""examples/lm/model.py's experts: DeepSeek-V3's auxiliary-loss-free balance (a routing
+"""examples/lm/experts.py: DeepSeek-V3's auxiliary-loss-free balance (a routing
 bias moved by sign descent) and DeepSeekMoE's shared experts, alone and in the recipe."""
 
 import dataclasses
@@ -14,7 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import model as model_lib  # noqa: E402
+import experts as experts_lib  # noqa: E402
+import layers  # noqa: E402
 import model_config  # noqa: E402
 import optimizer as optimizer_lib  # noqa: E402
 import train  # noqa: E402
@@ -33,7 +34,7 @@ CONFIG = dataclasses.replace(
 
 def experts(config=CONFIG):
     """An Experts layer and its parameters, on 2 rows of 64 tokens."""
-    layer = model_lib.Experts(config, jnp.float32)
+    layer = experts_lib.Experts(config, jnp.float32)
     x_BTD = jax.random.normal(jax.random.key(0), (2, 64, config.width))
     params = nn.meta.unbox(layer.init(jax.random.key(1), x_BTD)["params"])
     return layer, params, x_BTD
@@ -116,9 +117,9 @@ def test_shared_experts_add_one_mlp_every_token_goes_through():
     )
     y_BTD, _ = layer.apply({"params": params}, x_BTD)
     alone = {k: v for k, v in params.items() if k != "shared"}
-    routed, _ = model_lib.Experts(CONFIG, jnp.float32).apply({"params": alone}, x_BTD)
+    routed, _ = experts_lib.Experts(CONFIG, jnp.float32).apply({"params": alone}, x_BTD)
     wide = dataclasses.replace(shared, mlp_width=2 * shared.mlp_width)
-    mlp = model_lib.MLP(wide, jnp.float32).apply({"params": params["shared"]}, x_BTD)
+    mlp = layers.MLP(wide, jnp.float32).apply({"params": params["shared"]}, x_BTD)
     np.testing.assert_allclose(y_BTD, routed + mlp, rtol=1e-5, atol=1e-6)
     assert model_config.count_params(shared) == model_config.count_params(CONFIG) + (
         shared.num_layers * 3 * shared.width * 2 * shared.mlp_width

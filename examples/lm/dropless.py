@@ -1,7 +1,7 @@
 """Dropless experts: every token's choices sorted by expert, the experts' MLPs run as
 grouped matrix products (jax.lax.ragged_dot), nothing dropped.
 
-GShard's dispatch (model.Experts with --dispatch capacity) gives each expert a fixed
+GShard's dispatch (experts.Experts with --dispatch capacity) gives each expert a fixed
 number of slots and drops the choices that find it full. Here each device sorts its
 (token, choice) pairs by expert and multiplies each expert's contiguous rows by that
 expert's weights in one grouped GEMM, the layout of MegaBlocks (Gale et al. 2022,
@@ -147,7 +147,7 @@ def on_device(
     exchange="padded",
     dtype=jnp.float32,
 ):
-    """One device's share, in a jax.shard_map over the mesh (model.Experts): its
+    """One device's share, in a jax.shard_map over the mesh (experts.py): its
     tokens; the weights gathered over ``width_axis`` (FSDP); the experts split over
     ``expert_axis``, exchanged "padded" or "ragged"; the MLP width split over
     ``mlp_axis`` (tensor parallelism: the partial outputs summed after). The tokens,

@@ -36,7 +36,7 @@ def make_optimizer(args) -> optax.GradientTransformation:
         return kept_in(moments, adamw)
 
     # --balance bias: the experts' routing biases move by sign descent, --bias-rate a
-    # step against their gradient (load - 1/E: model.Experts.route); AdamW the rest.
+    # step against their gradient (load - 1/E: experts.Experts.route); AdamW the rest.
     def labels(params):
         return jax.tree_util.tree_map_with_path(
             lambda p, _: (

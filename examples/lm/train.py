@@ -14,16 +14,18 @@
         --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
 This file parses the command line, sets up and runs the loop. Beside it: model_config.py
-(the shape, the presets, config.json), model.py (the decoder), attention.py (the
-attention kernels it calls; splash.py the TPU's), dropless.py (experts without a
-capacity), data.py (tokens read in place, with Grain), mesh_spec.py (--mesh's axes and
-sizes, the rules, what splits evenly), layout.py (the mesh, the check that stops a mesh
-in one line), step.py (the loss, gradients, accumulation, ZeRO-1 and the optimizer's
-offload), inputs.py (what the loss takes in: inputs and targets, the weights cast,
-micro-batches), optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py
-(the model cut into stages, and the schedules that run them) and schedules.py (their
-timetables), resilience.py (preemption, the step deadline, checkpoints), metrics.py
-(MFU, the metrics log), compiled.py (--compile-only) and convert.py (Hugging Face).
+(the shape, the presets, config.json), model.py (the decoder), layers.py (what it and
+experts.py share: the axes' names, the MLP), attention.py (the attention kernels it
+calls; splash.py the TPU's), experts.py (the mixture of experts, its router and
+capacity), dropless.py (each device's share of the experts without a capacity), data.py
+(tokens read in place, with Grain), mesh_spec.py (--mesh's axes and sizes, the rules,
+what splits evenly), layout.py (the mesh, the check that stops a mesh in one line),
+step.py (the loss, gradients, accumulation, ZeRO-1 and the optimizer's offload),
+inputs.py (what the loss takes in: inputs and targets, the weights cast, micro-batches),
+optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py (the model cut
+into stages, and the schedules that run them) and schedules.py (their timetables),
+resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
+log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
 JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
 its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the

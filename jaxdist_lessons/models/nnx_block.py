@@ -29,7 +29,8 @@ from jaxdist_lessons import recipe
 
 lm_model = recipe.module("model")
 lm_attention = recipe.module("attention")
-constrain = lm_model.constrain
+lm_layers = recipe.module("layers")
+constrain = lm_layers.constrain
 
 
 def nnx_weight(
