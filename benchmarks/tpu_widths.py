@@ -7,7 +7,9 @@ narrower matrices, which keep a chip's matrix units less busy. This measures by 
 the chip at hand: ``examples/lm/train.py`` on ``--mesh data=1``, two layers of each width
 (heads of 128, a SwiGLU MLP of 8/3 the width, a 32,768-token vocabulary), sequences of
 2,048, four a step, full remat, bfloat16 moments; the median of the steps after the first
-three. HFU is the recipe's MFU times 4/3, the forward that full remat runs again.
+three. HFU is the recipe's MFU with the forward that full remat runs again: the blocks',
+not the output projection's, which at these widths is a large share of the flops
+(``remat_factor``).
 
 It writes ``tpu_widths.json`` into ``--out`` with the date, the chip's ``device_kind`` and
 the JAX version; the book reads ``book/data/tpu_widths.json``.
@@ -33,26 +35,43 @@ WIDTHS = (512, 1024, 2048, 4096)
 LAYERS, HEAD, VOCAB, SEQ_LEN, BATCH, STEPS = 2, 128, 32_768, 2048, 4, 12
 
 
-def shape(width: int) -> dict:
-    """A Hugging Face config.json for two layers of ``width`` (``config_to_hf``'s keys)."""
+def config(width: int):
+    """The recipe's ``ModelConfig`` for two layers of ``width``."""
     import model_config
 
     heads = width // HEAD
     mlp = round(8 * width / 3 / 128) * 128
-    config = model_config.ModelConfig(VOCAB, LAYERS, width, heads, heads, mlp)
-    return model_config.config_to_hf(config)
+    return model_config.ModelConfig(VOCAB, LAYERS, width, heads, heads, mlp)
+
+
+def shape(width: int) -> dict:
+    """A Hugging Face config.json for two layers of ``width`` (``config_to_hf``'s keys)."""
+    import model_config
+
+    return model_config.config_to_hf(config(width))
+
+
+def remat_factor(width: int) -> float:
+    """Hardware over model flops under --remat full: the blocks' forward (a third of
+    their flops) runs again; the output projection (6 x vocabulary x width a token, no
+    remat around it) does not."""
+    import model_config
+
+    total = model_config.flops_per_token(config(width), SEQ_LEN)
+    blocks = total - 6 * VOCAB * width
+    return 1 + blocks / 3 / total
 
 
 def measure(width: int, workdir: pathlib.Path) -> dict:
     """One run of the recipe at ``width``: its medians, or the line that stopped it."""
     import tpu_report
 
-    config = workdir / f"config-{width}.json"
-    config.write_text(json.dumps(shape(width)))
+    path = workdir / f"config-{width}.json"
+    path.write_text(json.dumps(shape(width)))
     rows = BATCH * (STEPS + 2)
     data = tpu_report.random_tokens(workdir / "tokens.npy", VOCAB, rows, SEQ_LEN)
     argv = [
-        *("--model-config", str(config), "--mesh", "data=1", "--dtype", "bfloat16"),
+        *("--model-config", str(path), "--mesh", "data=1", "--dtype", "bfloat16"),
         *("--seq-len", str(SEQ_LEN), "--global-batch", str(BATCH)),
         *("--remat", "full", "--moments", "bfloat16", "--steps", str(STEPS)),
         *("--data", data, "--compilation-cache", str(workdir / "jax_cache")),
@@ -64,7 +83,7 @@ def measure(width: int, workdir: pathlib.Path) -> dict:
     row |= {"status": status, "seconds": round(time.perf_counter() - start, 1)}
     row |= tpu_report.step_summary(text)
     if row.get("mfu"):
-        row["hfu"] = row["mfu"] * 4 / 3
+        row["hfu"] = row["mfu"] * remat_factor(width)
     return row
 
 

@@ -34,17 +34,26 @@ def test_each_width_is_a_llama_config_the_recipe_reads():
 def test_the_book_shows_one_chips_run_at_every_width(capsys):
     assert REPORT["device_kind"] == "TPU v5 lite" and REPORT["batch"] == 4
     assert [r["width"] for r in REPORT["runs"]] == list(tpu_widths.WIDTHS)
-    assert all(
-        r["status"] == "ran" and r["hfu"] == r["mfu"] * 4 / 3 for r in REPORT["runs"]
-    )
+    assert all(r["status"] == "ran" for r in REPORT["runs"])
+    for r in REPORT["runs"]:
+        assert r["hfu"] == r["mfu"] * tpu_widths.remat_factor(r["width"])
     tpu_widths.show(REPORT)
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "TPU v5 lite, jax 0.10.2, 2026-12-06"
     assert len(table) == 3 + len(tpu_widths.WIDTHS)
-    assert table[3] == "| 512 | 1408 | 688,840 | 12 | 57.5% | 76.7% |"
+    assert table[3] == "| 512 | 1408 | 688,840 | 12 | 57.5% | 64.9% |"
 
 
 def test_it_refuses_a_machine_without_a_tpu(tmp_path):
     with pytest.raises(SystemExit, match=r"no TPU here \(cpu\): this measures a TPU"):
         tpu_widths.main(["--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def test_full_remat_runs_the_blocks_forward_again_not_the_heads():
+    """The output projection, 6 x vocabulary x width flops a token, has no remat
+    around it: the factor is 1 + the blocks' share / 3, below 4/3, nearer it as the
+    blocks grow."""
+    factors = [tpu_widths.remat_factor(w) for w in tpu_widths.WIDTHS]
+    assert factors == sorted(factors) and factors[0] > 1 and factors[-1] < 4 / 3
+    assert round(factors[0], 3) == 1.129
