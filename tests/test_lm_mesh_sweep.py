@@ -30,6 +30,8 @@ from jax.sharding import AxisType
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import compiled as lm_compiled  # noqa: E402
+import experts as experts_lib  # noqa: E402
+import layers  # noqa: E402
 import layout  # noqa: E402
 import mesh_spec  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -188,7 +190,9 @@ def made_by_the_model(config, rows: int, seq_len: int, monkeypatch) -> set:
         pinned.update(zip(names, x.shape))
         return x
 
-    monkeypatch.setattr(model_lib, "constrain", recording)
+    # each recipe module that pins activations holds its own name for constrain
+    for module in (model_lib, layers, experts_lib):
+        monkeypatch.setattr(module, "constrain", recording)
     model = model_lib.Transformer(config, lookup="rows")
     tokens_BT = jnp.zeros((rows, seq_len), jnp.int32)
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens_BT)["params"]
