@@ -7,9 +7,12 @@ Runs the README's second command (``pytest``, then ``jupyter-book build .``), or
 - the slowest tests and chapters (setup, call and teardown together, as each ran on its
   worker), and the seconds per test module;
 - the seconds every Python process of the run spent importing, tracing and compiling
-  (JAX's own compile events, read from a persistent cache or not), and the rest, by kind
-  of process: pytest and its workers, the chapters' kernels, and the jobs the tests and
-  chapters start (the LM recipe, ``mpirun`` and ``srun`` jobs, examples).
+  (JAX's own compile events, read from a persistent cache or not), and the rest, with
+  its CPU seconds, by kind of process: pytest and its workers, the chapters' kernels,
+  and the jobs the tests and chapters start (the LM recipe, ``mpirun`` and ``srun``
+  jobs, examples);
+- the CPU seconds ``pytest`` and every process it waited for used, as a share of what
+  the cores could give over its wall time: below 100%, the cores sat idle.
 
 Each process reports itself through a ``sitecustomize`` module this script puts first on
 ``PYTHONPATH``: it times the outermost ``import`` statements, listens to
@@ -92,6 +95,7 @@ def _report():
         pid=os.getpid(),
         argv=sys.argv[:4],
         seconds=time.perf_counter() - _started,
+        cpu=time.process_time(),
         devices=os.environ.get("JAXDIST_NUM_DEVICES", ""),
         pytest="pytest" in sys.modules,
     )
@@ -169,6 +173,12 @@ def run_timed(command: list[str], env: dict[str, str]) -> list[tuple[float, str]
     return lines
 
 
+def children_cpu() -> float:
+    """CPU seconds (user and system) of this process's children and theirs, waited for."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def stages(lines: list[tuple[float, str]], first: str) -> list[tuple[str, float]]:
     """Seconds from each ``== `` line of ``.ci/run`` to the next; before the first, ``first``."""
     marks = [(0.0, first)] + [
@@ -219,17 +229,19 @@ def kind_table(folder: pathlib.Path) -> list[str]:
         kind = process_kind(record)
         sums[kind]["processes"] += 1
         sums[kind]["seconds"] += record["seconds"]
+        sums[kind]["cpu"] += record.get("cpu", 0.0)
         for column in columns:
             sums[kind][column] += record[column]
     out = [
-        "| processes | kind | lifetime s | importing | tracing | lowering to HLO "
-        "| compiling | of which cache reads | the rest |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| processes | kind | lifetime s | CPU s | importing | tracing "
+        "| lowering to HLO | compiling | of which cache reads | the rest |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, s in sorted(sums.items(), key=lambda item: -item[1]["seconds"]):
         rest = s["seconds"] - s["import"] - s["trace"] - s["lower"] - s["compile"]
         out.append(
-            f"| {s['processes']} | {kind} | {s['seconds']:.1f} | {s['import']:.1f} "
+            f"| {s['processes']} | {kind} | {s['seconds']:.1f} | {s['cpu']:.1f} "
+            f"| {s['import']:.1f} "
             f"| {s['trace']:.1f} | {s['lower']:.1f} | {s['compile']:.1f} "
             f"| {s['cached']:.1f} | {rest:.1f} |"
         )
@@ -277,8 +289,10 @@ def main() -> None:
                 lines, "install: a fresh venv, requirements.txt and parity"
             )
         else:
+            before = children_cpu()
             lines = run_timed(["pytest", *args.pytest_args], env)
             timings.append(("pytest", lines[-1][0]))
+            busy = (children_cpu() - before, lines[-1][0])
             if not args.no_build:
                 lines = run_timed(["jupyter-book", "build", "."], env)
                 timings.append(("jupyter-book build .", lines[-1][0]))
@@ -295,6 +309,14 @@ def main() -> None:
             print(f"| {seconds:.0f} | {name} |")
         print(f"| {sum(s for _, s in timings):.0f} | all |")
         print()
+        if not args.ci:
+            cpu, wall = busy
+            print(
+                f"`pytest`'s processes used {cpu:.0f} CPU-seconds: "
+                f"{cpu / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores "
+                f"over its {wall:.0f} s (a daemon's, such as slurmd's, not counted)."
+            )
+            print()
         print("\n".join(test_table(folder / "records", args.top)))
         print()
         print(

@@ -74,11 +74,13 @@ def test_tables_add_up_the_phases_of_each_test_and_the_kinds_of_processes(tmp_pa
             cached=0.0,
         )
         record["import"] = imported
+        record["cpu"] = [4.0, 8.0, 2.0, 4.0][pid]
         (tmp_path / f"process-{pid}.json").write_text(json.dumps(record))
     assert suite_time.kind_table(tmp_path)[2:] == [
-        "| 1 | chapter kernels | 20.0 | 3.0 | 0.5 | 0.5 | 5.0 | 0.0 | 11.0 |",
-        "| 2 | jobs and other processes | 10.0 | 3.0 | 1.0 | 1.0 | 1.0 | 0.0 | 4.0 |",
-        "| 1 | pytest and its workers | 9.0 | 1.0 | 0.5 | 0.5 | 2.0 | 0.0 | 5.0 |",
+        "| 1 | chapter kernels | 20.0 | 8.0 | 3.0 | 0.5 | 0.5 | 5.0 | 0.0 | 11.0 |",
+        "| 2 | jobs and other processes | 10.0 | 6.0 | 3.0 | 1.0 | 1.0 | 1.0 | 0.0 "
+        "| 4.0 |",
+        "| 1 | pytest and its workers | 9.0 | 4.0 | 1.0 | 0.5 | 0.5 | 2.0 | 0.0 | 5.0 |",
     ]
 
 
