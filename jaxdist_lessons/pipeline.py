@@ -17,8 +17,9 @@ operation each device runs at each tick: ``F`` (forward of one microbatch throug
 Schedules are built by one simulator: each device has a fixed order of operations and runs the
 next one as soon as its input is ready (a forward needs the previous stage's forward, a backward
 the next stage's backward). ``gpipe_loss`` runs GPipe as a ``shard_map`` program (``jax.grad``
-writes its backward); ``one_f_one_b_grads`` runs 1F1B with the backward written per stage with
-``jax.vjp``, and ``interleaved_grads`` runs interleaved 1F1B the same way, its chunks on a ring.
+writes its backward). ``one_f_one_b_grads`` and ``interleaved_grads`` run 1F1B and interleaved
+1F1B, the backward written per stage with ``jax.vjp``, by the LM recipe's own
+``pipeline.scheduled`` (``examples/lm/pipeline.py``), on a model given as layers and a loss.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
 
 # JAX-free (bubble.py, for the planner page), re-exported here
@@ -47,7 +48,7 @@ from jaxdist_lessons.schedules import idle_fraction as idle_fraction
 from jaxdist_lessons.schedules import in_flight as in_flight
 from jaxdist_lessons.schedules import interleaved_schedule as interleaved_schedule
 from jaxdist_lessons.schedules import one_f_one_b_schedule as one_f_one_b_schedule
-from jaxdist_lessons.schedules import slot_tables
+from jaxdist_lessons.schedules import slot_tables as slot_tables
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -149,44 +150,36 @@ def gpipe_loss(
     return jnp.sum(losses)  # one scalar per stage, all but the last zero
 
 
-def _tables(table: Timetable, num_stages: int) -> dict[str, np.ndarray]:
-    """A schedule as integer arrays ``[tick, stage]`` a compiled loop can index."""
-    T = len(table)
-    a = {
-        k: np.zeros((T, num_stages), np.int32)
-        for k in ("kind", "micro", "recv_f", "recv_b")
-    }
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            a["kind"][t, s] = 1 if op.kind == "F" else 2
-            a["micro"][t, s] = op.micro
-            # the next stage gets it after this tick
-            if op.kind == "F" and s + 1 < num_stages:
-                a["recv_f"][t, s + 1] = op.micro + 1
-            if op.kind == "B" and s > 0:
-                a["recv_b"][t, s - 1] = op.micro + 1
-    return a
+def _scheduled(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    chunks: Any,
+    x: jax.Array,
+    y: jax.Array,
+    mesh: Mesh,
+    table: Timetable,
+    num_microbatches: int,
+) -> tuple[jax.Array, Any]:
+    """The LM recipe's ``pipeline.scheduled`` on a model of ``stage_fn`` layers:
+    ``chunks`` as (V, S, layers per chunk, ...), the loss ``loss_fn`` of the last
+    chunk's output; -> (the loss summed over microbatches, the gradients of
+    ``chunks``)."""
+    M = num_microbatches
+    if AxisType.Explicit in mesh.axis_types:  # arrays carry their sharding: place them
+        chunks = jax.reshard(chunks, NamedSharding(mesh, P(None, "pipeline")))
+        x, y = jax.reshard((x, y), NamedSharding(mesh, P()))
 
+    def stage(params: Any, x: jax.Array, y: jax.Array):
+        # The recipe's stages also return their auxiliary loss (its experts' balance).
+        return sequential_apply(stage_fn, params, x), jnp.zeros((), jnp.float32)
 
-def check_slots(table: Timetable, slots: int) -> None:
-    """Raise if two microbatches alive at once on one device would share slot ``micro % slots``."""
-    tabs = _tables(table, len(table[0]))
-    for s in range(len(table[0])):
-        live: set[int] = set()
-        for t in range(len(table)):
-            arriving = tabs["recv_f"][t - 1, s] - 1 if t else -1
-            if s == 0 and tabs["kind"][t, s] == 1:
-                arriving = tabs["micro"][t, s]
-            if arriving >= 0:
-                if any(m % slots == arriving % slots for m in live):
-                    raise ValueError(
-                        f"{slots} slots are too few on stage {s} at tick {t}"
-                    )
-                live.add(arriving)
-            if tabs["kind"][t, s] == 2:
-                live.discard(int(tabs["micro"][t, s]))
+    def last(rest: Any, out: jax.Array, y: jax.Array) -> jax.Array:
+        return loss_fn(out, y)
+
+    loss, _, grads, _, _ = recipe.module("pipeline").scheduled(
+        stage, last, chunks, {}, _micro(x, M), _micro(y, M), table, mesh
+    )
+    return loss, grads
 
 
 def one_f_one_b_grads(
@@ -197,78 +190,16 @@ def one_f_one_b_grads(
     y: jax.Array,
     mesh: Mesh,
     num_microbatches: int,
-    axis: str = "pipeline",
 ) -> tuple[jax.Array, Any]:
-    """The loss of ``gpipe_loss`` and its gradient, run on the 1F1B schedule; ``S``
-    slots of inputs per stage.
-
-    Each tick every stage runs what ``one_f_one_b_schedule`` says: a forward, or a
-    backward by ``jax.vjp`` that recomputes the stage from its saved input. Activations
-    go to the next stage and input gradients to the previous one by ``ppermute``, into
-    slots ``micro % S``.
-    """
-    S = _check(stage_params, x, mesh, num_microbatches, axis)
-    M = num_microbatches
-    table = one_f_one_b_schedule(S, M)
-    check_slots(table, S)
-    tabs = {k: jnp.asarray(v) for k, v in _tables(table, S).items()}
-
-    def per_device(params: Any, micro_x: jax.Array, micro_y: jax.Array):
-        params = jax.tree.map(lambda p: p[0], params)
-        stage = jax.lax.axis_index(axis)
-        zero = jax.lax.pcast(jnp.zeros_like(micro_x[0]), (axis,), to="varying")
-
-        def forward(carry, m):
-            inputs, grads_in, grad_sum, loss = carry
-            x_in = jnp.where(stage == 0, micro_x[m], inputs[m % S])
-            # stage 0 keeps its input for the backward
-            inputs = inputs.at[m % S].set(x_in)
-            return (inputs, grads_in, grad_sum, loss), stage_fn(params, x_in), zero
-
-        def backward(carry, m):
-            inputs, grads_in, grad_sum, loss = carry
-            # recompute, then backward
-            out, vjp = jax.vjp(stage_fn, params, inputs[m % S])
-            value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
-            is_last = stage == S - 1
-            g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[m % S]))
-            grad_sum = jax.tree.map(jnp.add, grad_sum, g_params)
-            loss = loss + jnp.where(is_last, value, 0.0)
-            return (inputs, grads_in, grad_sum, loss), zero, g_x
-
-        def idle(carry, m):
-            return carry, zero, zero
-
-        def tick(carry, t):
-            kind, m = tabs["kind"][t, stage], tabs["micro"][t, stage]
-            carry, to_next, to_prev = jax.lax.switch(
-                kind, (idle, forward, backward), carry, m
-            )
-            inputs, grads_in, grad_sum, loss = carry
-            got_f = jax.lax.ppermute(to_next, axis, [(s, s + 1) for s in range(S - 1)])
-            got_b = jax.lax.ppermute(to_prev, axis, [(s + 1, s) for s in range(S - 1)])
-            rf, rb = tabs["recv_f"][t, stage] - 1, tabs["recv_b"][t, stage] - 1
-            inputs = jnp.where(rf >= 0, inputs.at[rf % S].set(got_f), inputs)
-            grads_in = jnp.where(rb >= 0, grads_in.at[rb % S].set(got_b), grads_in)
-            return (inputs, grads_in, grad_sum, loss), None
-
-        # S slots, like zero: varying
-        buffers = jnp.broadcast_to(zero, (S, *zero.shape))
-        loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
-        # params vary
-        start = (
-            buffers,
-            buffers,
-            jax.tree.map(jnp.zeros_like, params),
-            loss,
-        )
-        (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
-        return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
-
-    losses, grads = _run(
-        mesh, axis, per_device, stage_params, _micro(x, M), _micro(y, M)
+    """The loss of ``gpipe_loss`` and its gradient, run on the 1F1B schedule by the
+    LM recipe's ``scheduled``: one stage of ``stage_params`` per device, one chunk."""
+    S = _check(stage_params, x, mesh, num_microbatches, "pipeline")
+    table = one_f_one_b_schedule(S, num_microbatches)
+    chunks = jax.tree.map(lambda p: p[None, :, None], stage_params)  # (1, S, 1, ...)
+    loss, grads = _scheduled(
+        stage_fn, loss_fn, chunks, x, y, mesh, table, num_microbatches
     )
-    return jnp.sum(losses), grads
+    return loss, jax.tree.map(lambda g: g[0, :, 0], grads)
 
 
 def interleaved_grads(
@@ -280,96 +211,32 @@ def interleaved_grads(
     mesh: Mesh,
     num_microbatches: int,
     virtual: int,
-    axis: str = "pipeline",
 ) -> tuple[jax.Array, Any]:
-    """The loss and gradient of the model of ``stage_params``' layers, run on
-    interleaved 1F1B.
-
-    ``stage_params`` has one leading slice per layer (``stage_fn`` applies one),
-    ``S * virtual`` chunks of equal size: device ``d`` holds chunks ``d, d + S, ...``.
-    Each tick every device runs what ``interleaved_schedule`` says, as
-    ``one_f_one_b_grads`` does; the last device's chunk sends on to device 0's next
-    chunk (a ring ``ppermute``), and inputs and gradients wait in pools of slots sized
-    by the schedule. Gradients come back in ``stage_params``' layout.
-    """
-    S, v, M = mesh.shape[axis], positive_int("virtual", virtual), num_microbatches
+    """The loss and gradient of the model of ``stage_params``' layers (one leading
+    slice per layer, ``stage_fn`` applies one), run on interleaved 1F1B by the LM
+    recipe's ``scheduled``: ``S * virtual`` chunks of equal size, device ``d`` holding
+    chunks ``d, d + S, ...``. Gradients come back in ``stage_params``' layout."""
+    S, v = mesh.shape["pipeline"], positive_int("virtual", virtual)
     layers = {p.shape[0] for p in jax.tree.leaves(stage_params)}
     if len(layers) != 1 or next(iter(layers)) % (S * v):
         raise ValueError(
             f"stage_params' leading dimensions {sorted(layers)} (layers) must be one "
             f"number that {S} stages x {v} virtual stages = {S * v} chunks divide"
         )
-    _check_batch(x, M)
-    table = interleaved_schedule(S, M, v)
-    arrays, num_inputs, num_grads = slot_tables(table)
-    tabs = {k: jnp.asarray(a) for k, a in arrays.items()}
-
-    def chunk_fn(params: Any, x: jax.Array) -> jax.Array:
-        return sequential_apply(stage_fn, params, x)
-
-    def per_device(params: Any, micro_x: jax.Array, micro_y: jax.Array):
-        params = jax.tree.map(lambda p: p[0], params)  # [v, layers per chunk, ...]
-        device = jax.lax.axis_index(axis)
-        zero = jax.lax.pcast(jnp.zeros_like(micro_x[0]), (axis,), to="varying")
-
-        def forward(carry, m, c, slot, gslot):
-            inputs, grads_in, grad_sum, loss = carry
-            x_in = jnp.where((device == 0) & (c == 0), micro_x[m], inputs[slot])
-            # chunk 0 keeps its input for the backward
-            inputs = inputs.at[slot].set(x_in)
-            out = chunk_fn(jax.tree.map(lambda p: p[c], params), x_in)
-            return (inputs, grads_in, grad_sum, loss), out, zero
-
-        def backward(carry, m, c, slot, gslot):
-            inputs, grads_in, grad_sum, loss = carry
-            mine = jax.tree.map(lambda p: p[c], params)
-            out, vjp = jax.vjp(chunk_fn, mine, inputs[slot])  # recompute, then backward
-            value, dloss = jax.value_and_grad(loss_fn)(out, micro_y[m])
-            is_last = (device == S - 1) & (c == v - 1)
-            g_params, g_x = vjp(jnp.where(is_last, dloss, grads_in[gslot]))
-            grad_sum = jax.tree.map(lambda a, g: a.at[c].add(g), grad_sum, g_params)
-            loss = loss + jnp.where(is_last, value, 0.0)
-            return (inputs, grads_in, grad_sum, loss), zero, g_x
-
-        def idle(carry, *op):
-            return carry, zero, zero
-
-        def tick(carry, t):
-            op = [tabs[k][t, device] for k in ("micro", "chunk", "slot", "gslot")]
-            carry, to_next, to_prev = jax.lax.switch(
-                tabs["kind"][t, device], (idle, forward, backward), carry, *op
-            )
-            inputs, grads_in, grad_sum, loss = carry
-            got_f = jax.lax.ppermute(
-                to_next, axis, [(d, (d + 1) % S) for d in range(S)]
-            )
-            got_b = jax.lax.ppermute(
-                to_prev, axis, [(d, (d - 1) % S) for d in range(S)]
-            )
-            rf, rb = tabs["recv_f"][t, device] - 1, tabs["recv_b"][t, device] - 1
-            inputs = jnp.where(rf >= 0, inputs.at[rf].set(got_f), inputs)
-            grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
-            return (inputs, grads_in, grad_sum, loss), None
-
-        loss = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
-        pools = [
-            jnp.broadcast_to(zero, (k, *zero.shape)) for k in (num_inputs, num_grads)
-        ]
-        start = (*pools, jax.tree.map(jnp.zeros_like, params), loss)
-        (_, _, grad_sum, loss), _ = jax.lax.scan(tick, start, jnp.arange(len(table)))
-        return loss[None], jax.tree.map(lambda g: g[None], grad_sum)
-
-    def by_device(p: jax.Array) -> jax.Array:  # layer (c S + d) L' + i -> [d, c, i]
-        return p.reshape(v, S, -1, *p.shape[1:]).swapaxes(0, 1)
+    _check_batch(x, num_microbatches)
+    table = interleaved_schedule(S, num_microbatches, v)
+    # layer (c S + d) L' + i -> [c, d, i]: chunk c of device d
+    chunks = jax.tree.map(lambda p: p.reshape(v, S, -1, *p.shape[1:]), stage_params)
+    loss, grads = _scheduled(
+        stage_fn, loss_fn, chunks, x, y, mesh, table, num_microbatches
+    )
 
     def by_layer(g: jax.Array) -> jax.Array:
         if AxisType.Explicit in mesh.axis_types:  # gather before merging the stage axis
             g = jax.reshard(g, NamedSharding(mesh, P()))
-        return g.swapaxes(0, 1).reshape(-1, *g.shape[3:])
+        return g.reshape(-1, *g.shape[3:])
 
-    placed = jax.tree.map(by_device, stage_params)
-    losses, grads = _run(mesh, axis, per_device, placed, _micro(x, M), _micro(y, M))
-    return jnp.sum(losses), jax.tree.map(by_layer, grads)
+    return loss, jax.tree.map(by_layer, grads)
 
 
 def stack_stages(

@@ -90,7 +90,7 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
     return loss_P.sum(), aux_P.sum()
 
 
-def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
+def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
     """Run ``table`` (a 1F1B or interleaved schedule of schedules.py) forward and
     backward: -> (the sum over micro-batches of ``last``'s loss, of the auxiliary
     losses, and the gradients of their sum with respect to ``chunks``, ``rest`` and
@@ -99,7 +99,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
     ``chunks`` are the layers' weights as (V, P, L / (P V), ...): stage c P + p is
     [c, p], run by device p. ``stage``, ``last``, ``rest``, ``x_MBTD`` and ``per_micro``
     are as in gpipe. Each device holds its stages' inputs, and the gradients it gets
-    back, in pools of slots the table sizes (schedules.slot_tables)."""
+    back, in pools of slots the table sizes (schedules.slot_tables). ``mesh``: the
+    mesh's context (jax.set_mesh) if None."""
     arrays, num_inputs, num_grads = schedules.slot_tables(table)
     V, P_ = jax.tree.leaves(chunks)[0].shape[:2]
     last_chunk = V - 1
@@ -109,7 +110,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
 
     def per_device(chunks, rest, x_MBTD, per_micro):
         device = jax.lax.axis_index(AXIS)
-        tabs = {k: jnp.asarray(a)[:, device] for k, a in arrays.items()}
+        # The table's columns, read one tick and device at a time: [tick, device].
+        tabs = {k: jnp.asarray(a) for k, a in arrays.items()}
         chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # (V, L / (P V), ...)
         zero_BTD = jnp.zeros_like(x_MBTD[0])
         zeros32 = lambda tree: jax.tree.map(
@@ -159,13 +161,13 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
             return carry, zero_BTD, zero_BTD
 
         def tick(carry, t):
-            op = [tabs[k][t] for k in ("micro", "chunk", "slot", "gslot")]
+            op = [tabs[k][t, device] for k in ("micro", "chunk", "slot", "gslot")]
             (inputs, grads_in, sums), y_BTD, g_x = jax.lax.switch(
-                tabs["kind"][t], (idle, forward, backward), carry, *op
+                tabs["kind"][t, device], (idle, forward, backward), carry, *op
             )
             got_f = jax.lax.ppermute(y_BTD, AXIS, to_next)
             got_b = jax.lax.ppermute(g_x, AXIS, to_prev)
-            rf, rb = tabs["recv_f"][t] - 1, tabs["recv_b"][t] - 1
+            rf, rb = tabs["recv_f"][t, device] - 1, tabs["recv_b"][t, device] - 1
             inputs = jnp.where(rf >= 0, inputs.at[rf].set(got_f), inputs)
             grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
             return (inputs, grads_in, sums), None
@@ -188,6 +190,7 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table):
     # the table), and the gradients are summed over the stages by hand.
     on_devices = jax.shard_map(
         per_device,
+        mesh=mesh,
         in_specs=(P(None, AXIS), P(), P(), P()),
         out_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P()),
         axis_names={AXIS},
