@@ -12,10 +12,10 @@ output with respect to its weights, in bfloat16 compute over float32 weights:
 - timed on one device: the median of ``--steps`` steps of each, after two that compile
   and warm up.
 
-It writes ``linen_nnx_<platform>.json`` into ``--out``, with the date, the device's
+It writes ``linen_nnx_<platform>_<preset>.json`` into ``--out``, with the date, the device's
 ``device_kind`` and the JAX and Flax versions; the book reads ``book/data/linen_nnx_*.json``.
 
-    python benchmarks/linen_nnx.py --out book/data                    # 8 CPU devices
+    python benchmarks/linen_nnx.py --out book/data --steps 0          # 8 CPU devices
     python benchmarks/linen_nnx.py --out $OUT --preset 1b --seq-len 2048   # the chip
 """
 
@@ -157,11 +157,11 @@ def timed(preset: str, batch: int, seq_len: int, count: int) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for linen_nnx_*.json")
+    parser.add_argument("--out", required=True, help="a folder for the JSON")
     parser.add_argument("--preset", default="125m", help="the recipe's preset's block")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of each")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps; 0: none")
     args = parser.parse_args()
 
     from jaxdist_lessons import devices
@@ -183,14 +183,16 @@ def main() -> None:
             "seq_len": args.seq_len,
             "command": "python benchmarks/linen_nnx.py " + " ".join(sys.argv[1:]),
         },
-        "seconds": timed(*shape, args.steps),
     }
+    if args.steps:
+        record["seconds"] = timed(*shape, args.steps)
     if jax.device_count() >= 8:
         record["compiled"] = compiled(*shape)
-    path = pathlib.Path(args.out) / f"linen_nnx_{jax.default_backend()}.json"
+    name = f"linen_nnx_{jax.default_backend()}_{args.preset}.json"
+    path = pathlib.Path(args.out) / name
     path.write_text(json.dumps(record, indent=1) + "\n")
-    seconds = record["seconds"]
-    print(f"{record['meta']['device_kind']}: step seconds {seconds}")
+    if "seconds" in record:
+        print(f"{record['meta']['device_kind']}: step seconds {record['seconds']}")
     for api, program in record.get("compiled", {}).items():
         kinds = sum(program["instructions"].values())
         print(
