@@ -74,9 +74,9 @@ def worker(argv: list[str]) -> None:
 
     compiled_lib, train = recipe.module("compiled"), recipe.module("train")
     chips = 16 * (2 if "--slices" in argv else 1)
-    args = train.parse_args([*argv, "--global-batch", str(chips), "--compile-only"])
-    mesh, _, _, step, shapes, _ = train.setup(args, train.target_devices(args))
-    program = compiled_lib.lower_step(step, shapes, args, mesh).compile()
+    run = train.parse_args([*argv, "--global-batch", str(chips), "--compile-only"])
+    mesh, _, _, step, shapes, _ = train.setup(run, train.target_devices(run))
+    program = compiled_lib.lower_step(step, shapes, run, mesh).compile()
     text, memory = program.as_text(), program.memory_analysis()
     row = {
         "total": compiled_lib.program_total(memory),

@@ -98,17 +98,17 @@ def worker(devices: int, runs: list[list[str]]) -> None:
     compiled_lib, train = recipe.module("compiled"), recipe.module("train")
     for argv in runs:
         start = time.perf_counter()
-        args = train.parse_args([*argv, "--compile-only"])
+        run = train.parse_args([*argv, "--compile-only"])
         try:
             with contextlib.redirect_stdout(sys.stderr):  # setup's notes; stdout: JSON
                 mesh, model, _, step, shapes, _ = train.setup(
-                    args, train.target_devices(args)
+                    run, train.target_devices(run)
                 )
         except SystemExit as refused:  # the recipe's one line (a mesh it refuses)
             print(json.dumps({"error": str(refused.code)}), flush=True)
             continue
         try:
-            program = compiled_lib.lower_step(step, shapes, args, mesh).compile()
+            program = compiled_lib.lower_step(step, shapes, run, mesh).compile()
         except jax.errors.JaxRuntimeError as error:
             if "RESOURCE_EXHAUSTED" not in str(error):
                 raise

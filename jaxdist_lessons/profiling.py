@@ -298,10 +298,10 @@ def recipe_program(flags: Sequence[str]) -> tuple[str, jax.sharding.Mesh]:
     ``--compile-only`` compiles, on this process's devices) and its mesh: the program a
     ``--profile`` trace of the same flags ran."""
     compiled, train = recipe.module("compiled"), recipe.module("train")
-    args = train.parse_args([*flags, "--compile-only"])
+    run = train.parse_args([*flags, "--compile-only"])
     with contextlib.redirect_stdout(io.StringIO()):  # setup's once-only notes
-        mesh, _, _, step, shapes, _ = train.setup(args)
-    return compiled.lower_step(step, shapes, args, mesh).compile().as_text(), mesh
+        mesh, _, _, step, shapes, _ = train.setup(run)
+    return compiled.lower_step(step, shapes, run, mesh).compile().as_text(), mesh
 
 
 def recipe_time_by_axis(flags: Sequence[str], trace_dir: str | pathlib.Path) -> dict:

@@ -197,7 +197,9 @@ def test_train_resumes_from_the_converted_checkpoint(converted, tmp_path):
     ]
     args = train.parse_args(argv)
     mesh, model, tx, step, shapes, init = train.setup(args)
-    manager = train.checkpoint_manager(args)
+    manager = train.checkpoint_manager(
+        args.checkpoint_dir, args.keep, args.checkpoint_every
+    )
     batches = train.data.batches(
         train.data.prepare(args.data_dir, args.seq_len, VOCAB, args.data),
         args.global_batch,

@@ -1,7 +1,6 @@
 """examples/lm/data.py on small synthetic token files: read in place, checked against the
 vocabulary, mixed, held out for evaluation, split into each process's rows, resumed."""
 
-import argparse
 import os
 import pathlib
 import re
@@ -15,6 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
 import data  # noqa: E402
+from run_config import RunConfig  # noqa: E402
 
 SEQ_LEN = 8  # records of 9 ids
 
@@ -81,8 +81,8 @@ def test_a_bin_needs_its_dtype_and_whole_ids(tmp_path):
     )
 
 
-def train_flags(**given) -> argparse.Namespace:
-    """train.py's flags that data.check_paths reads, as parse_args names them."""
+def train_flags(**given) -> RunConfig:
+    """train.py's run config, with the flags that data.check_paths reads."""
     flags = dict(
         compile_only=False,
         model_config=None,
@@ -93,7 +93,7 @@ def train_flags(**given) -> argparse.Namespace:
         log_dir=None,
         profile=None,
     )
-    return argparse.Namespace(**(flags | given))
+    return RunConfig(**(flags | given))
 
 
 def write_npy_bytes(path: pathlib.Path, size: int) -> None:

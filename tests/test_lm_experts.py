@@ -4,7 +4,6 @@ bias moved by sign descent) and DeepSeekMoE's shared experts, alone and in the r
 import dataclasses
 import pathlib
 import sys
-from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -19,6 +18,7 @@ import layers  # noqa: E402
 import model_config  # noqa: E402
 import optimizer as optimizer_lib  # noqa: E402
 import train  # noqa: E402
+from run_config import RunConfig  # noqa: E402
 from test_lm_recipe import small_batches, small_experts, steps_on  # noqa: E402
 
 E, R = 8, 2
@@ -80,7 +80,7 @@ def test_the_bias_chooses_the_experts_and_the_gates_stay_the_router_s():
 def test_sign_descent_moves_the_bias_by_the_rate():
     """make_optimizer with --balance bias: router_bias moves by -rate x sign(gradient),
     and every other weight as AdamW alone moves it."""
-    args = SimpleNamespace(
+    run = RunConfig(
         learning_rate=1e-2,
         warmup_steps=0,
         total_steps=10,
@@ -95,12 +95,10 @@ def test_sign_descent_moves_the_bias_by_the_rate():
         "router_bias": jnp.array([0.2, -0.1, 0.0, 0.05]),
         "kernel": jnp.full((2, 2), 0.3),
     }
-    tx = optimizer_lib.make_optimizer(args)
+    tx = optimizer_lib.make_optimizer(run)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["router_bias"], [-0.001, 0.001, 0.0, -0.001])
-    alone = optimizer_lib.make_optimizer(
-        SimpleNamespace(**{**vars(args), "balance": "loss"})
-    )
+    alone = optimizer_lib.make_optimizer(dataclasses.replace(run, balance="loss"))
     kernel = {"kernel": params["kernel"]}
     expected, _ = alone.update({"kernel": grads["kernel"]}, alone.init(kernel), kernel)
     np.testing.assert_allclose(updates["kernel"], expected["kernel"])

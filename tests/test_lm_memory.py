@@ -6,7 +6,6 @@ Float32 on the simulated CPU devices of conftest.py. The compiler's out-of-memor
 XLA:TPU's, as a TPU v5e printed it (XLA:CPU never refuses a program for its size).
 """
 
-import argparse
 import pathlib
 import sys
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ import compiled  # noqa: E402
 import metrics  # noqa: E402
 import model as model_lib  # noqa: E402
 import train  # noqa: E402
+from run_config import RunConfig  # noqa: E402
 
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
 # XLA:TPU's words for a program larger than the chip (the format of jax 0.10.2's libtpu)
@@ -170,9 +170,9 @@ def fake_shapes(weights: int, moments: int, memory_kind: str = "device"):
     )
 
 
-def oom_args(**flags):
+def oom_args(**flags) -> RunConfig:
     args = dict(global_batch=16, grad_accum=1, offload=frozenset(), remat="dots")
-    return argparse.Namespace(**(args | flags))
+    return RunConfig(**(args | flags))
 
 
 def test_out_of_memory_is_one_line_with_what_it_needs_and_flags_that_fit(monkeypatch):

@@ -65,11 +65,9 @@ def parsed(model: str, sizes: dict[str, int], global_batch: int = 16):
 
 def refusal(model: str, sizes: dict[str, int], global_batch: int = 16) -> str | None:
     """check_fits' line for this mesh, without compiling; None: it passes."""
-    args = parsed(model, sizes, global_batch)
+    run = parsed(model, sizes, global_batch)
     try:
-        layout.check_fits(
-            train.config_from_args(args), SimpleNamespace(shape=sizes), args
-        )
+        layout.check_fits(train.model_config_of(run), SimpleNamespace(shape=sizes), run)
     except SystemExit as stop:
         return str(stop)
     return None
@@ -228,7 +226,7 @@ def test_the_checked_dimensions_are_the_models_own(flags, monkeypatch):
         ["--model", "tiny", "--seq-len", "64", "--global-batch", "16"]
         + ["--grad-accum", "2", *flags]
     )
-    config = train.config_from_args(args)
+    config = train.model_config_of(args)
     sizes = mesh_spec.parse("sequence=2,tensor=2")
     listed = {(d.name, d.size) for d in mesh_spec.dimensions(config, sizes, args)}
     made = made_by_the_model(config, 8, 64, monkeypatch)

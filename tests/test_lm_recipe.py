@@ -524,7 +524,7 @@ def test_bad_meshes_and_batches_say_why():
 
     def fits(*flags, mesh="data=8"):
         args = train.parse_args([*COMMON, "--mesh", mesh, *flags])
-        train.check_fits(train.config_from_args(args), train.make_mesh(mesh), args)
+        train.check_fits(train.model_config_of(args), train.make_mesh(mesh), args)
 
     with pytest.raises(SystemExit) as raised:
         fits("--experts", "6", mesh="data=2,expert=4")
@@ -1078,7 +1078,7 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
     args = train.parse_args([*COMMON, "--mesh", "data=8", "--eod-id", "2048"])
     message = "--eod-id 2048 is not a token id: the vocabulary has 2048 (0 to 2047)"
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
-        train.config_from_args(args)
+        train.model_config_of(args)
 
 
 PIPELINES = [  # mesh, schedule: each with --grad-accum 4

@@ -25,6 +25,7 @@ DIFFERENT = {
     "constrain": "the chapters' models pin their own logical axes",
     "make_train_step": "chapter 09's step under its rule sets; the recipe's step.py",
     "ring_attention": "chapter 12's reference, one block a step; the recipe's is blockwise",
+    "train_step": "chapter 05's image classifier's step; the recipe's is the LM's",
 }
 
 

@@ -2,11 +2,12 @@
 assigns each device and the bytes of every collective in the compiled program.
 """
 
-import argparse
 import collections
+import dataclasses
 import math
 import re
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,10 @@ import schedules
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import BATCH, RULES
+from run_config import RunConfig
+
+# train.py's: the step and the state's shapes at another --global-batch
+Rebuild = Callable[[int], tuple]
 
 SIZES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
 
@@ -156,12 +161,12 @@ def host_argument_bytes(hlo_text: str) -> int:
     )
 
 
-def lower_step(step, shapes, args, mesh, platform=None) -> jax.stages.Lowered:
+def lower_step(step, shapes, run: RunConfig, mesh, platform=None) -> jax.stages.Lowered:
     """The step lowered for the state's shapes and a global batch of tokens' shapes;
     for this machine's backend, or for ``platform`` ("cuda": the program a GPU gets,
     which needs no GPU to write)."""
     tokens = jax.ShapeDtypeStruct(
-        (args.global_batch, args.seq_len + 1),
+        (run.global_batch, run.seq_len + 1),
         jnp.int32,
         sharding=NamedSharding(mesh, P(BATCH)),
     )
@@ -190,52 +195,54 @@ def host_placements(lowered_text: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def offloaded_activations(step, shapes, args, mesh) -> str:
+def offloaded_activations(step, shapes, run: RunConfig, mesh) -> str:
     """--offload activations, read from the step's program lowered for CUDA (XLA:CPU's
     program drops the placement): what goes to host memory, and the bytes a device
     moves there and back each step. Stops if it is not one layer input a layer (JAX's
     offloading under scan and remat has been silently ineffective: jax#23869)."""
-    placed = host_placements(lower_step(step, shapes, args, mesh, "cuda").as_text())
-    rows = args.global_batch // args.grad_accum  # a micro-batch's
+    placed = host_placements(lower_step(step, shapes, run, mesh, "cuda").as_text())
+    rows = run.global_batch // run.grad_accum  # a micro-batch's
     inputs = [
-        (dtype, shape) for dtype, shape in placed if shape[:2] == (rows, args.seq_len)
+        (dtype, shape) for dtype, shape in placed if shape[:2] == (rows, run.seq_len)
     ]
     if len(inputs) != 1:  # (the rest: the optimizer's state, with --offload optimizer)
         raise SystemExit(
             f"--offload activations: the program lowered for CUDA moves {inputs} to "
-            f"host memory, not one ({rows}, {args.seq_len}, width) layer input"
+            f"host memory, not one ({rows}, {run.seq_len}, width) layer input"
         )
     [(dtype, shape)] = inputs
     layers = jax.tree.leaves(shapes.params["layers"])[0].shape[0]  # the scan's stack
     residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)  # as the layers
     local = NamedSharding(mesh, residual).shard_shape(shape)
-    sent = SIZES[dtype] * math.prod(local) * layers * args.grad_accum
+    sent = SIZES[dtype] * math.prod(local) * layers * run.grad_accum
     return (
         f"in host memory (the program lowered for CUDA; XLA:CPU's keeps all in device "
         f"memory): each layer's input, {dtype}[{','.join(map(str, shape))}] a "
         f"micro-batch, {dtype}[{','.join(map(str, local))}] a device; {layers} layers "
-        f"x {args.grad_accum} micro-batches = {sent} B ({sent / 1e9:.3f} GB) a "
+        f"x {run.grad_accum} micro-batches = {sent} B ({sent / 1e9:.3f} GB) a "
         f"device, moved to the host and back each step"
     )
 
 
-def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None:
+def compile_only(
+    step, shapes, run: RunConfig, mesh, eval_step=None, rebuild: Rebuild | None = None
+) -> None:
     """Compile one step for the requested sizes, allocating nothing; print its costs,
     the evaluation step's memory (``eval_step``, with --eval-every) and, where the
     devices say how much memory JAX may use, the largest global batch that fits
-    (``rebuild(args)``: the step and the state's shapes for other flags). A step that
-    does not fit stops in one line (out_of_memory)."""
+    (``rebuild(global_batch)``: the step and the state's shapes at another batch). A
+    step that does not fit stops in one line (out_of_memory)."""
     start = time.perf_counter()
     try:
-        compiled = lower_step(step, shapes, args, mesh).compile()
+        compiled = lower_step(step, shapes, run, mesh).compile()
     # A TPU's compiler refuses a program that does not fit (XLA:CPU never does).
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         needed = needed_bytes(str(error), sum(state_bytes(shapes)))
-        largest = rebuild and needed and largest_batch(rebuild, args, mesh, needed)
+        largest = rebuild and needed and largest_batch(rebuild, run, mesh, needed)
         raise SystemExit(
-            out_of_memory(str(error), shapes, args, mesh, largest)
+            out_of_memory(str(error), shapes, run, mesh, largest)
         ) from None
     memory = compiled.memory_analysis()
     arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
@@ -247,10 +254,10 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
         "cpu": "XLA:CPU's buffer assignment, not a GPU's",
         "tpu": f"{device.device_kind}: the TPU compiler's buffer assignment",
     }.get(device.platform, device.platform)
-    if getattr(args, "topology", None):
-        where += f", for {args.slices} x {args.topology} with no chip here"
+    if run.topology:
+        where += f", for {run.slices} x {run.topology} with no chip here"
     print(
-        f"compiled {args.model_config or args.model} on "
+        f"compiled {run.model_config or run.model} on "
         f"{mesh_spec.mesh_flag(dict(mesh.shape))} in {seconds:.1f} s ({where})"
     )
     total = arguments + temporaries + outputs
@@ -262,18 +269,18 @@ def compile_only(step, shapes, args, mesh, eval_step=None, rebuild=None) -> None
             f"{host / 1e9:.3f} GB, moved to the device and back each step; "
             f"on the device: arguments {(arguments - host) / 1e9:.3f} GB"
         )
-    if "activations" in args.offload:
-        print(offloaded_activations(step, shapes, args, mesh))
-    stages, micro = mesh.shape["pipeline"], args.grad_accum
+    if "activations" in run.offload:
+        print(offloaded_activations(step, shapes, run, mesh))
+    stages, micro = mesh.shape["pipeline"], run.grad_accum
     if stages > 1:
-        print(bubble_line(args.schedule, stages, micro, args.virtual_stages))
+        print(bubble_line(run.schedule, stages, micro, run.virtual_stages))
     if eval_step is not None:
-        held_out = lower_step(eval_step, shapes, args, mesh).compile()
+        held_out = lower_step(eval_step, shapes, run, mesh).compile()
         print(
             f"the evaluation step: total "
             f"{program_total(held_out.memory_analysis()) / 1e9:.3f} GB a device"
         )
-    if rebuild and (line := largest_batch(rebuild, args, mesh, total)):
+    if rebuild and (line := largest_batch(rebuild, run, mesh, total)):
         print(line, flush=True)
 
 
@@ -311,11 +318,11 @@ def needed_bytes(error: str, arguments: int = 0) -> int | None:
     return None
 
 
-def step_bytes(step, shapes, args, mesh) -> int | None:
-    """The step's memory a device at ``args``' sizes: compiled, or what the compiler
+def step_bytes(step, shapes, run: RunConfig, mesh) -> int | None:
+    """The step's memory a device at the run's sizes: compiled, or what the compiler
     said it needed when it refused; None if it said nothing."""
     try:
-        compiled = lower_step(step, shapes, args, mesh).compile()
+        compiled = lower_step(step, shapes, run, mesh).compile()
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -333,29 +340,27 @@ def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int
     return max(int((limit - (t1 - per_row * r1)) // per_row), 0)
 
 
-def largest_batch(rebuild, args, mesh, total: int) -> str | None:
+def largest_batch(rebuild: Rebuild, run: RunConfig, mesh, total: int) -> str | None:
     """The largest --global-batch at this --grad-accum whose step fits the devices'
-    memory (``total``: the step's bytes at ``args``), from a second compilation at half
-    the batch; None where it cannot be halved."""
+    memory (``total``: the step's bytes at the run's batch), from a second compilation
+    at half the batch; None where it cannot be halved."""
     ways = math.prod(mesh.shape[axis] for axis in BATCH)
-    rows = args.global_batch // (args.grad_accum * ways)  # a micro-batch, a device
+    rows = run.global_batch // (run.grad_accum * ways)  # a micro-batch, a device
     limit = memory_limit()
     if rows < 2 or rows % 2 or not limit:
         return None
-    halved = argparse.Namespace(
-        **{**vars(args), "global_batch": args.global_batch // 2}
-    )
-    half_step, half_shapes = rebuild(halved)
+    halved = dataclasses.replace(run, global_batch=run.global_batch // 2)
+    half_step, half_shapes = rebuild(halved.global_batch)
     half = step_bytes(half_step, half_shapes, halved, mesh)
     if half is None:
         return None
     most = most_rows((rows, rows // 2), (total, half), limit)
-    batch = most * ways * args.grad_accum
+    batch = most * ways * run.grad_accum
     if not batch:
-        return f"no --global-batch fits at --grad-accum {args.grad_accum}"
+        return f"no --global-batch fits at --grad-accum {run.grad_accum}"
     return (
         f"the largest batch that fits ({limit / 1e9:.2f} GB): --global-batch {batch} "
-        f"--grad-accum {args.grad_accum}"
+        f"--grad-accum {run.grad_accum}"
     )
 
 
@@ -370,7 +375,9 @@ def state_bytes(shapes) -> tuple[int, int]:
     return on_device(shapes.params), on_device(shapes.opt_state)
 
 
-def out_of_memory(error: str, shapes, args, mesh, largest: str | None = None) -> str:
+def out_of_memory(
+    error: str, shapes, run: RunConfig, mesh, largest: str | None = None
+) -> str:
     """One line for a step that does not fit: what it needs, what a device has, and
     flags that would fit by the recipe's arithmetic (the weights, their gradient and
     the optimizer's state stay; the rest grows with the micro-batch, and accumulating
@@ -381,19 +388,19 @@ def out_of_memory(error: str, shapes, args, mesh, largest: str | None = None) ->
     said = f"needs {needed / 1e9:.2f} GB a device" if needed else "ran out of memory"
     has = f", the device has {limit / 1e9:.2f} GB" if limit else ""
     tries, full = [], limit and state > 0.9 * limit
-    if full and getattr(args, "moments", "float32") == "float32" and optimizer:
+    if full and run.moments == "float32" and optimizer:
         tries.append("--moments bfloat16 (Adam's moments in half the bytes)")
-    if full and "optimizer" not in args.offload:
+    if full and "optimizer" not in run.offload:
         tries.append("--offload optimizer (the moments to host memory)")
     if limit and needed and needed > state:
-        rest, accum = needed - state, args.grad_accum
+        rest, accum = needed - state, run.grad_accum
         summed = state + (weights if accum == 1 else 0)  # the gradients' running sum
-        fits = lambda k: summed + rest * args.grad_accum / k <= 0.9 * limit
-        while accum < args.global_batch and not fits(accum):
+        fits = lambda k: summed + rest * run.grad_accum / k <= 0.9 * limit
+        while accum < run.global_batch and not fits(accum):
             accum *= 2
-        if accum > args.grad_accum and fits(accum) and args.global_batch % accum == 0:
+        if accum > run.grad_accum and fits(accum) and run.global_batch % accum == 0:
             tries.append(f"--grad-accum {accum}")
-    if args.remat != "full":
+    if run.remat != "full":
         tries.append("--remat full")
     if largest:
         tries.append(largest)

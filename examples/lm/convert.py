@@ -68,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib
 import model_config
 import train
+from run_config import RunConfig
 
 # Beside the step folders, which Orbax lists by number.
 HF_CONFIG = "hf_config.json"
@@ -366,21 +367,21 @@ def zero_leaf(s: jax.ShapeDtypeStruct) -> Array | Blocks:
     return Blocks(s.shape, np.dtype(s.dtype), 0, lambda i, j: 0.0)
 
 
-def state_shapes(model, args):
+def state_shapes(model, run: RunConfig):
     """train.py's state for this model: step.py's own abstract_state, so that its
     restore finds what it expects."""
     # Shapes only: any mesh will do.
     mesh = train.make_mesh("fsdp=-1")
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        shapes, _ = train.abstract_state(model, train.make_optimizer(args), mesh, 1)
+        shapes, _ = train.abstract_state(model, train.make_optimizer(run), mesh, 1)
     return shapes
 
 
-def step_zero(hf_dir: pathlib.Path, files: dict, c: Config, args) -> Any:
+def step_zero(hf_dir: pathlib.Path, files: dict, c: Config, run: RunConfig) -> Any:
     """train.py's state at step 0, its params Blocks that read Hugging Face's files:
     Optax's AdamW starts at zeros (its count, its moments), as the test checks
     against tx.init."""
-    shapes = state_shapes(model_lib.Transformer(c), args)
+    shapes = state_shapes(model_lib.Transformer(c), run)
     check_tensors(hf_dir, files, c, shapes.params)
     params = params_from_hf(files, c, shapes.params)
     return jax.tree.map(zero_leaf, shapes).replace(params=params)
@@ -402,10 +403,10 @@ def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     if not config_json.exists():
         raise SystemExit(f"{hf_dir}: no config.json")
     # train.py's defaults for this shape: its optimizer and its checkpoint layout.
-    args = train.parse_args(
+    run = train.parse_args(
         ["--model-config", str(config_json), "--checkpoint-dir", str(checkpoint_dir)]
     )
-    config = train.config_from_args(args)
+    config = train.model_config_of(run)
     files = tensor_files(hf_dir)
     with ocp.CheckpointManager(
         checkpoint_dir.absolute(), item_handlers={"state": block_handler()}
@@ -414,7 +415,7 @@ def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
             raise SystemExit(
                 f"{checkpoint_dir} has step {manager.latest_step()} already"
             )
-        state = step_zero(hf_dir, files, config, args)
+        state = step_zero(hf_dir, files, config, run)
         manager.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
         manager.wait_until_finished()
     (checkpoint_dir / HF_CONFIG).write_text(config_json.read_text())

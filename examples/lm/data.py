@@ -33,7 +33,7 @@ The API train.py uses:
         -> a checkpointable iterator over this process's rows of each global batch
     eval_batches(source, global_batch, rows, num_batches) -> list[np.ndarray]
         the held-out batches: the last num_batches x global_batch records of source
-    check_paths(args)
+    check_paths(run)
         on every process, before the model is built: a bad path flag stops the run in
         one line (train.py's other path flags too, which have no module of their own)
 """
@@ -44,6 +44,7 @@ import pathlib
 
 import grain
 import numpy as np
+from run_config import RunConfig
 
 # A full scan reads the whole file: at most this many tokens (4 GB of uint32). Measured
 # on 2 CPU cores: 0.1-0.2 s per GiB in the page cache, 0.7 s per GiB from disk; 100B
@@ -312,22 +313,22 @@ def prepare(
     return opened
 
 
-def check_paths(args) -> None:
+def check_paths(run: RunConfig) -> None:
     """Stop train.py in one line on a path flag that cannot work, before the model is
     built and on every process (none then waits for one that stopped): --model-config,
     --data's files, and the directories a run writes, which --compile-only does not
     use. What config.json holds is model_config.config_from_hf's to check."""
-    if args.model_config:
-        readable_size(pathlib.Path(args.model_config), "--model-config")
-    if args.compile_only:
+    if run.model_config:
+        readable_size(pathlib.Path(run.model_config), "--model-config")
+    if run.compile_only:
         return
     # Opened as the run opens them; prepare checks their ids against the vocabulary.
-    for files in data_files(args.data) if args.data else []:
-        TokenRecords(files, args.data_dtype, args.seq_len, vocab_size=0)
+    for files in data_files(run.data) if run.data else []:
+        TokenRecords(files, run.data_dtype, run.seq_len, vocab_size=0)
     written = {
-        "--checkpoint-dir": args.checkpoint_dir,
-        "--log-dir": args.log_dir,
-        "--profile": args.profile,
+        "--checkpoint-dir": run.checkpoint_dir,
+        "--log-dir": run.log_dir,
+        "--profile": run.profile,
     }
     for flag, path in written.items():
         if path and (why := directory_error(path)):

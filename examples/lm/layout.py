@@ -1,12 +1,9 @@
 """Where each array lives: the mesh, the check that a model, a batch and a sequence
-split over it (the rules from logical axis names to its axes are mesh_spec.py's, which
-the book's planner reads too), and the token order of ring attention. train.py and the
+split over it (the rules from logical axis names to its axes, and the check's
+arithmetic, are mesh_spec.py's, which the book's planner reads too), and the token
+order of ring attention. train.py and the
 other modules read their layouts here.
 """
-
-import copy
-import math
-from types import SimpleNamespace
 
 import jax
 import mesh_spec
@@ -16,6 +13,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_spec import AXES, BATCH, RULES
+from run_config import RunConfig
 
 
 def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
@@ -53,70 +51,12 @@ def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:
     return mesh_utils.create_hybrid_device_mesh(inside, across, devices)
 
 
-def check_fits(config: model_config.ModelConfig, mesh, args) -> None:
+def check_fits(config: model_config.ModelConfig, mesh, run: RunConfig) -> None:
     """Stop in one line on what the flags leave undone or what the mesh does not split
-    evenly, with the nearest meshes that do; JAX would raise for a weight and pad an
-    activation (chapter 10 says why the recipe does not pad)."""
-    sizes = dict(mesh.shape)
-    if said := mesh_spec.flag_problems(config, sizes, args):
-        raise SystemExit(said[0])
-    if said := refusals(config, sizes, args):
-        raise SystemExit(said[0] + try_instead(config, sizes, args))
-
-
-def refusals(config: model_config.ModelConfig, sizes: dict[str, int], args) -> list:
-    """mesh_spec.refusals, with the lookup this recipe chooses for the mesh."""
-    how = lookup(config, SimpleNamespace(shape=sizes), args)
-    return mesh_spec.refusals(config, sizes, args, how)
-
-
-def try_instead(config: model_config.ModelConfig, sizes: dict[str, int], args) -> str:
-    """The end of a refusal's line, "; try --mesh A or --mesh B": the two meshes of as
-    many devices nearest ``sizes`` that split everything (the fewest factors moved
-    between axes, then the axes that change the least), or, if none does, those with
-    the next --global-batch that has one."""
-    devices = math.prod(sizes.values())
-    cost = dict(data=0, fsdp=1, tensor=2, expert=2, sequence=3, pipeline=4)
-    # A dense model's 'expert' is one more data axis: 'data' says it plainer.
-    plain = config.num_experts or sizes["expert"] > 1
-    ranked = sorted(
-        (m for m in mesh_spec.meshes(devices) if plain or m["expert"] == 1),
-        key=lambda m: (
-            round(sum(abs(math.log(m[a] / sizes[a])) for a in AXES), 9),
-            sum(cost[a] for a in AXES if m[a] != sizes[a]),
-        ),
-    )
-    for batch in range(args.global_batch, 2 * args.global_batch):
-        tried = copy.copy(args)
-        tried.global_batch = batch
-        near = ranked if batch == args.global_batch else ranked[:50]
-        fits = [m for m in near if not refusals(config, m, tried)][:2]
-        if fits:
-            meshes = " or ".join(f"--mesh {mesh_spec.mesh_flag(m)}" for m in fits)
-            more = "" if batch == args.global_batch else f" with --global-batch {batch}"
-            return f"; try {meshes}{more}"
-    return f"; no mesh of {devices} devices splits it"
-
-
-def lookup(config: model_config.ModelConfig, mesh, args) -> str:
-    """How the model looks its tokens up (its ``lookup``). Without batch replicas
-    ('data' or 'expert'), or with nothing else, as XLA likes ("xla"): its partitioner
-    needs no help there.
-    With them, "rows" (the activations move to the table's shards and back) unless the
-    table moves fewer bytes: with 'data', when each device has at least as many tokens
-    as the table has rows; with 'expert', when an fsdp group's share of a step's tokens
-    is (read from compiled programs of 1 to 8B models). With the vocabulary split over
-    'tensor', "rows" always."""
-    data, expert, fsdp = mesh.shape["data"], mesh.shape["expert"], mesh.shape["fsdp"]
-    data *= mesh.shape["pipeline"]  # the stages, too, each look up the whole batch
-    if data * expert == 1 or fsdp * mesh.shape["sequence"] * mesh.shape["tensor"] == 1:
-        return "xla"  # no replicas, or nothing but replicas: each device looks up alone
-    tokens = args.global_batch * args.seq_len
-    if data > 1:
-        table = tokens / (data * fsdp * expert) >= config.vocab_size
-    else:
-        table = tokens / fsdp >= config.vocab_size
-    return "table" if table and mesh.shape["tensor"] == 1 else "rows"
+    evenly, with the nearest meshes that do (mesh_spec.stop_line); JAX would raise for a
+    weight and pad an activation (chapter 10 says why the recipe does not pad)."""
+    if said := mesh_spec.stop_line(config, dict(mesh.shape), run):
+        raise SystemExit(said)
 
 
 def without(axis: str, rules=RULES) -> tuple:

@@ -1,13 +1,19 @@
 """--mesh: the mesh's axes, in order, and a spec such as 'fsdp=4,tensor=2' read into a
 size for each; the rules from the model's logical axis names to those axes, and whether
-every dimension they split divides evenly (``refusals``, which layout.check_fits says).
-Standard library only: the book's planner reads this same file, so that it proposes no
-mesh the recipe refuses.
+every dimension they split divides evenly (``refusals``; ``stop_line``, with the meshes
+to try instead, is what layout.check_fits says). Standard library only: the book's
+planner reads this same file, so that it proposes no mesh the recipe refuses.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import math
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # the recipe's run_config.py; the planner's link to it
+    from run_config import RunConfig
 
 # 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
 # keys and values); 'pipeline' first, the one whose traffic (a stage's activations)
@@ -106,15 +112,15 @@ CHUNKS = {"layers": "virtual stages", "act_seq": "zigzag chunks"}  # what they a
 
 
 def dimensions(
-    config, sizes: dict[str, int], args, lookup: str = "rows"
+    config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
 ) -> list[Dimension]:
     """Every dimension of the model's weights, then of its activations, that has a
-    logical axis name: its size for this model (``model_config.ModelConfig``) and these
-    flags (``args``: train.py's). ``lookup``, how the model looks its tokens up
-    (``layout.lookup``): "rows" lays the lookup's output out by "lookup_batch".
+    logical axis name: its size for this model (``model_config.ModelConfig``) and this
+    run. ``lookup``, how the model looks its tokens up (as the function ``lookup``
+    chooses): "rows" lays the lookup's output out by "lookup_batch".
     tests/test_lm_mesh_sweep.py holds this list to the arrays the model makes."""
-    c, micro, T = config, args.grad_accum, args.seq_len
-    virtual = args.virtual_stages if args.schedule == "interleaved" else 1
+    c, micro, T = config, run.grad_accum, run.seq_len
+    virtual = run.virtual_stages if run.schedule == "interleaved" else 1
     found = [
         Dimension(f"width {c.width}", c.width, "embed"),
         Dimension(f"num_layers {c.num_layers}", c.num_layers, "layers", virtual),
@@ -138,8 +144,8 @@ def dimensions(
             Dimension(f"the shared experts' mlp_width {width}", width, name)
             for name in ("mlp", "act_mlp")
         ]
-    rows = args.global_batch // micro  # a micro-batch's (a pipeline's too)
-    batch = f"--global-batch {args.global_batch}"
+    rows = run.global_batch // micro  # a micro-batch's (a pipeline's too)
+    batch = f"--global-batch {run.global_batch}"
     if micro > 1:
         batch += f" in --grad-accum {micro} micro-batches of {rows} rows"
     zigzag = 2 if sizes["sequence"] > 1 else 1  # ring attention's chunks a device
@@ -151,7 +157,7 @@ def dimensions(
     if lookup == "rows" and sizes["pipeline"] > 1:  # the whole batch, at once
         found.append(
             Dimension(
-                f"--global-batch {args.global_batch}", args.global_batch, "lookup_batch"
+                f"--global-batch {run.global_batch}", run.global_batch, "lookup_batch"
             )
         )
     elif lookup == "rows":
@@ -170,26 +176,26 @@ def dimensions(
     return found
 
 
-def flag_problems(config, sizes: dict[str, int], args) -> list[str]:
-    """What the flags (train.py's ``args``) leave undone on a mesh of these ``sizes``,
-    before any dimension is split: each a line that says which flag to change."""
-    stages, micro, T = sizes["pipeline"], args.grad_accum, args.seq_len
-    interleaved = args.schedule == "interleaved"
+def flag_problems(config, sizes: dict[str, int], run: RunConfig) -> list[str]:
+    """What the run's flags leave undone on a mesh of these ``sizes``, before any
+    dimension is split: each a line that says which flag to change."""
+    stages, micro, T = sizes["pipeline"], run.grad_accum, run.seq_len
+    interleaved = run.schedule == "interleaved"
     out = []
     if micro < 1:
         out.append(f"--grad-accum {micro} must be 1 or more")
-    if args.virtual_stages != 1 and (stages == 1 or not interleaved):
+    if run.virtual_stages != 1 and (stages == 1 or not interleaved):
         out.append(
-            f"--virtual-stages {args.virtual_stages} needs a pipeline axis and "
+            f"--virtual-stages {run.virtual_stages} needs a pipeline axis and "
             "--schedule interleaved"
         )
-    elif args.virtual_stages < 1:
-        out.append(f"--virtual-stages {args.virtual_stages} must be 1 or more")
+    elif run.virtual_stages < 1:
+        out.append(f"--virtual-stages {run.virtual_stages} must be 1 or more")
     if out:
         return out
-    if args.global_batch % micro:
+    if run.global_batch % micro:
         out.append(
-            f"--global-batch {args.global_batch} does not split into --grad-accum "
+            f"--global-batch {run.global_batch} does not split into --grad-accum "
             f"{micro} micro-batches"
         )
     group = min(config.group_size, T)
@@ -205,7 +211,7 @@ def flag_problems(config, sizes: dict[str, int], args) -> list[str]:
             f"--schedule interleaved runs micro-batches in groups of pipeline="
             f"{stages}: set --grad-accum to a multiple of {stages}"
         )
-    if "activations" in args.offload and (args.remat != "full" or stages > 1):
+    if "activations" in run.offload and (run.remat != "full" or stages > 1):
         out.append(
             "--offload activations moves the one input a layer keeps under full remat "
             "to host memory: it needs --remat full and no pipeline axis (a "
@@ -214,12 +220,14 @@ def flag_problems(config, sizes: dict[str, int], args) -> list[str]:
     return out
 
 
-def uneven(config, sizes: dict[str, int], args, lookup: str = "rows") -> list[str]:
+def uneven(
+    config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
+) -> list[str]:
     """Each dimension (``dimensions``) that its rule's mesh axes do not split evenly:
     its name and size, the axes and their product. JAX refuses such a weight and pads
     such an activation; the recipe refuses both (chapter 10 says why)."""
     rules, out = dict(RULES), []
-    for d in dimensions(config, sizes, args, lookup):
+    for d in dimensions(config, sizes, run, lookup):
         axes = rules[d.name]
         axes = (axes,) if isinstance(axes, str) else axes
         ways = math.prod(sizes[a] for a in axes) * d.chunks
@@ -233,8 +241,74 @@ def uneven(config, sizes: dict[str, int], args, lookup: str = "rows") -> list[st
     return out
 
 
-def refusals(config, sizes: dict[str, int], args, lookup: str = "rows") -> list[str]:
-    """Why train.py refuses these flags on a mesh of these ``sizes``, a line each;
-    none: it runs. ``lookup`` as ``dimensions`` takes it: the planner, which does not
-    choose the lookup, leaves "rows", the strictest."""
-    return flag_problems(config, sizes, args) or uneven(config, sizes, args, lookup)
+def refusals(
+    config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
+) -> list[str]:
+    """Why train.py refuses this run on a mesh of these ``sizes``, a line each; none: it
+    runs. ``lookup`` as ``dimensions`` takes it: the planner, which does not choose the
+    lookup, leaves "rows", the strictest."""
+    return flag_problems(config, sizes, run) or uneven(config, sizes, run, lookup)
+
+
+def lookup(config, sizes: dict[str, int], tokens: int) -> str:
+    """How the model looks its tokens up (its ``lookup``) on a mesh of these ``sizes``,
+    ``tokens`` a step. Without batch replicas ('data' or 'expert'), or with nothing
+    else, as XLA likes ("xla"): its partitioner needs no help there.
+    With them, "rows" (the activations move to the table's shards and back) unless the
+    table moves fewer bytes: with 'data', when each device has at least as many tokens
+    as the table has rows; with 'expert', when an fsdp group's share of a step's tokens
+    is (read from compiled programs of 1 to 8B models). With the vocabulary split over
+    'tensor', "rows" always."""
+    data, expert, fsdp = sizes["data"], sizes["expert"], sizes["fsdp"]
+    data *= sizes["pipeline"]  # the stages, too, each look up the whole batch
+    if data * expert == 1 or fsdp * sizes["sequence"] * sizes["tensor"] == 1:
+        return "xla"  # no replicas, or nothing but replicas: each device looks up alone
+    if data > 1:
+        table = tokens / (data * fsdp * expert) >= config.vocab_size
+    else:
+        table = tokens / fsdp >= config.vocab_size
+    return "table" if table and sizes["tensor"] == 1 else "rows"
+
+
+def recipe_refusals(config, sizes: dict[str, int], run: RunConfig) -> list[str]:
+    """``refusals`` with the lookup train.py chooses for these sizes."""
+    how = lookup(config, sizes, run.global_batch * run.seq_len)
+    return refusals(config, sizes, run, how)
+
+
+def try_instead(config, sizes: dict[str, int], run: RunConfig) -> str:
+    """The end of a refusal's line, "; try --mesh A or --mesh B": the two meshes of as
+    many devices nearest ``sizes`` that split everything (the fewest factors moved
+    between axes, then the axes that change the least), or, if none does, those with
+    the next --global-batch that has one."""
+    devices = math.prod(sizes.values())
+    cost = dict(data=0, fsdp=1, tensor=2, expert=2, sequence=3, pipeline=4)
+    # A dense model's 'expert' is one more data axis: 'data' says it plainer.
+    plain = config.num_experts or sizes["expert"] > 1
+    ranked = sorted(
+        (m for m in meshes(devices) if plain or m["expert"] == 1),
+        key=lambda m: (
+            round(sum(abs(math.log(m[a] / sizes[a])) for a in AXES), 9),
+            sum(cost[a] for a in AXES if m[a] != sizes[a]),
+        ),
+    )
+    for batch in range(run.global_batch, 2 * run.global_batch):
+        tried = dataclasses.replace(run, global_batch=batch)
+        near = ranked if batch == run.global_batch else ranked[:50]
+        fits = [m for m in near if not recipe_refusals(config, m, tried)][:2]
+        if fits:
+            flags = " or ".join(f"--mesh {mesh_flag(m)}" for m in fits)
+            more = "" if batch == run.global_batch else f" with --global-batch {batch}"
+            return f"; try {flags}{more}"
+    return f"; no mesh of {devices} devices splits it"
+
+
+def stop_line(config, sizes: dict[str, int], run: RunConfig) -> str | None:
+    """The one line train.py stops with on a mesh of these ``sizes``, or None: it runs.
+    What the flags leave undone, or the first dimension that does not split evenly,
+    with the nearest meshes that do (``try_instead``)."""
+    if said := flag_problems(config, sizes, run):
+        return said[0]
+    if said := recipe_refusals(config, sizes, run):
+        return said[0] + try_instead(config, sizes, run)
+    return None

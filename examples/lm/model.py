@@ -299,8 +299,8 @@ class Transformer(nn.Module):
     # kernel for TPUs (splash.py); "chunked": blocks of an online softmax in plain JAX,
     # memory linear in the sequence.
     attention: str = "xla"
-    # The embedding lookup, one of LOOKUPS (layout.lookup says which). On a mesh whose
-    # batch has replicas ('data' or 'expert'), left to XLA ("xla"), the lookup's
+    # The embedding lookup, one of LOOKUPS (mesh_spec.lookup says which). On a mesh
+    # whose batch has replicas ('data' or 'expert'), left to XLA ("xla"), the lookup's
     # gradient asks XLA's partitioner to go from rows split over all devices to the
     # width split over 'fsdp' and rows whole, which it can only do by gathering the
     # whole array ("Involuntary full rematerialization"). "rows": the lookup's output is

@@ -6,16 +6,17 @@ experts' routing biases by sign descent under --balance bias), its moments kept 
 import jax
 import jax.numpy as jnp
 import optax
+from run_config import RunConfig
 
 
-def make_optimizer(args) -> optax.GradientTransformation:
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
     """AdamW, warmup + cosine decay, global-norm clipping; only the kernels decay."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
-        args.learning_rate,
-        args.warmup_steps,
-        max(args.total_steps or args.steps, args.warmup_steps + 1),
-        end_value=args.learning_rate / 10,
+        run.learning_rate,
+        run.warmup_steps,
+        max(run.total_steps or run.steps, run.warmup_steps + 1),
+        end_value=run.learning_rate / 10,
     )
 
     def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
@@ -26,13 +27,13 @@ def make_optimizer(args) -> optax.GradientTransformation:
     # Under jit the gradients are sharded arrays, and clip_by_global_norm sums over all
     # of them: the clipping sees the whole model's norm, whatever the mesh.
     adamw = optax.chain(
-        optax.clip_by_global_norm(args.clip_norm),
+        optax.clip_by_global_norm(run.clip_norm),
         optax.adamw(
-            schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay
+            schedule, b1=0.9, b2=0.95, weight_decay=run.weight_decay, mask=decay
         ),
     )
-    moments = jnp.dtype(getattr(args, "moments", "float32"))
-    if getattr(args, "balance", "loss") != "bias":
+    moments = jnp.dtype(run.moments)
+    if run.balance != "bias":
         return kept_in(moments, adamw)
 
     # --balance bias: the experts' routing biases move by sign descent, --bias-rate a
@@ -45,7 +46,7 @@ def make_optimizer(args) -> optax.GradientTransformation:
             params,
         )
 
-    sign_descent = optax.chain(optax.scale_by_sign(), optax.scale(-args.bias_rate))
+    sign_descent = optax.chain(optax.scale_by_sign(), optax.scale(-run.bias_rate))
     both = optax.multi_transform({"adamw": adamw, "bias": sign_descent}, labels)
     return kept_in(moments, both)
 

@@ -270,19 +270,22 @@ def location(checkpoint_dir: str) -> str:
     )
 
 
-def checkpoint_manager(args) -> ocp.CheckpointManager:
-    """Orbax's manager of --checkpoint-dir; a failed save or restore through it is said
-    in one line (quiet_echoes), once for the process."""
+def checkpoint_manager(
+    directory: str, keep: int = 3, every: int = 1
+) -> ocp.CheckpointManager:
+    """Orbax's manager of --checkpoint-dir ``directory``, keeping the last ``keep``
+    steps saved every ``every``; a failed save or restore through it is said in one
+    line (quiet_echoes), once for the process."""
     quiet_echoes()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=args.keep,
-        save_interval_steps=args.checkpoint_every,
+        max_to_keep=keep,
+        save_interval_steps=every,
         # A step's folders made before save() returns: a full disk fails there, at
         # once, not as a wait of 300 s for a folder that no thread will make.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     return ocp.CheckpointManager(
-        location(args.checkpoint_dir),
+        location(directory),
         options=options,
         item_handlers={
             "state": ocp.StandardCheckpointHandler(),

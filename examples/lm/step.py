@@ -4,8 +4,10 @@ over one batch or over --grad-accum micro-batches (through pipeline.py's stages 
 """
 
 import dataclasses
+import functools
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -18,6 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import BATCH, RULES, without
 from pipeline import make_pipeline_grads, make_pipeline_loss
+from run_config import RunConfig
+
+# (apply_fn, params, tokens_BT) -> (the batch's mean loss, its gradient)
+Grads = Callable[..., tuple[jax.Array, Any]]
 
 
 def abstract_state(
@@ -136,108 +142,145 @@ def make_step_loss(
     return make_loss(shardings, mesh, dtype, eod_id)
 
 
-def make_train_step(
-    shardings,
-    mesh,
-    dtype=jnp.float32,
-    grad_accum: int = 1,
-    eod_id: int | None = None,
-    model=None,
-    schedule: str = "gpipe",
-    virtual: int = 1,
-    zero1: bool = False,
-):
-    """The jitted training step. With a 'pipeline' axis (``model`` given), the
-    --grad-accum micro-batches go through the pipeline's stages on ``schedule``
-    (GPipe, 1F1B, or interleaved 1F1B with ``virtual`` stages per device)."""
-    specs = jax.tree.map(lambda s: s.spec, shardings.params)  # the weights' layouts
-    keep_layout = lambda tree: jax.tree.map(
-        jax.lax.with_sharding_constraint, tree, specs
-    )
-    loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, grad_accum)
-    pipelined = mesh.shape["pipeline"] > 1
-    micro, grad_accum = grad_accum, 1 if pipelined else grad_accum  # the pipeline's
-
-    def loss_and_grads(apply_fn, params, tokens_BT):
-        """One micro-batch's mean loss and its gradient."""
-        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
-        (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
-        return loss, grads
-
-    if pipelined and schedule != "gpipe":  # 1F1B writes its own backward
-        loss_and_grads = make_pipeline_grads(
-            model, shardings, mesh, dtype, eod_id, micro, schedule, virtual
+def train_step(state, tokens_BT, *, loss_and_grads: Grads, shardings, zero1=False):
+    """One optimizer step: the batch's mean loss and gradient (``loss_and_grads``, from
+    make_grads), then AdamW's update of the weights. With ``zero1`` each data replica
+    updates its share of the optimizer's state; kept in host memory (--offload
+    optimizer), that state comes to the device for the update and goes back."""
+    loss, grads = loss_and_grads(state.apply_fn, state.params, tokens_BT)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    # ZeRO-1: each replica needs its share of the gradient, a reduce-scatter where
+    # XLA finds one (XLA:CPU all-reduces, then each replica slices its share).
+    if zero1:
+        grads = jax.tree.map(
+            lambda g, s: jax.lax.with_sharding_constraint(g, over_data(s, g.shape)),
+            grads,
+            shardings.params,
         )
+    # --offload optimizer: Adam's moments come to the device for the update, and go back
+    if in_host := offloaded(shardings):
+        state = state.replace(opt_state=moved(state.opt_state, shardings, "device"))
+    state = state.apply_gradients(grads=grads)
+    if in_host:
+        back = moved(state.opt_state, shardings, "pinned_host")
+        state = state.replace(opt_state=back)
+    return state, metrics
 
-    def accumulate(apply_fn, params, tokens_BT, batch_axes):
-        """The mean loss and gradient over grad_accum micro-batches, one at a time."""
 
-        def add(sum_, micro_BT):
-            loss, grads = loss_and_grads(apply_fn, params, micro_BT)
-            # The running sum keeps the weights' layout: under FSDP each device holds
-            # 1/fsdp of it, so each micro-batch's gradient is reduce-scattered into it
-            # (a whole-size sum on every device would undo what FSDP saves).
-            return keep_layout(jax.tree.map(jnp.add, sum_, grads)), loss
-
-        zeros = keep_layout(jax.tree.map(jnp.zeros_like, params))
-        micro_KBT = micro_batches(tokens_BT, grad_accum, batch_axes)
-        sums, losses_K = jax.lax.scan(add, zeros, micro_KBT)
-        # Micro-batches of equal size: the mean of their means is the batch's mean.
-        return losses_K.mean(), jax.tree.map(lambda g: g / grad_accum, sums)
-
-    def accumulated(apply_fn, params, tokens_BT):
-        """accumulate, with the gradients reduced over 'data' once per step, not once
-        per micro-batch. The batch is cut into one part per data replica and the step
-        vmapped over the parts (spmd_axis_name: the parts lie along 'data'), so each
-        replica adds up its own gradient, kept apart from the others' (a leading axis
-        split over 'data': no more bytes per device); one sum after the loop reduces
-        them. Without the parts, each micro-batch's gradient would be all-reduced."""
-        replicas = mesh.shape["data"]
-        if replicas == 1:
-            return accumulate(apply_fn, params, tokens_BT, BATCH)
-        B, T = tokens_BT.shape
-        parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
-        with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
-            losses_R, grads_R = jax.vmap(
-                lambda part_BT: accumulate(apply_fn, params, part_BT, BATCH[1:]),
-                spmd_axis_name="data",
-            )(parts_RBT)
-        return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
-
-    host_kinds = {s.memory_kind for s in jax.tree.leaves(shardings.opt_state)}
-    in_host = host_kinds == {"pinned_host"}  # abstract_state(offload={"optimizer"})
-
-    def moved(tree, kind: str):
-        """``tree`` (the optimizer's state) put in memory ``kind``, as laid out."""
-        to = jax.tree.map(lambda s: s.with_memory_kind(kind), shardings.opt_state)
-        return jax.device_put(tree, to)
-
-    def train_step(state, tokens_BT):
-        step_grads = loss_and_grads if grad_accum == 1 else accumulated
-        loss, grads = step_grads(state.apply_fn, state.params, tokens_BT)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        # ZeRO-1: each replica needs its share of the gradient, a reduce-scatter where
-        # XLA finds one (XLA:CPU all-reduces, then each replica slices its share).
-        if zero1:
-            grads = jax.tree.map(
-                lambda g, s: jax.lax.with_sharding_constraint(g, over_data(s, g.shape)),
-                grads,
-                shardings.params,
-            )
-        if in_host:  # Adam's moments in for the update, and back out
-            state = state.replace(opt_state=moved(state.opt_state, "device"))
-        state = state.apply_gradients(grads=grads)
-        if in_host:
-            state = state.replace(opt_state=moved(state.opt_state, "pinned_host"))
-        return state, metrics
-
-    batch = NamedSharding(mesh, P(BATCH))
-    return jax.jit(
+def make_train_step(shardings, mesh, run: RunConfig, model=None):
+    """train_step, jitted for the state's ``shardings``, with the gradients of this
+    run's micro-batches (make_grads; with a 'pipeline' axis, ``model`` given, through
+    the pipeline's stages on --schedule), the state donated."""
+    step = functools.partial(
         train_step,
-        in_shardings=(shardings, batch),
+        loss_and_grads=make_grads(shardings, mesh, run, model),
+        shardings=shardings,
+        zero1=run.zero1,
+    )
+    return jax.jit(
+        step,
+        in_shardings=(shardings, NamedSharding(mesh, P(BATCH))),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+
+
+def make_grads(shardings, mesh, run: RunConfig, model=None) -> Grads:
+    """The loss and gradient train_step takes: over the whole batch; over --grad-accum
+    micro-batches, one at a time (accumulate_per_replica); or, with a 'pipeline' axis,
+    through its stages (GPipe: jax.grad of the pipeline's loss; 1F1B and interleaved
+    1F1B, --virtual-stages a device: pipeline.make_pipeline_grads)."""
+    dtype, micro = jnp.dtype(run.dtype), run.grad_accum
+    loss_fn = make_step_loss(model, shardings, mesh, dtype, run.eod_id, micro)
+    whole = functools.partial(value_and_grads, loss_fn)
+    if mesh.shape["pipeline"] > 1 and run.schedule != "gpipe":  # its own backward
+        return make_pipeline_grads(
+            model,
+            shardings,
+            mesh,
+            dtype,
+            run.eod_id,
+            micro,
+            run.schedule,
+            run.virtual_stages,
+        )
+    if mesh.shape["pipeline"] > 1 or micro == 1:  # the pipeline cuts micro-batches
+        return whole
+    return functools.partial(
+        accumulate_per_replica, whole, shardings=shardings, mesh=mesh, grad_accum=micro
+    )
+
+
+def value_and_grads(loss_fn, apply_fn, params, tokens_BT):
+    """One micro-batch's mean loss and its gradient (``loss_fn``: make_step_loss's)."""
+    grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+    (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
+    return loss, grads
+
+
+def in_layout(tree, shardings):
+    """``tree`` (gradients) held to the weights' layouts."""
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
+
+
+def accumulate(
+    grads_of: Grads, apply_fn, params, tokens_BT, *, shardings, grad_accum, batch_axes
+):
+    """The mean loss and gradient over grad_accum micro-batches, one at a time."""
+
+    def add(sum_, micro_BT):
+        loss, grads = grads_of(apply_fn, params, micro_BT)
+        # The running sum keeps the weights' layout: under FSDP each device holds
+        # 1/fsdp of it, so each micro-batch's gradient is reduce-scattered into it
+        # (a whole-size sum on every device would undo what FSDP saves).
+        return in_layout(jax.tree.map(jnp.add, sum_, grads), shardings), loss
+
+    zeros = in_layout(jax.tree.map(jnp.zeros_like, params), shardings)
+    micro_KBT = micro_batches(tokens_BT, grad_accum, batch_axes)
+    sums, losses_K = jax.lax.scan(add, zeros, micro_KBT)
+    # Micro-batches of equal size: the mean of their means is the batch's mean.
+    return losses_K.mean(), jax.tree.map(lambda g: g / grad_accum, sums)
+
+
+def accumulate_per_replica(
+    grads_of: Grads, apply_fn, params, tokens_BT, *, shardings, mesh, grad_accum
+):
+    """accumulate, with the gradients reduced over 'data' once per step, not once per
+    micro-batch. The batch is cut into one part per data replica and the step vmapped
+    over the parts (spmd_axis_name: the parts lie along 'data'), so each replica adds
+    up its own gradient, kept apart from the others' (a leading axis split over
+    'data': no more bytes per device); one sum after the loop reduces them. Without
+    the parts, each micro-batch's gradient would be all-reduced."""
+    each = dict(shardings=shardings, grad_accum=grad_accum)
+    replicas = mesh.shape["data"]
+    if replicas == 1:
+        return accumulate(
+            grads_of, apply_fn, params, tokens_BT, **each, batch_axes=BATCH
+        )
+    B, T = tokens_BT.shape
+    parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
+    with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
+        losses_R, grads_R = jax.vmap(
+            lambda part_BT: accumulate(
+                grads_of, apply_fn, params, part_BT, **each, batch_axes=BATCH[1:]
+            ),
+            spmd_axis_name="data",
+        )(parts_RBT)
+    return losses_R.mean(), jax.tree.map(lambda g: g.mean(0), grads_R)
+
+
+def offloaded(shardings) -> bool:
+    """Whether the optimizer's state is kept in host memory (--offload optimizer:
+    abstract_state's shardings)."""
+    kinds = {s.memory_kind for s in jax.tree.leaves(shardings.opt_state)}
+    return kinds == {"pinned_host"}
+
+
+def moved(tree, shardings, kind: str):
+    """``tree`` (the optimizer's state) put in memory ``kind``, as laid out."""
+    to = jax.tree.map(lambda s: s.with_memory_kind(kind), shardings.opt_state)
+    return jax.device_put(tree, to)
 
 
 def make_eval_step(

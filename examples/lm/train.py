@@ -13,8 +13,9 @@
     python examples/lm/train.py --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
         --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
-This file parses the command line, sets up and runs the loop. Beside it: model_config.py
-(the shape, the presets, config.json), model.py (the decoder), layers.py (what it and
+This file reads the command line into run_config.py's RunConfig (every flag, typed and
+frozen), sets up and runs the loop. Beside it: model_config.py (the shape, the presets,
+config.json), model.py (the decoder), layers.py (what it and
 experts.py share: the axes' names, the MLP), attention.py (the attention kernels it
 calls; splash.py the TPU's), experts.py (the mixture of experts, its router and
 capacity), dropless.py (each device's share of the experts without a capacity), data.py
@@ -58,15 +59,8 @@ import model as model_lib
 import model_config
 from attention import ATTENTIONS
 from compiled import compile_only, out_of_memory, step_bytes
-from layout import (
-    AXES,
-    BATCH,
-    RULES,
-    check_fits,
-    lookup,
-    make_mesh,
-    process_rows,
-)
+from layout import AXES, BATCH, RULES, check_fits, make_mesh, process_rows
+from mesh_spec import lookup
 from metrics import PEAK_FLOPS, MetricsLog, peak_memory
 from optimizer import make_optimizer
 from resilience import (
@@ -77,10 +71,12 @@ from resilience import (
     restore,
     save,
 )
+from run_config import RunConfig
 from schedules import SCHEDULES
 from step import abstract_state, make_eval_step, make_train_step
 
 OFFLOADS = ("optimizer", "activations")
+PROFILED = range(6, 9)  # --profile's steps: a few after the first's compilation
 
 
 def offloads(text: str) -> frozenset[str]:
@@ -93,10 +89,17 @@ def offloads(text: str) -> frozenset[str]:
     return chosen
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> RunConfig:
+    """The command line, read once into the run's config."""
+    return RunConfig(**vars(flags().parse_args(argv)))
+
+
+def flags() -> argparse.ArgumentParser:
+    """train.py's flags, named as RunConfig's fields, with its defaults."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.set_defaults(**dataclasses.asdict(RunConfig()))
     add = parser.add_argument
-    add("--model", default="tiny", choices=sorted(model_config.PRESETS))
+    add("--model", choices=sorted(model_config.PRESETS))
     add(
         "--model-config",
         metavar="CONFIG_JSON",
@@ -105,48 +108,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add(
         "--mesh",
-        default="fsdp=-1",
         help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: "
         + ", ".join(AXES)
         + " (on TPUs of several slices, data is the axis across them)",
     )
-    add("--experts", type=int, default=0, help="experts per MLP (0: a dense MLP)")
-    add("--top-k", type=int, default=1, help="experts per token")
+    add("--experts", type=int, help="experts per MLP (0: a dense MLP)")
+    add("--top-k", type=int, help="experts per token")
     add(
         "--capacity-factor",
         type=float,
-        default=1.25,
         help="an expert's slots per group: "
         "ceil(top_k x group x factor / experts); experts / top_k: none dropped",
     )
     add(
         "--dispatch",
-        default="capacity",
         choices=["capacity", "dropless"],
         help="capacity: GShard's fixed slots per expert, a choice over them dropped; "
         "dropless: every choice computed, sorted by expert (grouped matrix products)",
     )
     add(
         "--balance",
-        default="loss",
         choices=["loss", "bias"],
         help="loss: Switch's load-balancing loss; bias: DeepSeek-V3's per-expert "
         "routing bias, moved by --bias-rate a step toward equal loads (no such loss)",
     )
-    add("--bias-rate", type=float, default=0.001, help="--balance bias's step")
+    add("--bias-rate", type=float, help="--balance bias's step")
     add(
         "--shared-experts",
         type=int,
-        default=0,
         help="experts every token goes through, beside its --top-k (DeepSeekMoE)",
     )
     add(
         "--group-size",
         type=int,
-        default=512,
         help="tokens routed together (at most --seq-len)",
     )
-    add("--steps", type=int, default=200, help="stop after this step")
+    add("--steps", type=int, help="stop after this step")
     add(
         "--total-steps",
         type=int,
@@ -156,19 +153,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--global-batch",
         type=int,
-        default=16,
         help="sequences per optimizer step, all devices",
     )
     add(
         "--grad-accum",
         type=int,
-        default=1,
         help="micro-batches per step: each device computes --global-batch / K "
         "sequences at a time and adds up the gradients",
     )
     add(
         "--schedule",
-        default="1f1b",
         choices=SCHEDULES,
         help="with a pipeline axis: gpipe (jax.grad writes the backward; each stage "
         "keeps all K micro-batches), 1f1b (at most P), interleaved (--virtual-stages "
@@ -177,18 +171,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--virtual-stages",
         type=int,
-        default=1,
         metavar="V",
         help="--schedule interleaved: stages per device (the layers cut in P x V)",
     )
-    add("--seq-len", type=int, default=128)
+    add("--seq-len", type=int)
     add(
         "--dtype",
-        default="float32",
         choices=["float32", "bfloat16"],
         help="compute type",
     )
-    add("--remat", default="full", choices=sorted(model_lib.REMAT_POLICIES))
+    add("--remat", choices=sorted(model_lib.REMAT_POLICIES))
     add(
         "--zero1",
         action="store_true",
@@ -197,14 +189,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add(
         "--moments",
-        default="float32",
         choices=["float32", "bfloat16"],
         help="the type Adam's two moments are kept in between steps (bfloat16: 4 "
         "bytes a weight instead of 8; each update still computed in float32)",
     )
     add(
         "--offload",
-        default=frozenset(),
         type=offloads,
         help="what to keep in the host's pinned memory, comma-separated: optimizer "
         "(Adam's moments, moved to the device for each update), activations (each "
@@ -219,11 +209,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "multiple of 128); chunked: blocks in plain JAX, memory linear in the sequence "
         "(the default elsewhere); xla: XLA's reference, the T x T scores in float32",
     )
-    add("--learning-rate", type=float, default=3e-3)
-    add("--warmup-steps", type=int, default=20)
-    add("--weight-decay", type=float, default=0.1)
-    add("--clip-norm", type=float, default=1.0)
-    add("--seed", type=int, default=0)
+    add("--learning-rate", type=float)
+    add("--warmup-steps", type=int)
+    add("--weight-decay", type=float)
+    add("--clip-norm", type=float)
+    add("--seed", type=int)
     add(
         "--data",
         help="your own token ids instead of the corpus, read in place: a .npy, a .bin "
@@ -239,26 +229,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add(
         "--data-dir",
-        default="/tmp/jaxdist_lm/data",
         help="where the default corpus's tokens are kept",
     )
     add(
         "--checkpoint-dir", help="save here, and resume from the latest step found here"
     )
-    add("--checkpoint-every", type=int, default=100)
+    add("--checkpoint-every", type=int)
     add(
         "--eval-every",
         type=int,
-        default=0,
         metavar="N",
         help="every N steps, print the loss on held-out batches (0: never)",
     )
-    add("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+    add("--eval-batches", type=int, help="held-out batches per evaluation")
     add(
         "--log-dir",
         help="write each step's metrics to DIR/metrics.jsonl and to TensorBoard",
     )
-    add("--keep", type=int, default=3, help="checkpoints to keep")
+    add("--keep", type=int, help="checkpoints to keep")
     add(
         "--num-devices",
         type=int,
@@ -279,14 +267,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--slices",
         type=int,
-        default=1,
         help="with --topology: that many slices joined by the data-center network "
         "(--mesh's data, the axis across them, a multiple of it)",
     )
     add(
-        "--profile", metavar="DIR", help="trace steps 6 to 8 with jax.profiler into DIR"
+        "--profile",
+        metavar="DIR",
+        help=f"trace steps {PROFILED[0]} to {PROFILED[-1]} with jax.profiler into DIR",
     )
-    add("--compilation-cache", default="/tmp/jaxdist_lm/jax_cache")
+    add("--compilation-cache")
     add(
         "--step-timeout",
         type=float,
@@ -294,7 +283,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="end the job (status 124) when a step has not finished on some process "
         "for SECONDS",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 # Join only when a launcher started several processes. With none, initialize() still
@@ -319,63 +308,65 @@ def join_processes() -> bool:
     return several
 
 
-def config_from_args(args) -> model_config.ModelConfig:
+def model_config_of(run: RunConfig) -> model_config.ModelConfig:
     """The preset or --model-config's shape, with experts if --experts asks for them."""
-    if args.model_config:
-        config = model_config.config_from_hf(args.model_config)
+    if run.model_config:
+        config = model_config.config_from_hf(run.model_config)
     else:
-        config = model_config.PRESETS[args.model]
-    if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
+        config = model_config.PRESETS[run.model]
+    if run.experts < 0 or not 1 <= run.top_k <= max(run.experts, 1):
         raise SystemExit(
-            f"--top-k {args.top_k} must be between 1 and --experts {args.experts}"
+            f"--top-k {run.top_k} must be between 1 and --experts {run.experts}"
         )
-    if args.shared_experts < 0 or (args.shared_experts and not args.experts):
+    if run.shared_experts < 0 or (run.shared_experts and not run.experts):
         raise SystemExit("--shared-experts needs --experts, and is 0 or more")
-    if args.balance == "bias" and not args.experts:
+    if run.balance == "bias" and not run.experts:
         raise SystemExit("--balance bias balances experts: it needs --experts")
-    if args.capacity_factor <= 0 or args.group_size < 1:
+    if run.capacity_factor <= 0 or run.group_size < 1:
         raise SystemExit("--capacity-factor and --group-size must be positive")
-    if args.eod_id is not None and not 0 <= args.eod_id < config.vocab_size:
+    if run.eod_id is not None and not 0 <= run.eod_id < config.vocab_size:
         raise SystemExit(
-            f"--eod-id {args.eod_id} is not a token id: the vocabulary has "
+            f"--eod-id {run.eod_id} is not a token id: the vocabulary has "
             f"{config.vocab_size} (0 to {config.vocab_size - 1})"
         )
     return dataclasses.replace(
         config,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        capacity_factor=args.capacity_factor,
-        group_size=args.group_size,
-        dispatch=args.dispatch,
-        balance=args.balance,
-        shared_experts=args.shared_experts,
+        num_experts=run.experts,
+        top_k=run.top_k,
+        capacity_factor=run.capacity_factor,
+        group_size=run.group_size,
+        dispatch=run.dispatch,
+        balance=run.balance,
+        shared_experts=run.shared_experts,
     )
 
 
-def prepare_data(args, vocab_size: int) -> list[data.TokenRecords]:
+def prepare_data(run: RunConfig, vocab_size: int) -> list[data.TokenRecords]:
     """Process 0 tokenizes the default corpus and checks the files first; the others
     then open them, or (on a node with its own disk) tokenize their own copy."""
-    where = (args.data_dir, args.seq_len, vocab_size, args.data, args.data_dtype)
+    where = (run.data_dir, run.seq_len, vocab_size, run.data, run.data_dtype)
     if jax.process_index() == 0:
         data.prepare(*where)
     multihost_utils.sync_global_devices("data prepared")
     return data.sources(*where)
 
 
-def make_evaluation(args, mesh, model, shapes, rows: slice, source: data.TokenRecords):
+def make_evaluation(
+    run: RunConfig, mesh, model, shapes, rows: slice, source: data.TokenRecords
+):
     """--eval-every: state -> the mean loss over --eval-batches held-out batches,
     placed on the devices once; None without --eval-every."""
-    if not args.eval_every:
+    if not run.eval_every:
         return None
-    eval_step = held_out_step(args, mesh, model, shapes)
+    eval_step = held_out_step(run, mesh, model, shapes)
     sharding, shape = (
         NamedSharding(mesh, P(BATCH)),
-        (args.global_batch, args.seq_len + 1),
+        (run.global_batch, run.seq_len + 1),
     )
     held_out = [
         jax.make_array_from_process_local_data(sharding, rows_BT, shape)
         for rows_BT in data.eval_batches(
-            source, args.global_batch, rows, args.eval_batches
+            source, run.global_batch, rows, run.eval_batches
         )
     ]
 
@@ -387,38 +378,40 @@ def make_evaluation(args, mesh, model, shapes, rows: slice, source: data.TokenRe
     return evaluate
 
 
-def held_out_step(args, mesh, model, shapes):
+def held_out_step(run: RunConfig, mesh, model, shapes):
     """The jitted evaluation step, in the training step's micro-batches."""
     shardings = jax.tree.map(lambda s: s.sharding, shapes)
-    dtype = jnp.dtype(args.dtype)
-    return make_eval_step(shardings, mesh, dtype, args.eod_id, model, args.grad_accum)
+    dtype = jnp.dtype(run.dtype)
+    return make_eval_step(shardings, mesh, dtype, run.eod_id, model, run.grad_accum)
 
 
-def train(args, mesh, model, step, shapes, init) -> None:
+def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
     print0 = print if jax.process_index() == 0 else lambda *a, **k: None
-    sources = prepare_data(args, model.config.vocab_size)
-    rows = process_rows(mesh, args.global_batch, args.seq_len)
+    sources = prepare_data(run, model.config.vocab_size)
+    rows = process_rows(mesh, run.global_batch, run.seq_len)
     # --eval-every: the first source's last batches are held out from training.
-    held_out = args.eval_batches if args.eval_every else 0
+    held_out = run.eval_batches if run.eval_every else 0
     batches = data.batches(
-        sources, args.global_batch, rows, args.seed, args.data_weights, held_out
+        sources, run.global_batch, rows, run.seed, run.data_weights, held_out
     )
-    manager = checkpoint_manager(args) if args.checkpoint_dir else None
+    manager = None
+    if run.checkpoint_dir:
+        manager = checkpoint_manager(run.checkpoint_dir, run.keep, run.checkpoint_every)
     if manager and manager.latest_step() is not None:  # into the shapes: one copy
         state, batches = restore(manager, shapes, batches)
-        print0(f"resumed from step {int(state.step)} in {args.checkpoint_dir}")
+        print0(f"resumed from step {int(state.step)} in {run.checkpoint_dir}")
     else:
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):  # born sharded
             state = jax.jit(
                 init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes)
-            )(jax.random.key(args.seed))
-    tokens_per_step = args.global_batch * args.seq_len
-    flops = model_config.flops_per_token(model.config, args.seq_len) * tokens_per_step
+            )(jax.random.key(run.seed))
+    tokens_per_step = run.global_batch * run.seq_len
+    flops = model_config.flops_per_token(model.config, run.seq_len) * tokens_per_step
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
-    deadline = StepDeadline(args.step_timeout).start() if args.step_timeout else None
-    log = MetricsLog(args.log_dir)
-    evaluate = make_evaluation(args, mesh, model, shapes, rows, sources[0])
+    deadline = StepDeadline(run.step_timeout).start() if run.step_timeout else None
+    log = MetricsLog(run.log_dir)
+    evaluate = make_evaluation(run, mesh, model, shapes, rows, sources[0])
     first = now = int(state.step)  # the one read of the step from the device
     pending, clock, stop = None, time.perf_counter(), False
 
@@ -442,15 +435,15 @@ def train(args, mesh, model, step, shapes, init) -> None:
             deadline.reached(now)
         return preemption.agreed(vote)
 
-    for now in range(first + 1, args.steps + 1):
+    for now in range(first + 1, run.steps + 1):
         tokens = jax.make_array_from_process_local_data(
-            batch_sharding, next(batches), (args.global_batch, args.seq_len + 1)
+            batch_sharding, next(batches), (run.global_batch, run.seq_len + 1)
         )
-        if args.profile and now == 6:  # trace steps 6 to 8, one trace per process
+        if run.profile and now == PROFILED.start:  # one trace per process
             jax.profiler.start_trace(
-                os.path.join(args.profile, f"process_{jax.process_index()}")
+                os.path.join(run.profile, f"process_{jax.process_index()}")
             )
-        elif args.profile and now == 9:
+        elif run.profile and now == PROFILED.stop:
             jax.profiler.stop_trace()
         # "train N" on a profile's timelines: XProf finds the steps by it
         marked = jax.profiler.StepTraceAnnotation("train", step_num=now)
@@ -459,11 +452,11 @@ def train(args, mesh, model, step, shapes, init) -> None:
         # Step now - 1's numbers, while step now runs: no wait between steps.
         stop = pending is not None and report(*pending)
         pending = (now, metrics, preemption.vote())
-        evaluating = evaluate and (now % args.eval_every == 0 or now == args.steps)
+        evaluating = evaluate and (now % run.eval_every == 0 or now == run.steps)
         if evaluating or stop:  # step now's numbers first (all processes alike)
             stop = report(*pending) or stop
             pending = None
-        if manager and (now % args.checkpoint_every == 0 or stop or now == args.steps):
+        if manager and (now % run.checkpoint_every == 0 or stop or now == run.steps):
             save(manager, now, state, batches)
         if evaluating:
             loss = evaluate(state)
@@ -474,11 +467,10 @@ def train(args, mesh, model, step, shapes, init) -> None:
     if pending:
         report(*pending)
     steps = [step] + ([evaluate.step] if evaluate else [])
-    if peak := peak_memory(
-        jax.local_devices(), steps_memory(steps, shapes, args, mesh)
-    ):
+    if peak := peak_memory(jax.local_devices(), steps_memory(steps, shapes, run, mesh)):
         print0(peak, flush=True)
-    if args.profile and first < 6 <= now < 9:  # stopped before step 9: end the trace
+    # stopped before PROFILED.stop: end the trace
+    if run.profile and first < PROFILED.start <= now < PROFILED.stop:
         jax.profiler.stop_trace()
     if deadline:
         deadline.stop()
@@ -486,17 +478,17 @@ def train(args, mesh, model, step, shapes, init) -> None:
         finish(manager)  # the last save is asynchronous
         manager.close()
     if stop:  # once the save is done
-        print0(preemption.farewell(now, args.checkpoint_dir), flush=True)
+        print0(preemption.farewell(now, run.checkpoint_dir), flush=True)
     log.close()
 
 
-def steps_memory(steps, shapes, args, mesh) -> list[int]:
+def steps_memory(steps, shapes, run: RunConfig, mesh) -> list[int]:
     """The bytes each jitted step holds a device, where the devices count memory (a
     GPU's or a TPU's; none on XLA:CPU): compiled again, which reads JAX's compilation
     cache."""
     if not jax.local_devices()[0].memory_stats():
         return []
-    return [step_bytes(step, shapes, args, mesh) for step in steps]
+    return [step_bytes(step, shapes, run, mesh) for step in steps]
 
 
 def attention_kind(
@@ -527,17 +519,17 @@ def attention_kind(
     return requested or default.get(platform, "chunked")
 
 
-def target_devices(args) -> list | None:
+def target_devices(run: RunConfig) -> list | None:
     """With --topology, the devices of a TPU slice (or of --slices of them) that the TPU
     compiler describes without the chips, as MaxText's train_compile.py does; without
     it, None: this machine's."""
-    if args.slices < 1:
-        raise SystemExit(f"--slices {args.slices}: give 1 or more")
-    if not args.topology:
-        if args.slices != 1:
+    if run.slices < 1:
+        raise SystemExit(f"--slices {run.slices}: give 1 or more")
+    if not run.topology:
+        if run.slices != 1:
             raise SystemExit("--slices needs --topology: the slices to compile for")
         return None
-    if not args.compile_only:
+    if not run.compile_only:
         raise SystemExit(
             "--topology compiles for chips that are not here: add --compile-only"
         )
@@ -548,7 +540,7 @@ def target_devices(args) -> list | None:
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         topology = topologies.get_topology_desc(
-            args.topology, "tpu", num_slices=args.slices
+            run.topology, "tpu", num_slices=run.slices
         )
     except RuntimeError as error:  # no libtpu, or a name it does not know: its words
         said = str(error).splitlines()[0]
@@ -560,19 +552,19 @@ def target_devices(args) -> list | None:
                 f"{said}"
             ) from None
         raise SystemExit(
-            f"--topology {args.topology}: {said} (libtpu's names: v5e:16x16, "
+            f"--topology {run.topology}: {said} (libtpu's names: v5e:16x16, "
             f"v5p:4x4x8, v6e:8x8, v4:2x2x2)"
         ) from None
     return topology.devices
 
 
-def setup(args, devices=None):
+def setup(run: RunConfig, devices=None):
     """The mesh, the model, the optimizer, the jitted step and the state's shapes;
     over ``devices`` (by default this machine's)."""
-    mesh = make_mesh(args.mesh, devices)
+    mesh = make_mesh(run.mesh, devices)
     platform = devices[0].platform if devices else jax.default_backend()
-    config = config_from_args(args)
-    check_fits(config, mesh, args)
+    config = model_config_of(run)
+    check_fits(config, mesh, run)
     # dropless.py's exchange: ragged_all_to_all where the backend has it
     ragged = platform in ("gpu", "tpu")
     config = dataclasses.replace(config, exchange="ragged" if ragged else "padded")
@@ -585,52 +577,46 @@ def setup(args, devices=None):
         )
     model = model_lib.Transformer(
         config,
-        jnp.dtype(args.dtype),
-        args.remat,
-        offload_activations="activations" in args.offload,
+        jnp.dtype(run.dtype),
+        run.remat,
+        offload_activations="activations" in run.offload,
         context_parallel=mesh.shape["sequence"] > 1,
-        attention=attention_kind(args.attention, args.seq_len, platform),
-        lookup=lookup(config, mesh, args),
+        attention=attention_kind(run.attention, run.seq_len, platform),
+        lookup=lookup(config, dict(mesh.shape), run.global_batch * run.seq_len),
     )
-    tx = make_optimizer(args)
+    tx = make_optimizer(run)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         shapes, init = abstract_state(
-            model, tx, mesh, args.seq_len, args.offload, args.zero1
+            model, tx, mesh, run.seq_len, run.offload, run.zero1
         )
-    step = make_train_step(
-        jax.tree.map(lambda s: s.sharding, shapes),
-        mesh,
-        jnp.dtype(args.dtype),
-        args.grad_accum,
-        args.eod_id,
-        model,
-        args.schedule,
-        args.virtual_stages,
-        args.zero1,
-    )
+    step = make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh, run, model)
     return mesh, model, tx, step, shapes, init
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    data.check_paths(args)
-    if args.num_devices:
-        jax.config.update("jax_num_cpu_devices", args.num_devices)
-    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    run = parse_args(argv)
+    data.check_paths(run)
+    if run.num_devices:
+        jax.config.update("jax_num_cpu_devices", run.num_devices)
+    jax.config.update("jax_compilation_cache_dir", run.compilation_cache)
     join_processes()
-    devices = target_devices(args)
-    mesh, model, _, step, shapes, init = setup(args, devices)
-    if args.compile_only:
-        held_out = held_out_step(args, mesh, model, shapes) if args.eval_every else None
-        # the step and the state's shapes for other flags
-        rebuild = lambda other: setup(other, devices)[3:5]
-        return compile_only(step, shapes, args, mesh, held_out, rebuild)
+    devices = target_devices(run)
+    mesh, model, _, step, shapes, init = setup(run, devices)
+    if run.compile_only:
+        held_out = held_out_step(run, mesh, model, shapes) if run.eval_every else None
+
+        def rebuild(global_batch: int) -> tuple:
+            """The step and the state's shapes at another --global-batch."""
+            other = dataclasses.replace(run, global_batch=global_batch)
+            return setup(other, devices)[3:5]
+
+        return compile_only(step, shapes, run, mesh, held_out, rebuild)
     try:
-        train(args, mesh, model, step, shapes, init)
+        train(run, mesh, model, step, shapes, init)
     except jax.errors.JaxRuntimeError as error:  # out of memory: one line, no traceback
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        raise SystemExit(out_of_memory(str(error), shapes, args, mesh)) from None
+        raise SystemExit(out_of_memory(str(error), shapes, run, mesh)) from None
 
 
 if __name__ == "__main__":

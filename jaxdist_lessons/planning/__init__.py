@@ -27,8 +27,8 @@ The modules, each building on those before it: ``shapes`` (the model), ``layouts
 request and the meshes), ``footprint`` (memory per device), ``xla_cpu`` (the collectives
 XLA:CPU compiles), ``gpu`` (a GPU's, predicted), ``timing`` (links and the step time),
 ``ranking`` (the rows and the table), ``checking`` (against compiled programs) and ``cli``
-(the command line and the page), with the model's shape from ``model_config``, a link to the
-recipe's own file. Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
+(the command line and the page), with the model's shape from ``model_config`` and the run's
+flags as ``run_config.RunConfig``, links to the recipe's own files. Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
 in the browser, in Pyodide (``tests/planning/test_cli.py`` imports them with JAX made
 unimportable). Beside them, ``costmodel``: chapter 11_pipelines_mesh_shape's roofline model of any Transformer,
 checked against compiled programs with JAX, on the same ``Layout`` and vocabulary; and

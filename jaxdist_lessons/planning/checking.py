@@ -35,11 +35,11 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
     recipe_compiled, train = recipe.module("compiled"), recipe.module("train")
 
     for argv in runs:
-        args = train.parse_args([*argv, "--compile-only"])
+        run = train.parse_args([*argv, "--compile-only"])
         try:  # what setup says (once-only notes) goes to stderr: stdout is the JSON
             with contextlib.redirect_stdout(sys.stderr):
-                mesh, _, _, step, shapes, _ = train.setup(args)
-            compiled = recipe_compiled.lower_step(step, shapes, args, mesh).compile()
+                mesh, _, _, step, shapes, _ = train.setup(run)
+            compiled = recipe_compiled.lower_step(step, shapes, run, mesh).compile()
         except (Exception, SystemExit) as error:  # the next layout may still compile
             print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
             continue

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning import mesh_spec
 from jaxdist_lessons.planning.model_config import ModelConfig
+from jaxdist_lessons.planning.run_config import RunConfig
 from jaxdist_lessons.strategies import NAMES
 
 # The recipe's axes (examples/lm/mesh_spec.py, linked here), pipeline stages apart
@@ -293,11 +293,11 @@ def runnable(c: Layout) -> bool:
     return c.strategy not in NEEDS
 
 
-def recipe_args(run: Run, c: Layout) -> SimpleNamespace:
-    """The flags of train.py that ``ranking.recipe_flags`` writes for this layout, as
-    train.py's parsed arguments: a pipeline runs one sequence a device a micro-batch."""
+def recipe_run_config(run: Run, c: Layout) -> RunConfig:
+    """train.py's run config for the flags that ``ranking.recipe_flags`` writes for this
+    layout: a pipeline runs one sequence a device a micro-batch."""
     pipelined = c.stages > 1
-    return SimpleNamespace(
+    return RunConfig(
         seq_len=run.seq_len,
         global_batch=run.global_batch,
         grad_accum=max(1, run.global_batch // c.batch_ways)
@@ -305,7 +305,7 @@ def recipe_args(run: Run, c: Layout) -> SimpleNamespace:
         else run.grad_accum,
         schedule=c.schedule.lower() or "1f1b",
         virtual_stages=c.virtual,
-        offload={"optimizer", "activations"} if c.offload else set(),
+        offload=frozenset({"optimizer", "activations"} if c.offload else ()),
         remat=run.remat,
     )
 
@@ -313,7 +313,7 @@ def recipe_args(run: Run, c: Layout) -> SimpleNamespace:
 def problems(run: Run, c: Layout) -> list[str]:
     """Why the recipe cannot run this layout: the recipe's own check
     (``mesh_spec.refusals``, which ``layout.check_fits`` runs), on its flags."""
-    return mesh_spec.refusals(run.shape, c.sizes, recipe_args(run, c))
+    return mesh_spec.refusals(run.shape, c.sizes, recipe_run_config(run, c))
 
 
 class PlanError(ValueError):

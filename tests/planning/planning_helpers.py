@@ -46,10 +46,10 @@ GPU_8B = [
 
 def assert_the_recipe_takes(flags: str) -> None:
     """train.py parses ``flags``, and its layout checks pass for the mesh they name."""
-    args = train.parse_args(flags.split())
+    run = train.parse_args(flags.split())
     sizes = dict.fromkeys(layout.AXES, 1)
-    sizes.update((a, int(n)) for a, n in (i.split("=") for i in args.mesh.split(",")))
-    layout.check_fits(train.config_from_args(args), SimpleNamespace(shape=sizes), args)
+    sizes.update((a, int(n)) for a, n in (i.split("=") for i in run.mesh.split(",")))
+    layout.check_fits(train.model_config_of(run), SimpleNamespace(shape=sizes), run)
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:

@@ -1,0 +1,1 @@
+../../examples/lm/run_config.py
