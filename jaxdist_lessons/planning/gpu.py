@@ -1,7 +1,8 @@
 """The collectives the recipe's program would send on a GPU (predicted: no GPU has compiled them
 for this book): weights gathered and gradients reduce-scattered in the compute type,
 Megatron's sequence-parallel activations, ring attention's K and V, the experts' tokens; split
-into those that overlap with the compute and those it waits for.
+into those that overlap with the compute and those it waits for. A TPU is priced the
+same way, but for the share of tensor parallelism's collectives its compiler overlaps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,43 @@ from jaxdist_lessons.planning.xla_cpu import (
 )
 from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.traffic import Transfer
+
+# Of the bytes a device sends over the tensor axis, the share the TPU compiler schedules
+# a matrix product beside (between the collective's start and its done; the rest it
+# waits for, as a GPU does): the LM recipe's step, 8b on fsdp=4,tensor=4 with MaxText's
+# overlap flags, compiled by libtpu 0.0.42.1 for a v5e 4x4 and a v5p 2x2x4, no chip
+# timed (benchmarks/tpu_overlap.py, book/data/tpu_overlap.json, which
+# tests/test_tpu_overlap.py checks these against). The 125m model's are 0.18 and 0.26:
+# the share moves with the model. A TPU compiled for no such step takes the lowest.
+TPU_TENSOR_OVERLAP = {"TPU v5e": 0.37, "TPU v5p": 0.18}
+
+
+def tensor_overlap(run: Run) -> float:
+    """The share of tensor parallelism's activation collectives hidden behind compute:
+    ``TPU_TENSOR_OVERLAP`` on a TPU (compiled; never timed), none on a GPU."""
+    if not run.chip.name.startswith("TPU"):
+        return 0.0
+    return TPU_TENSOR_OVERLAP.get(run.chip.family, min(TPU_TENSOR_OVERLAP.values()))
+
+
+def split_waited(
+    run: Run, moves: list[Transfer]
+) -> tuple[list[Transfer], list[Transfer]]:
+    """Activation collectives as (overlapped, exposed): each over the tensor axis split
+    by ``tensor_overlap``'s share of its bytes; the rest waited for."""
+    share = tensor_overlap(run)
+    hidden = [
+        dataclasses.replace(m, bytes=share * m.bytes)
+        for m in moves
+        if share and "tensor" in m.axes
+    ]
+    waited = [
+        dataclasses.replace(m, bytes=(1 - share) * m.bytes)
+        if share and "tensor" in m.axes
+        else m
+        for m in moves
+    ]
+    return hidden, waited
 
 
 def passes(run: Run) -> int:
@@ -179,17 +217,19 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
     gathers and the gradients' reductions overlap with compute (XLA:GPU's latency-hiding
     scheduler and its pipelined collectives, as FSDP2 prefetches), and so do ring
     attention's sends and a pipeline's; the activations' collectives of tensor
-    parallelism and experts wait on the compute before and hold up the compute after."""
+    parallelism and experts wait on the compute before and hold up the compute after,
+    but for the share of tensor parallelism's that a TPU's compiler overlaps
+    (``tensor_overlap``)."""
     if c.stages > 1:
         sends, per_stage, inside = stage_parts(run, c, run.itemsize)
         per_stage = dataclasses.replace(per_stage, grad_accum=1)
         # tensor parallelism inside a stage: each micro-batch (one sequence) in turn
         rows = run.global_batch // c.batch_ways
         each = dataclasses.replace(per_stage, grad_accum=rows)
-        exposed = gpu_activation_transfers(each, c)
+        hidden, exposed = split_waited(run, gpu_activation_transfers(each, c))
         # each micro-batch's activations forward and gradient back, per virtual stage
         sends = dataclasses.replace(sends, calls=2 * c.virtual * rows)
-        return [sends, *gpu_weight_transfers(per_stage, inside)], exposed
+        return [sends, *gpu_weight_transfers(per_stage, inside), *hidden], exposed
     # gradients' shards, then float32 weights gathered
     if c.strategy.startswith("ZeRO"):
         n, params = run.devices, count_params(run.shape)
@@ -203,8 +243,9 @@ def gpu_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:
         ], []
     activations = gpu_activation_transfers(run, c)
     ring = [move for move in activations if move.kind == "collective-permute"]
-    exposed = [move for move in activations if move.kind != "collective-permute"]
-    return gpu_weight_transfers(run, c) + ring, exposed
+    waited = [move for move in activations if move.kind != "collective-permute"]
+    hidden, exposed = split_waited(run, waited)
+    return gpu_weight_transfers(run, c) + ring + hidden, exposed
 
 
 def priced_transfers(run: Run, c: Layout) -> tuple[list[Transfer], list[Transfer]]:

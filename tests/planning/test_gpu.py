@@ -8,7 +8,8 @@ from planning_helpers import (
     fsdp_run,
 )
 
-from jaxdist_lessons.planning import gpu, model_config, xla_cpu
+from jaxdist_lessons import hardware
+from jaxdist_lessons.planning import gpu, layouts, model_config, xla_cpu
 from jaxdist_lessons.traffic import sent_bytes
 
 
@@ -39,3 +40,27 @@ def test_fsdp_on_a_gpu_sends_three_bf16_copies_of_the_weights_less_one_table():
     assert {m.bytes for m in xla_cpu.weight_transfers(run, fsdp)} != {
         m.bytes for m in overlapped
     }
+
+
+def test_a_tpu_hides_its_compiled_share_of_the_tensor_axis_activation_collectives():
+    """On a TPU, ``TPU_TENSOR_OVERLAP``'s share of each tensor-axis activation
+    collective moves from the waited-for list to the hidden one
+    (tests/test_tpu_overlap.py ties the shares to the compiled programs); a GPU waits
+    for all of them."""
+    gpu_run, _ = fsdp_run(GPU_8B)
+    layout = layouts.Layout.from_flag("fsdp=2,tensor=4", strategy="published")
+    assert gpu.tensor_overlap(gpu_run) == 0.0
+    hidden, waited = gpu.gpu_transfers(gpu_run, layout)
+    assert {m.axes for m in waited} == {("tensor",)}
+    for name, share in gpu.TPU_TENSOR_OVERLAP.items():
+        tpu_run = dataclasses.replace(gpu_run, chip=hardware.CHIPS[name])
+        assert gpu.tensor_overlap(tpu_run) == share
+        tpu_hidden, tpu_waited = gpu.gpu_transfers(tpu_run, layout)
+        assert [m.bytes for m in tpu_waited] == [(1 - share) * m.bytes for m in waited]
+        assert tpu_hidden[: len(hidden)] == hidden
+        moved = tpu_hidden[len(hidden) :]
+        assert [m.bytes for m in moved] == [share * m.bytes for m in waited if share]
+        assert [m.what for m in moved] == [m.what for m in waited if share]
+    # a TPU compiled for no such step: the lowest share
+    v6e = dataclasses.replace(gpu_run, chip=hardware.CHIPS["TPU v6e"])
+    assert gpu.tensor_overlap(v6e) == min(gpu.TPU_TENSOR_OVERLAP.values())
