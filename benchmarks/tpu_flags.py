@@ -124,9 +124,6 @@ def main() -> None:
         parser.error(
             "--libtpu DIR: pip install --target DIR -r requirements-libtpu.txt"
         )
-    import importlib.metadata
-
-    import jax
 
     libtpu = str(pathlib.Path(args.libtpu).resolve())
     rows = []
@@ -135,18 +132,28 @@ def main() -> None:
         row.update(run_case(libtpu, slices, flags))
         rows.append(row)
         print(f"{name:34} {row.get('total', row.get('error'))}", flush=True)
-    [found] = importlib.metadata.distributions(name="libtpu", path=[libtpu])
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "jax_version": jax.__version__,
-        "libtpu_version": found.version,
-        "run": RUN,
-        "machine": platform.machine(),
-        "command": "python benchmarks/tpu_flags.py --libtpu DIR",
-    }
+    meta = libtpu_meta(libtpu, RUN, "python benchmarks/tpu_flags.py --libtpu DIR")
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
     )
+
+
+def libtpu_meta(libtpu: str, run: str, command: str) -> dict[str, str]:
+    """The line a libtpu compile's JSON keeps: the date, JAX's and libtpu's versions
+    (the copy in the folder ``libtpu``), the recipe's flags and the command."""
+    import importlib.metadata
+
+    import jax
+
+    [found] = importlib.metadata.distributions(name="libtpu", path=[libtpu])
+    return {
+        "date": datetime.date.today().isoformat(),
+        "jax_version": jax.__version__,
+        "libtpu_version": found.version,
+        "run": run,
+        "machine": platform.machine(),
+        "command": command,
+    }
 
 
 if __name__ == "__main__":

@@ -33,12 +33,10 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
-import datetime
 import functools
 import hashlib
 import json
 import pathlib
-import platform
 import re
 import subprocess
 import sys
@@ -50,7 +48,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
-from tpu_flags import OVERLAP  # noqa: E402  (MaxText's overlap flags, one home)
+from tpu_flags import OVERLAP, libtpu_meta  # noqa: E402  (MaxText's overlap flags)
 
 from jaxdist_lessons import hlo  # noqa: E402
 from jaxdist_lessons.planning import checking, mesh_spec  # noqa: E402
@@ -357,9 +355,6 @@ def main() -> None:
         parser.error(
             "--libtpu DIR: pip install --target DIR -r requirements-libtpu.txt"
         )
-    import importlib.metadata
-
-    import jax
 
     libtpu = str(pathlib.Path(args.libtpu).resolve())
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
@@ -387,15 +382,7 @@ def main() -> None:
                 f"{row['async'] / 1e6:9.1f}, overlapped {row['overlapped'] / 1e6:9.1f}"
                 f"; of the bytes sent, {share:.0%} overlapped"
             )
-    [found] = importlib.metadata.distributions(name="libtpu", path=[libtpu])
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "jax_version": jax.__version__,
-        "libtpu_version": found.version,
-        "run": RUN,
-        "machine": platform.machine(),
-        "command": "python benchmarks/tpu_overlap.py --libtpu DIR",
-    }
+    meta = libtpu_meta(libtpu, RUN, "python benchmarks/tpu_overlap.py --libtpu DIR")
     pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
     )
