@@ -1,12 +1,6 @@
-"""Attention's kernels, and where they run: the causal mask with documents, the chunked
-blocks of an online softmax in plain JAX (memory linear in the sequence), ring attention
-on those blocks with the sequence split over devices, and cuDNN's fused kernel; the
-shard_map that places a kernel on each device's batch rows and heads. model.py's
-Attention layer chooses among them (--attention); splash.py holds the TPU kernel.
-
-Shape suffixes as in model.py's legend: B batch, T query positions, S key/value
-positions, N query heads, K key/value heads, Q query heads per key/value head, A the
-width of one head.
+"""Attention's kernels and where they run: the causal mask with documents, chunked
+blocks of an online softmax, ring attention, cuDNN's fused kernel, and the shard_map
+that places a kernel (splash.py holds the TPU's). Shapes as in model.py's legend.
 """
 
 import functools
@@ -16,16 +10,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-MASKED = -1e30  # finite: a row with nothing unmasked yet gives no NaN
-BLOCK = 512  # chunked attention's largest query and key/value block (block_size)
+# A masked score: finite, so that a row with nothing unmasked yet gives no NaN.
+MASKED = -1e30
+# chunked attention's largest query and key/value block (block_size)
+BLOCK = 512
 ATTENTIONS = ("xla", "cudnn", "splash", "chunked")
 
 
 def document_starts(tokens_BT: jax.Array, eod_id: int) -> jax.Array:
-    """Each token's document start: the position of the first token of its document,
-    where a document ends with ``eod_id`` (the tokens in text order). Given these,
-    attention stays inside each document and RoPE counts from each document's start, so
-    a row packed with documents computes what each document would alone."""
+    """Each token's document start (the position of its document's first token), where
+    a document ends with ``eod_id``; the tokens in text order."""
     after_eod_BT = jnp.pad(tokens_BT[:, :-1] == eod_id, ((0, 0), (1, 0)))
     columns_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     return jax.lax.cummax(jnp.where(after_eod_BT, columns_BT, 0), axis=1)
@@ -37,9 +31,8 @@ def same_document(q_starts_BT: jax.Array, kv_starts_BS: jax.Array) -> jax.Array:
 
 
 def visible(q_positions_T, kv_positions_S, q_starts_BT=None, kv_starts_BS=None):
-    """Which keys each query sees, to broadcast against B K Q T S scores: the causal
-    mask by positions (any order of the tokens works, such as layout.py's zigzag) and,
-    given document starts, the same document only."""
+    """Which keys each query sees, against B K Q T S scores: causal by positions (in
+    any order, such as layout.py's zigzag) and, given starts, in the same document."""
     causal_TS = q_positions_T[:, None] >= kv_positions_S[None, :]
     if q_starts_BT is None:
         return causal_TS
@@ -47,15 +40,15 @@ def visible(q_positions_T, kv_positions_S, q_starts_BT=None, kv_starts_BS=None):
 
 
 def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, mask):
-    """Fold one block of keys and values into an online softmax over a block of queries
-    (queries already scaled; ``mask`` from visible): ``carry`` is the unnormalised
-    output and each query's running maximum and sum of exponentials, all float32."""
+    """Fold one block of keys and values into a block of (scaled) queries' online
+    softmax; ``carry``: the unnormalised output, running maximum and sum, float32."""
     out_BTKQA, max_BKQT, sum_BKQT = carry
     k_BSKA, v_BSKA = k_BSKA.astype(jnp.float32), v_BSKA.astype(jnp.float32)
     s_BKQTS = jnp.where(mask, jnp.einsum("btkqa,bska->bkqts", q_BTKQA, k_BSKA), MASKED)
     new_max_BKQT = jnp.maximum(max_BKQT, s_BKQTS.max(-1))
     p_BKQTS = jnp.where(mask, jnp.exp(s_BKQTS - new_max_BKQT[..., None]), 0.0)
-    rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)  # the earlier blocks' share
+    # rescales the earlier blocks' terms to the new maximum
+    rescale_BKQT = jnp.exp(max_BKQT - new_max_BKQT)
     sum_BKQT = sum_BKQT * rescale_BKQT + p_BKQTS.sum(-1)
     out_BTKQA = out_BTKQA * rescale_BKQT.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
         "bkqts,bska->btkqa", p_BKQTS, v_BSKA
@@ -64,9 +57,9 @@ def attend_block(carry, q_BTKQA, k_BSKA, v_BSKA, mask):
 
 
 def finalise(carry) -> tuple[jax.Array, jax.Array]:
-    """The carry -> (the normalised output, each query's log-sum-exp). A query that saw
-    no key (masked everywhere) gets output 0 and log-sum-exp MASKED, so that merging
-    it with another part gives that part."""
+    """The carry -> (the normalised output, each query's log-sum-exp)."""
+    # A query that saw no key gets output 0 and log-sum-exp MASKED, so that merging it
+    # with another part gives that part.
     out_BTKQA, max_BKQT, sum_BKQT = carry
     seen_BKQT = sum_BKQT > 0
     safe_sum_BKQT = jnp.where(seen_BKQT, sum_BKQT, 1.0)
@@ -87,15 +80,14 @@ def unblocks(x, axis: int) -> jax.Array:
 
 
 def block_size(length: int, block: int) -> int:
-    """The block chunked attention cuts ``length`` into: the largest size up to
-    ``block`` that divides it (768 in blocks of 512 -> 2 of 384), so any length runs."""
+    """The largest block up to ``block`` that divides ``length`` (768 -> 384)."""
     return next(size for size in range(min(block, length), 0, -1) if length % size == 0)
 
 
 def can_see(q_positions_T, kv_positions_S, q_starts_BT=None) -> jax.Array:
-    """Whether any query of a block may see any key of a block: if not, skip the pair
-    (the causal upper triangle, in whatever order the positions come, and, given
-    document starts, keys before the documents of all the block's queries)."""
+    """Whether any query of a query block may see any key of a key block; if not, the
+    pair is skipped (above the causal diagonal, or before all its queries' documents).
+    """
     causal = q_positions_T.max() >= kv_positions_S.min()
     if q_starts_BT is None:
         return causal
@@ -118,12 +110,8 @@ def attention_part(
     kv_starts_BS,
     block,
 ):
-    """Causal attention of (scaled) queries on one part of the keys, in blocks of
-    ``block`` queries x ``block`` keys: (output, log-sum-exp), float32. The document
-    starts (document_starts; None: one document) keep each query in its document.
-    Memory O(T x block), forward and backward: the backward keeps only the output and
-    log-sum-exp and recomputes each block's probabilities from them (FlashAttention-2's
-    backward: Dao 2023, arXiv:2307.08691)."""
+    """Causal attention of (scaled) queries on one part of the keys, in blocks:
+    (output, log-sum-exp), float32. Memory O(T x block), forward and backward."""
     return attention_part_forward(
         q_BTKQA,
         k_BSKA,
@@ -162,7 +150,7 @@ def attention_part_forward(
 
     def one_query_block(args):
         q_BTKQA, q_positions_T, q_starts_BT = args
-        # *_like: inside shard_map the carry varies over the mesh axes the queries do
+        # *_like: inside shard_map the carry varies over the mesh axes the queries do.
         max_BKQT = jnp.full_like(q_BTKQA[..., 0], MASKED).transpose(0, 2, 3, 1)
         carry = jnp.zeros_like(q_BTKQA), max_BKQT, jnp.zeros_like(max_BKQT)
 
@@ -188,6 +176,8 @@ def attention_part_forward(
     return (out_BTKQA, lse_BKQT), (*residuals, out_BTKQA, lse_BKQT)
 
 
+# FlashAttention-2's backward (Dao 2023, arXiv:2307.08691): keep only the output and
+# log-sum-exp, and recompute each block's probabilities from them.
 def attention_part_backward(block, residuals, cotangents):
     q_BTKQA, k_BSKA, v_BSKA, q_positions_T, kv_positions_S = residuals[:5]
     q_starts_BT, kv_starts_BS, out_BTKQA, lse_BKQT = residuals[5:]
@@ -282,12 +272,8 @@ def chunked_attention(
     q_starts_BT=None,
     kv_starts_BS=None,
 ):
-    """Causal attention in blocks, never forming the T x S scores: each query block
-    folds in the key/value blocks it can see with an online softmax (a running maximum
-    and sum: Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al.
-    2022, arXiv:2205.14135). Blocks of up to ``block``, the largest that divides each
-    length (block_size). Given document starts, each query sees its own document only.
-    Float32 inside; the output in the queries' dtype."""
+    """Causal attention in blocks with an online softmax, never forming the T x S
+    scores (arXiv:1805.02867; FlashAttention, arXiv:2205.14135); float32 inside."""
     out_BTKQA, _ = attention_part(
         grouped(q_BTNA, k_BSKA.shape[2]),
         k_BSKA,
@@ -310,15 +296,9 @@ def ring_attention(
     axis: str = "sequence",
     block: int = BLOCK,
 ):
-    """Causal attention on one device's share of a sequence split over ``axis`` (inside
-    jax.shard_map). Each device keeps its queries; the keys and values travel around the
-    ring, one ppermute per step, and each step's part (chunked attention's blocks) is
-    merged into the rest by log-sum-exp, so no device holds the whole sequence's keys
-    (ring attention: Liu et al. 2023, arXiv:2310.01889). ``positions_T``, whole on every
-    device, gives each column's position in the text; the mask compares positions, so
-    any order of the tokens works, such as layout.py's load-balanced zigzag. Document
-    starts (``starts_BT``), if given, come whole along the sequence too, in the tokens'
-    order."""
+    """Causal attention on one device's share of a sequence split over ``axis``, inside
+    jax.shard_map (ring attention, arXiv:2310.01889). ``positions_T`` and ``starts_BT``
+    come whole along the sequence, in the tokens' order (any, such as the zigzag)."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     T = q_BTNA.shape[1]
     share = lambda device: jax.lax.dynamic_slice_in_dim(positions_T, device * T, T)
@@ -328,9 +308,12 @@ def ring_attention(
         else jax.lax.dynamic_slice_in_dim(starts_BT, device * T, T, axis=1)
     )
     q_BTKQA = grouped(q_BTNA, k_BTKA.shape[2])
-    k_BSKA, v_BSKA = k_BTKA, v_BTKA  # they travel in the compute dtype
+    # The keys and values travel around the ring in the compute dtype; each device
+    # keeps its queries and merges each step's part by log-sum-exp.
+    k_BSKA, v_BSKA = k_BTKA, v_BTKA
     result = None
-    for step in range(n):  # at this step, the block that started on device i - step
+    # At each step, the keys and values that started on device i - step.
+    for step in range(n):
         source = (i - step) % n
         part = attention_part(
             q_BTKQA,
@@ -343,7 +326,8 @@ def ring_attention(
             block,
         )
         result = part if result is None else merge(result, part)
-        if step < n - 1:  # pass the block on: device j sends to j + 1
+        # Pass the block on: device j sends to j + 1.
+        if step < n - 1:
             ring = [(j, (j + 1) % n) for j in range(n)]
             k_BSKA, v_BSKA = jax.lax.ppermute((k_BSKA, v_BSKA), axis, ring)
     return result[0].reshape(q_BTNA.shape).astype(q_BTNA.dtype)
@@ -355,11 +339,10 @@ def document_mask(starts_BT) -> jax.Array | None:
 
 
 def cudnn_attention(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
-    """cuDNN's fused causal attention (FlashAttention on NVIDIA GPUs), in bfloat16, the
-    type its kernel takes; the output back in the queries' dtype. Given document starts,
-    the mask goes to cuDNN as a T x S bias per row (jax.nn.dot_product_attention turns
-    a mask into a bias; cuDNN's packed-document layout is not in that API in jax
-    0.10.2), so memory is quadratic in the sequence again: chunked stays linear."""
+    """cuDNN's fused causal attention (NVIDIA GPUs), in bfloat16, the type its kernel
+    takes; the output in the queries' dtype."""
+    # Document starts go to cuDNN as a T x S bias per row (jax 0.10.2's API has no
+    # packed-document layout): memory quadratic in the sequence again.
     bf16 = lambda x: x.astype(jnp.bfloat16)
     out_BTNA = jax.nn.dot_product_attention(
         bf16(q_BTNA),
@@ -373,11 +356,10 @@ def cudnn_attention(q_BTNA, k_BTKA, v_BTKA, starts_BT=None):
 
 
 def manual_axes(*specs: P) -> set[str]:
-    """The mesh axes for a shard_map with these specs to make manual: those the specs
-    name and those that split something (under the accumulation's vmap, 'data'), not
-    the others, of size 1 (with the check off, shard_map's backward would sum the
-    gradients over them: all-reduces that move nothing but that a compiled program
-    still holds), nor those already manual (inside a pipeline stage, 'pipeline')."""
+    """The mesh axes a shard_map with these specs makes manual: those named or of size
+    over 1, less those already manual (inside a pipeline stage, 'pipeline')."""
+    # Not the axes of size 1: with the check off, shard_map's backward would sum the
+    # gradients over them, all-reduces that move nothing but stay in the program.
     mesh = jax.sharding.get_abstract_mesh()
     named = {
         a
@@ -397,21 +379,9 @@ def every_axis() -> set[str]:
 
 
 def placed(attend, kernel: bool = False):
-    """``attend(q_BTNA, k_BTKA, v_BTKA, *extra)`` run on each device's batch rows and
-    heads (jax.shard_map over the mesh axes the rules give "batch" and the heads), the
-    whole sequence on each device; of ``extra``, a 1-D array (positions) goes whole to
-    every device and a 2-D one (document starts, B x T) by the rows: a kernel
-    (cuDNN's custom call) or a loop of blocks then needs no partitioning by XLA. The
-    heads split as the keys' heads do, so each device's query heads find their shared
-    key/value heads on the same device. Inside a shard_map over all the mesh's axes, JAX
-    lowers the cuDNN call as on one device, with the device's shapes (XLA's partitioning
-    of the call has had bugs: jax-ml/jax#25986). Unwrapped outside a mesh.
-
-    check_vma=False: under step.py's gradient accumulation, vmapped over the data
-    replicas (spmd_axis_name), the queries vary over 'data' and the positions, a
-    constant, do not, and the chunked loop's optimization barrier takes both; JAX's
-    check of which values vary then fails. Nothing here communicates between devices,
-    so there is nothing for the check to protect."""
+    """``attend(q_BTNA, k_BTKA, v_BTKA, *extra)`` run by jax.shard_map on each device's
+    batch rows and heads, the whole sequence on each, so that XLA partitions no kernel
+    call or loop of blocks (jax-ml/jax#25986); unwrapped outside a mesh."""
 
     def call(q_BTNA, k_BTKA, v_BTKA, *extra):
         if jax.sharding.get_abstract_mesh().empty:
@@ -419,6 +389,9 @@ def placed(attend, kernel: bool = False):
         q_spec = nn.logical_to_mesh_axes(("batch", None, "act_heads", None))
         kv_spec = nn.logical_to_mesh_axes(("batch", None, "act_kv_heads", None))
         row_spec = nn.logical_to_mesh_axes(("batch", None))
+        # Positions (1-D) go whole to every device; document starts (B, T) by rows.
+        # The query heads split as the key/value heads do, so each finds its shared
+        # key/value head on its device.
         extra_specs = (P() if x.ndim == 1 else row_spec for x in extra)
         in_specs = (q_spec, kv_spec, kv_spec, *extra_specs)
         on_each = jax.shard_map(
@@ -428,6 +401,9 @@ def placed(attend, kernel: bool = False):
             # A kernel (Mosaic's, cuDNN's) must be manual over every axis: XLA cannot
             # partition its call, even over axes of size 1.
             axis_names=every_axis() if kernel else manual_axes(q_spec, kv_spec),
+            # Under step.py's accumulation, vmapped over 'data', the queries vary over
+            # 'data' and the positions do not, and the chunked loop's optimization
+            # barrier takes both: JAX's check fails. Nothing here communicates.
             check_vma=False,
         )
         return on_each(q_BTNA, k_BTKA, v_BTKA, *extra)

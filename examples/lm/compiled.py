@@ -34,10 +34,10 @@ INSTRUCTION = r"\s*(?:ROOT )?%?([\w.-]+) = (.+?) ([a-z-]+?)(-start)?\("
 
 
 def loop_trips(hlo_text: str) -> dict[str, int]:
-    """Each while loop's trip count, by the loop's name. XLA:CPU writes it in the loop's
-    backend_config; the TPU compiler does not, and the loop's condition (``i < N``) and
-    the counter's first value give it: N - first, since the TPU compiler may peel a
-    loop's first trip into the code before it and start the counter at 1."""
+    """Each while loop's trip count, by the loop's name."""
+    # XLA:CPU writes the count in the loop's backend_config; the TPU compiler does not,
+    # and the loop's condition (i < N) and the counter's first value give it: N - first,
+    # since the TPU compiler may peel a loop's first trip and start the counter at 1.
     scalars, firsts, bounds, trips = {}, {}, {}, {}
     constants, name = collections.defaultdict(list), None
     for line in hlo_text.splitlines():
@@ -71,16 +71,9 @@ def loop_trips(hlo_text: str) -> dict[str, int]:
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
     """Bytes per collective kind in a compiled program, loops times their trip counts,
-    a conditional its costliest branch (an upper bound: a pipeline's loop runs a
-    forward or a backward or nothing each tick, and is counted as a backward each).
-
-    All-gather and reduce-scatter: their output (the TPU compiler's reduce-scatter is
-    an all-reduce whose result each device slices: that slice); the others: their
-    operand, as big as their output. On a ring of n devices each device sends (n-1)/n
-    of the gathered or scattered whole, or 2(n-1)/n of an all-reduce's operand.
-    Across TPU slices the program sends to the Megascale runtime, over the data-center
-    network: "dcn-all-reduce", its operand.
-    """
+    a conditional its costliest branch (an upper bound for a pipeline's ticks)."""
+    # All-gather and reduce-scatter count their output, the others their operand; on
+    # a ring of n devices each sends (n-1)/n of that, or 2(n-1)/n of an all-reduce's.
     kinds = (
         "all-gather",
         "reduce-scatter",
@@ -90,7 +83,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     )
     sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
-    choices = collections.defaultdict(list)  # computation -> its conditionals' branches
+    # computation -> its conditionals' branches
+    choices = collections.defaultdict(list)
     trips, echoes, scattering = loop_trips(hlo_text), set(), set()
     for line in hlo_text.splitlines():
         if header := re.match(COMPUTATION, line):
@@ -100,21 +94,27 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
                 root = name
         elif match := re.match(INSTRUCTION, line):
             target, shape, opcode, start = match.groups()
+            # Across TPU slices the program sends to the Megascale runtime, over the
+            # data-center network: "dcn-all-reduce", counted by its operand.
             dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
             if opcode == "send" and dcn:
                 opcode = "dcn-" + dcn[1].lower().replace("_", "-")
-            if name.startswith("all-reduce-scatter"):  # the TPU's: an all-reduce,
-                if opcode == "all-reduce":  # then each device's slice of its result:
-                    scattering.add(name)  # a reduce-scatter, counted by that slice
+            # The TPU compiler's reduce-scatter is an all-reduce, then each device's
+            # slice of its result: counted as a reduce-scatter, by that slice.
+            if name.startswith("all-reduce-scatter"):
+                if opcode == "all-reduce":
+                    scattering.add(name)
                     continue
                 if line.lstrip().startswith("ROOT") and name in scattering:
                     opcode = "reduce-scatter"
             if opcode in kinds or opcode.startswith("dcn-"):
                 tensors = re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                # A send's shape is (operand, u32[], token[]); an async start's
+                # (operand, output, ...), of which the output counts.
                 if opcode.startswith("dcn-"):
-                    tensors = tensors[:1]  # (operand, u32[], token[])
+                    tensors = tensors[:1]
                 elif start and shape.startswith("(") and opcode != "all-reduce":
-                    tensors = tensors[1:2]  # (operand, output, ...): the output
+                    tensors = tensors[1:2]
                 own[name][opcode] += sum(
                     sizes[t]
                     * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
@@ -145,9 +145,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 
 def host_argument_bytes(hlo_text: str) -> int:
-    """The bytes of a compiled program's arguments placed in host memory: those whose
-    layout in its entry_computation_layout names memory space 5 (``{1,0:S(5)}``), the
-    host's. XLA:CPU keeps the placement in the program, but its memory_analysis()
+    """The bytes of a compiled program's arguments in host memory: memory space 5
+    (``{1,0:S(5)}``) in its entry_computation_layout. XLA:CPU's memory_analysis()
     counts them as device arguments (on a CPU both are the same memory)."""
     layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
     if layout is None:
@@ -162,9 +161,8 @@ def host_argument_bytes(hlo_text: str) -> int:
 
 
 def lower_step(step, shapes, run: RunConfig, mesh, platform=None) -> jax.stages.Lowered:
-    """The step lowered for the state's shapes and a global batch of tokens' shapes;
-    for this machine's backend, or for ``platform`` ("cuda": the program a GPU gets,
-    which needs no GPU to write)."""
+    """The step lowered for the state's and a global batch's shapes, for this machine
+    or for ``platform`` ("cuda": a GPU's program, written without a GPU)."""
     tokens = jax.ShapeDtypeStruct(
         (run.global_batch, run.seq_len + 1),
         jnp.int32,
@@ -182,9 +180,9 @@ def lower_step(step, shapes, run: RunConfig, mesh, platform=None) -> jax.stages.
 
 
 def host_placements(lowered_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, global shape) of each value a lowered program moves to host memory: its
-    annotate_device_placement calls that name "pinned_host" (how JAX lowers a
-    device_put to a memory kind for GPUs and TPUs; for XLA:CPU it writes none)."""
+    """(dtype, global shape) of each value a lowered program moves to host memory."""
+    # JAX lowers a device_put to "pinned_host" as annotate_device_placement for GPUs
+    # and TPUs; for XLA:CPU it writes none.
     types = re.findall(
         r"@annotate_device_placement\(.*\"pinned_host\".*: \(tensor<([^>]*)>\)",
         lowered_text,
@@ -196,23 +194,28 @@ def host_placements(lowered_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def offloaded_activations(step, shapes, run: RunConfig, mesh) -> str:
-    """--offload activations, read from the step's program lowered for CUDA (XLA:CPU's
-    program drops the placement): what goes to host memory, and the bytes a device
-    moves there and back each step. Stops if it is not one layer input a layer (JAX's
-    offloading under scan and remat has been silently ineffective: jax#23869)."""
+    """--offload activations: what goes to host memory, and the bytes a device moves
+    there and back each step, read from the program lowered for CUDA (XLA:CPU's drops
+    the placement)."""
     placed = host_placements(lower_step(step, shapes, run, mesh, "cuda").as_text())
-    rows = run.global_batch // run.grad_accum  # a micro-batch's
+    # a micro-batch's rows
+    rows = run.global_batch // run.grad_accum
     inputs = [
         (dtype, shape) for dtype, shape in placed if shape[:2] == (rows, run.seq_len)
     ]
-    if len(inputs) != 1:  # (the rest: the optimizer's state, with --offload optimizer)
+    # Stop unless it is one layer input a layer: JAX's offloading under scan and remat
+    # has been silently ineffective (jax#23869). The other placements are the
+    # optimizer's state, with --offload optimizer.
+    if len(inputs) != 1:
         raise SystemExit(
             f"--offload activations: the program lowered for CUDA moves {inputs} to "
             f"host memory, not one ({rows}, {run.seq_len}, width) layer input"
         )
     [(dtype, shape)] = inputs
-    layers = jax.tree.leaves(shapes.params["layers"])[0].shape[0]  # the scan's stack
-    residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)  # as the layers
+    # the layers' scan stacks them on a leading axis
+    layers = jax.tree.leaves(shapes.params["layers"])[0].shape[0]
+    # a layer's input is sharded as the residual stream
+    residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)
     local = NamedSharding(mesh, residual).shard_shape(shape)
     sent = SIZES[dtype] * math.prod(local) * layers * run.grad_accum
     return (
@@ -227,11 +230,10 @@ def offloaded_activations(step, shapes, run: RunConfig, mesh) -> str:
 def compile_only(
     step, shapes, run: RunConfig, mesh, eval_step=None, rebuild: Rebuild | None = None
 ) -> None:
-    """Compile one step for the requested sizes, allocating nothing; print its costs,
-    the evaluation step's memory (``eval_step``, with --eval-every) and, where the
-    devices say how much memory JAX may use, the largest global batch that fits
-    (``rebuild(global_batch)``: the step and the state's shapes at another batch). A
-    step that does not fit stops in one line (out_of_memory)."""
+    """Compile one step at full size, allocating nothing, and print its costs.
+
+    Also the evaluation step's memory (``eval_step``) and, where the devices report a
+    limit, the largest --global-batch that fits, found with ``rebuild``."""
     start = time.perf_counter()
     try:
         compiled = lower_step(step, shapes, run, mesh).compile()
@@ -263,7 +265,8 @@ def compile_only(
     total = arguments + temporaries + outputs
     print(format_summary(arguments, temporaries, total, sent), flush=True)
     host = host_argument_bytes(compiled.as_text())
-    if host:  # --offload optimizer
+    # only with --offload optimizer
+    if host:
         print(
             f"in host memory (the program's memory space 5): arguments "
             f"{host / 1e9:.3f} GB, moved to the device and back each step; "
@@ -306,13 +309,13 @@ UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def needed_bytes(error: str, arguments: int = 0) -> int | None:
-    """The bytes a program that did not fit asked for, from the compiler's message:
-    XLA:TPU's "Ran out of memory in memory space hbm. Used 16.31G of 15.75G hbm", or
-    jax 0.10.2's libtpu's "the total memory required for HLO temporaries (18.67G)
-    exceeds available HBM", to which the program's ``arguments`` are added; None if
-    the message says no total (a run's "Attempting to allocate 1.00G")."""
+    """The bytes a program that did not fit asked for, from the compiler's message;
+    None if it says no total (a run's "Attempting to allocate 1.00G")."""
+    # XLA:TPU: "Ran out of memory in memory space hbm. Used 16.31G of 15.75G hbm".
     if used := re.search(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", error):
         return round(float(used[1]) * UNITS[used[2]])
+    # jax 0.10.2's libtpu: "the total memory required for HLO temporaries (18.67G)
+    # exceeds available HBM", to which the program's arguments are added.
     if temporaries := re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", error):
         return round(float(temporaries[1]) * UNITS[temporaries[2]]) + arguments
     return None
@@ -331,7 +334,7 @@ def step_bytes(step, shapes, run: RunConfig, mesh) -> int | None:
 
 
 def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int:
-    """The most rows a device within ``limit`` bytes, the memory a straight line
+    """The most rows a device within ``limit`` bytes, memory taken as a straight line
     (fixed + per row) through two sizes' (rows, totals)."""
     (r1, r2), (t1, t2) = rows, totals
     per_row = (t1 - t2) / (r1 - r2)
@@ -341,11 +344,11 @@ def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int
 
 
 def largest_batch(rebuild: Rebuild, run: RunConfig, mesh, total: int) -> str | None:
-    """The largest --global-batch at this --grad-accum whose step fits the devices'
-    memory (``total``: the step's bytes at the run's batch), from a second compilation
-    at half the batch; None where it cannot be halved."""
+    """The largest --global-batch at this --grad-accum that fits the devices' memory,
+    from ``total`` (the step's bytes) and a second compilation at half the batch."""
     ways = math.prod(mesh.shape[axis] for axis in BATCH)
-    rows = run.global_batch // (run.grad_accum * ways)  # a micro-batch, a device
+    # a micro-batch's rows on one device
+    rows = run.global_batch // (run.grad_accum * ways)
     limit = memory_limit()
     if rows < 2 or rows % 2 or not limit:
         return None
@@ -365,8 +368,8 @@ def largest_batch(rebuild: Rebuild, run: RunConfig, mesh, total: int) -> str | N
 
 
 def state_bytes(shapes) -> tuple[int, int]:
-    """(the weights', the optimizer state's) bytes a device keeps on the device (the
-    optimizer's kept in host memory, --offload optimizer, left out)."""
+    """(the weights', the optimizer state's) bytes on a device; what --offload
+    optimizer keeps in host memory left out."""
     on_device = lambda tree: sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
         for x in jax.tree.leaves(tree)
@@ -379,12 +382,12 @@ def out_of_memory(
     error: str, shapes, run: RunConfig, mesh, largest: str | None = None
 ) -> str:
     """One line for a step that does not fit: what it needs, what a device has, and
-    flags that would fit by the recipe's arithmetic (the weights, their gradient and
-    the optimizer's state stay; the rest grows with the micro-batch, and accumulating
-    adds a float32 sum as large as the weights)."""
+    flags that would make it fit."""
     weights, optimizer = state_bytes(shapes)
     needed, limit = needed_bytes(error, weights + optimizer), memory_limit()
-    state = 2 * weights + optimizer  # the weights, their gradient, the moments
+    # The weights, their gradient and the moments stay; the rest grows with the
+    # micro-batch.
+    state = 2 * weights + optimizer
     said = f"needs {needed / 1e9:.2f} GB a device" if needed else "ran out of memory"
     has = f", the device has {limit / 1e9:.2f} GB" if limit else ""
     tries, full = [], limit and state > 0.9 * limit
@@ -394,7 +397,9 @@ def out_of_memory(
         tries.append("--offload optimizer (the moments to host memory)")
     if limit and needed and needed > state:
         rest, accum = needed - state, run.grad_accum
-        summed = state + (weights if accum == 1 else 0)  # the gradients' running sum
+        # Going from one micro-batch to several adds the gradients' running sum
+        # (float32, as large as the weights).
+        summed = state + (weights if accum == 1 else 0)
         fits = lambda k: summed + rest * run.grad_accum / k <= 0.9 * limit
         while accum < run.global_batch and not fits(accum):
             accum *= 2
@@ -405,7 +410,8 @@ def out_of_memory(
     if largest:
         tries.append(largest)
     weights_line = f"weights, gradients and optimizer state {state / 1e9:.2f} GB"
-    xla = " ".join(error.split())[:160]  # the start of XLA's own message
+    # the start of XLA's own message
+    xla = " ".join(error.split())[:160]
     flags = "; ".join(tries) or "more devices (--mesh fsdp=...)"
     return f"out of memory: the step {said}{has} ({weights_line}); try {flags} [{xla}]"
 

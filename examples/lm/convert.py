@@ -7,41 +7,17 @@
         [--max-shard-size 5GB]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
-model.safetensors.index.json (Llama 3.x 1B, 8B, 70B, any shape). from-hf writes step 0
-of CHECKPOINT_DIR: the weights in float32, a fresh optimizer (Adam's moments and counts
-are zeros) and no data iterator (resilience.py's restore then starts the data at the
-checkpoint's step), plus hf_config.json, from which to-hf writes config.json again.
-to-hf writes Hugging Face's layout: model.safetensors, or, past --max-shard-size,
-model-00001-of-0000N.safetensors shards and model.safetensors.index.json, which
-transformers' from_pretrained reads. Tokens for --data come from the model's own
-tokenizer, not train.py's corpus.
+model.safetensors.index.json. from-hf writes step 0: the weights in float32, a fresh
+optimizer and no data iterator, plus hf_config.json, from which to-hf writes config.json
+again. Tokens for --data come from the model's own tokenizer, not train.py's corpus.
 
-The layouts. Hugging Face's Linear stores (out, in) and computes x @ W.T; the recipe's
-kernels are (in, out), and its attention weights name their heads: q_proj (N*A, D) ->
-query (D, N, A), k_proj and v_proj (K*A, D) -> k and v (D, K, A), o_proj (D, N*A) ->
-out (N, A, D). Each layer's tensors are stacked on a leading axis, the scan's.
+RoPE needs no permutation: transformers' checkpoints already rotate feature i with
+i + A/2, as model.rope does (tests/test_lm_convert.py checks the logits' parity).
 
-RoPE needs no permutation. Meta's original checkpoints rotate neighbouring features
-(2i, 2i + 1); transformers' rotate_half rotates feature i with i + A/2, so its
-conversion script permutes the rows of q and k when it converts Meta's files (`permute`
-in transformers/models/llama/convert_llama_weights_to_hf.py). model.rope rotates the
-halves too: Hugging Face's q_proj and k_proj go in as they are, which the logits'
-parity with transformers checks (tests/test_lm_convert.py).
-
-Memory: neither command holds the model, nor one stacked leaf (all the layers' copies
-of a tensor: 75 GB in float32 for each of 70B's MLP kernels). from-hf hands Orbax
-``Blocks``, leaves that ``BlockHandler`` writes a block at a time (a block of layers, or
-of rows, of at most BLOCK_BYTES, or one layer where a layer is larger), each read from
-the safetensors files when its turn comes; Adam's zeros are never arrays. to-hf reads
-the checkpoint a storage chunk at a time with TensorStore (train.py's chunks are its
-arrays' shards, at most 2 GiB each: Orbax's cap) and writes each piece in place into
-safetensors files made at their full size. Measured (benchmarks/convert_memory.py,
-made-up Llamas in 50 MB shards, 2 cores, 2026-12-06), the peak resident memory of
-from-hf was 640 MB at 201 M parameters and 666 MB at 336 M, of to-hf 610 and 626 MB,
-against 286 MB to import this file. Before, when from-hf held the whole state and to-hf
-the whole params, from-hf peaked at 3,916 and 6,363 MB (18 bytes per parameter above
-the imports: some 150 GB for 8B) and to-hf at 1,533 and 2,357 MB (6 bytes per
-parameter).
+Neither command holds the model, nor one stacked leaf (75 GB in float32 for each of
+70B's MLP kernels): from-hf writes a block at a time, to-hf reads a storage chunk at a
+time. Measured peaks (benchmarks/convert_memory.py, 2026-12-06): 640 to 666 MB for
+from-hf and 610 to 626 MB for to-hf at 201 M to 336 M parameters, 286 MB of it imports.
 """
 
 import argparse
@@ -86,6 +62,8 @@ Array = np.ndarray
 Config = model_config.ModelConfig
 
 
+# Hugging Face's Linear stores (out, in) and computes x @ W.T; the recipe's kernels are
+# (in, out), and its attention weights name their heads.
 def heads_in(w: Array, c: Config) -> Array:
     """q_proj (N*A, D) -> (D, N, A); k_proj, v_proj (K*A, D) -> (D, K, A)."""
     return w.T.reshape(c.width, -1, c.head_width)
@@ -232,8 +210,8 @@ def file_shapes(files: dict[str, pathlib.Path]) -> dict[str, tuple[int, ...]]:
 def read_rows(
     file: pathlib.Path, name: str, start: int | None = None, stop: int | None = None
 ) -> Array:
-    """Rows [start, stop) of one tensor, as float32. The file is mapped only while it
-    is read, so the pages read leave the process's memory with it."""
+    """Rows [start, stop) of one tensor, as float32."""
+    # The file is mapped only while it is read: its pages leave the process with it.
     with safe_open(file, framework="np") as f:
         return f.get_slice(name)[start:stop].astype(np.float32)
 
@@ -303,9 +281,8 @@ class Blocks:
 
 
 class BlockHandler(ocp.type_handlers.NumpyHandler):
-    """Writes Blocks as Orbax writes a NumPy array (the same files, restored as one),
-    a block at a time: each block is one storage chunk, written before the next block
-    is read. Orbax's own NumpyHandler copies each array and writes it whole."""
+    """Writes Blocks as Orbax writes a NumPy array (restored as one), a block at a time:
+    Orbax's own NumpyHandler copies each array and writes it whole."""
 
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.type_handlers.SaveArgs()] * len(values)
@@ -378,9 +355,8 @@ def state_shapes(model, run: RunConfig):
 
 
 def step_zero(hf_dir: pathlib.Path, files: dict, c: Config, run: RunConfig) -> Any:
-    """train.py's state at step 0, its params Blocks that read Hugging Face's files:
-    Optax's AdamW starts at zeros (its count, its moments), as the test checks
-    against tx.init."""
+    """train.py's state at step 0, its params Blocks that read Hugging Face's files,
+    AdamW's count and moments zeros (as tx.init's, which the test checks)."""
     shapes = state_shapes(model_lib.Transformer(c), run)
     check_tensors(hf_dir, files, c, shapes.params)
     params = params_from_hf(files, c, shapes.params)
@@ -398,6 +374,7 @@ def block_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+# No data iterator in step 0: resilience.restore then starts the data at its step.
 def from_hf(hf_dir: pathlib.Path, checkpoint_dir: pathlib.Path) -> None:
     config_json = hf_dir / "config.json"
     if not config_json.exists():
@@ -492,9 +469,9 @@ def create_safetensors(
     file: pathlib.Path, shapes: dict[str, tuple[int, ...]], dtype: np.dtype
 ) -> dict[str, int]:
     """An empty safetensors file of these tensors, at its full size; each tensor's
-    offset in it. The format (github.com/huggingface/safetensors): the header's length
-    (8 bytes, little-endian), the JSON header padded to 8 bytes, the tensors' bytes.
-    Written here because safetensors' own writer wants every tensor in memory."""
+    offset in it. Ours, because safetensors' own writer wants every tensor in memory."""
+    # The format (github.com/huggingface/safetensors): the header's length (8 bytes,
+    # little-endian), the JSON header padded to 8 bytes, the tensors' bytes.
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     end = 0
     for name, shape in shapes.items():

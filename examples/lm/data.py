@@ -1,41 +1,8 @@
 """Token ids read in place as sequences, mixed and batched per process, with Grain.
 
-The default corpus is real English prose that every Python installation carries
-offline: the Python language reference's topics (the stdlib's pydoc_data, about 460
-kB). A byte-level BPE tokenizer (Hugging Face `tokenizers`) is trained on it once, and
-its ids are saved once, as a small `.npy` in the data directory.
-
-`--data` points at a reader's own tokens instead: a `.npy` array (its dtype is in its
-header), or a raw `.bin` (nanoGPT's) whose dtype `--data-dtype` must name: uint16, or
-uint32 for a vocabulary above 65,536 ids (Llama 3's 128,256). A directory is one source
-of shards (its .npy and .bin files, in name order); several entries, comma-separated,
-are mixed with `--data-weights`.
-
-Nothing is converted at start-up: every file is a NumPy memmap, and record i of a file
-is its tokens i*(L+1) to (i+1)*(L+1) (L = seq_len: the inputs, then the targets one
-token later), as int32. A file's last tokens that do not fill a record are not read;
-records never straddle two shards.
-
-Token ids are checked against the vocabulary twice. At start-up (``prepare``, on one
-process) each file is scanned in chunks of 2^24 tokens: the whole file when it holds at
-most FULL_SCAN_TOKENS, otherwise only its first chunk, which still catches a wrong
---data-dtype (uint16 read as uint32 gives ids in the billions). And every record is
-checked as it is read, so a bad id in a file too large to scan stops the run at the
-batch that holds it, with its position, instead of reaching the model.
-
-The API train.py uses:
-
-    prepare(directory, seq_len, vocab_size, data, dtype) -> list[TokenRecords]
-        on one process first: writes the default corpus's tokens, scans the files
-    sources(directory, seq_len, vocab_size, data, dtype) -> list[TokenRecords]
-        on every process: one source per --data entry, opened in place
-    batches(sources, global_batch, rows, seed, weights, held_out_batches)
-        -> a checkpointable iterator over this process's rows of each global batch
-    eval_batches(source, global_batch, rows, num_batches) -> list[np.ndarray]
-        the held-out batches: the last num_batches x global_batch records of source
-    check_paths(run)
-        on every process, before the model is built: a bad path flag stops the run in
-        one line (train.py's other path flags too, which have no module of their own)
+The default corpus: the Python language reference's topics (the stdlib's pydoc_data,
+460 kB, offline), tokenized by a byte-level BPE. --data: .npy, raw .bin (nanoGPT's) or
+directories of shards, memmapped; record i is tokens i (L + 1) to (i + 1) (L + 1).
 """
 
 import bisect
@@ -51,7 +18,8 @@ from run_config import RunConfig
 # tokens (200-400 GB) would take minutes before the first step, on one process. Larger
 # files rely on the check of each record as it is read (20 us per 8,193 ids).
 FULL_SCAN_TOKENS = 10**9
-SCAN_CHUNK = 2**24  # tokens per np.max: 64 MB of uint32 in memory at a time
+# tokens per np.max: 64 MB of uint32 in memory at a time
+SCAN_CHUNK = 2**24
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Grain's threads read the next batches while the devices run the step; a few batches
 # ahead is enough when reading one takes less than a step. Threads, not processes:
@@ -106,16 +74,18 @@ def corpus_file(vocab_size: int, directory: str) -> pathlib.Path:
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-        partial = path.with_suffix(f".{os.getpid()}.partial")  # processes may write
+        # Each process that tokenizes writes its own file, then renames it into
+        # place: readers never see a half-written file.
+        partial = path.with_suffix(f".{os.getpid()}.partial")
         with open(partial, "wb") as file:
             np.save(file, corpus_tokens(vocab_size, path.parent).astype(dtype))
-        os.replace(partial, path)  # readers never see a half-written file
+        os.replace(partial, path)
     return path
 
 
 def directory_error(path: str) -> str | None:
-    """Why this process could not make directory ``path`` and write in it, or None. A
-    URL (gs://...) is left to its store."""
+    """Why this process could not make directory ``path`` and write in it, or None."""
+    # A URL (gs://...) is left to its store.
     if "://" in path:
         return None
     target = pathlib.Path(path).absolute()
@@ -149,8 +119,7 @@ def npy_ids(path: pathlib.Path) -> np.ndarray:
 
 
 def readable_size(path: pathlib.Path, flag: str = "--data") -> int:
-    """The size of a file this process can open; one line if it cannot (it is missing,
-    a directory, or not readable by this user)."""
+    """The size of a file this process can open; one line if it cannot."""
     try:
         with open(path, "rb") as file:
             return os.fstat(file.fileno()).st_size
@@ -172,7 +141,9 @@ def token_ids(path: pathlib.Path, dtype: str | None) -> np.ndarray:
         return tokens
     if path.suffix != ".bin":
         raise SystemExit(f"--data {path}: expected a .npy or a .bin file of token ids")
-    if dtype is None:  # uint32 ids read as uint16 would train on [t0, 0, t1, 0, ...]
+    # A .bin does not say its dtype, and a wrong guess trains on garbage: uint32 ids
+    # read as uint16 give [t0, 0, t1, 0, ...].
+    if dtype is None:
         raise SystemExit(
             f"--data {path}: a raw .bin does not say its dtype; "
             "pass --data-dtype uint16 or uint32"
@@ -182,14 +153,16 @@ def token_ids(path: pathlib.Path, dtype: str | None) -> np.ndarray:
         raise SystemExit(
             f"--data {path}: {size} bytes is not a whole number of {dtype} token ids"
         )
-    if size == 0:  # np.memmap cannot map an empty file
+    # np.memmap cannot map an empty file
+    if size == 0:
         return np.zeros(0, BIN_DTYPES[dtype])
     return np.memmap(path, dtype=BIN_DTYPES[dtype], mode="r")
 
 
 def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> int | None:
     """The index of the first id in ``ids`` outside [0, vocab_size), or None."""
-    signed = ids.dtype.kind == "i"  # an unsigned file needs no second pass for < 0
+    # an unsigned file needs no second pass for ids below 0
+    signed = ids.dtype.kind == "i"
     if len(ids) == 0 or (ids.max() < vocab_size and not (signed and ids.min() < 0)):
         return None
     return int(np.argmax((ids >= vocab_size) | (ids < 0)))
@@ -203,11 +176,8 @@ def vocabulary_error(token_id: int, position: int, path, vocab_size: int) -> str
 
 
 class TokenRecords:
-    """Records of seq_len + 1 token ids from one or more files (shards), read in place.
-
-    A Grain RandomAccessDataSource: record i is an int32 array of seq_len + 1 ids, its
-    ids checked against the vocabulary as it is read.
-    """
+    """Records of seq_len + 1 token ids from one or more files (shards), read in place:
+    a Grain RandomAccessDataSource whose records are checked against the vocabulary."""
 
     def __init__(
         self,
@@ -218,7 +188,8 @@ class TokenRecords:
     ):
         self.paths, self.seq_len, self.vocab_size = paths, seq_len, vocab_size
         self.files = [token_ids(path, dtype) for path in paths]
-        # ends[f]: the records of files 0..f; record i is in the first f with i < end
+        # ends[f]: the records of files 0..f; record i is in the first f with i < end.
+        # A file's last tokens that do not fill a record are not read.
         self.ends = np.cumsum([len(t) // (seq_len + 1) for t in self.files]).tolist()
         if not self.ends or self.ends[-1] == 0:
             total = sum(len(t) for t in self.files)
@@ -234,7 +205,8 @@ class TokenRecords:
         f = bisect.bisect_right(self.ends, index)
         start = (index - (self.ends[f - 1] if f else 0)) * (self.seq_len + 1)
         ids = self.files[f][start : start + self.seq_len + 1]
-        bad = outside_vocabulary(ids, self.vocab_size)  # before int32: uint32 wraps
+        # Checked before the cast to int32, which would wrap a large uint32 id.
+        bad = outside_vocabulary(ids, self.vocab_size)
         if bad is not None:
             raise ValueError(
                 vocabulary_error(ids[bad], start + bad, self.paths[f], self.vocab_size)
@@ -247,7 +219,7 @@ class TokenRecords:
 
 def check_vocabulary(path, tokens: np.ndarray, vocab_size: int) -> None:
     """Scan a file's ids in chunks: all of them up to FULL_SCAN_TOKENS, else the first
-    chunk (records are also checked as they are read)."""
+    chunk, which still catches a wrong --data-dtype (ids in the billions)."""
     end = len(tokens) if len(tokens) <= FULL_SCAN_TOKENS else SCAN_CHUNK
     for start in range(0, end, SCAN_CHUNK):
         chunk = tokens[start : min(start + SCAN_CHUNK, end)]
@@ -314,10 +286,8 @@ def prepare(
 
 
 def check_paths(run: RunConfig) -> None:
-    """Stop train.py in one line on a path flag that cannot work, before the model is
-    built and on every process (none then waits for one that stopped): --model-config,
-    --data's files, and the directories a run writes, which --compile-only does not
-    use. What config.json holds is model_config.config_from_hf's to check."""
+    """Stop train.py in one line on a path flag that cannot work, on every process
+    before the model is built, so that none waits for one that stopped."""
     if run.model_config:
         readable_size(pathlib.Path(run.model_config), "--model-config")
     if run.compile_only:
@@ -365,15 +335,9 @@ def batches(
     weights: str | list[float] | None = None,
     held_out_batches: int = 0,
 ):
-    """A checkpointable iterator over this process's rows of each global batch.
-
-    Global batch s is records s*B to (s+1)*B of one shuffled, repeated stream, the same
-    on every process; a process reads only ``rows`` of it (the rows its devices hold),
-    so the batches do not depend on how many processes there are. With several
-    sources, the stream interleaves them in the proportions of ``weights`` (by default,
-    their numbers of records); each source is shuffled and repeated on its own. The
-    first source's last ``held_out_batches`` x B records are left to ``eval_batches``.
-    """
+    """A checkpointable iterator over this process's ``rows`` of each global batch,
+    the same on any number of processes; the first source's last ``held_out_batches``
+    left out."""
     block = rows.stop - rows.start
     if global_batch % block or rows.start % block:
         raise ValueError(f"rows {rows} do not tile a global batch of {global_batch}")
@@ -384,9 +348,11 @@ def batches(
         training_records(source, out).shuffle(seed=seed + i).repeat()
         for i, (source, out) in enumerate(zip(sources, held_out))
     ]
-    if len(streams) == 1:  # one source: today's stream, record for record
+    if len(streams) == 1:
         stream = streams[0]
-    else:  # a fixed interleaving in proportion to the weights, indexed like the rest
+    else:
+        # A fixed interleaving in proportion to the weights (by default the sources'
+        # sizes), indexed like one source.
         stream = grain.MapDataset.mix(
             streams, weights or [len(s) - out for s, out in zip(sources, held_out)]
         )
@@ -399,12 +365,8 @@ def batches(
 def eval_batches(
     source: TokenRecords, global_batch: int, rows: slice, num_batches: int
 ) -> list[np.ndarray]:
-    """This process's rows of the held-out batches, in file order, the same every call.
-
-    Batch b is the source's records n - (num_batches - b) * B onwards (n records, B =
-    global_batch): the last num_batches x B records, which ``batches`` leaves out when
-    given held_out_batches = num_batches.
-    """
+    """This process's rows of the held-out batches: the source's last num_batches x
+    global_batch records, in file order, the same every call."""
     first = len(source) - num_batches * global_batch
     if first <= 0:
         raise SystemExit(

@@ -1,10 +1,6 @@
-"""A mixture of SwiGLU experts, the layer model.py's Block runs in place of its MLP when
-config.num_experts > 0: a top-k router, GShard's capacity with its dispatch and combine
-(expert_slots), DeepSeekMoE's shared experts, and the dropless path (dropless_experts:
-the shard_map that places dropless.py's per-device code on the mesh).
-
-Shape suffixes as in model.py's legend (T a routing group's tokens, G the groups, E
-experts, M slots per expert, R a token's routes).
+"""A mixture of SwiGLU experts, model.py's MLP when config.num_experts > 0: a top-k
+router, GShard's capacity, DeepSeekMoE's shared experts, and the shard_map that places
+dropless.py on the mesh. Shapes as in model.py's legend (T a routing group's tokens).
 """
 
 import dataclasses
@@ -20,17 +16,17 @@ from jax.sharding import PartitionSpec as P
 from layers import MLP, constrain, weight
 from model_config import ModelConfig
 
-BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001  # Switch Transformer's and ST-MoE's coefficients
+# the load-balancing loss's coefficient (Switch Transformer, arXiv:2101.03961) and the
+# router z-loss's (ST-MoE, arXiv:2202.08906)
+BALANCE_WEIGHT, Z_WEIGHT = 0.01, 0.001
 
 
 def expert_slots(choice_RTE: jax.Array, gates_TR: jax.Array, capacity: int):
-    """-> GShard's dispatch and combine (token, expert, slot), and the kept pairs.
-
-    Each (choice, token) pair takes the next free slot of its expert, first choices
-    before second ones: its slot is how many earlier pairs chose the same expert. A pair
-    past ``capacity`` is dropped (its one-hot slot is all zero). Leading dimensions (a
-    batch, groups) are carried through."""
+    """-> GShard's dispatch and combine (token, expert, slot), and the kept pairs;
+    leading dimensions (a batch, groups) carried through."""
     *lead, R, T, E = choice_RTE.shape
+    # A pair's slot is how many earlier pairs chose its expert, first choices before
+    # second ones; past ``capacity`` its one-hot slot is all zero: dropped.
     flat = choice_RTE.reshape(*lead, R * T, E)
     slot_RT = ((jnp.cumsum(flat, axis=-2) - 1) * flat).sum(-1).reshape(*lead, R, T)
     slot_RTM = jax.nn.one_hot(slot_RT.astype(jnp.int32), capacity)
@@ -42,18 +38,8 @@ def expert_slots(choice_RTE: jax.Array, gates_TR: jax.Array, capacity: int):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, a top-k router, a capacity; GShard's dispatch and combine.
-
-    Each group of T tokens is routed on its own: a token's choices take the next free
-    slot of their experts, first choices before second ones, and a choice that finds its
-    expert full is dropped (the token keeps its residual). Weights and the routed tokens
-    are split over the 'expert' mesh axis; between the two, XLA moves tokens to their
-    experts' devices and back (all-to-alls). Dispatch and combine are einsums. Returns
-    the output and the auxiliary loss: Switch's load balance E * sum_e f_e P_e (Fedus et
-    al. 2021, arXiv:2101.03961) and ST-MoE's router z-loss (Zoph et al. 2022,
-    arXiv:2202.08906). With config.dispatch "dropless", no capacity: every choice is
-    computed, sorted by expert, in grouped matrix products (dropless_experts).
-    """
+    """E SwiGLU experts, a top-k router, a capacity: -> (the output, the auxiliary
+    loss); a choice that finds its expert full is dropped (GShard's dispatch)."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -66,20 +52,14 @@ class Experts(nn.Module):
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
         y_BTD, aux_loss = self.routed(x_BTD)
-        if c.shared_experts:  # DeepSeekMoE's shared experts: every token, one MLP
+        # DeepSeekMoE's shared experts: one wider MLP that every token goes through
+        if c.shared_experts:
             wide = dataclasses.replace(c, mlp_width=c.shared_experts * c.mlp_width)
             y_BTD += MLP(wide, self.dtype, name="shared")(x_BTD)
         return y_BTD, aux_loss
 
     def route(self, x_BGTD: jax.Array):
-        """-> (gates, experts, the top-k mask, the auxiliary loss) of each token.
-
-        With config.balance "bias" (DeepSeek-V3's auxiliary-loss-free balance, Liu et
-        al. 2024, arXiv:2412.19437, section 2.1.2), a per-expert bias is added to the
-        scores to choose the experts (not to the gates), and the auxiliary loss holds
-        bias x (load - 1/E) in place of Switch's loss: its gradient, each expert's
-        load above the mean, moves the bias by sign descent (optimizer.make_optimizer):
-        an overloaded expert's bias goes down by --bias-rate each step."""
+        """-> (gates, experts, the top-k mask, the auxiliary loss) of each token."""
         c = self.config
         D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k
         router_DE = self.param(
@@ -90,6 +70,8 @@ class Experts(nn.Module):
         )
         logits_BGTE = jnp.einsum("bgtd,de->bgte", x_BGTD.astype(jnp.float32), router_DE)
         probs_BGTE = jax.nn.softmax(logits_BGTE, axis=-1)
+        # DeepSeek-V3's auxiliary-loss-free balance (arXiv:2412.19437, 2.1.2): a
+        # per-expert bias added to the scores that choose the experts, not the gates.
         if c.balance == "bias":
             bias_E = self.param("router_bias", nn.initializers.zeros, (E,), jnp.float32)
             scores_BGTE = probs_BGTE + jax.lax.stop_gradient(bias_E)
@@ -97,13 +79,18 @@ class Experts(nn.Module):
             gates_BGTR = jnp.take_along_axis(probs_BGTE, experts_BGTR, axis=-1)
         else:
             gates_BGTR, experts_BGTR = jax.lax.top_k(probs_BGTE, R)
-        gates_BGTR /= gates_BGTR.sum(-1, keepdims=True)  # k > 1: they sum to 1
+        # With k > 1, a token's gates are scaled to sum to 1.
+        gates_BGTR /= gates_BGTR.sum(-1, keepdims=True)
         choice_BGRTE = jax.nn.one_hot(experts_BGTR.swapaxes(2, 3), E)
-        load_E = choice_BGRTE.mean((0, 1, 2, 3))  # each expert's share of the choices
+        # each expert's share of the choices
+        load_E = choice_BGRTE.mean((0, 1, 2, 3))
         z_loss = jnp.mean(jax.nn.logsumexp(logits_BGTE, axis=-1) ** 2)
+        # The bias's "loss", bias x (load - 1/E), has each expert's load above the mean
+        # as gradient; optimizer.py moves the bias by its sign, --bias-rate a step.
         if c.balance == "bias":
             balance = jnp.sum(bias_E * jax.lax.stop_gradient(load_E - 1 / E))
             return gates_BGTR, experts_BGTR, choice_BGRTE, balance + Z_WEIGHT * z_loss
+        # Switch's load balance, E sum_e f_e P_e
         balance = E * jnp.sum(load_E * probs_BGTE.mean((0, 1, 2)))
         aux_loss = BALANCE_WEIGHT * balance + Z_WEIGHT * z_loss
         return gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss
@@ -124,7 +111,8 @@ class Experts(nn.Module):
             for n in ("gate", "up")
         )
         w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
-        if c.dispatch == "dropless":  # every choice, sorted by expert (dropless.py)
+        # Dropless: every choice computed, sorted by expert (dropless.py).
+        if c.dispatch == "dropless":
             y_BTD = dropless_experts(
                 x_BTD,
                 experts_BGTR.reshape(B, length, R),
@@ -175,9 +163,7 @@ def dropless_experts(
     x_BTD, experts_BTR, gates_BTR, w_gate_EDF, w_up_EDF, w_down_EFD, exchange="padded"
 ):
     """Every token's experts, nothing dropped (dropless.py), in a jax.shard_map over
-    the mesh: each device's tokens as the rules split them ("batch", "act_seq"), the
-    weights as they lie ("experts", "embed", "mlp"); across 'expert', ``exchange``
-    "padded" or "ragged". Unwrapped outside a mesh."""
+    the mesh, tokens and weights as the rules split them; unwrapped outside a mesh."""
     # In float32, cast inside (dropless.in_compute_type): the sums of their gradients
     # over devices then run in float32.
     f32 = [
@@ -192,7 +178,8 @@ def dropless_experts(
         ("experts", "embed", "mlp"),
         ("experts", "mlp", "embed"),
     ]
-    specs = [nn.logical_to_mesh_axes(n) for n in names]  # tokens, up, down
+    # the tokens' specs, then gate and up's, then down's
+    specs = [nn.logical_to_mesh_axes(n) for n in names]
     # Manual over the axes that split something; the others left out of the specs, so
     # that no size-1 axis calls for a collective (check_vma holds the rest to account).
     sizes = jax.sharding.get_abstract_mesh().shape

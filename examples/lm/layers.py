@@ -1,7 +1,5 @@
-"""What model.py's decoder and experts.py's experts both build on: the logical axes of
-an activation (constrain) and of a weight (weight), and the SwiGLU MLP (a dense layer's,
-and DeepSeekMoE's shared experts). Shape suffixes as in model.py's legend.
-"""
+"""What model.py and experts.py share: the logical axes of an activation (constrain)
+and of a weight (weight), and the SwiGLU MLP. Shapes as in model.py's legend."""
 
 import functools
 

@@ -1,9 +1,5 @@
-"""Where each array lives: the mesh, the check that a model, a batch and a sequence
-split over it (the rules from logical axis names to its axes, and the check's
-arithmetic, are mesh_spec.py's, which the book's planner reads too), and the token
-order of ring attention. train.py and the
-other modules read their layouts here.
-"""
+"""Where each array lives: the mesh, the check that the run splits over it (with
+mesh_spec.py's rules and arithmetic), and ring attention's token order."""
 
 import jax
 import mesh_spec
@@ -17,12 +13,8 @@ from run_config import RunConfig
 
 
 def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
-    """'data=2,tensor=2' -> a mesh over all of AXES; one size may be -1, the rest 1.
-    Over ``devices``, by default all of this job's.
-
-    On TPUs of several slices (multislice) `data` is the axis that crosses them: the
-    devices come from slices_grid, since jax.make_mesh refuses multi-slice topologies.
-    """
+    """'data=2,tensor=2' -> a mesh over all of AXES (-1: the rest; unnamed: 1), over
+    ``devices``, by default all of this job's."""
     devices = jax.devices() if devices is None else devices
     try:
         sizes = mesh_spec.parse(spec, len(devices))
@@ -30,6 +22,7 @@ def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
         raise SystemExit(str(error)) from None
     shape = tuple(sizes[a] for a in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
+    # Several TPU slices: jax.make_mesh refuses multi-slice topologies.
     if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         grid = slices_grid(sizes, devices)
         return jax.sharding.Mesh(grid, AXES, axis_types=axis_types)
@@ -38,8 +31,7 @@ def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
 
 def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:
     """The devices of several TPU slices as a grid over AXES: `data` across the slices
-    (their data-center network carries one gradient reduction a step), every other axis
-    inside a slice, on its chips' own links."""
+    (one gradient reduction a step over their network), every other axis inside one."""
     slices = len({d.slice_index for d in devices})
     if sizes["data"] % slices:
         raise SystemExit(
@@ -52,9 +44,8 @@ def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:
 
 
 def check_fits(config: model_config.ModelConfig, mesh, run: RunConfig) -> None:
-    """Stop in one line on what the flags leave undone or what the mesh does not split
-    evenly, with the nearest meshes that do (mesh_spec.stop_line); JAX would raise for a
-    weight and pad an activation (chapter 10 says why the recipe does not pad)."""
+    """Stop in one line on what the mesh does not split evenly, with the nearest meshes
+    that do; JAX would raise for a weight and pad an activation."""
     if said := mesh_spec.stop_line(config, dict(mesh.shape), run):
         raise SystemExit(said)
 
@@ -72,8 +63,7 @@ def without(axis: str, rules=RULES) -> tuple:
 
 def zigzag(seq_len: int, num_devices: int) -> np.ndarray:
     """Token positions in the order that balances causal attention over a ring of
-    devices: cut into 2n chunks, device i takes chunks i and 2n-1-i (early and late
-    tokens alike)."""
+    devices: of 2n chunks, device i takes chunks i and 2n-1-i."""
     if seq_len % (2 * num_devices):
         raise ValueError(
             f"sequence length {seq_len} must divide into 2 x {num_devices} chunks"
@@ -94,7 +84,8 @@ def process_rows(mesh, global_batch: int, seq_len: int) -> slice:
     stops = [global_batch if i[0].stop is None else i[0].stop for i in index]
     rows = slice(min(starts), max(stops))
     block = rows.stop - rows.start
-    if global_batch % block or rows.start % block:  # processes would share rows
+    # Otherwise processes would share rows.
+    if global_batch % block or rows.start % block:
         per_process = jax.local_device_count()
         spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
         raise SystemExit(

@@ -1,8 +1,8 @@
-"""--mesh: the mesh's axes, in order, and a spec such as 'fsdp=4,tensor=2' read into a
-size for each; the rules from the model's logical axis names to those axes, and whether
-every dimension they split divides evenly (``refusals``; ``stop_line``, with the meshes
-to try instead, is what layout.check_fits says). Standard library only: the book's
-planner reads this same file, so that it proposes no mesh the recipe refuses.
+"""--mesh: the mesh's axes, a spec such as 'fsdp=4,tensor=2' read into sizes, the rules
+from logical axis names to mesh axes, and whether every dimension splits evenly.
+
+Standard library only: the book's planner reads this same file, so that it proposes no
+mesh the recipe refuses.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import math
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:  # the recipe's run_config.py; the planner's link to it
+# the recipe's run_config.py, or the planner's link to it
+if TYPE_CHECKING:
     from run_config import RunConfig
 
 # 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
@@ -20,7 +21,8 @@ if TYPE_CHECKING:  # the recipe's run_config.py; the planner's link to it
 # crosses nodes best.
 AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 
-BATCH = ("data", "fsdp", "expert")  # the mesh axes that split the batch rows
+# the mesh axes that split the batch rows
+BATCH = ("data", "fsdp", "expert")
 
 # Logical axis -> mesh axis. Weights: FSDP splits the model width; tensor parallelism
 # splits heads, MLP width and vocabulary (Megatron's column/row split); 'expert' splits
@@ -50,9 +52,8 @@ RULES = (
 
 
 def parse(spec: str, devices: int | None = None) -> dict[str, int]:
-    """'data=2,tensor=2' -> a size for each of AXES, 1 where the spec says nothing.
-    With ``devices``, one size may be -1 (the devices left), and the sizes must
-    multiply to ``devices``; raises ValueError saying what is wrong."""
+    """'data=2,tensor=2' -> a size for each of AXES, 1 where the spec says nothing;
+    with ``devices``, one may be -1 (the rest) and they multiply to ``devices``."""
     sizes = dict.fromkeys(AXES, 1)
     for item in spec.split(","):
         axis, _, size = item.partition("=")
@@ -98,26 +99,26 @@ def meshes(devices: int) -> list[dict[str, int]]:
 
 
 class Dimension(NamedTuple):
-    """An array dimension that a rule may split: how a message names it, its size, its
-    logical axis name, and the chunks each device's share is cut into on top (ring
-    attention's zigzag: 2; interleaved 1F1B's virtual stages a device)."""
+    """An array dimension that a rule may split."""
 
+    # how a message names it
     what: str
     size: int
+    # its logical axis name
     name: str
+    # what each device's share is cut into on top: the zigzag's 2, the virtual stages
     chunks: int = 1
 
 
-CHUNKS = {"layers": "virtual stages", "act_seq": "zigzag chunks"}  # what they are
+# what the chunks are, by logical axis
+CHUNKS = {"layers": "virtual stages", "act_seq": "zigzag chunks"}
 
 
 def dimensions(
     config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
 ) -> list[Dimension]:
-    """Every dimension of the model's weights, then of its activations, that has a
-    logical axis name: its size for this model (``model_config.ModelConfig``) and this
-    run. ``lookup``, how the model looks its tokens up (as the function ``lookup``
-    chooses): "rows" lays the lookup's output out by "lookup_batch".
+    """Every named dimension of the model's weights and activations, sized for this
+    model and run (``lookup``: the model's; "rows" adds "lookup_batch").
     tests/test_lm_mesh_sweep.py holds this list to the arrays the model makes."""
     c, micro, T = config, run.grad_accum, run.seq_len
     virtual = run.virtual_stages if run.schedule == "interleaved" else 1
@@ -144,17 +145,20 @@ def dimensions(
             Dimension(f"the shared experts' mlp_width {width}", width, name)
             for name in ("mlp", "act_mlp")
         ]
-    rows = run.global_batch // micro  # a micro-batch's (a pipeline's too)
+    # a micro-batch's rows (a pipeline's too)
+    rows = run.global_batch // micro
     batch = f"--global-batch {run.global_batch}"
     if micro > 1:
         batch += f" in --grad-accum {micro} micro-batches of {rows} rows"
-    zigzag = 2 if sizes["sequence"] > 1 else 1  # ring attention's chunks a device
+    # ring attention's chunks a device
+    zigzag = 2 if sizes["sequence"] > 1 else 1
     found += [
         Dimension(batch, rows, "batch"),
         Dimension(f"--seq-len {T}", T, "act_seq", zigzag),
         Dimension(f"--seq-len {T}", T, "act_seq_residual"),
     ]
-    if lookup == "rows" and sizes["pipeline"] > 1:  # the whole batch, at once
+    # A pipeline looks the whole batch up at once.
+    if lookup == "rows" and sizes["pipeline"] > 1:
         found.append(
             Dimension(
                 f"--global-batch {run.global_batch}", run.global_batch, "lookup_batch"
@@ -223,9 +227,8 @@ def flag_problems(config, sizes: dict[str, int], run: RunConfig) -> list[str]:
 def uneven(
     config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
 ) -> list[str]:
-    """Each dimension (``dimensions``) that its rule's mesh axes do not split evenly:
-    its name and size, the axes and their product. JAX refuses such a weight and pads
-    such an activation; the recipe refuses both (chapter 10 says why)."""
+    """A line for each dimension that its rule's mesh axes do not split evenly. JAX
+    refuses such a weight and pads such an activation; the recipe refuses both."""
     rules, out = dict(RULES), []
     for d in dimensions(config, sizes, run, lookup):
         axes = rules[d.name]
@@ -244,25 +247,24 @@ def uneven(
 def refusals(
     config, sizes: dict[str, int], run: RunConfig, lookup: str = "rows"
 ) -> list[str]:
-    """Why train.py refuses this run on a mesh of these ``sizes``, a line each; none: it
-    runs. ``lookup`` as ``dimensions`` takes it: the planner, which does not choose the
-    lookup, leaves "rows", the strictest."""
+    """Why train.py refuses this run on a mesh of these ``sizes``, a line each."""
+    # The planner, which does not choose the lookup, leaves "rows", the strictest.
     return flag_problems(config, sizes, run) or uneven(config, sizes, run, lookup)
 
 
 def lookup(config, sizes: dict[str, int], tokens: int) -> str:
-    """How the model looks its tokens up (its ``lookup``) on a mesh of these ``sizes``,
-    ``tokens`` a step. Without batch replicas ('data' or 'expert'), or with nothing
-    else, as XLA likes ("xla"): its partitioner needs no help there.
-    With them, "rows" (the activations move to the table's shards and back) unless the
-    table moves fewer bytes: with 'data', when each device has at least as many tokens
-    as the table has rows; with 'expert', when an fsdp group's share of a step's tokens
-    is (read from compiled programs of 1 to 8B models). With the vocabulary split over
-    'tensor', "rows" always."""
+    """The model's ``lookup`` (model.Transformer.lookup) on a mesh of these ``sizes``,
+    with ``tokens`` a step."""
     data, expert, fsdp = sizes["data"], sizes["expert"], sizes["fsdp"]
-    data *= sizes["pipeline"]  # the stages, too, each look up the whole batch
+    # the stages, too, each look up the whole batch
+    data *= sizes["pipeline"]
+    # No batch replicas, or nothing but replicas: XLA's partitioner needs no help.
     if data * expert == 1 or fsdp * sizes["sequence"] * sizes["tensor"] == 1:
-        return "xla"  # no replicas, or nothing but replicas: each device looks up alone
+        return "xla"
+    # "rows" unless gathering the table moves fewer bytes: with 'data', when each
+    # device has at least as many tokens as the table has rows; with 'expert', when an
+    # fsdp group's share of a step's tokens does (read from compiled programs of 1B to
+    # 8B models). A vocabulary split over 'tensor': "rows" always.
     if data > 1:
         table = tokens / (data * fsdp * expert) >= config.vocab_size
     else:
@@ -278,13 +280,13 @@ def recipe_refusals(config, sizes: dict[str, int], run: RunConfig) -> list[str]:
 
 def try_instead(config, sizes: dict[str, int], run: RunConfig) -> str:
     """The end of a refusal's line, "; try --mesh A or --mesh B": the two meshes of as
-    many devices nearest ``sizes`` that split everything (the fewest factors moved
-    between axes, then the axes that change the least), or, if none does, those with
+    many devices nearest ``sizes`` that split everything, or, if none does, those with
     the next --global-batch that has one."""
     devices = math.prod(sizes.values())
     cost = dict(data=0, fsdp=1, tensor=2, expert=2, sequence=3, pipeline=4)
     # A dense model's 'expert' is one more data axis: 'data' says it plainer.
     plain = config.num_experts or sizes["expert"] > 1
+    # Nearest: the fewest factors moved between axes, then the cheapest axes changed.
     ranked = sorted(
         (m for m in meshes(devices) if plain or m["expert"] == 1),
         key=lambda m: (
@@ -304,9 +306,7 @@ def try_instead(config, sizes: dict[str, int], run: RunConfig) -> str:
 
 
 def stop_line(config, sizes: dict[str, int], run: RunConfig) -> str | None:
-    """The one line train.py stops with on a mesh of these ``sizes``, or None: it runs.
-    What the flags leave undone, or the first dimension that does not split evenly,
-    with the nearest meshes that do (``try_instead``)."""
+    """The one line train.py stops with on a mesh of these ``sizes``; None: it runs."""
     if said := flag_problems(config, sizes, run):
         return said[0]
     if said := recipe_refusals(config, sizes, run):

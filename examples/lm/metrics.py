@@ -16,27 +16,32 @@ PEAK_FLOPS = {
     "NVIDIA A100-PCIE-40GB": 312e12,
     "NVIDIA A100-SXM4-80GB": 312e12,
     "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM: 1,979 T with sparsity
+    # H100 SXM: 1,979 T with sparsity
+    "NVIDIA H100 80GB HBM3": 989e12,
     "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H200": 989e12,  # H200 SXM
+    # H200 SXM
+    "NVIDIA H200": 989e12,
     "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
+    # v5e
+    "TPU v5 lite": 197e12,
     "TPU v5e": 197e12,
-    "TPU v5": 459e12,  # v5p
+    # v5p
+    "TPU v5": 459e12,
     "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    # v6e (Trillium)
+    "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
-    "NVIDIA B200": 2250e12,  # HGX B200: 4,500 T with sparsity
+    # HGX B200: 4,500 T with sparsity
+    "NVIDIA B200": 2250e12,
 }
 
 
 def peak_memory(devices, programs=()) -> str | None:
     """The most memory one of ``devices`` held during the run, and the limit JAX set
-    itself; None where the devices keep no count (XLA:CPU's). The larger of
-    ``memory_stats()``'s ``peak_bytes_in_use`` (PyTorch's ``max_memory_allocated``) and
-    the bytes each of the run's compiled ``programs`` holds while it runs
-    (compiled.program_total), both named: a TPU's count has left the programs'
-    temporaries out, and the compiled count can exceed what ran (an upper bound)."""
+    itself; None where the devices keep no count (XLA:CPU's)."""
+    # The larger of memory_stats()'s peak_bytes_in_use (PyTorch's max_memory_allocated)
+    # and the compiled ``programs``' bytes, both named: a TPU's count has left the
+    # programs' temporaries out, and the compiled count is an upper bound.
     stats = [device.memory_stats() for device in devices]
     if not stats or not all(stats):
         return None

@@ -1,32 +1,18 @@
 """A Llama-style decoder in Flax Linen; each weight and activation names its axes.
 
-RMSNorm, rotary positions (RoPE), grouped-query attention four ways (XLA's reference
-jax.nn.dot_product_attention; cuDNN's fused kernel on NVIDIA GPUs; splash, JAX's Pallas
-kernel for TPUs (splash.py); or chunked: blocks of an online softmax in plain JAX,
-memory linear in the sequence) or, with the sequence split over devices, ring
-attention, whose steps use the chunked blocks (the kernels: attention.py); a SwiGLU MLP
-(layers.py) or a mixture of SwiGLU experts (experts.py); and a scan over the layers with
-a rematerialisation policy. The names ("embed", "mlp", "heads", ...) say what an axis
-means; the rules in layout.py say which mesh axis, if any, splits it.
+RMSNorm, RoPE, grouped-query attention (kernels in attention.py and splash.py), a
+SwiGLU MLP (layers.py) or experts (experts.py), and a scan over the layers with a remat
+policy. layout.py's rules map the axes' names ("embed", "heads", ...) to mesh axes.
 
-Shape suffixes (one letter per axis; lowercase in einsum subscripts), the book's legend
-for the letters used here:
+Shape suffixes, one letter an axis (lowercase in einsum subscripts), the book's legend:
 
-    B  batch (examples in a batch)
-    T  tokens: positions in a sequence; also a batch's tokens flattened, or a routing
-       group's tokens
-    S  key/value positions in attention, where they differ from the queries' T
-    D  model width (embedding width)
-    N  attention (query) heads
-    K  key/value heads (grouped-query attention; K = N without it)
-    Q  query heads that share one key/value head (N = K * Q)
-    A  width of one attention head
-    F  MLP hidden width
-    V  vocabulary
-    E  experts
-    M  slots per expert (its capacity)
-    R  a token's routes: its top-k expert choices
-    G  routing groups (tokens routed together)
+    B  batch                                A  one attention head's width
+    T  tokens (or a batch's, flattened)     F  MLP hidden width
+    S  key/value positions, where not T     V  vocabulary
+    D  model width                          E  experts
+    N  query heads                          M  slots per expert (its capacity)
+    K  key/value heads (GQA; K = N without) R  a token's routes, its top-k choices
+    Q  query heads per key/value head       G  routing groups
 """
 
 import math
@@ -52,8 +38,10 @@ from layers import MLP, constrain, weight
 from model_config import ModelConfig, RopeScaling
 
 REMAT_POLICIES = {
-    "none": None,  # keep every activation for the backward pass
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep each layer's input only
+    # keep every activation for the backward pass
+    "none": None,
+    # keep each layer's input only
+    "full": jax.checkpoint_policies.nothing_saveable,
     # keep the matmuls' outputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -115,15 +103,15 @@ def rope(
 ) -> jax.Array:
     """Rotate each pair of features by an angle proportional to the token's position:
     ``positions`` per column (T) or, where each row's documents restart, per row (B, T).
-
-    A pair is feature i and feature i + A/2 (the two halves of the head), as in Hugging
-    Face's rotate_half; Meta's original code pairs neighbours (2i, 2i + 1), which
-    Hugging Face's checkpoints undo by permuting q and k's rows (convert.py says more).
     """
     half = x_BTNA.shape[-1] // 2
     frequencies = rope_frequencies(half, theta, scaling)
-    angles = positions[..., None].astype(jnp.float32) * frequencies  # T or B, T; A/2
+    # (T, A/2), or (B, T, A/2) with per-row positions
+    angles = positions[..., None].astype(jnp.float32) * frequencies
     sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]
+    # A pair is features i and i + A/2, the head's two halves, as in Hugging Face's
+    # rotate_half. Meta's code pairs neighbours (2i, 2i + 1), which Hugging Face's
+    # checkpoints undo by permuting q's and k's rows (convert.py says more).
     first, second = jnp.split(x_BTNA.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate(
         [first * cos - second * sin, second * cos + first * sin], -1
@@ -136,7 +124,8 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     # the sequence is split over the 'sequence' mesh axis
     context_parallel: bool = False
-    attention: str = "xla"  # one of ATTENTIONS (ring attention uses chunked blocks)
+    # one of ATTENTIONS (ring attention uses chunked blocks)
+    attention: str = "xla"
 
     def project(
         self, name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int
@@ -179,8 +168,9 @@ class Attention(nn.Module):
         # Ring attention's blocks stay chunked, not splash: in the zigzag order a block
         # pair's causal mask is not a static lower triangle, and merging the parts needs
         # each part's log-sum-exp and its gradient: the kernel's backward takes the
-        # output's gradient alone.
-        if self.context_parallel:  # each device: its tokens, its heads, its batch rows
+        # output's gradient alone. Each device computes its tokens, its heads and its
+        # batch rows.
+        if self.context_parallel:
             spec = nn.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
             row_spec = nn.logical_to_mesh_axes(("batch", None))
             ring = jax.shard_map(
@@ -191,19 +181,23 @@ class Attention(nn.Module):
                 check_vma=False,
             )
             out_BTNA = ring(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
-        elif self.attention == "chunked":  # blocks; the mask compares positions
+        elif self.attention == "chunked":
+            # Blocks of an online softmax; the mask compares positions.
             chunked = lambda q, k, v, at, *starts: chunked_attention(
                 q, k, v, at, at, BLOCK, *starts, *starts
             )
             out_BTNA = placed(chunked)(q_BTNA, k_BTKA, v_BTKA, positions_T, *documents)
-        elif self.attention == "cudnn":  # positions in order: the lower triangle
+        elif self.attention == "cudnn":
+            # Positions in order: the causal mask is the lower triangle.
             out_BTNA = placed(cudnn_attention, kernel=True)(
                 q_BTNA, k_BTKA, v_BTKA, *documents
             )
-        elif self.attention == "splash":  # positions in order: the lower triangle
+        elif self.attention == "splash":
+            # Positions in order: the causal mask is the lower triangle.
             attend = placed(splash.splash_attention, kernel=True)
             out_BTNA = attend(q_BTNA, k_BTKA, v_BTKA, *documents)
-        elif self.attention == "xla":  # positions in order; the T x S scores in fp32
+        elif self.attention == "xla":
+            # Positions in order; the T x S scores are in float32.
             out_BTNA = jax.nn.dot_product_attention(
                 q_BTNA, k_BTKA, v_BTKA, mask=document_mask(starts_BT), is_causal=True
             )
@@ -241,7 +235,8 @@ class Block(nn.Module):
         self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
         c = self.config
-        x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)  # what OFFLOADED sends to the host
+        # the name OFFLOADED sends to the host
+        x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
         # Each block's input is gathered whole along the sequence (an all-gather where
         # the residual is split over 'tensor'), then split by heads or MLP columns.
         h = constrain(
@@ -256,44 +251,36 @@ class Block(nn.Module):
             y_BTD, aux_loss = Experts(c, self.dtype, name="experts")(h)
         else:
             y_BTD, aux_loss = MLP(c, self.dtype, name="mlp")(h), jnp.zeros(())
-        return constrain(x_BTD + y_BTD, RESIDUAL), aux_loss  # nn.scan's (carry, output)
+        # nn.scan's (carry, output)
+        return constrain(x_BTD + y_BTD, RESIDUAL), aux_loss
 
 
 def embedding_stddev(config: ModelConfig) -> float:
-    """The embedding table's initial standard deviation.
-
-    Untied, 1: the table only feeds the first RMSNorm, which rescales it. Tied, the
-    table is also the output projection, and the logits are the final norm's output
-    (about unit size in each of D features) times it: N(0, 1) would give logits of
-    standard deviation sqrt(D), 45 at D = 2048, and a first loss of hundreds of nats
-    instead of ln V. 1/sqrt(D) gives logits of about unit size, as the unembedding's
-    fan-in initialisation does untied; at Llama 3.2 1B's width it is 0.022, close to the
-    0.02 of its published config (meta-llama/Llama-3.2-1B, config.json,
-    "initializer_range": 0.02, which Hugging Face's LlamaPreTrainedModel._init_weights
-    uses for the embedding).
-    """
+    """The embedding table's initial standard deviation."""
+    # Untied, 1: the table only feeds the first RMSNorm, which rescales it. Tied, it is
+    # also the output projection: N(0, 1) would give logits of standard deviation
+    # sqrt(D), 45 at D = 2048, and a first loss of hundreds of nats, not ln V.
+    # 1/sqrt(D) gives logits of unit size: 0.022 at Llama 3.2 1B's width, close to its
+    # config.json's "initializer_range": 0.02.
     return config.width**-0.5 if config.tie_embeddings else 1.0
 
 
 class Transformer(nn.Module):
-    """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense).
-
-    ``positions_T``: each column's position in the text, if the tokens come in another
-    order (layout.py's zigzag for ring attention); by default 0, 1, ..., T-1.
-    ``starts_BT``: each token's document start (document_starts, in the same order as
-    the tokens), to keep attention inside documents and start RoPE at each; by default
-    None, one text per row.
+    """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense),
+    given the columns' ``positions_T`` (the zigzag's) and the documents' ``starts_BT``.
     """
 
     config: ModelConfig
-    dtype: jnp.dtype = jnp.float32  # the compute type; weights stay float32
+    # the compute type; the weights stay float32
+    dtype: jnp.dtype = jnp.float32
     remat: str = "full"
     # With remat "full": each layer's input kept in the host's memory (OFFLOADED).
     offload_activations: bool = False
     # Layers per loop iteration; num_layers leaves no loop (XLA's cost_analysis counts a
     # loop's body once, whatever its trip count).
     scan_unroll: int = 1
-    context_parallel: bool = False  # ring attention over the 'sequence' mesh axis
+    # ring attention over the 'sequence' mesh axis
+    context_parallel: bool = False
     # "xla": jax.nn.dot_product_attention's reference (the T x S scores in float32);
     # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "splash": JAX's Pallas
     # kernel for TPUs (splash.py); "chunked": blocks of an online softmax in plain JAX,
@@ -411,13 +398,10 @@ class Transformer(nn.Module):
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token loss in float32, written so that a split vocabulary stays split.
-
-    logsumexp reduces over V with partial maxima and sums; the target's logit is picked
-    by a one-hot product rather than an index, which would gather all V logits onto each
-    device.
-    """
+    """Mean next-token loss in float32, written so a split vocabulary stays split."""
     logits_BTV = logits_BTV.astype(jnp.float32)
+    # A one-hot product picks the target's logit: an index would gather all V logits
+    # onto each device. logsumexp reduces over V with partial maxima and sums.
     one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
     target_logit_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT)
@@ -440,25 +424,21 @@ def loss_chunks(
 
 
 def fused_cross_entropy(logits_fn, head, x_BTD, targets_BT, chunks: int, layout=None):
-    """cross_entropy(logits_fn(head, x_BTD), targets_BT), computed ``chunks`` columns
-    at a time, so that no device holds all the logits, in the forward pass or the
-    backward: each chunk's logits, their gradient and its share of the head's and the
-    inputs' gradients are computed together in the forward pass (three matrix
-    products a chunk, as unchunked; nothing recomputed), and the backward pass only
-    scales them. ``head``: the weights logits_fn uses; ``layout`` pins the running
-    sum of their gradient to their layout (FSDP keeps 1/fsdp of it a device).
-
-    Chunk c holds columns c, c + chunks, ...: a split sequence stays split."""
+    """cross_entropy(logits_fn(head, x_BTD), targets_BT), ``chunks`` columns at a time,
+    so that no device holds all the logits; ``layout`` lays out the head's gradient."""
     if chunks == 1:
         return cross_entropy(logits_fn(head, x_BTD), targets_BT)
     layout = layout or (lambda tree: tree)
     B, T = targets_BT.shape
     count = B * T
 
-    def split(a):  # (B, T, ...) -> (chunks, B, T / chunks, ...)
+    # (B, T, ...) -> (chunks, B, T / chunks, ...). Chunk c holds columns c, c + chunks,
+    # ...: a split sequence stays split.
+    def split(a):
         return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
 
-    def chunk_loss(head, x_BtD, targets_Bt):  # the chunk's summed loss
+    # the chunk's loss, summed over its tokens
+    def chunk_loss(head, x_BtD, targets_Bt):
         return cross_entropy(logits_fn(head, x_BtD), targets_Bt) * targets_Bt.size
 
     @jax.custom_vjp
@@ -469,6 +449,9 @@ def fused_cross_entropy(logits_fn, head, x_BTD, targets_BT, chunks: int, layout=
         chunks_ = (split(x_BTD), split(targets_BT))
         return jax.lax.scan(add, jnp.zeros((), jnp.float32), chunks_)[0] / count
 
+    # Each chunk's logits, their gradient and its share of the head's and the inputs'
+    # gradients are computed together here (three matrix products a chunk, nothing
+    # recomputed); the backward pass only scales them.
     def forward(head, x_BTD, targets_BT):
         def add(carry, xs):
             total, d_head = carry

@@ -15,14 +15,16 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's stretch of RoPE to a longer context: long wavelengths are divided by
-    ``factor``, short ones kept, those between blended (Hugging Face's rope_scaling with
-    rope_type "llama3"; 3.1 uses factor 8, 3.2 factor 32)."""
+    """Llama 3.1's stretch of RoPE to a longer context (Hugging Face's rope_scaling,
+    rope_type "llama3": factor 8 in Llama 3.1, 32 in 3.2)."""
 
+    # Wavelengths longer than the original context over low_freq_factor are divided by
+    # factor, those shorter than it over high_freq_factor kept, those between blended.
     factor: float
     low_freq_factor: float
     high_freq_factor: float
-    original_context: int  # original_max_position_embeddings: 8192 in Llama 3
+    # Hugging Face's original_max_position_embeddings: 8192 in Llama 3
+    original_context: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,30 +33,39 @@ class ModelConfig:
     num_layers: int
     width: int  # D
     num_heads: int  # N
-    num_kv_heads: int  # K; Q = N/K query heads share each key/value head (GQA)
+    # N / K query heads share each key/value head (GQA)
+    num_kv_heads: int  # K
     mlp_width: int  # F
     rope_theta: float = 10_000.0
-    tie_embeddings: bool = False  # the output projection reuses the embedding table
+    # the output projection reuses the embedding table
+    tie_embeddings: bool = False
     norm_eps: float = 1e-5
     # E; 0: a dense MLP. Otherwise each MLP is E experts of width F
     num_experts: int = 0
-    top_k: int = 1  # experts per token
+    # experts per token
+    top_k: int = 1
     # an expert's slots per group: ceil(top_k * group_size * factor / E)
     capacity_factor: float = 1.25
-    group_size: int = 512  # tokens routed together, a group (at most the sequence)
-    dispatch: str = "capacity"  # or "dropless": every choice computed (dropless.py)
+    # tokens routed together, a group (at most the sequence)
+    group_size: int = 512
+    # or "dropless": every choice computed, none dropped (dropless.py)
+    dispatch: str = "capacity"
     # Dropless across 'expert': "padded" all_to_alls or "ragged" (ragged_all_to_all,
     # GPUs and TPUs; train.py picks it where the backend has it).
     exchange: str = "padded"
-    balance: str = "loss"  # Switch's loss, or "bias": DeepSeek-V3's routing bias
-    shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
-    rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
+    # Switch's load-balancing loss, or "bias": DeepSeek-V3's routing bias
+    balance: str = "loss"
+    # experts every token goes through (DeepSeekMoE)
+    shared_experts: int = 0
+    # None: RoPE's frequencies as they are
+    rope_scaling: RopeScaling | None = None
     # A, a head's width; 0: width / num_heads. Set, the heads need not add up to the
     # width (Gemma's, Qwen3's and MaxText's shapes): the projections map D to N x A.
     head_dim: int = 0
 
+    # A: head_dim, or the width split evenly over the heads
     @property
-    def head_width(self) -> int:  # A
+    def head_width(self) -> int:
         return self.head_dim or self.width // self.num_heads
 
 
@@ -73,12 +84,8 @@ PRESETS = {
 
 
 def config_from_hf(path: str) -> ModelConfig:
-    """A Hugging Face Llama config.json's shape as a ModelConfig.
-
-    Reads both spellings of RoPE's settings: ``rope_theta`` and ``rope_scaling`` (the
-    Hub's Llama 3.x files, transformers 4) and ``rope_parameters`` (transformers 5
-    writes theta and the scaling there). Stops on what this model does not have.
-    """
+    """A Hugging Face Llama config.json's shape as a ModelConfig; stops on what this
+    model does not have."""
     try:
         with open(path) as f:
             hf: dict[str, Any] = json.load(f)
@@ -104,6 +111,8 @@ def config_from_hf(path: str) -> ModelConfig:
         raise SystemExit(f"{name}: attention_bias or mlp_bias; this model has none")
     width, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or width // heads
+    # transformers 4 (the Hub's Llama 3.x files) writes rope_theta and rope_scaling;
+    # transformers 5 writes both into rope_parameters.
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -119,7 +128,8 @@ def config_from_hf(path: str) -> ModelConfig:
         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10_000.0)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=0 if head_dim * heads == width else head_dim,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
+        # 1e-6: LlamaConfig's default
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_scaling=None
         if kind == "default"
         else RopeScaling(
@@ -169,24 +179,20 @@ def count_params(config: ModelConfig) -> int:
     experts = max(c.num_experts, 1)
     # gate, up, down; norms
     per_layer += experts * 3 * c.width * c.mlp_width + 2 * c.width
-    per_layer += c.width * c.num_experts  # the router
-    per_layer += c.num_experts if c.balance == "bias" else 0  # its bias
-    per_layer += 3 * c.width * c.mlp_width * c.shared_experts  # shared experts
+    # the router, its bias, the shared experts
+    per_layer += c.width * c.num_experts
+    per_layer += c.num_experts if c.balance == "bias" else 0
+    per_layer += 3 * c.width * c.mlp_width * c.shared_experts
     embeddings = c.vocab_size * c.width * (1 if c.tie_embeddings else 2)
     return c.num_layers * per_layer + embeddings + c.width
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """Training flops per token: 6 per weight used in a matmul, plus attention's scores.
-
-    The standard estimate (Kaplan et al. 2020, arXiv:2001.08361, §2.1; PaLM,
-    arXiv:2204.02311, App. B): 2 flops per multiply-add, times 3 for the forward and the
-    two backward matmuls. The embedding lookup is no matmul; with tied embeddings the
-    table is used once, as the output projection. Attention adds 12·layers·T·(N·A) per
-    token (the causal mask is not subtracted). With experts, the weights a token uses:
-    the router and its top_k experts.
-    """
+    """Training flops per token: 6 per weight used in a matmul, plus attention's scores
+    (arXiv:2001.08361, §2.1; PaLM, arXiv:2204.02311, App. B)."""
     c = config
+    # The embedding lookup is no matmul; tied, the table is used once, as the output
+    # projection.
     matmul_params = count_params(c) - c.vocab_size * c.width * (
         0 if c.tie_embeddings else 1
     )
@@ -197,4 +203,5 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
         matmul_params -= (
             c.num_layers * (c.num_experts - c.top_k) * 3 * c.width * c.mlp_width
         )
+    # Attention's scores: 12 layers T (N A) a token; the causal mask not subtracted.
     return 6 * matmul_params + 12 * c.num_layers * seq_len * c.num_heads * c.head_width

@@ -1,7 +1,5 @@
-"""The optimizer: AdamW on a warmup and cosine schedule with global-norm clipping (the
-experts' routing biases by sign descent under --balance bias), its moments kept in
---moments' dtype between steps.
-"""
+"""AdamW on a warmup and cosine schedule with global-norm clipping (routing biases by
+sign descent), its moments kept in --moments' dtype between steps."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,8 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
         end_value=run.learning_rate / 10,
     )
 
-    def decay(params):  # only matmul weights ('kernel'); not 'scale' nor 'embedding'
+    # Only matmul weights ('kernel') decay; not 'scale' nor 'embedding'.
+    def decay(params):
         return jax.tree_util.tree_map_with_path(
             lambda p, _: "kernel" in jax.tree_util.keystr(p), params
         )
@@ -53,8 +52,7 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
 
 def kept_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """``inner`` with its floating-point state (Adam's moments) kept in ``dtype``
-    between steps and updated in float32 (--moments bfloat16: half the bytes, 4 a
-    weight instead of 8). Unchanged for float32."""
+    between steps, updated in float32 (bfloat16: 4 bytes a weight instead of 8)."""
     if dtype == jnp.float32:
         return inner
     floats = lambda x: jnp.issubdtype(x.dtype, jnp.floating)

@@ -1,24 +1,11 @@
 """Pipeline parallelism over the 'pipeline' mesh axis: GPipe, 1F1B, interleaved 1F1B.
 
-The layers are cut into stages of equal depth, P x V of them for P devices on the axis
-(V virtual stages per device, interleaved's; else V = 1): device p runs stages p,
-p + P, ... Inside a stage, 'data', 'fsdp' and 'tensor' split the work as they do
-without a pipeline: the stages run in a jax.shard_map that is manual over 'pipeline'
-alone. The batch goes through in M micro-batches (--grad-accum). Each tick every
-device runs what the schedule's table says (schedules.py): the forward of one
-micro-batch through one of its stages, or (1F1B) its backward; one ppermute hands
-activations to the next stage and another hands gradients back.
-
-- gpipe: the forwards only, every stage at tick t on micro-batch t - p; jax.grad writes
-  the backward, which runs the ticks in reverse (GPipe, Huang et al. 2019,
-  arXiv:1811.06965). Each stage keeps what its M micro-batches' backward needs.
-- scheduled: forwards and backwards as 1F1B orders them (PipeDream-Flush, Narayanan et
-  al. 2021, arXiv:2006.09503; interleaved: Megatron-LM, arXiv:2104.04473). A backward
-  recomputes its stage from the input it kept (jax.vjp), so a stage keeps at most P
-  inputs, whatever M: its own backward is written here, not by jax.grad.
-
-Pipeline cuts the recipe's model into those stages; make_pipeline_loss runs it on GPipe
-(step.py differentiates it), make_pipeline_grads on 1F1B or interleaved 1F1B.
+The layers are cut into P x V stages of equal depth (V virtual stages per device,
+interleaved's); device p runs stages p, p + P, ... in a jax.shard_map manual over
+'pipeline' alone, so 'data', 'fsdp' and 'tensor' split each stage as without a pipeline.
+gpipe runs the forwards and lets jax.grad write the backward (GPipe, arXiv:1811.06965);
+scheduled runs forwards and backwards as 1F1B orders them (PipeDream-Flush,
+arXiv:2006.09503; interleaved: Megatron-LM, arXiv:2104.04473).
 """
 
 import dataclasses
@@ -37,24 +24,20 @@ AXIS = "pipeline"
 
 def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
     """The sums over M micro-batches of ``last``'s loss and of the stages' auxiliary
-    losses, computed GPipe's way over the 'pipeline' axis.
-
-    ``stage(layers, x_BTD, micro) -> (x_BTD, aux)`` runs one stage's layers (the
-    leading axis of each of ``layers`` is split into the stages); ``last(rest, x_BTD,
-    micro) -> loss`` runs on the last stage only, with ``rest`` (the weights outside
-    the layers) whole on every stage. ``x_MBTD`` is every micro-batch's input to the
-    first stage; ``per_micro`` is a pytree of arrays with a leading M, the
-    micro-batch's own (targets, document starts) given to both."""
+    losses, GPipe's way: ``stage(layers, x_BTD, micro) -> (x_BTD, aux)`` on every
+    stage, ``last(rest, x_BTD, micro) -> loss`` on the last."""
     M = x_MBTD.shape[0]
 
     def per_stage(layers, rest, x_MBTD, per_micro):
         P_ = jax.lax.axis_size(AXIS)
         index = jax.lax.axis_index(AXIS)
-        to_next = [(p, p + 1) for p in range(P_ - 1)]  # the last stage sends nothing
+        # the last stage sends nothing
+        to_next = [(p, p + 1) for p in range(P_ - 1)]
 
+        # At tick t, stage p works on micro-batch t - p.
         def tick(carry, t):
             held_BTD, loss, aux = carry
-            m = jnp.clip(t - index, 0, M - 1)  # the micro-batch this stage works on
+            m = jnp.clip(t - index, 0, M - 1)
             micro = jax.tree.map(lambda a: a[m], per_micro)
             x_BTD = jnp.where(index == 0, x_MBTD[m], held_BTD)
             x_BTD, stage_aux = stage(layers, x_BTD, micro)
@@ -72,7 +55,8 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
         zero = jnp.zeros((), jnp.float32)
         start = (jnp.zeros_like(x_MBTD[0]), zero, zero)
         (_, loss, aux), _ = jax.lax.scan(tick, start, jnp.arange(M + P_ - 1))
-        return loss[None], aux[None]  # the last stage's loss; each stage's aux losses
+        # the last stage's loss; each stage's auxiliary losses
+        return loss[None], aux[None]
 
     # check_vma=False: the stages' values differ (the loss is on the last one only), and
     # are summed outside, so that each gradient reaches the stage that made it once.
@@ -85,26 +69,21 @@ def gpipe(stage, last, layers, rest, x_MBTD, per_micro):
         axis_names={AXIS},
         check_vma=False,
     )
-    dtype = x_MBTD.dtype  # what every stage gets whole goes in float32 (see high)
+    # What every stage gets whole goes in as float32 (see high), and back in dtype.
+    dtype = x_MBTD.dtype
     loss_P, aux_P = on_stages(layers, high(rest), high(x_MBTD), per_micro)
     return loss_P.sum(), aux_P.sum()
 
 
 def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
-    """Run ``table`` (a 1F1B or interleaved schedule of schedules.py) forward and
-    backward: -> (the sum over micro-batches of ``last``'s loss, of the auxiliary
-    losses, and the gradients of their sum with respect to ``chunks``, ``rest`` and
-    ``x_MBTD``).
-
-    ``chunks`` are the layers' weights as (V, P, L / (P V), ...): stage c P + p is
-    [c, p], run by device p. ``stage``, ``last``, ``rest``, ``x_MBTD`` and ``per_micro``
-    are as in gpipe. Each device holds its stages' inputs, and the gradients it gets
-    back, in pools of slots the table sizes (schedules.slot_tables). ``mesh``: the
-    mesh's context (jax.set_mesh) if None."""
+    """Run a 1F1B or interleaved ``table`` forward and backward: -> the sums of the
+    losses, and their gradients. ``chunks``: the layers' weights as (V, P, L / (P V),
+    ...), stage c P + p at [c, p]; the other arguments as in gpipe."""
     arrays, num_inputs, num_grads = schedules.slot_tables(table)
     V, P_ = jax.tree.leaves(chunks)[0].shape[:2]
     last_chunk = V - 1
-    ring = V > 1  # the last device's stage feeds the first device's next one
+    # Interleaved, the last device's stage feeds the first device's next one.
+    ring = V > 1
     to_next = [(p, (p + 1) % P_) for p in range(P_ if ring else P_ - 1)]
     to_prev = [(p, (p - 1) % P_) for p in range(0 if ring else 1, P_)]
 
@@ -112,7 +91,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
         device = jax.lax.axis_index(AXIS)
         # The table's columns, read one tick and device at a time: [tick, device].
         tabs = {k: jnp.asarray(a) for k, a in arrays.items()}
-        chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # (V, L / (P V), ...)
+        # this device's stages: (V, L / (P V), ...)
+        chunks = jax.tree.map(lambda c: c[:, 0], chunks)
         zero_BTD = jnp.zeros_like(x_MBTD[0])
         zeros32 = lambda tree: jax.tree.map(
             partial(jnp.zeros_like, dtype=jnp.float32), tree
@@ -122,7 +102,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
             inputs, grads_in, sums = carry
             first = (device == 0) & (c == 0)
             x_BTD = jnp.where(first, x_MBTD[m], inputs[slot])
-            inputs = inputs.at[slot].set(x_BTD)  # kept for the backward
+            # the stage's input, kept for the backward, which recomputes the stage
+            inputs = inputs.at[slot].set(x_BTD)
             micro = jax.tree.map(lambda a: a[m], per_micro)
             y_BTD, _ = stage(jax.tree.map(lambda a: a[c], chunks), x_BTD, micro)
             return (inputs, grads_in, sums), y_BTD, zero_BTD
@@ -131,17 +112,20 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
             inputs, grads_in, (g_chunks, g_rest, g_x_MBTD, loss, aux) = carry
             micro = jax.tree.map(lambda a: a[m], per_micro)
             mine = jax.tree.map(lambda a: a[c], chunks)
-            (y_BTD, stage_aux), vjp = jax.vjp(  # recompute the stage, then backward
+            # Recompute the stage from its kept input, then run its backward.
+            (y_BTD, stage_aux), vjp = jax.vjp(
                 lambda w, x: stage(w, x, micro), mine, inputs[slot]
             )
 
-            def head():  # the last stage: the loss, and its gradient
+            # the last stage: the loss, and its gradient
+            def head():
                 value, (g_head, g_y) = jax.value_and_grad(last, argnums=(0, 1))(
                     rest, y_BTD, micro
                 )
                 return value.astype(jnp.float32), high(g_head), g_y
 
-            def inner():  # any other: the gradient the next stage sent back
+            # any other: the gradient the next stage sent back
+            def inner():
                 return jnp.zeros((), jnp.float32), zeros32(rest), grads_in[gslot]
 
             is_last = (device == P_ - 1) & (c == last_chunk)
@@ -151,7 +135,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
                 lambda s, g: s.at[c].add(g.astype(jnp.float32)), g_chunks, g_mine
             )
             g_rest = jax.tree.map(jnp.add, g_rest, g_head)
-            first = (device == 0) & (c == 0)  # the gradient of the first stage's input
+            # only the first stage's input gradient flows on, to the embedding
+            first = (device == 0) & (c == 0)
             g_x_MBTD = g_x_MBTD.at[m].add(jnp.where(first, g_x, 0))
             loss, aux = loss + value, aux + stage_aux.astype(jnp.float32)
             sums = (g_chunks, g_rest, g_x_MBTD, loss, aux)
@@ -172,6 +157,8 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
             grads_in = jnp.where(rb >= 0, grads_in.at[rb].set(got_b), grads_in)
             return (inputs, grads_in, sums), None
 
+        # Each device keeps its stages' inputs, and the gradients it gets back, in pools
+        # of slots that schedules.slot_tables sizes.
         pool = lambda n: jnp.zeros((n, *zero_BTD.shape), zero_BTD.dtype)
         zero = jnp.zeros((), jnp.float32)
         sums = (zeros32(chunks), zeros32(rest), jnp.zeros_like(x_MBTD), zero, zero)
@@ -203,11 +190,9 @@ def scheduled(stage, last, chunks, rest, x_MBTD, per_micro, table, mesh=None):
 
 
 def high(tree):
-    """bfloat16 leaves as float32: each sum over 'pipeline' runs in float32. XLA:CPU
-    cannot compile a bfloat16 all-reduce that a shard_map's psum writes (or that its
-    transpose writes for an input every stage gets whole): its pass that widens them
-    to float32 aborts on the reduction's copy ("Invalid binary instruction opcode
-    copy", jax 0.10.2)."""
+    """bfloat16 leaves as float32, so that each sum over 'pipeline' runs in float32."""
+    # XLA:CPU cannot compile a bfloat16 all-reduce from a shard_map's psum or transpose
+    # ("Invalid binary instruction opcode copy", jax 0.10.2).
     return jax.tree.map(
         lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree
     )
@@ -305,19 +290,17 @@ def make_pipeline_grads(
     virtual: int = 1,
 ):
     """(apply_fn, params, tokens_BT) -> (the loss, its gradient), the layers run on
-    1F1B or interleaved 1F1B (scheduled), which computes the gradients itself.
-
-    Interleaved 1F1B runs stage c P + p on device p: the layers' weights, kept in the
-    model's order (P blocks of layers, so that checkpoints restore on any mesh), are
-    reordered into (V, P, layers per stage) once per step, an all-to-all over
-    'pipeline', and their gradients back."""
+    1F1B or interleaved 1F1B (scheduled), which computes the gradients itself."""
     stages = mesh.shape["pipeline"]
     cut = stages * virtual
     pipe = Pipeline(model, shardings, mesh, dtype, eod_id, microbatches, cut)
     table = schedules.schedule(schedule, stages, microbatches, virtual)
     specs = shardings.params["layers"]
 
-    def to_chunks(layers):  # (L, ...) -> (V, P, L / (P V), ...), P over 'pipeline'
+    # (L, ...) -> (V, P, L / (P V), ...), P over 'pipeline'. The weights stay in the
+    # model's order, so that checkpoints restore on any mesh; interleaved, this is an
+    # all-to-all over 'pipeline' once a step, and from_chunks one for the gradients.
+    def to_chunks(layers):
         return jax.tree.map(
             lambda a, s: jax.lax.with_sharding_constraint(
                 a.reshape(virtual, stages, -1, *a.shape[1:]),
@@ -337,7 +320,8 @@ def make_pipeline_grads(
         )
 
     def loss_and_grads(apply_fn, params, tokens_BT):
-        def front(params):  # the cast weights and the first stage's input
+        # the cast weights and the first stage's input
+        def front(params):
             cast_params, x_BTD, positions_T, per_micro = pipe.inputs(
                 apply_fn, params, tokens_BT
             )

@@ -27,10 +27,8 @@ from layout import AXES
 class Preemption:
     """Notes SIGTERM and SIGUSR1; all processes agree to stop at the same step.
 
-    Each step, ``vote()`` launches a tiny program that takes the largest of every
-    process's flag; ``agreed(vote)`` reads it a step later, when the next step is
-    already queued, so agreeing costs no wait. Every process reads the same answer for
-    the same step, so all stop at the same step, whichever got the signal.
+    ``vote()`` launches a tiny program that takes the largest of every process's flag;
+    ``agreed(vote)`` reads it a step later, when the next step is queued: no wait.
     """
 
     def __init__(self, mesh):
@@ -39,7 +37,8 @@ class Preemption:
             signal.signal(
                 signum, lambda s, _: setattr(self, "signal", signal.Signals(s).name)
             )
-        self.sharding = NamedSharding(mesh, P(AXES))  # one flag per device
+        # one flag per device
+        self.sharding = NamedSharding(mesh, P(AXES))
         self.largest = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
 
     def vote(self) -> jax.Array:
@@ -70,11 +69,8 @@ def deadline_report(
     seconds: float,
     silent: dict[int, float] | None = None,
 ) -> str:
-    """Which processes stopped running, and which did not reach the furthest step.
-
-    ``steps``: each process's last step; ``silent``: the processes whose heartbeat
-    stopped, with the seconds since it last changed.
-    """
+    """Which processes stopped running (``silent``: seconds since each one's heartbeat
+    changed), and which did not reach the furthest of ``steps``."""
     silent = silent or {}
     ahead = max(steps.values(), default=0)
     stopped = sorted(silent)
@@ -121,28 +117,16 @@ def _where(indices: list[int], steps: dict[int, int]) -> str:
 
 
 class StepDeadline:
-    """--step-timeout: ends the job when this process's step has not advanced for
-    ``seconds``.
+    """--step-timeout: ends the job (status 124) when this process's step has not
+    advanced for ``seconds``, naming the processes stopped or behind. JAX's heartbeat
+    ends a job whose process died, not one alive and stuck."""
 
-    JAX's heartbeat ends a job whose process died, not one whose process is alive and
-    stuck (asleep, on a file system, or in a collective the others never enter), nor,
-    before its timeout (100 s by default), one whose process is stopped. Each process
-    writes the step it reached into the key-value store of JAX's coordination service;
-    a thread checks that its own step advances, and bumps a heartbeat counter beside
-    the step at every poll. A stopped process's thread stops with it; a process stuck
-    in a collective keeps beating. In the second half of its deadline a thread reads
-    every heartbeat at each poll and notes, on its own clock (hosts' clocks differ),
-    when each last changed. The first to pass its deadline writes a report
-    (``deadline_report``) naming the processes whose heartbeat did not change for 3
-    polls and a quarter of the deadline, then those behind, under a key every thread
-    polls; each prints it and its Python stacks (faulthandler; ``kill -USR2 <pid>``
-    does it by hand) and exits 124, which ``srun --kill-on-bad-exit=1`` or ``mpirun``
-    turns into the end of the job. Every process makes one with the same ``seconds``;
-    the deadline starts at the first ``reached``. One process alone (no
-    ``jax.distributed``) watches only itself. ``client``, ``process_index``,
-    ``num_processes`` and ``stream`` are for tests.
-    """
-
+    # Each process writes its step, and a heartbeat bumped every poll by a thread, into
+    # the key-value store of JAX's coordination service. A stopped process's thread
+    # stops with it; a process stuck in a collective keeps beating. The first to pass
+    # its deadline writes a report under a key every thread polls; each prints it and
+    # its Python stacks (``kill -USR2 <pid>`` does it by hand) and exits 124, which
+    # srun --kill-on-bad-exit=1 or mpirun turns into the end of the job.
     KEY = "lm_deadline"
 
     def __init__(
@@ -155,8 +139,10 @@ class StepDeadline:
         num_processes: int | None = None,
         stream=None,
     ):
+        # client, process_index, num_processes and stream: for tests
         if client is None:
-            # private: JAX 0.10.2 exports no key-value store
+            # Private: JAX 0.10.2 exports no key-value store. None without
+            # jax.distributed: one process alone watches only itself.
             from jax._src import distributed
 
             client = distributed.global_state.client
@@ -226,7 +212,8 @@ class StepDeadline:
     def _fired(self) -> str | None:
         try:
             return self.client.key_value_try_get(f"{self.KEY}/fired")
-        except Exception:  # NOT_FOUND, or no store: nobody fired
+        # NOT_FOUND, or no store: nobody fired
+        except Exception:
             return None
 
     def _watch(self) -> None:
@@ -248,7 +235,8 @@ class StepDeadline:
                 )
                 try:
                     self.client.key_value_set(f"{self.KEY}/fired", message)
-                except Exception:  # another process fired first, or no store
+                # another process fired first, or no store
+                except Exception:
                     message = self._fired() or message
             if message is not None:
                 return self._end(message)
@@ -258,13 +246,14 @@ class StepDeadline:
         self.stream.flush()
         faulthandler.dump_traceback(file=self.stream, all_threads=True)
         self.stream.flush()
-        time.sleep(2 * self.poll_s + 0.5)  # the others poll the report, dump theirs
+        # time for the others to poll the report and dump their stacks
+        time.sleep(2 * self.poll_s + 0.5)
         os._exit(124)
 
 
 def location(checkpoint_dir: str) -> str:
-    """--checkpoint-dir as Orbax is given it: a URL as it is (gs://bucket/run, which
-    every host of a slice sees and which outlives a preempted VM), a path absolute."""
+    """--checkpoint-dir as Orbax is given it: a URL (gs://bucket/run) as it is, a path
+    made absolute."""
     return (
         checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
     )
@@ -300,13 +289,9 @@ class Unrestorable(Exception):
 
 def restore(manager: ocp.CheckpointManager, shapes, batches):
     """The newest step that restores: its state, and the data iterator where that
-    state left it.
-
-    Each newer step that does not restore (a file missing or cut short) is said in one
-    line and moved to STEP.unrestorable beside it, a name Orbax does not list: its files
-    stay, and no later save or ``--keep`` of Orbax's overwrites or deletes them. When no
-    step restores, a one-line SystemExit, and nothing is moved.
-    """
+    state left it; a one-line SystemExit when none does."""
+    # Each newer step that does not restore is moved to STEP.unrestorable, a name
+    # Orbax does not list, so that no later save or --keep deletes its files.
     failed = []
     for step in sorted(manager.all_steps(), reverse=True):
         try:
@@ -399,8 +384,8 @@ def set_aside(manager: ocp.CheckpointManager, failed: list[tuple[int, str]]) -> 
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, batches) -> None:
-    """Save ``step`` in the background, once the previous save has finished. A save
-    that fails, now or in the background: a one-line SystemExit (``not_saved``)."""
+    """Save ``step`` in the background, once the previous save has finished; a
+    one-line SystemExit if it fails."""
     finish(manager)
     items = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
@@ -465,7 +450,7 @@ ECHOES = ("Event loop is closed", "Python is likely shutting down")
 
 def _not_an_echo(record: logging.LogRecord) -> bool:
     """Keep a log record unless it is Orbax's error with a traceback, or asyncio's
-    error about Orbax's tasks (failed, or destroyed while pending)."""
+    about Orbax's tasks."""
     if record.levelno < logging.ERROR:
         return True
     if record.name == "asyncio":

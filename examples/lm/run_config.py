@@ -11,7 +11,8 @@ import dataclasses
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """What train.py runs, flag by flag (``--global-batch`` is ``global_batch``); the
-    defaults are its flags' defaults."""
+    defaults are its flags' defaults, and ``python train.py --help`` says what each
+    means and which values it takes."""
 
     # the model: a preset or a config.json, with experts on top
     model: str = "tiny"

@@ -1,26 +1,7 @@
 """Pipeline schedules as tables: which operation each device runs at each tick.
 
-GPipe, 1F1B and interleaved 1F1B, built by one simulator, in Python and NumPy only.
-pipeline.py runs them over the 'pipeline' mesh axis; the book's package
-(jaxdist_lessons.pipeline, chapter 11_pipelines_mesh_shape) loads this file and tests
-these tables, so the recipe and the book run the same schedules.
-
-The model is cut into S x v stages of equal depth; device d holds stages d, d + S,
-d + 2S, ... (v = 1: stage d alone). The batch is cut into M micro-batches. An operation
-is F (the forward of one micro-batch through one stage) or B (its backward); each
-takes one tick here.
-
-- GPipe (Huang et al. 2019, arXiv:1811.06965): all forwards, then all backwards; every
-  stage keeps its M micro-batches' inputs until its backwards start.
-- 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): after S - 1 - d
-  warm-up forwards, device d alternates one forward and one backward, so it keeps at
-  most S - d inputs.
-- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021, arXiv:2104.04473): each device
-  runs v smaller stages; the bubble shrinks v-fold in time.
-
-Each device has a fixed order of operations and runs the next one as soon as its
-input is ready: a forward needs the previous stage's forward, a backward the next
-stage's backward (and its own forward).
+GPipe (arXiv:1811.06965), 1F1B (arXiv:2006.09503) and interleaved 1F1B
+(arXiv:2104.04473), in Python and NumPy only: the book's package loads this same file.
 """
 
 from typing import NamedTuple
@@ -28,6 +9,8 @@ from typing import NamedTuple
 import numpy as np
 
 
+# S x v stages, device d holding stages d, d + S, ...; M micro-batches. An operation, F
+# (one micro-batch's forward through one stage) or B (its backward), takes one tick.
 class Op(NamedTuple):
     """One slot of a schedule: ``kind`` 'F' or 'B', of ``micro`` through ``stage``."""
 
@@ -36,7 +19,8 @@ class Op(NamedTuple):
     stage: int
 
 
-Timetable = list[list[Op | None]]  # [tick][device]
+# table[tick][device]
+Timetable = list[list[Op | None]]
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -48,7 +32,10 @@ def _positive(name: str, value: int) -> int:
 
 def simulate(orders: list[list[Op]], num_stages: int) -> Timetable:
     """Run each device's ``orders`` in turn, each op as soon as its input is ready."""
-    done: dict[tuple[str, int, int], int] = {}  # op -> the tick it ran
+    # A forward needs the previous stage's forward; a backward the next stage's
+    # backward and its own forward.
+    # op -> the tick it ran
+    done: dict[tuple[str, int, int], int] = {}
     last = num_stages - 1
     position = [0] * len(orders)
     table: Timetable = []
@@ -86,8 +73,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> Timetable:
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Timetable:
-    """1F1B: ``S - 1 - d`` warm-up forwards on device ``d``, then one forward, one
-    backward."""
+    """1F1B: ``S - 1 - d`` warm-up forwards on device ``d``, then forward, backward."""
     S = _positive("num_stages", num_stages)
     M = _positive("num_microbatches", num_microbatches)
     orders = []
@@ -154,8 +140,7 @@ def idle_fraction(table: Timetable) -> float:
 
 
 def in_flight(table: Timetable) -> list[int]:
-    """Per device, the most forwards it holds inputs for at once (run, backward not
-    yet run)."""
+    """Per device, the most forwards whose backward has not run yet, at once."""
     peaks = []
     for d in range(len(table[0])):
         live = peak = 0
@@ -168,19 +153,18 @@ def in_flight(table: Timetable) -> list[int]:
 
 
 def slot_tables(table: Timetable) -> tuple[dict[str, np.ndarray], int, int]:
-    """A schedule as integer arrays ``[tick, device]`` a compiled loop can index, each
-    input and gradient held in a pool slot.
-
-    Returns the arrays (``kind``: 0 idle, 1 F, 2 B; ``micro``; ``chunk``, the device's
-    stage c of stage c S + d; the ``slot`` and ``gslot`` an op reads; ``recv_f`` and
-    ``recv_b``, one more than the slot an arrival fills, 0 for none) and the two pool
-    sizes: the most inputs, and the most gradients, any device holds at once.
+    """A schedule as integer arrays ``[tick, device]`` a compiled loop can index, and
+    the two pool sizes: the most inputs, and the most gradients, a device holds at once.
     """
     S = len(table[0])
     last = max(op.stage for row in table for op in row if op)
+    # kind: 0 idle, 1 F, 2 B; chunk: c for stage c S + d; slot and gslot: the input
+    # and gradient slots an op reads; recv_f and recv_b: 1 + the slot an arrival
+    # fills, 0 for none.
     names = ("kind", "micro", "chunk", "slot", "gslot", "recv_f", "recv_b")
     a = {k: np.zeros((len(table), S), np.int32) for k in names}
-    held_x: list[dict] = [{} for _ in range(S)]  # per device: (micro, stage) -> slot
+    # per device: (micro, stage) -> slot
+    held_x: list[dict] = [{} for _ in range(S)]
     held_g: list[dict] = [{} for _ in range(S)]
     pools = [1, 1]
 
@@ -189,7 +173,8 @@ def slot_tables(table: Timetable) -> tuple[dict[str, np.ndarray], int, int]:
         return held[key]
 
     for t, row in enumerate(table):
-        for d, op in enumerate(row):  # this tick's ops read (and free) their slots
+        # This tick's ops read (and free) their slots...
+        for d, op in enumerate(row):
             if op is None:
                 continue
             key = (op.micro, op.stage)
@@ -200,7 +185,8 @@ def slot_tables(table: Timetable) -> tuple[dict[str, np.ndarray], int, int]:
             else:
                 a["slot"][t, d] = held_x[d].pop(key)
                 a["gslot"][t, d] = held_g[d].pop(key) if op.stage < last else 0
-        for op in row:  # then what they sent arrives, into free slots
+        # ...then what they sent arrives, into free slots.
+        for op in row:
             if op and op.kind == "F" and op.stage < last:
                 to = (op.stage + 1) % S
                 a["recv_f"][t, to] = take(held_x[to], (op.micro, op.stage + 1)) + 1

@@ -1,17 +1,7 @@
 """Splash attention: JAX's Pallas kernel for TPUs, causal, with packed documents.
 
-The kernel is JAX's own (jax.experimental.pallas.ops.tpu.splash_attention, "sparse
-flash attention"): FlashAttention's blocks of queries and keys (Dao et al. 2022,
-arXiv:2205.14135) with a block-sparse mask, whose block maps, built once on the host,
-let it skip the blocks above the causal diagonal in the forward pass and in both
-backward kernels. Documents packed into a row (--eod-id) reach it as segment ids: a
-query sees a key only where the two ids are equal, and each token's document start
-(attention.document_starts) is such an id. Grouped key/value heads are the kernel's own:
-query head n reads key/value head n // (N / K), so K and V are never repeated to N
-heads, in the forward pass or the backward.
-
-On other backends the same kernel runs in Pallas's interpret mode (``interpret=True``):
-exact, and far too slow to train with, which is how the tests run it on a CPU.
+FlashAttention's blocks (arXiv:2205.14135), skipping those above the causal diagonal;
+grouped key/value heads never repeated. Off a TPU it runs interpreted: exact, but slow.
 """
 
 import functools
@@ -46,15 +36,15 @@ def splash_blocks(length: int) -> kernels.BlockSizes:
         block_q_dkv=size,
         block_kv_dkv=size,
         block_kv_dkv_compute=size,
-        use_fused_bwd_kernel=True,  # dq, dk and dv in one kernel: measured faster
+        # dq, dk and dv in one kernel: measured faster
+        use_fused_bwd_kernel=True,
     )
 
 
 @functools.cache
 def splash_kernel(num_heads: int, length: int, interpret: bool):
     """The causal kernel for ``num_heads`` query heads of ``length`` tokens, built once
-    a shape: its mask's block maps (which block pairs to compute, which to skip) are
-    made on the host."""
+    a shape: its mask's block maps are made on the host."""
     causal = kernels.CausalMask((length, length))
     mask = kernels.MultiHeadMask([causal] * num_heads)
     # Concrete, even when first asked for inside a trace: the cache outlives it.
@@ -73,8 +63,7 @@ def splash_kernel(num_heads: int, length: int, interpret: bool):
 
 
 def program_platform() -> str:
-    """The platform of the devices the program being traced is for: the current
-    mesh's, else this machine's."""
+    """The platform of the traced program: the current mesh's, else this machine's."""
     mesh = jax.sharding.get_abstract_mesh()
     return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
 
@@ -86,10 +75,8 @@ def splash_attention(
     starts_BT: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Causal attention by the splash kernel, each query inside its document given
-    the document starts; in the queries' dtype. ``interpret``: by default when the
-    program is not for a TPU (the mesh's devices say, which --topology's are without a
-    TPU here; outside a mesh, this machine's)."""
+    """Causal attention by the splash kernel, in the queries' dtype; interpreted by
+    default when the program is not for a TPU."""
     _, T, N, A = q_BTNA.shape
     if interpret is None:
         interpret = program_platform() != "tpu"
@@ -100,6 +87,7 @@ def splash_attention(
     if starts_BT is None:
         out_BNTA = jax.vmap(kernel)(q_BNTA, k_BKTA, v_BKTA)
     else:
+        # A query sees a key only where their segment ids, the document starts, match.
         documents = kernels.SegmentIds(q=starts_BT, kv=starts_BT)
         out_BNTA = jax.vmap(kernel)(q_BNTA, k_BKTA, v_BKTA, documents)
     return out_BNTA.transpose(0, 2, 1, 3)

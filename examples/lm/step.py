@@ -1,7 +1,5 @@
-"""The training step: the train state's shapes and shardings, the loss, and its gradient
-over one batch or over --grad-accum micro-batches (through pipeline.py's stages with a
-'pipeline' axis); the held-out loss.
-"""
+"""The training step: the state's shapes and shardings, the loss and its gradient (over
+micro-batches, or pipeline.py's stages), the optimizer's update; the held-out loss."""
 
 import dataclasses
 import functools
@@ -29,9 +27,8 @@ Grads = Callable[..., tuple[jax.Array, Any]]
 def abstract_state(
     model, tx, mesh, seq_len: int, offload: Collection[str] = (), zero1: bool = False
 ):
-    """The train state's shapes and shardings, from tracing init under the rules; with
-    "optimizer" in ``offload``, Adam's state kept in the host's pinned memory; with
-    ``zero1``, split over 'data' (ZeRO stage 1)."""
+    """The train state's shapes and shardings, from tracing init under the rules, and
+    init; with ``zero1`` the optimizer's state split over 'data' (ZeRO stage 1)."""
 
     # The weights are the same whatever the attention and the experts' dispatch: traced
     # for one row, with XLA's attention and the capacity's dispatch.
@@ -57,7 +54,8 @@ def abstract_state(
             strip(boxed).opt_state,
         )
         shardings = shardings.replace(opt_state=moments)
-    if "optimizer" in offload:  # JAX's memory kinds: the moments live in host memory
+    # --offload optimizer: the moments live in host memory (JAX's memory kinds).
+    if "optimizer" in offload:
         host = lambda s: s.with_memory_kind("pinned_host")
         shardings = shardings.replace(opt_state=jax.tree.map(host, shardings.opt_state))
     shapes = jax.tree.map(
@@ -69,9 +67,8 @@ def abstract_state(
 
 
 def over_data(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
-    """``sharding`` with 'data' added on the first dimension it splits evenly (ZeRO-1:
-    each data replica updates its share of the optimizer's state; XLA then gathers
-    the updated weights). Unchanged where none does."""
+    """``sharding`` with 'data' added on the first dimension it splits evenly, for
+    ZeRO-1; unchanged where none does."""
     data = sharding.mesh.shape["data"]
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     for dim, (size, part) in enumerate(zip(shape, spec, strict=True)):
@@ -84,10 +81,8 @@ def over_data(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
 
 
 def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
-    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss).
-
-    With ``eod_id``, each document of a row (ending with that token) is attended to and
-    positioned on its own; the loss still counts every next token."""
+    """loss(apply_fn, params, tokens_BT) -> (loss + the experts' losses, loss); with
+    ``eod_id``, documents masked, the loss still counting every next token."""
     prepare = make_inputs(mesh, eod_id)
 
     def loss(apply_fn, params, tokens_BT):
@@ -97,19 +92,16 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
             {"params": params}, inputs_BT, positions_T, starts_BT, method="features"
         )
         loss = head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT)
-        return loss + aux_loss, loss  # the experts' losses train the router
+        # The experts' losses train the router; the loss alone is logged.
+        return loss + aux_loss, loss
 
     return loss
 
 
 def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array:
-    """The final norm, the output projection and the mean next-token loss, a chunk of
-    columns at a time where all the float32 logits would take more than
-    model.LOSS_CHUNK_BYTES a device (model.fused_cross_entropy), on a mesh that does not
-    split the batch (one device; tensor, sequence or pipeline axes). Where the batch is
-    split, the devices already cut the logits, and each chunk's share of the head's
-    gradient would be reduced over the batch's devices: one all-reduce a chunk, not one
-    a step (--grad-accum cuts the logits there)."""
+    """The final norm, the output projection and the mean next-token loss, in chunks
+    of columns (model.fused_cross_entropy) where the logits would take more than
+    model.LOSS_CHUNK_BYTES a device."""
     names = (
         ("final_norm", "unembed") if "unembed" in params else ("final_norm", "embed")
     )
@@ -119,6 +111,8 @@ def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array
     }
     vocab = params["embed"]["embedding"].shape[0]
     tokens, length = targets_BT.size, targets_BT.shape[1]
+    # Where the batch is split, the devices already cut the logits, and chunks would
+    # reduce the head's gradient over them once a chunk, not once a step.
     splits_batch = any(mesh.shape[axis] > 1 for axis in BATCH)
     chunks = (
         1 if splits_batch else model_lib.loss_chunks(tokens, length, vocab, mesh.size)
@@ -144,9 +138,7 @@ def make_step_loss(
 
 def train_step(state, tokens_BT, *, loss_and_grads: Grads, shardings, zero1=False):
     """One optimizer step: the batch's mean loss and gradient (``loss_and_grads``, from
-    make_grads), then AdamW's update of the weights. With ``zero1`` each data replica
-    updates its share of the optimizer's state; kept in host memory (--offload
-    optimizer), that state comes to the device for the update and goes back."""
+    make_grads), then AdamW's update of the weights."""
     loss, grads = loss_and_grads(state.apply_fn, state.params, tokens_BT)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     # ZeRO-1: each replica needs its share of the gradient, a reduce-scatter where
@@ -157,7 +149,8 @@ def train_step(state, tokens_BT, *, loss_and_grads: Grads, shardings, zero1=Fals
             grads,
             shardings.params,
         )
-    # --offload optimizer: Adam's moments come to the device for the update, and go back
+    # --offload optimizer: Adam's moments come to the device for the update, then go
+    # back to host memory.
     if in_host := offloaded(shardings):
         state = state.replace(opt_state=moved(state.opt_state, shardings, "device"))
     state = state.apply_gradients(grads=grads)
@@ -168,9 +161,8 @@ def train_step(state, tokens_BT, *, loss_and_grads: Grads, shardings, zero1=Fals
 
 
 def make_train_step(shardings, mesh, run: RunConfig, model=None):
-    """train_step, jitted for the state's ``shardings``, with the gradients of this
-    run's micro-batches (make_grads; with a 'pipeline' axis, ``model`` given, through
-    the pipeline's stages on --schedule), the state donated."""
+    """train_step, jitted for the state's ``shardings``, with make_grads' gradients
+    (``model``: needed on a 'pipeline' axis), the state donated."""
     step = functools.partial(
         train_step,
         loss_and_grads=make_grads(shardings, mesh, run, model),
@@ -186,14 +178,14 @@ def make_train_step(shardings, mesh, run: RunConfig, model=None):
 
 
 def make_grads(shardings, mesh, run: RunConfig, model=None) -> Grads:
-    """The loss and gradient train_step takes: over the whole batch; over --grad-accum
-    micro-batches, one at a time (accumulate_per_replica); or, with a 'pipeline' axis,
-    through its stages (GPipe: jax.grad of the pipeline's loss; 1F1B and interleaved
-    1F1B, --virtual-stages a device: pipeline.make_pipeline_grads)."""
+    """The loss and gradient train_step takes: over the whole batch, over --grad-accum
+    micro-batches one at a time, or through a 'pipeline' axis's stages."""
     dtype, micro = jnp.dtype(run.dtype), run.grad_accum
-    loss_fn = make_step_loss(model, shardings, mesh, dtype, run.eod_id, micro)
-    whole = functools.partial(value_and_grads, loss_fn)
-    if mesh.shape["pipeline"] > 1 and run.schedule != "gpipe":  # its own backward
+    pipelined = mesh.shape["pipeline"] > 1
+    if pipelined and model is None:
+        raise ValueError("a 'pipeline' axis needs the model, to cut it into stages")
+    # 1F1B and interleaved 1F1B write their own backward
+    if pipelined and run.schedule != "gpipe":
         return make_pipeline_grads(
             model,
             shardings,
@@ -204,7 +196,10 @@ def make_grads(shardings, mesh, run: RunConfig, model=None) -> Grads:
             run.schedule,
             run.virtual_stages,
         )
-    if mesh.shape["pipeline"] > 1 or micro == 1:  # the pipeline cuts micro-batches
+    loss_fn = make_step_loss(model, shardings, mesh, dtype, run.eod_id, micro)
+    whole = functools.partial(value_and_grads, loss_fn)
+    # GPipe's loss cuts its own micro-batches
+    if pipelined or micro == 1:
         return whole
     return functools.partial(
         accumulate_per_replica, whole, shardings=shardings, mesh=mesh, grad_accum=micro
@@ -214,6 +209,8 @@ def make_grads(shardings, mesh, run: RunConfig, model=None) -> Grads:
 def value_and_grads(loss_fn, apply_fn, params, tokens_BT):
     """One micro-batch's mean loss and its gradient (``loss_fn``: make_step_loss's)."""
     grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+    # The gradient is the objective's (the experts' balance losses included); the
+    # loss returned, and logged, is the cross-entropy alone.
     (_, loss), grads = grad_fn(apply_fn, params, tokens_BT)
     return loss, grads
 
@@ -247,20 +244,20 @@ def accumulate_per_replica(
     grads_of: Grads, apply_fn, params, tokens_BT, *, shardings, mesh, grad_accum
 ):
     """accumulate, with the gradients reduced over 'data' once per step, not once per
-    micro-batch. The batch is cut into one part per data replica and the step vmapped
-    over the parts (spmd_axis_name: the parts lie along 'data'), so each replica adds
-    up its own gradient, kept apart from the others' (a leading axis split over
-    'data': no more bytes per device); one sum after the loop reduces them. Without
-    the parts, each micro-batch's gradient would be all-reduced."""
+    micro-batch (which an all-reduce of each micro-batch's gradient would do)."""
     each = dict(shardings=shardings, grad_accum=grad_accum)
     replicas = mesh.shape["data"]
     if replicas == 1:
         return accumulate(
             grads_of, apply_fn, params, tokens_BT, **each, batch_axes=BATCH
         )
+    # One part per data replica, the step vmapped over the parts along 'data': each
+    # replica sums its own gradient apart from the others' (a leading axis split over
+    # 'data', no more bytes a device), and one mean after the loop reduces them.
+    # Inside the vmap, layouts may not name 'data', the vmapped axis.
     B, T = tokens_BT.shape
     parts_RBT = tokens_BT.reshape(replicas, B // replicas, T)
-    with nn.logical_axis_rules(without("data")):  # 'data' is the vmapped axis
+    with nn.logical_axis_rules(without("data")):
         losses_R, grads_R = jax.vmap(
             lambda part_BT: accumulate(
                 grads_of, apply_fn, params, part_BT, **each, batch_axes=BATCH[1:]
@@ -271,8 +268,7 @@ def accumulate_per_replica(
 
 
 def offloaded(shardings) -> bool:
-    """Whether the optimizer's state is kept in host memory (--offload optimizer:
-    abstract_state's shardings)."""
+    """Whether abstract_state's shardings keep the optimizer's state in host memory."""
     kinds = {s.memory_kind for s in jax.tree.leaves(shardings.opt_state)}
     return kinds == {"pinned_host"}
 
@@ -294,14 +290,16 @@ def make_eval_step(
     """The held-out loss of a batch: the training loss, without gradients, in the
     training step's ``microbatches`` (so it needs no more memory than the step)."""
     loss_fn = make_step_loss(model, shardings, mesh, dtype, eod_id, microbatches)
-    pipelined = mesh.shape["pipeline"] > 1  # the pipeline cuts its own micro-batches
+    # a pipeline cuts its own micro-batches
+    pipelined = mesh.shape["pipeline"] > 1
 
     def eval_step(state, tokens_BT):
         loss = lambda tokens_BT: loss_fn(state.apply_fn, state.params, tokens_BT)[1]
         if pipelined or microbatches == 1:
             return loss(tokens_BT)
         micro_KBT = micro_batches(tokens_BT, microbatches, BATCH)
-        return jax.lax.map(loss, micro_KBT).mean()  # equal sizes: the mean of means
+        # Micro-batches of equal size: the mean of their means is the batch's.
+        return jax.lax.map(loss, micro_KBT).mean()
 
     return jax.jit(
         eval_step,

@@ -21,22 +21,17 @@ calls; splash.py the TPU's), experts.py (the mixture of experts, its router and
 capacity), dropless.py (each device's share of the experts without a capacity), data.py
 (tokens read in place, with Grain), mesh_spec.py (--mesh's axes and sizes, the rules,
 what splits evenly), layout.py (the mesh, the check that stops a mesh in one line),
-step.py (the loss, gradients, accumulation, ZeRO-1 and the optimizer's offload),
+step.py (train_step, one optimizer step, which make_train_step jits; the loss,
+gradients, accumulation, ZeRO-1 and the optimizer's offload),
 inputs.py (what the loss takes in: inputs and targets, the weights cast, micro-batches),
 optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py (the model cut
 into stages, and the schedules that run them) and schedules.py (their timetables),
 resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
 log), compiled.py (--compile-only) and convert.py (Hugging Face).
 
-JAX, Flax, Optax, Orbax, Grain, NumPy and (for the corpus) tokenizers. Each step prints
-its loss, tokens per second, step time and model-flops utilisation; checkpoints hold the
-model, the optimizer and the data iterator, so a rerun on the same --checkpoint-dir
-continues with the exact next batch. SIGTERM or SIGUSR1 (preemption notices) save at the
-next step boundary and exit 0. --step-timeout S ends a job whose step has not advanced
-on some process for S seconds (a process alive but stuck, which JAX's heartbeat does not
-catch), naming the processes behind, or stopped, and printing every process's stack.
-A bad path, a damaged checkpoint or a failed save is said in one line (status 2); a
-damaged latest checkpoint falls back to the newest step that restores.
+Each step prints its loss, tokens per second, step time and MFU. Checkpoints hold the
+model, the optimizer and the data iterator: a rerun continues with the exact next batch.
+SIGTERM or SIGUSR1 save at the next step boundary and exit 0; a refusal is one line.
 """
 
 import argparse
@@ -76,7 +71,8 @@ from schedules import SCHEDULES
 from step import abstract_state, make_eval_step, make_train_step
 
 OFFLOADS = ("optimizer", "activations")
-PROFILED = range(6, 9)  # --profile's steps: a few after the first's compilation
+# --profile's steps: a few after the first step's compilation
+PROFILED = range(6, 9)
 
 
 def offloads(text: str) -> frozenset[str]:
@@ -374,7 +370,8 @@ def make_evaluation(
         with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             return float(np.mean([eval_step(state, batch) for batch in held_out]))
 
-    evaluate.step = eval_step  # its memory counts toward the peak
+    # train() counts the evaluation step's memory toward the peak
+    evaluate.step = eval_step
     return evaluate
 
 
@@ -397,22 +394,26 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
     manager = None
     if run.checkpoint_dir:
         manager = checkpoint_manager(run.checkpoint_dir, run.keep, run.checkpoint_every)
-    if manager and manager.latest_step() is not None:  # into the shapes: one copy
+    # Restored straight into the sharded shapes: no second copy on any device.
+    if manager and manager.latest_step() is not None:
         state, batches = restore(manager, shapes, batches)
         print0(f"resumed from step {int(state.step)} in {run.checkpoint_dir}")
     else:
-        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):  # born sharded
+        # jit with out_shardings: the state is born sharded, never whole on one device
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
             state = jax.jit(
                 init, out_shardings=jax.tree.map(lambda s: s.sharding, shapes)
             )(jax.random.key(run.seed))
     tokens_per_step = run.global_batch * run.seq_len
     flops = model_config.flops_per_token(model.config, run.seq_len) * tokens_per_step
-    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)  # None: no MFU (a CPU)
+    # None on a device without a known peak (a CPU): no MFU printed
+    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     preemption, batch_sharding = Preemption(mesh), NamedSharding(mesh, P(BATCH))
     deadline = StepDeadline(run.step_timeout).start() if run.step_timeout else None
     log = MetricsLog(run.log_dir)
     evaluate = make_evaluation(run, mesh, model, shapes, rows, sources[0])
-    first = now = int(state.step)  # the one read of the step from the device
+    # The loop's one read of the step counter from the device.
+    first = now = int(state.step)
     pending, clock, stop = None, time.perf_counter(), False
 
     def report(now: int, metrics: dict, vote: jax.Array) -> bool:
@@ -431,7 +432,8 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
             f"step_time {seconds * 1e3:.0f} ms{mfu}",
             values,
         )
-        if deadline:  # after the step: the first step's compilation does not count
+        # Marked after a step ends, so the first step's compilation does not count.
+        if deadline:
             deadline.reached(now)
         return preemption.agreed(vote)
 
@@ -439,7 +441,8 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
         tokens = jax.make_array_from_process_local_data(
             batch_sharding, next(batches), (run.global_batch, run.seq_len + 1)
         )
-        if run.profile and now == PROFILED.start:  # one trace per process
+        # one trace per process
+        if run.profile and now == PROFILED.start:
             jax.profiler.start_trace(
                 os.path.join(run.profile, f"process_{jax.process_index()}")
             )
@@ -448,12 +451,14 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
         # "train N" on a profile's timelines: XProf finds the steps by it
         marked = jax.profiler.StepTraceAnnotation("train", step_num=now)
         with marked, jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-            state, metrics = step(state, tokens)  # queued: the device runs it
+            # Dispatch returns at once; the device runs the step while Python goes on.
+            state, metrics = step(state, tokens)
         # Step now - 1's numbers, while step now runs: no wait between steps.
         stop = pending is not None and report(*pending)
         pending = (now, metrics, preemption.vote())
         evaluating = evaluate and (now % run.eval_every == 0 or now == run.steps)
-        if evaluating or stop:  # step now's numbers first (all processes alike)
+        # Step now's numbers first, on all processes alike.
+        if evaluating or stop:
             stop = report(*pending) or stop
             pending = None
         if manager and (now % run.checkpoint_every == 0 or stop or now == run.steps):
@@ -461,7 +466,8 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
         if evaluating:
             loss = evaluate(state)
             log.write(now, f"eval {now} loss {loss:.4f}", {"eval_loss": loss})
-            clock = time.perf_counter()  # the next step's time leaves evaluation out
+            # the next step's time leaves evaluation out
+            clock = time.perf_counter()
         if stop:
             break
     if pending:
@@ -469,23 +475,24 @@ def train(run: RunConfig, mesh, model, step, shapes, init) -> None:
     steps = [step] + ([evaluate.step] if evaluate else [])
     if peak := peak_memory(jax.local_devices(), steps_memory(steps, shapes, run, mesh)):
         print0(peak, flush=True)
-    # stopped before PROFILED.stop: end the trace
+    # Stopped before PROFILED.stop: end the trace.
     if run.profile and first < PROFILED.start <= now < PROFILED.stop:
         jax.profiler.stop_trace()
     if deadline:
         deadline.stop()
     if manager:
-        finish(manager)  # the last save is asynchronous
+        # the last save is asynchronous: wait for it
+        finish(manager)
         manager.close()
-    if stop:  # once the save is done
+    # Said only once the save is done.
+    if stop:
         print0(preemption.farewell(now, run.checkpoint_dir), flush=True)
     log.close()
 
 
 def steps_memory(steps, shapes, run: RunConfig, mesh) -> list[int]:
-    """The bytes each jitted step holds a device, where the devices count memory (a
-    GPU's or a TPU's; none on XLA:CPU): compiled again, which reads JAX's compilation
-    cache."""
+    """The bytes each jitted step holds on a device; [] where devices count no memory
+    (XLA:CPU). Compiles again, which reads JAX's compilation cache."""
     if not jax.local_devices()[0].memory_stats():
         return []
     return [step_bytes(step, shapes, run, mesh) for step in steps]
@@ -520,9 +527,8 @@ def attention_kind(
 
 
 def target_devices(run: RunConfig) -> list | None:
-    """With --topology, the devices of a TPU slice (or of --slices of them) that the TPU
-    compiler describes without the chips, as MaxText's train_compile.py does; without
-    it, None: this machine's."""
+    """--topology's TPU devices, described without the chips (as MaxText's
+    train_compile.py does); None without it: this machine's."""
     if run.slices < 1:
         raise SystemExit(f"--slices {run.slices}: give 1 or more")
     if not run.topology:
@@ -542,7 +548,8 @@ def target_devices(run: RunConfig) -> list | None:
         topology = topologies.get_topology_desc(
             run.topology, "tpu", num_slices=run.slices
         )
-    except RuntimeError as error:  # no libtpu, or a name it does not know: its words
+    # No libtpu, or a name it does not know: repeat its words.
+    except RuntimeError as error:
         said = str(error).splitlines()[0]
         if "not installed" in said:
             raise SystemExit(
@@ -569,7 +576,8 @@ def setup(run: RunConfig, devices=None):
     ragged = platform in ("gpu", "tpu")
     config = dataclasses.replace(config, exchange="ragged" if ragged else "padded")
     dropless_split = config.dispatch == "dropless" and mesh.shape["expert"] > 1
-    if dropless_split and not ragged and jax.process_index() == 0:  # said once
+    # Warn once, from process 0, not from every process.
+    if dropless_split and not ragged and jax.process_index() == 0:
         print(
             f"dropless experts on expert={mesh.shape['expert']}: all_to_alls of "
             f"worst-case buffers (room for all of a device's choices for every "
@@ -613,7 +621,8 @@ def main(argv=None) -> None:
         return compile_only(step, shapes, run, mesh, held_out, rebuild)
     try:
         train(run, mesh, model, step, shapes, init)
-    except jax.errors.JaxRuntimeError as error:  # out of memory: one line, no traceback
+    # Out of memory: one line, no traceback.
+    except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         raise SystemExit(out_of_memory(str(error), shapes, run, mesh)) from None
@@ -622,7 +631,8 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as stop:  # a refusal: its one line, and status 2 as argparse's
+    # A refusal: its one line, and status 2 as argparse's.
+    except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise
         print(stop.code, file=sys.stderr)
