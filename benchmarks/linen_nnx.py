@@ -16,7 +16,7 @@ It writes ``linen_nnx_<platform>_<preset>.json`` into ``--out``, with the date, 
 ``device_kind`` and the JAX and Flax versions; the book reads ``book/data/linen_nnx_*.json``.
 
     python benchmarks/linen_nnx.py --out book/data --steps 0          # 8 CPU devices
-    python benchmarks/linen_nnx.py --out $OUT --preset 1b --seq-len 2048   # the chip
+    python benchmarks/linen_nnx.py --out $OUT --preset 1b --batch 4 --seq-len 2048  # chip
 """
 
 from __future__ import annotations
