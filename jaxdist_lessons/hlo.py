@@ -19,31 +19,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
 
-# Bytes per element, by HLO's name for the type (``pred`` is a bool).
-DTYPE_BYTES: dict[str, int] = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "f8e4m3": 1,
-    "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
+# Bytes per element, by HLO's name for the type (``pred`` is a bool): the LM recipe's
+# table (examples/lm/hlo_dtypes.py), one home for both.
+DTYPE_BYTES: dict[str, int] = recipe.module("hlo_dtypes").BYTES
 
 # Other spellings of the same types, as prefixes: numpy's (float32, bfloat16, int8, complex64),
 # JAX's short ones (i32, f8_e4m3fn) and the prose's (fp32, fp16).

@@ -16,6 +16,7 @@ import mesh_spec
 import model as model_lib
 import numpy as np
 import schedules
+from hlo_dtypes import BYTES
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from layout import BATCH, RULES
@@ -23,8 +24,6 @@ from run_config import RunConfig
 
 # train.py's: the step and the state's shapes at another --global-batch
 Rebuild = Callable[[int], tuple]
-
-SIZES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
 
 
 # A computation's first line (its name), and an instruction's: its name, its shape, its
@@ -81,7 +80,6 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         "all-to-all",
         "collective-permute",
     )
-    sizes = SIZES
     own, calls, name = collections.defaultdict(collections.Counter), {}, None
     # computation -> its conditionals' branches
     choices = collections.defaultdict(list)
@@ -116,10 +114,10 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
                 elif start and shape.startswith("(") and opcode != "all-reduce":
                     tensors = tensors[1:2]
                 own[name][opcode] += sum(
-                    sizes[t]
+                    BYTES[t]
                     * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
                     for t, dims in tensors
-                    if t in sizes
+                    if t in BYTES
                 )
             trip = trips.get(target, 1) if opcode == "while" else 1
             for callee in re.findall(r"(?:body|calls|to_apply)=%([\w.-]+)", line):
@@ -152,7 +150,7 @@ def host_argument_bytes(hlo_text: str) -> int:
     if layout is None:
         return 0
     return sum(
-        SIZES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
         for dtype, dims, space in re.findall(
             r"(\w+)\[([\d,]*)\]\{[^}]*?(:S\(5\))?\}", layout.group(1)
         )
@@ -217,7 +215,7 @@ def offloaded_activations(step, shapes, run: RunConfig, mesh) -> str:
     # a layer's input is sharded as the residual stream
     residual = nn.logical_to_mesh_axes(model_lib.RESIDUAL, RULES)
     local = NamedSharding(mesh, residual).shard_shape(shape)
-    sent = SIZES[dtype] * math.prod(local) * layers * run.grad_accum
+    sent = BYTES[dtype] * math.prod(local) * layers * run.grad_accum
     return (
         f"in host memory (the program lowered for CUDA; XLA:CPU's keeps all in device "
         f"memory): each layer's input, {dtype}[{','.join(map(str, shape))}] a "

@@ -27,7 +27,8 @@ inputs.py (what the loss takes in: inputs and targets, the weights cast, micro-b
 optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py (the model cut
 into stages, and the schedules that run them) and schedules.py (their timetables),
 resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
-log), compiled.py (--compile-only) and convert.py (Hugging Face).
+log), compiled.py (--compile-only; hlo_dtypes.py its bytes per element type) and
+convert.py (Hugging Face).
 
 Each step prints its loss, tokens per second, step time and MFU. Checkpoints hold the
 model, the optimizer and the data iterator: a rerun continues with the exact next batch.
