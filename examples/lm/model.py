@@ -4,15 +4,24 @@ RMSNorm, RoPE, grouped-query attention (kernels in attention.py and splash.py), 
 SwiGLU MLP (layers.py) or experts (experts.py), and a scan over the layers with a remat
 policy. layout.py's rules map the axes' names ("embed", "heads", ...) to mesh axes.
 
-Shape suffixes, one letter an axis (lowercase in einsum subscripts), the book's legend:
+Shape suffixes (one letter per axis; lowercase in einsum subscripts), the book's legend
+for the letters used here:
 
-    B  batch                                A  one attention head's width
-    T  tokens (or a batch's, flattened)     F  MLP hidden width
-    S  key/value positions, where not T     V  vocabulary
-    D  model width                          E  experts
-    N  query heads                          M  slots per expert (its capacity)
-    K  key/value heads (GQA; K = N without) R  a token's routes, its top-k choices
-    Q  query heads per key/value head       G  routing groups
+    B  batch (examples in a batch)
+    T  tokens: positions in a sequence; also a batch's tokens flattened, or a routing
+       group's tokens
+    S  key/value positions in attention, where they differ from the queries' T
+    D  model width (embedding width)
+    N  attention (query) heads
+    K  key/value heads (grouped-query attention; K = N without it)
+    Q  query heads that share one key/value head (N = K * Q)
+    A  width of one attention head
+    F  MLP hidden width
+    V  vocabulary
+    E  experts
+    M  slots per expert (its capacity)
+    R  a token's routes: its top-k expert choices
+    G  routing groups (tokens routed together)
 """
 
 import math
