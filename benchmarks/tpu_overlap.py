@@ -120,12 +120,8 @@ def group_axes(groups: list[list[int]], sizes: dict[str, int]) -> tuple[str, ...
     """The mesh axes along which the devices of some group differ: device ``i`` sits at
     position ``i`` of the mesh, flattened in ``mesh_spec.AXES`` order (the ids of a
     partitioned program's groups are positions in its device assignment)."""
-    shape = [sizes[a] for a in mesh_spec.AXES]
-    varying = set()
-    for group in groups:
-        coords = np.array(np.unravel_index(group, shape))
-        varying |= {a for a, row in zip(mesh_spec.AXES, coords) if len(set(row)) > 1}
-    return tuple(a for a in mesh_spec.AXES if a in varying)
+    shape = tuple(sizes[a] for a in mesh_spec.AXES)
+    return hlo.spanned_axes(groups, shape, mesh_spec.AXES)
 
 
 def collective_groups(

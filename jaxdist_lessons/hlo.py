@@ -246,6 +246,20 @@ def loop_computations(hlo_text: str) -> set[str]:
 # --- Replica groups ---------------------------------------------------------------------------
 
 
+def spanned_axes(
+    groups: list[list[int]], shape: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The mesh axes along which the devices of some group differ, in ``names``' order:
+    device ``i`` of a group sits at position ``i`` of a mesh of ``shape`` flattened in
+    row-major order (the ids of a partitioned program's groups are positions in its
+    device assignment)."""
+    spanned = set()
+    for group in groups:
+        coords = np.unravel_index(group, shape)
+        spanned |= {name for name, row in zip(names, coords) if len(set(row)) > 1}
+    return tuple(name for name in names if name in spanned)
+
+
 def replica_group_lists(
     replica_groups: str, num_devices: int | None = None
 ) -> list[list[int]]:

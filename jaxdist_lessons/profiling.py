@@ -191,17 +191,11 @@ def collective_axes(
     from its replica groups or a permute's pairs. The groups number the devices in the
     mesh's order (the program's device assignment), not by their ids: the two differ
     for a mesh over a reordered list of devices, such as a TPU slice's."""
-    position = dict(enumerate(np.ndindex(mesh.devices.shape)))
     out = {}
     for c in comms.collectives(hlo_text):
         groups = hlo.replica_group_lists(c.replica_groups, mesh.size)
-        spanned = {
-            mesh.axis_names[k]
-            for group in groups
-            for k in range(mesh.devices.ndim)
-            if len({position[d][k] for d in group}) > 1
-        }
-        axes = "+".join(a for a in mesh.axis_names if a in spanned) or "none"
+        spanned = hlo.spanned_axes(groups, mesh.devices.shape, mesh.axis_names)
+        axes = "+".join(spanned) or "none"
         out[c.name] = (c.kind, axes)
         # An async pair's two ops, one collective: all-gather-start.3, all-gather-done.3
         base = re.sub(rf"^{c.kind}-(start|done)", c.kind, c.name)

@@ -235,3 +235,12 @@ def test_groups_of_a_compiled_psum_are_the_mesh_axis(axis):
     assert sorted(sorted(g) for g in groups) == sorted(
         sorted(position[int(i)] for i in row) for row in expected
     )
+
+
+def test_spanned_axes_are_the_axes_a_groups_positions_differ_along():
+    shape, names = (2, 2, 3), ("data", "fsdp", "tensor")
+    # Position i is (i // 6, i // 3 % 2, i % 3) on a row-major 2 x 2 x 3 mesh.
+    assert hlo.spanned_axes([[0, 1, 2], [3, 4, 5]], shape, names) == ("tensor",)
+    assert hlo.spanned_axes([[0, 6], [1, 7]], shape, names) == ("data",)
+    assert hlo.spanned_axes([[0, 3, 6, 9]], shape, names) == ("data", "fsdp")
+    assert hlo.spanned_axes([[4]], shape, names) == ()
