@@ -30,6 +30,8 @@ resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the
 log), compiled.py (--compile-only; hlo_dtypes.py its bytes per element type) and
 convert.py (Hugging Face).
 
+It needs JAX, Flax, Optax, Orbax, Grain and NumPy; tokenizers for the default corpus,
+tensorboardX for --log-dir.
 Each step prints its loss, tokens per second, step time and MFU. Checkpoints hold the
 model, the optimizer and the data iterator: a rerun continues with the exact next batch.
 SIGTERM or SIGUSR1 save at the next step boundary and exit 0; a refusal is one line.
