@@ -103,7 +103,8 @@ def hands_mechanics(
     )
     code = re.sub(r"^\s*(from|import) [^\n]*$", "", code, flags=re.M)
     for module in modules:
-        # Not a file name: `examples/train.py` is no call into the `train` module.
+        # Not a path: `examples/train.py`, `jaxdist_lm/train.py` and `-m jaxdist_lm.train`
+        # are no call into the `train` module.
         for attr in re.findall(rf"(?<![\w./]){re.escape(module)}\.(\w+)", code):
             if not ARITHMETIC.match(attr):
                 return True

@@ -7,8 +7,9 @@ for the arithmetic. ``ship`` copies into the built book's ``_static/planner/``:
 - ``book/_static/planner/`` (the page's script and style);
 - Pyodide's runtime from ``node_modules/pyodide`` (``npm ci`` installs the version that
   ``package-lock.json`` pins);
-- ``py/jaxdist_lessons/``: ``planning/cli.py`` and the package modules it imports (standard
-  library only), found by reading its imports, in their folders.
+- ``py/``: ``jaxdist_lessons/planning/cli.py`` and the modules it imports (standard library
+  only; the recipe's ``jaxdist_lm/model_config.py`` among them), found by reading its
+  imports, in their folders.
 
 ``tests/test_plan_page.py`` serves what ``ship`` writes, drives the page in headless Chromium
 and compares it with the planner run here.
@@ -33,7 +34,9 @@ PYODIDE_FILES = (
     "python_stdlib.zip",
     "pyodide-lock.json",
 )
-PACKAGE = ROOT / "jaxdist_lessons"
+# The packages the planner imports from: the companion and the recipe (its model_config,
+# mesh_spec and run_config).
+PACKAGES = ("jaxdist_lessons", "jaxdist_lm")
 
 logger = logging.getLogger(__name__)
 
@@ -48,30 +51,36 @@ def module_level(tree: ast.AST):
         yield from module_level(node)
 
 
-def planner_modules(name: str = "planning.cli") -> list[str]:
-    """``name`` and every ``jaxdist_lessons`` module it imports, directly or not, as paths under
-    the package without ``.py`` (``planning/cli``; a subpackage as its ``planning/__init__``)."""
-    found, todo = {"__init__"}, [name]
+def planner_modules(name: str = "jaxdist_lessons.planning.cli") -> list[str]:
+    """``name`` and every module of the project's packages (the companion and the recipe)
+    it imports, directly or not, as paths under the root without ``.py``
+    (``jaxdist_lessons/planning/cli``; a package as its ``__init__``)."""
+    found, todo = set(), [name]
     while todo:
-        path = todo.pop().replace(".", "/")
-        if (PACKAGE / path).is_dir():
+        module = todo.pop()
+        path = module.replace(".", "/")
+        if (ROOT / path).is_dir():
             path += "/__init__"
         if path in found:
             continue
         found.add(path)
-        if "/" in path:  # a subpackage's module: the subpackage's __init__ too
-            todo.append(path.rsplit("/", 1)[0])
-        tree = ast.parse((PACKAGE / f"{path}.py").read_text())
-        for node in module_level(tree):
-            if not isinstance(node, ast.ImportFrom) or not (
-                node.module or ""
-            ).startswith("jaxdist_lessons"):
+        if "." in module:  # a package's module: the package's __init__ too
+            todo.append(module.rsplit(".", 1)[0])
+        package = module if path.endswith("__init__") else module.rsplit(".", 1)[0]
+        for node in module_level(ast.parse((ROOT / f"{path}.py").read_text())):
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            base = node.module.removeprefix("jaxdist_lessons").lstrip(".")
+            if node.level:  # relative: from . import x, from .x import y
+                base = package.rsplit(".", node.level - 1)[0]
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            if base.split(".")[0] not in PACKAGES:
+                continue
             for alias in node.names:  # a module of the package, or a name in one
-                module = f"{base}.{alias.name}".lstrip(".")
-                exists = (PACKAGE / f"{module.replace('.', '/')}.py").exists()
-                todo.append(module if exists else base)
+                candidate = f"{base}.{alias.name}"
+                exists = (ROOT / f"{candidate.replace('.', '/')}.py").exists()
+                todo.append(candidate if exists else base)
     return sorted(found)
 
 
@@ -86,12 +95,11 @@ def ship(dest: pathlib.Path) -> list[pathlib.Path]:
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(PAGE_FILES, dest)
     (dest / "pyodide").mkdir()
-    (dest / "py" / "jaxdist_lessons").mkdir(parents=True)
     copied = [shutil.copy2(PYODIDE / f, dest / "pyodide") for f in PYODIDE_FILES]
     for m in planner_modules():
-        target = dest / "py" / "jaxdist_lessons" / f"{m}.py"
+        target = dest / "py" / f"{m}.py"
         target.parent.mkdir(parents=True, exist_ok=True)
-        copied.append(shutil.copy2(PACKAGE / f"{m}.py", target))
+        copied.append(shutil.copy2(ROOT / f"{m}.py", target))
     (dest / "py" / "modules.txt").write_text(
         "".join(f"{m}\n" for m in planner_modules())
     )

@@ -1,4 +1,4 @@
-"""Host memory of examples/lm/convert.py: from-hf and to-hf of made-up Llamas in shards.
+"""Host memory of jaxdist_lm/convert.py: from-hf and to-hf of made-up Llamas in shards.
 
 Random Llamas (bfloat16; by default width 1,024, MLP 2,816, a 32,000-token vocabulary,
 untied, at 12 and 24 layers: 201 M and 336 M parameters) are written as Hugging Face
@@ -32,14 +32,15 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONVERT = ROOT / "examples" / "lm" / "convert.py"
+# The converter, run as a module from ROOT: python -m jaxdist_lm.convert
+CONVERT = "jaxdist_lm.convert"
 # Runs convert.py as its own __main__, then prints the process's peak resident memory
 # (ru_maxrss: KiB on Linux), whether it exited or returned.
 MEASURE = """
 import resource, runpy, sys
 sys.argv = sys.argv[1:]
 try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 finally:
     print("MAXRSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
 """
@@ -105,9 +106,10 @@ def peak_memory(argv: list[str]) -> tuple[int, float]:
     """convert.py ``argv`` in a fresh process: its peak resident bytes and seconds."""
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(CONVERT), *argv],
+        [sys.executable, "-c", MEASURE, CONVERT, *argv],
         capture_output=True,
         text=True,
+        cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     seconds = time.perf_counter() - start

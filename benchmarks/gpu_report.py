@@ -10,7 +10,7 @@ been timed yet):
 3. ``python -m jaxdist_lessons.planning``: the planner's best layout for the recipe at
    ``1b`` (bfloat16, sequences of 2,048, 8 a device, 2 micro-batches a step) and its
    predicted step time, MFU and memory;
-4. ``examples/lm/train.py`` with that layout's flags and cuDNN's attention:
+4. ``python -m jaxdist_lm.train`` with that layout's flags and cuDNN's attention:
    ``--compile-only`` (the memory the GPU compiler assigns a device), then 30 steps with
    ``--profile`` (median tokens/s, step time and MFU after the first five; peak memory);
 5. the trace of steps 6 to 8, its time per mesh axis (``profiling.recipe_time_by_axis``).
@@ -157,7 +157,7 @@ def recipe_commands(
 ) -> dict[str, list[str]]:
     """The recipe's compile-only run and its training run (profiled), with ``flags``
     from the planner's row."""
-    train = [python, "examples/lm/train.py", *flags.split()]
+    train = [python, "-m", "jaxdist_lm.train", *flags.split()]
     if small:
         train += ["--num-devices", str(SMALL_DEVICES)]
     else:
@@ -193,10 +193,10 @@ def step_summary(text: str, skip: int = 5) -> dict | None:
 def compiled_memory(text: str) -> dict | None:
     """``--compile-only``'s memory per device, in GB (the recipe's ``read_summary``)."""
     sys.path.insert(0, str(ROOT))
-    from jaxdist_lessons import recipe
+    from jaxdist_lm import compiled as compiled_lib
 
     try:
-        found = recipe.module("compiled").read_summary(text)
+        found = compiled_lib.read_summary(text)
     except ValueError:  # no summary printed
         return None
     return {f"{key}_gb": found[key] for key in ("arguments", "temporaries", "total")}
@@ -308,8 +308,8 @@ def would_run(budget: float) -> str:
         "  python examples/bandwidth.py --json BANDWIDTH.json\n"
         f"  python {plan}\n"
         "    (with the machine's --devices, --chip and 8 sequences a device)\n"
-        "  python examples/lm/train.py FLAGS --attention cudnn --compile-only\n"
-        f"  python examples/lm/train.py FLAGS --attention cudnn --steps {STEPS} "
+        "  python -m jaxdist_lm.train FLAGS --attention cudnn --compile-only\n"
+        f"  python -m jaxdist_lm.train FLAGS --attention cudnn --steps {STEPS} "
         "--profile TRACE\n"
         "  profiling.recipe_time_by_axis(FLAGS, TRACE/process_0)\n"
         "where FLAGS are those of the planner's first layout that fits and that the\n"

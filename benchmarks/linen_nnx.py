@@ -1,7 +1,7 @@
 """Linen or NNX for the LM recipe's layers: one block, compiled and timed in both APIs.
 
 ``jaxdist_lessons/models/nnx_block.py`` writes the recipe's Linen ``Block``
-(``examples/lm/model.py``) in Flax NNX: the same weights under the same paths and logical
+(``jaxdist_lm/model.py``) in Flax NNX: the same weights under the same paths and logical
 names, the recipe's own functions for the arithmetic. This builds both for one preset's
 width and takes the same step with each, the gradient of a squared loss on the block's
 output with respect to its weights, in bfloat16 compute over float32 weights:
@@ -46,14 +46,14 @@ def blocks(preset: str, batch: int, seq_len: int):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist_lessons import recipe
     from jaxdist_lessons.models import nnx_block
+    from jaxdist_lm import model, model_config
 
-    config = recipe.module("model_config").PRESETS[preset]
+    config = model_config.PRESETS[preset]
     x_BTD = jax.random.normal(jax.random.key(0), (batch, seq_len, config.width))
     x_BTD = x_BTD.astype(jnp.bfloat16)
     positions_T = jnp.arange(seq_len)
-    linen = recipe.module("model").Block(config, jnp.bfloat16)
+    linen = model.Block(config, jnp.bfloat16)
     variables = linen.init(jax.random.key(1), x_BTD, positions_T, None)
     block = nnx_block.NNXBlock(config, jnp.bfloat16, rngs=nnx.Rngs(2))
     nnx.update(block, nn.meta.unbox(variables["params"]))
@@ -103,10 +103,10 @@ def compiled(preset: str, batch: int, seq_len: int) -> dict[str, dict]:
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist_lessons import comms, recipe
+    from jaxdist_lessons import comms
     from jaxdist_lessons import compiled as compiled_stats
+    from jaxdist_lm import layout
 
-    layout = recipe.module("layout")
     mesh = jax.make_mesh(
         tuple(MESH.get(a, 1) for a in layout.AXES),
         layout.AXES,

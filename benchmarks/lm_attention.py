@@ -1,6 +1,6 @@
 """Memory per device of the LM recipe's step at long sequences: is attention linear?
 
-Compiles (no arrays allocated) one training step of ``examples/lm/train.py
+Compiles (no arrays allocated) one training step of ``python -m jaxdist_lm.train
 --compile-only`` at the 8b preset on 8 simulated CPU devices with ``--mesh sequence=8``
 (ring attention: each device holds 1/8 of the tokens, and each ring step attends in
 chunked blocks), bf16 compute, one sequence per step, at several sequence lengths, and
@@ -23,7 +23,7 @@ of them (the 8b's shapes otherwise), which is faster on a small CPU.
 
     python benchmarks/lm_attention.py                      # 8b, T = 16384 and 32768
     python benchmarks/lm_attention.py --layers 2 --seq-lens 8192 16384 32768
-    python benchmarks/lm_attention.py --recipe /tmp/old/examples/lm   # another copy
+    python benchmarks/lm_attention.py --recipe /tmp/old/jaxdist_lm   # another copy
 """
 
 from __future__ import annotations
@@ -51,13 +51,22 @@ def compile_one(
     recipe: str, model: str, layers: int | None, seq_len: int, attention: str | None
 ) -> dict:
     """In this process (a fresh one, with 8 CPU devices): compile one step, return the
-    temporaries, the arguments and the seconds the compile took."""
+    temporaries, the arguments and the seconds the compile took. ``recipe`` is the
+    recipe's folder: a package (``jaxdist_lm``, or a copy under another name), imported
+    from the folder above it; or an older copy without ``__init__.py``, whose modules
+    import each other by bare name, imported from the folder itself."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", DEVICES)
-    sys.path.insert(0, recipe)
-    import model_config
-    import train
+    folder = pathlib.Path(recipe).resolve()
+    if (folder / "__init__.py").exists():
+        sys.path.insert(0, str(folder.parent))
+        prefix = f"{folder.name}."
+    else:
+        sys.path.insert(0, str(folder))
+        prefix = ""
+    model_config = importlib.import_module(prefix + "model_config")
+    train = importlib.import_module(prefix + "train")
 
     if layers:
         preset = model_config.PRESETS[model]
@@ -111,7 +120,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the preset's")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--attentions", nargs="+", default=["chunked"])
-    parser.add_argument("--recipe", default=str(ROOT / "examples" / "lm"))
+    parser.add_argument(
+        "--recipe",
+        default=str(ROOT / "jaxdist_lm"),
+        help="the recipe's folder (a copy of jaxdist_lm/, or an older examples/lm/)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -1,7 +1,8 @@
 """Memory per device and collective bytes per step of the LM recipe at 1B, 8B and 70B.
 
-Compiles one training step of ``examples/lm/train.py --compile-only`` (no arrays are allocated)
-for each model (1b, 8b, 70b), device count (8, 64, 256 simulated CPU devices) and strategy:
+Compiles one training step of ``python -m jaxdist_lm.train --compile-only`` (no arrays are
+allocated) for each model (1b, 8b, 70b), device count (8, 64, 256 simulated CPU devices) and
+strategy:
 
 - DP: ``data=N``, every device holds the whole state;
 - FSDP: ``fsdp=N``, the state split N ways, weights gathered per layer;
@@ -27,10 +28,9 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from jaxdist_lessons import recipe  # noqa: E402  (the checkout's package)
+sys.path.insert(0, str(ROOT))  # the checkout's jaxdist_lm, where it is not installed
 
-TRAIN = ROOT / "examples" / "lm" / "train.py"
+TRAIN = "jaxdist_lm.train"  # run as a module from ROOT: python -m jaxdist_lm.train
 SEQ_LEN = 2048
 NODE = 8  # GPUs per node: the tensor axis stays inside one
 
@@ -46,7 +46,9 @@ def mesh_for(strategy: str, devices: int) -> str:
 
 def parse_line(output: str) -> dict:
     """The numbers train.py --compile-only prints (GB, and bytes per collective kind)."""
-    return recipe.module("compiled").read_summary(output)
+    from jaxdist_lm import compiled as compiled_lib
+
+    return compiled_lib.read_summary(output)
 
 
 def compile_row(model: str, devices: int, strategy: str) -> dict:
@@ -54,7 +56,8 @@ def compile_row(model: str, devices: int, strategy: str) -> dict:
     mesh = mesh_for(strategy, devices)
     command = [
         sys.executable,
-        str(TRAIN),
+        "-m",
+        TRAIN,
         "--model",
         model,
         "--mesh",
@@ -73,7 +76,9 @@ def compile_row(model: str, devices: int, strategy: str) -> dict:
         "--attention",
         "xla",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, cwd=ROOT
+    )
     if done.returncode:
         raise RuntimeError(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
     row = {"model": model, "devices": devices, "strategy": strategy, "mesh": mesh}

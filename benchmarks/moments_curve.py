@@ -1,6 +1,6 @@
 """The recipe's loss curve with Adam's moments in float32 and in bfloat16, side by side.
 
-``examples/lm/train.py --moments bfloat16`` keeps Adam's two moments in bfloat16 between
+``jaxdist_lm/train.py --moments bfloat16`` keeps Adam's two moments in bfloat16 between
 steps (4 bytes a weight instead of 8; each update is still computed in float32): what lets
 the 1b model train on one 16 GB TPU v5e (book/data/tpu_report.json). This runs the tiny
 model on the default corpus both ways, the same seed and batches, and writes each step's
@@ -31,12 +31,13 @@ def losses(moments: str, steps: int, log_dir: pathlib.Path) -> list[float]:
     """Each step's training loss, from the run's metrics.jsonl."""
     command = [
         sys.executable,
-        str(ROOT / "examples" / "lm" / "train.py"),
+        "-m",
+        "jaxdist_lm.train",
         *FLAGS,
         *("--steps", str(steps), "--moments", moments, "--log-dir", str(log_dir)),
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, cwd=ROOT)
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").open()]
     return [row["loss"] for row in rows]
 

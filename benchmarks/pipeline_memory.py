@@ -1,6 +1,6 @@
 """The LM recipe's pipeline schedules at 8B on 32 devices, compile-only: memory and bytes.
 
-``examples/lm/train.py --model 8b --mesh pipeline=4,fsdp=8`` at 4096 tokens a sequence, one
+``jaxdist_lm/train.py --model 8b --mesh pipeline=4,fsdp=8`` at 4096 tokens a sequence, one
 sequence per device per micro-batch (so the global batch is 8 M), compiled for GPipe, 1F1B
 and interleaved 1F1B (2 stages per device) at M = 8, 16 and 32 micro-batches on 32
 simulated CPU devices (XLA:CPU, nothing allocated). Writes ``book/data/pipeline_memory.json``

@@ -1,6 +1,6 @@
 """The planner (``jaxdist_lessons.planning``) against the compiler, on 35 (model, devices, layout)s.
 
-For each, ``examples/lm/train.py``'s step is compiled on simulated CPU devices (XLA:CPU, JAX
+For each, ``jaxdist_lm/train.py``'s step is compiled on simulated CPU devices (XLA:CPU, JAX
 0.10.2) and its per-device argument bytes and bytes per collective kind are set beside the
 planner's predictions; the activation estimate beside XLA:CPU's temporaries. The set covers
 DP, FSDP, HSDP, FSDP+TP, ring attention and experts (with a capacity and dropless); GQA (every preset), tied embeddings (1b),
@@ -24,7 +24,8 @@ import platform
 import jax
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import checking, layouts, model_config, ranking
+from jaxdist_lessons.planning import checking, layouts, ranking
+from jaxdist_lm import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_check.json"

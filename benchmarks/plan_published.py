@@ -20,7 +20,8 @@ import math
 import pathlib
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import layouts, model_config, ranking, timing
+from jaxdist_lessons.planning import layouts, ranking, timing
+from jaxdist_lm import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "book" / "data" / "plan_published.json"

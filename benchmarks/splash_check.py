@@ -1,6 +1,6 @@
 """Splash attention against XLA's, at the 125m preset's attention shape: errors and times.
 
-The recipe's three attentions (examples/lm: splash.splash_attention, JAX's Pallas kernel
+The recipe's three attentions (jaxdist_lm: splash.splash_attention, JAX's Pallas kernel
 for TPUs; attention.chunked_attention; XLA's jax.nn.dot_product_attention) on 2 rows of
 2,048 tokens, 12 query heads sharing 4 key/value heads of 64 (``--model 125m``), causal,
 and causal inside documents (EOD about every 400 tokens, as ``--eod-id`` masks them).
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import attention as attention_lib  # noqa: E402
-import splash  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the checkout's jaxdist_lm, where it is not installed
+from jaxdist_lm import attention as attention_lib  # noqa: E402
+from jaxdist_lm import splash  # noqa: E402
 
 B, N, K, A = 2, 12, 4, 64  # the 125m preset: 12 heads of 64, 4 key/value heads
 F32_TOLERANCE = 1e-3

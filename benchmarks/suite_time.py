@@ -145,7 +145,10 @@ def pytest_runtest_logreport(report):
 
 
 def process_kind(record: dict) -> str:
-    """Which part of the suite a process was: pytest's, a chapter's kernel, or a job."""
+    """Which part of the suite a process was: pytest's, a chapter's kernel, or a job.
+    A job is any other process: the recipe (``python -m jaxdist_lm.train``, whose
+    ``argv[0]`` at exit is the module's file, ``.../jaxdist_lm/train.py``), ``mpirun``
+    and ``srun`` jobs, the examples."""
     if any("ipykernel" in arg for arg in record["argv"]):
         return "chapter kernels"
     if record["pytest"]:

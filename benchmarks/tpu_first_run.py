@@ -7,7 +7,7 @@ Each part runs as its own program, one after another (a TPU is held by one progr
 2. the same while another program holds the chip: what the second program is told, and
    whether ``/tmp/libtpu_lockfile`` exists meanwhile and after the holder ends;
 3. ``jax.distributed.initialize()`` with no arguments and no launcher: how it ends;
-4. ``examples/lm/train.py --profile DIR`` at 125m (splash attention, 16 sequences of
+4. ``python -m jaxdist_lm.train --profile DIR`` at 125m (splash attention, 16 sequences of
    2,048 tokens) on the chip: its step lines, and its trace read with
    ``profiling.read_trace`` (the traced steps' span on the chip, the time the chip ran an
    operation of the step within it, the operations that took the most time). On the
@@ -92,9 +92,9 @@ def while_held() -> dict:
 def profiled_step(workdir: pathlib.Path) -> dict:
     """The recipe's 125m run traced, and its trace read back."""
     from jaxdist_lessons import profiling
+    from jaxdist_lm import model_config
 
-    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples" / "lm")]
-    import model_config  # the recipe's
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import tpu_report
 
     vocab = model_config.PRESETS["125m"].vocab_size
@@ -103,10 +103,11 @@ def profiled_step(workdir: pathlib.Path) -> dict:
     trace_dir = workdir / "profile"
     flags = f"{RECIPE} --global-batch 16 --steps 10 --remat dots".split()
     ran = subprocess.run(
-        [sys.executable, str(ROOT / "examples/lm/train.py"), *flags]
+        [sys.executable, "-m", "jaxdist_lm.train", *flags]
         + ["--data", tokens, "--profile", str(trace_dir)],
         capture_output=True,
         text=True,
+        cwd=ROOT,
         timeout=300,
     )
     steps = [line for line in ran.stdout.splitlines() if line.startswith("step ")]

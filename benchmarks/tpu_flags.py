@@ -1,7 +1,7 @@
 """What the XLA TPU flags of the "Running on TPUs" page change in the recipe's compiled step.
 
 libtpu reads its compiler's flags from ``LIBTPU_INIT_ARGS`` when JAX starts it, so each flag
-set gets a process of its own. Each compiles ``examples/lm/train.py``'s step for a TPU slice
+set gets a process of its own. Each compiles ``jaxdist_lm/train.py``'s step for a TPU slice
 that is not here (``--compile-only --topology``; libtpu in a folder of its own, no TPU):
 the 125m model, 2,048 tokens a sequence, one sequence a chip, under ``fsdp=16`` on a v5e 4x4,
 and under ``data=2,fsdp=16`` on two of them for the flags of a data axis across slices. For
@@ -70,9 +70,9 @@ def worker(argv: list[str]) -> None:
     import hashlib
     import re
 
-    from jaxdist_lessons import recipe
+    from jaxdist_lm import compiled as compiled_lib
+    from jaxdist_lm import train
 
-    compiled_lib, train = recipe.module("compiled"), recipe.module("train")
     chips = 16 * (2 if "--slices" in argv else 1)
     run = train.parse_args([*argv, "--global-batch", str(chips), "--compile-only"])
     mesh, _, _, step, shapes, _ = train.setup(run, train.target_devices(run))

@@ -4,7 +4,7 @@ A v5e-256 (one slice of 256 chips, 16 GB each) training the 8b model, and two v5
 slices (2 x 64 chips, 95 GiB each, joined by the data-center network) training the 70b one,
 each under two meshes: the planner's first choice (``python -m jaxdist_lessons.planning
 --chip "TPU v5e"``, with ``--nodes 2`` for the two slices) and one to set beside it. Each row
-is ``examples/lm/train.py``'s step for the flags the planner prints, compiled as
+is ``jaxdist_lm/train.py``'s step for the flags the planner prints, compiled as
 ``--compile-only --num-devices N`` compiles it (one process per device count, JAX started
 once): the memory XLA assigns each device, the bytes of each collective kind per device and
 step (``compiled.collective_bytes``: loops times their trip counts), and the same bytes split
@@ -41,12 +41,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from jaxdist_lessons import hardware  # noqa: E402  (the checkout's package)
-from jaxdist_lessons.planning import (  # noqa: E402
-    checking,
-    layouts,
-    model_config,
-    ranking,
-)
+from jaxdist_lessons.planning import checking, layouts, ranking  # noqa: E402
+from jaxdist_lm import model_config  # noqa: E402  (the recipe's)
 
 OUT = ROOT / "book" / "data" / "tpu_meshes.json"
 COMPILER = "XLA:CPU's compile of simulated devices"
@@ -93,9 +89,10 @@ def worker(devices: int, runs: list[list[str]]) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
-    from jaxdist_lessons import profiling, recipe
+    from jaxdist_lessons import profiling
+    from jaxdist_lm import compiled as compiled_lib
+    from jaxdist_lm import train
 
-    compiled_lib, train = recipe.module("compiled"), recipe.module("train")
     for argv in runs:
         start = time.perf_counter()
         run = train.parse_args([*argv, "--compile-only"])

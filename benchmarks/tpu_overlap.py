@@ -3,7 +3,7 @@
 The planner prices tensor parallelism's activation collectives as waited for and FSDP's
 as hidden behind the compute (``planning.gpu.priced_transfers``). No TPU slice has timed
 them for this book, but the compiled program says what the TPU compiler scheduled. Each
-case compiles ``examples/lm/train.py``'s step for a slice that is not here
+case compiles ``jaxdist_lm/train.py``'s step for a slice that is not here
 (``--compile-only --topology``; libtpu in a folder of its own, no TPU), with XLA's dump
 of the optimised, scheduled program, and reads that text. For every collective it finds
 the mesh axes its replica groups span (``tensor``, ``fsdp``), its bytes (its result's,
@@ -22,7 +22,7 @@ waited for (XLA turns a pair with nothing between into one).
 
     pip install --target .libtpu -r requirements-libtpu.txt
     python benchmarks/tpu_overlap.py --libtpu .libtpu    # 7 compiles, 2 at a time
-    python benchmarks/tpu_overlap.py --libtpu .libtpu --recipe /elsewhere/train.py
+    python benchmarks/tpu_overlap.py --libtpu .libtpu --recipe /elsewhere/jaxdist_lm
 
 Writes ``book/data/tpu_overlap.json``.
 """
@@ -51,11 +51,12 @@ sys.path.insert(1, str(ROOT / "benchmarks"))
 from tpu_flags import OVERLAP, libtpu_meta  # noqa: E402  (MaxText's overlap flags)
 
 from jaxdist_lessons import hlo  # noqa: E402
-from jaxdist_lessons.planning import checking, mesh_spec  # noqa: E402
+from jaxdist_lessons.planning import checking  # noqa: E402
 from jaxdist_lessons.traffic import KINDS, Transfer, sent_bytes  # noqa: E402
+from jaxdist_lm import mesh_spec  # noqa: E402  (the recipe's)
 
 OUT = ROOT / "book" / "data" / "tpu_overlap.json"
-RECIPE = ROOT / "examples" / "lm" / "train.py"
+RECIPE = ROOT / "jaxdist_lm"
 RUN = "--seq-len 2048 --dtype bfloat16 --global-batch 16"
 # MaxText's v5p configs add three flags to the overlap flags
 # (https://github.com/AI-Hypercomputer/maxtext/blob/main/MaxText/configs/v5p/128b.sh,
@@ -308,6 +309,18 @@ def by_axis(found: list[Scheduled]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
+def recipe_command(recipe: str) -> tuple[list[str], pathlib.Path]:
+    """How to run the recipe at ``recipe`` (its folder, or its train.py): the command
+    and the folder to run it from. A package (``jaxdist_lm``, or a copy under any name)
+    runs as a module from the folder above it; an older copy without ``__init__.py``,
+    whose modules import each other by bare name, runs its train.py."""
+    path = pathlib.Path(recipe).resolve()
+    folder = path.parent if path.suffix == ".py" else path
+    if (folder / "__init__.py").exists():
+        return [sys.executable, "-m", f"{folder.name}.train"], folder.parent
+    return [sys.executable, str(folder / "train.py")], ROOT
+
+
 def compile_case(
     recipe: str, libtpu: str, model: str, topology: str, mesh: str, flags: list[str]
 ) -> tuple[str, float]:
@@ -323,13 +336,10 @@ def compile_case(
         )
         argv = [*RUN.split(), "--model", model, "--compile-only"]
         argv += ["--mesh", mesh, "--topology", topology]
+        command, cwd = recipe_command(recipe)
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, recipe, *argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
+            [*command, *argv], capture_output=True, text=True, env=env, cwd=cwd
         )
         seconds = time.perf_counter() - start
         if done.returncode:
@@ -341,7 +351,11 @@ def compile_case(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--libtpu", metavar="DIR", help="a folder holding libtpu")
-    parser.add_argument("--recipe", default=str(RECIPE), help="the train.py to compile")
+    parser.add_argument(
+        "--recipe",
+        default=str(RECIPE),
+        help="the recipe's folder to compile (a copy of jaxdist_lm/, or its train.py)",
+    )
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument(
         "--jobs", type=int, default=2, help="compiles at once (each uses one core)"

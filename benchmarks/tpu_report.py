@@ -5,10 +5,10 @@ at a time, and opening it costs about 15 s), within ``--budget`` seconds (540 by
 default: one call of the borrowed machine is 600):
 
 1. the chip's bfloat16 matrix product at 2,048 to 8,192 (TFLOP/s, and the share of the
-   chip's peak in ``examples/lm/metrics.py``);
+   chip's peak in ``jaxdist_lm/metrics.py``);
 2. copies between host and device memory, 1 GiB each way: plain host memory and pinned
    host memory (what ``--offload optimizer`` uses);
-3. ``examples/lm/train.py`` on ``--mesh data=1`` at 125m and 1b, sequences of 2,048 and
+3. ``jaxdist_lm/train.py`` on ``--mesh data=1`` at 125m and 1b, sequences of 2,048 and
    8,192, with each attention (``RUNS``): the median tokens/s, step time and MFU after
    the first ``SKIP`` steps, and the peak memory the recipe prints (a compiled step's
    count where ``memory_stats()`` leaves the program out), beside the planner's
@@ -40,7 +40,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
+sys.path.insert(0, str(ROOT))  # the checkout's jaxdist_lm, where it is not installed
 BUDGET = 540  # seconds, the whole report
 SKIP = 3  # steps left out of the medians: compilation, then warm-up
 STEPS = 12
@@ -233,7 +233,8 @@ def captured(argv: list[str]) -> tuple[str, str]:
     import gc
 
     import jax
-    import train
+
+    from jaxdist_lm import train
 
     out = Tee()
     try:
@@ -272,7 +273,7 @@ def run_recipe(run: dict, workdir: pathlib.Path, found: dict) -> dict:
     """One run of train.py in this process; its numbers, or the line that stopped it.
     A global batch of 0: the largest that fits (largest_batch, asked once a model and
     sequence length and kept in ``found``), less a tenth."""
-    import model_config
+    from jaxdist_lm import model_config
 
     cache, fits, shape = str(workdir / "jax_cache"), {}, (run["model"], run["seq_len"])
     if not run["global_batch"]:

@@ -4,7 +4,7 @@
 The planner's compute efficiency per chip (``planning.timing.COMPUTE_EFFICIENCY``) is
 fitted to published runs of models 4,096 to 20,480 wide. A narrower model multiplies
 narrower matrices, which keep a chip's matrix units less busy. This measures by how much on
-the chip at hand: ``examples/lm/train.py`` on ``--mesh data=1``, two layers of each width
+the chip at hand: ``jaxdist_lm/train.py`` on ``--mesh data=1``, two layers of each width
 (heads of 128, a SwiGLU MLP of 8/3 the width, a 32,768-token vocabulary), sequences of
 2,048, four a step, full remat, bfloat16 moments; the median of the steps after the first
 three. HFU is the recipe's MFU with the forward that full remat runs again: the blocks',
@@ -29,7 +29,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
+sys.path.insert(0, str(ROOT))  # the checkout's jaxdist_lm, where it is not installed
 sys.path.insert(0, str(ROOT / "benchmarks"))
 WIDTHS = (512, 1024, 2048, 4096)
 LAYERS, HEAD, VOCAB, SEQ_LEN, BATCH, STEPS = 2, 128, 32_768, 2048, 4, 12
@@ -37,7 +37,7 @@ LAYERS, HEAD, VOCAB, SEQ_LEN, BATCH, STEPS = 2, 128, 32_768, 2048, 4, 12
 
 def config(width: int):
     """The recipe's ``ModelConfig`` for two layers of ``width``."""
-    import model_config
+    from jaxdist_lm import model_config
 
     heads = width // HEAD
     mlp = round(8 * width / 3 / 128) * 128
@@ -46,7 +46,7 @@ def config(width: int):
 
 def shape(width: int) -> dict:
     """A Hugging Face config.json for two layers of ``width`` (``config_to_hf``'s keys)."""
-    import model_config
+    from jaxdist_lm import model_config
 
     return model_config.config_to_hf(config(width))
 
@@ -55,7 +55,7 @@ def remat_factor(width: int) -> float:
     """Hardware over model flops under --remat full: the blocks' forward (a third of
     their flops) runs again; the output projection (6 x vocabulary x width a token, no
     remat around it) does not."""
-    import model_config
+    from jaxdist_lm import model_config
 
     total = model_config.flops_per_token(config(width), SEQ_LEN)
     blocks = total - 6 * VOCAB * width

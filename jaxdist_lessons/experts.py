@@ -4,7 +4,7 @@ Shape suffixes: see jaxdist_lessons.models.
 
 - ``route`` picks each token's top-k experts and a slot in each, dropping what is beyond capacity
   (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021); the slots are the
-  recipe's ``expert_slots`` (``examples/lm/experts.py``), one group of tokens at a time;
+  recipe's ``expert_slots`` (``jaxdist_lm/experts.py``), one group of tokens at a time;
 - ``moe_einsum`` dispatches and combines with one-hot tensors on one device (or under ``jit``'s
   own partitioning); ``moe_all_to_all`` does it with ``jax.lax.all_to_all`` in ``jax.shard_map``
   over an ``expert`` mesh axis, each device holding E/n experts;
@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from jaxdist_lessons import recipe
 
 
 class Routing(NamedTuple):
@@ -79,8 +77,9 @@ def route(logits_TE: jax.Array, top_k: int, capacity: int) -> Routing:
     num_tokens, num_experts = logits_TE.shape
     gates_TR, experts_TR = top_k_gates(logits_TE, top_k)
     choice_RTE = jax.nn.one_hot(experts_TR.T, num_experts)
-    # The recipe's slots (examples/lm/experts.py): first come, first served, per expert.
-    slots = recipe.module("experts").expert_slots
+    # The recipe's slots (jaxdist_lm/experts.py): first come, first served, per expert.
+    from jaxdist_lm.experts import expert_slots as slots
+
     dispatch_TEM, combine_TEM, kept_RT = slots(choice_RTE, gates_TR, capacity)
     return Routing(
         dispatch_TEM=dispatch_TEM,

@@ -4,7 +4,7 @@
 each ended. One case, run once per process: ``mpirun -np 2 python -m jaxdist_lessons.hang_lab CASE``:
 four steps of an all-reduce over every process's devices, with JAX's timeouts set short (so a
 case ends in seconds, not minutes) and, with ``--watchdog S``, a step deadline of S seconds
-(the recipe's ``StepDeadline``, ``examples/lm/resilience.py``). Process 1 goes wrong before step 2, as CASE says:
+(the recipe's ``StepDeadline``, ``jaxdist_lm/resilience.py``). Process 1 goes wrong before step 2, as CASE says:
 
 - ``sleep``: it sleeps (alive: its heartbeat goes on);
 - ``stop``: it stops itself with SIGSTOP (every thread stops, the heartbeat too);
@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import multihost, recipe
+from jaxdist_lessons import multihost
 
 CASES = ("sleep", "stop", "order", "shape", "unreachable", "partial")
 # The lab's arguments per case: the live stuck process needs the watchdog; JAX's own timeouts end the rest.
@@ -222,7 +222,8 @@ def main() -> None:
     mesh = jax.make_mesh(
         (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
     )
-    deadline = recipe.module("resilience").StepDeadline
+    from jaxdist_lm.resilience import StepDeadline as deadline
+
     dog = deadline(args.watchdog).start() if args.watchdog else None
     for k in range(4):
         # between steps: say, reading the next batch

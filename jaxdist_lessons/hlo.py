@@ -19,12 +19,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lm.hlo_dtypes import BYTES
 
 # Bytes per element, by HLO's name for the type (``pred`` is a bool): the LM recipe's
-# table (examples/lm/hlo_dtypes.py), one home for both.
-DTYPE_BYTES: dict[str, int] = recipe.module("hlo_dtypes").BYTES
+# table (jaxdist_lm/hlo_dtypes.py), one home for both.
+DTYPE_BYTES: dict[str, int] = BYTES
 
 # Other spellings of the same types, as prefixes: numpy's (float32, bfloat16, int8, complex64),
 # JAX's short ones (i32, f8_e4m3fn) and the prose's (fp32, fp16).

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxdist_lessons._checks import positive_int
 
-# The book's one axis order, the recipe's (examples/lm/mesh_spec.py's AXES): tests/test_mesh.py
+# The book's one axis order, the recipe's (jaxdist_lm/mesh_spec.py's AXES): tests/test_mesh.py
 # holds the two equal.
 AXIS_NAMES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import comms, data, devices, hlo, multihost, recipe, train
+from jaxdist_lessons import comms, data, devices, hlo, multihost, train
 from jaxdist_lessons.models.small import SmallCNN
 
 MODEL = SmallCNN(channels=8)
@@ -154,10 +154,11 @@ def _fail(how: str, epoch: int) -> None:
 
 
 def preemption_notice() -> Any:
-    """The recipe's ``Preemption`` (examples/lm/resilience.py): notes SIGTERM (``scancel``,
+    """The recipe's ``Preemption`` (jaxdist_lm/resilience.py): notes SIGTERM (``scancel``,
     Kubernetes) and SIGUSR1 (SLURM's ``--signal=USR1@60``); each step every process votes,
     so all stop at the same step, whichever got the signal."""
-    layout, resilience = recipe.module("layout"), recipe.module("resilience")
+    from jaxdist_lm import layout, resilience
+
     return resilience.Preemption(layout.make_mesh("data=-1"))
 
 

@@ -19,7 +19,7 @@ next one as soon as its input is ready (a forward needs the previous stage's for
 the next stage's backward). ``gpipe_loss`` runs GPipe as a ``shard_map`` program (``jax.grad``
 writes its backward). ``one_f_one_b_grads`` and ``interleaved_grads`` run 1F1B and interleaved
 1F1B, the backward written per stage with ``jax.vjp``, by the LM recipe's own
-``pipeline.scheduled`` (``examples/lm/pipeline.py``), on a model given as layers and a loss.
+``pipeline.scheduled`` (``jaxdist_lm/pipeline.py``), on a model given as layers and a loss.
 """
 
 from __future__ import annotations
@@ -32,23 +32,21 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
 
 # JAX-free (bubble.py, for the planner page), re-exported here
 from jaxdist_lessons.bubble import bubble_fraction as bubble_fraction
 
-# The schedule tables are the LM recipe's: schedules.py is a link to
-# examples/lm/schedules.py (a wheel holds a copy of the file), so the recipe and the book
-# run one copy of them.
-from jaxdist_lessons.schedules import Op as Op
-from jaxdist_lessons.schedules import Timetable as Timetable
-from jaxdist_lessons.schedules import gpipe_schedule as gpipe_schedule
-from jaxdist_lessons.schedules import idle_fraction as idle_fraction
-from jaxdist_lessons.schedules import in_flight as in_flight
-from jaxdist_lessons.schedules import interleaved_schedule as interleaved_schedule
-from jaxdist_lessons.schedules import one_f_one_b_schedule as one_f_one_b_schedule
-from jaxdist_lessons.schedules import slot_tables as slot_tables
+# The schedule tables are the LM recipe's (jaxdist_lm/schedules.py): the recipe and the
+# book run one copy of them.
+from jaxdist_lm.schedules import Op as Op
+from jaxdist_lm.schedules import Timetable as Timetable
+from jaxdist_lm.schedules import gpipe_schedule as gpipe_schedule
+from jaxdist_lm.schedules import idle_fraction as idle_fraction
+from jaxdist_lm.schedules import in_flight as in_flight
+from jaxdist_lm.schedules import interleaved_schedule as interleaved_schedule
+from jaxdist_lm.schedules import one_f_one_b_schedule as one_f_one_b_schedule
+from jaxdist_lm.schedules import slot_tables as slot_tables
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -176,7 +174,9 @@ def _scheduled(
     def last(rest: Any, out: jax.Array, y: jax.Array) -> jax.Array:
         return loss_fn(out, y)
 
-    loss, _, grads, _, _ = recipe.module("pipeline").scheduled(
+    from jaxdist_lm.pipeline import scheduled
+
+    loss, _, grads, _, _ = scheduled(
         stage, last, chunks, {}, _micro(x, M), _micro(y, M), table, mesh
     )
     return loss, grads

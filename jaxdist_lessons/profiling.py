@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist_lessons import comms, hlo, recipe
+from jaxdist_lessons import comms, hlo
 from jaxdist_lessons._checks import positive_int
 
 
@@ -209,12 +209,13 @@ def collective_bytes_by_axis(
 ) -> dict[str, dict[str, int]]:
     """Bytes per device and step of each collective kind, by the mesh axes its groups span
     (``{'fsdp': {'all-gather': ...}, 'data+fsdp': {'all-reduce': ...}}``): the recipe's
-    count (``examples/lm/compiled.py``'s ``collective_bytes``, loops times their trip
+    count (``jaxdist_lm/compiled.py``'s ``collective_bytes``, loops times their trip
     counts) of the program with only the collectives on those axes left in it. Across
     TPU slices, the sends to the Megascale runtime ("dcn-all-reduce"), which name no
     groups: under the mesh axes along which the slice changes."""
     axes = collective_axes(hlo_text, mesh)
-    count = recipe.module("compiled").collective_bytes
+    from jaxdist_lm.compiled import collective_bytes as count
+
     out = {}
     for spanned in sorted({axis for _, axis in axes.values()}):
         elsewhere = {name for name, (_, axis) in axes.items() if axis != spanned}
@@ -288,10 +289,11 @@ def time_by_axis(
 
 
 def recipe_program(flags: Sequence[str]) -> tuple[str, jax.sharding.Mesh]:
-    """The compiled text of ``examples/lm/train.py``'s step for ``flags`` (what
+    """The compiled text of ``jaxdist_lm/train.py``'s step for ``flags`` (what
     ``--compile-only`` compiles, on this process's devices) and its mesh: the program a
     ``--profile`` trace of the same flags ran."""
-    compiled, train = recipe.module("compiled"), recipe.module("train")
+    from jaxdist_lm import compiled, train
+
     run = train.parse_args([*flags, "--compile-only"])
     with contextlib.redirect_stdout(io.StringIO()):  # setup's once-only notes
         mesh, _, _, step, shapes, _ = train.setup(run)

@@ -31,14 +31,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import recipe
 from jaxdist_lessons._checks import positive_int
+from jaxdist_lm.attention import MASKED as MASKED
+from jaxdist_lm.layout import zigzag as zigzag
 
-# The token order of ring attention, the recipe's own (examples/lm/layout.py).
-zigzag = recipe.module("layout").zigzag
-
-# finite, so that a row with nothing unmasked yet gives no NaN: the recipe's value
-MASKED = recipe.module("attention").MASKED
+# The recipe's own: ring attention's token order (zigzag), and MASKED, a finite score so
+# that a row with nothing unmasked yet gives no NaN.
 
 
 def _positions(local_len: int, axis_name: str, device=None) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Compile examples/lm/train.py's step for several meshes in one process; print JSON.
+"""Compile jaxdist_lm/train.py's step for several meshes in one process; print JSON.
 
     python tests/lm_compile_driver.py DEVICES MODEL SEQ_LEN GLOBAL_BATCH CACHE_DIR MESH [MESH ...]
 
@@ -16,18 +16,17 @@ and its Pallas kernels (the TPU compiler's tpu_custom_call: Mosaic's, not interp
 import contextlib
 import io
 import json
-import pathlib
 import sys
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
-
-import compiled  # noqa: E402
-import train  # noqa: E402
 
 from jaxdist_lessons import profiling  # noqa: E402
+from jaxdist_lm import (  # noqa: E402
+    compiled,
+    train,
+)
 
 
 def main():

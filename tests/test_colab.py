@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import zipfile
 
 import pytest
 
@@ -183,14 +184,22 @@ def test_on_simulated_colab_the_cell_installs_the_uploaded_wheel_and_keeps_jax(
     assert proc.returncode == 0, proc.stderr
     after = python_in(python, SHOW_JAX + AFTER_INSTALL, content)
     assert after.returncode == 0, after.stderr
-    jax_after, installed, width, zigzag = after.stdout.splitlines()
-    # the wheel, not the editable copy
+    jax_after, installed, recipe, planner, zigzag = after.stdout.splitlines()
+    # the wheel, not the editable copy: both of its packages
     assert str(python.parent.parent) in installed
+    assert str(python.parent.parent) in recipe
     assert jax_after == jax_before
-    # The planner's model_config.py is a link to the recipe's file: the wheel holds the file.
-    assert width == "4096"
-    # The recipe's modules ship in the wheel too (jaxdist_lessons/lm links examples/lm).
+    # The planner imports the recipe's model_config.py: the wheel's, the one file.
+    assert planner == "True 4096"
+    # The recipe's modules ship in the wheel, a top-level package beside jaxdist_lessons.
     assert zigzag == "[0, 1, 6, 7, 2, 3, 4, 5]"
+    [wheel] = content.glob("jaxdist_lessons-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    recipe_files = {f"jaxdist_lm/{p.name}" for p in (ROOT / "jaxdist_lm").glob("*.py")}
+    assert "jaxdist_lm/train.py" in recipe_files
+    assert recipe_files <= names, sorted(recipe_files - names)
+    assert not any(n.startswith("jaxdist_lessons/lm/") for n in names)
 
 
 SHOW_JAX = "import jax; print(jax.__file__, jax.__version__)\n"
@@ -200,10 +209,11 @@ TRY_PACKAGE = (
 )
 AFTER_INSTALL = (
     "import jaxdist_lessons; print(jaxdist_lessons.__file__)\n"
-    "from jaxdist_lessons.planning import model_config as m; "
-    "print(m.PRESETS['8b'].width)\n"
-    "from jaxdist_lessons import recipe; "
-    "print(recipe.module('layout').zigzag(8, 2).tolist())\n"
+    "import jaxdist_lm; print(jaxdist_lm.__file__)\n"
+    "from jaxdist_lessons.planning import layouts; "
+    "from jaxdist_lm import model_config as m; "
+    "print(layouts.ModelConfig is m.ModelConfig, m.PRESETS['8b'].width)\n"
+    "from jaxdist_lm import layout; print(layout.zigzag(8, 2).tolist())\n"
 )
 
 

@@ -209,13 +209,13 @@ def test_recipe_runs_unchanged_under_mpirun_with_the_same_losses(
 
 # --- join_processes: every example joins only when a launcher started several ------------------
 
-SCRIPTS = [
-    "bandwidth.py",
-    "smoke.py",
-    "train.py",
-    "resumable.py",
-    "recipe.py",
-    "lm/train.py",
+SCRIPTS = [  # from the repository's root
+    "examples/bandwidth.py",
+    "examples/smoke.py",
+    "examples/train.py",
+    "examples/resumable.py",
+    "examples/recipe.py",
+    "jaxdist_lm/train.py",
 ]
 # JAX's Open MPI 4 detection (OmpiCluster) takes this variable alone, and raises on its missing
 # address: a script that called jax.distributed.initialize() here would fail at once.
@@ -250,7 +250,7 @@ VARIABLES = {name for variables, _ in LAUNCHERS.values() for name in variables}
 def join_processes_of(script: str) -> tuple:
     """``script``'s join_processes, its source, and the calls it makes to a stand-in for
     jax.distributed.initialize."""
-    path = EXAMPLES / script
+    path = ROOT / script
     source = path.read_text()
     [node] = [
         n
@@ -284,11 +284,12 @@ def test_each_example_joins_only_when_a_launcher_started_several(
 
 def test_the_examples_share_one_join_rule_and_call_initialize_nowhere_else():
     """The same function, word for word, in every script; no other call of initialize in
-    examples/; and every variable it reads is one the installed JAX's detection reads."""
+    examples/ or the LM recipe (jaxdist_lm/); and every variable it reads is one the
+    installed JAX's detection reads."""
     first = join_processes_of(SCRIPTS[0])[1]
     for script in SCRIPTS[1:]:
         assert join_processes_of(script)[1] == first, script
-    for path in EXAMPLES.rglob("*.py"):
+    for path in [*EXAMPLES.rglob("*.py"), *(ROOT / "jaxdist_lm").glob("*.py")]:
         tree = ast.parse(path.read_text())
         inside = {
             id(n)

@@ -11,7 +11,6 @@ import json
 import math
 import pathlib
 import re
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -116,8 +115,7 @@ def _ch09():
 
 
 def _ch10():
-    sys.path.insert(0, str(ROOT / "examples" / "lm"))
-    import model_config as lm_config
+    from jaxdist_lm import model_config as lm_config
 
     scale = json.loads((ROOT / "book" / "data" / "lm_scale.json").read_text())
     return {"rows": scale["rows"], "lm_config": lm_config}

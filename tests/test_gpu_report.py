@@ -102,8 +102,7 @@ def test_the_commands_run_the_planners_flags_with_cudnn_and_a_profile(tmp_path):
     flags = "--model 1b --mesh fsdp=8 --seq-len 2048 --global-batch 64"
     gpu = gpu_report.recipe_commands("python", flags, False, tmp_path / "t")
     assert gpu["compile-only"] == [
-        "python",
-        "examples/lm/train.py",
+        *("python", "-m", "jaxdist_lm.train"),
         *flags.split(),
         "--attention",
         "cudnn",
@@ -127,7 +126,7 @@ def test_the_report_compares_and_shows_what_it_measured():
         },
         "parts": {
             "train": {
-                "command": "examples/lm/train.py",
+                "command": "-m jaxdist_lm.train",
                 "passed": True,
                 "seconds": 61.0,
             }
@@ -157,7 +156,7 @@ def test_the_report_compares_and_shows_what_it_measured():
     assert "| 1 x NVIDIA H200" not in text  # the heading is a heading
     assert text.startswith("# 1 x NVIDIA H200 (gpu), jax 0.10.2, 2026-12-03 20:00 UTC")
     for row in (
-        "| train | yes | 61 | `examples/lm/train.py` |",
+        "| train | yes | 61 | `-m jaxdist_lm.train` |",
         "| host-to-device | 1,073,741,824 | 52.5 |",
         "| step time (ms) | 443 | 455 |",
         "| MFU | 30.8% | 29.9% |",
@@ -174,7 +173,7 @@ def test_without_an_accelerator_it_says_what_it_would_run(capsys, tmp_path):
     assert gpu_report.main(["--out", str(tmp_path)]) is None
     said = capsys.readouterr().out
     assert said.startswith("No accelerator here (") and "nothing measured" in said
-    assert "python examples/lm/train.py FLAGS --attention cudnn --steps 30" in said
+    assert "python -m jaxdist_lm.train FLAGS --attention cudnn --steps 30" in said
     assert not list(tmp_path.iterdir())  # nothing written
 
 

@@ -1,4 +1,4 @@
-"""examples/lm/attention.py's attentions: chunked blocks, ring attention on them, cuDNN's placement.
+"""jaxdist_lm/attention.py's attentions: chunked blocks, ring attention on them, cuDNN's placement.
 
 Float32 on the 8 simulated CPU devices of conftest.py. The reference is XLA's
 jax.nn.dot_product_attention (the T x S scores, softmax, a matmul). cuDNN's kernel needs an
@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import pathlib
 import re
-import sys
 
 import flax.linen as nn
 import jax
@@ -20,13 +19,15 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jaxdist_lm import attention as attention_lib
+from jaxdist_lm import (
+    layout,
+    model_config,
+    train,
+)
+from jaxdist_lm import model as model_lib
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import attention as attention_lib  # noqa: E402
-import layout  # noqa: E402
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
 
 B, T, N, K, A = 2, 64, 4, 2, 16
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}

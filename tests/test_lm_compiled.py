@@ -1,4 +1,4 @@
-"""examples/lm/compiled.py: the bytes a compiled step sends, read from programs in the forms
+"""jaxdist_lm/compiled.py: the bytes a compiled step sends, read from programs in the forms
 XLA:CPU and the TPU compiler write them, and train.py --topology, which compiles the step
 for TPU slices that are not here (libtpu, requirements-libtpu.txt; no TPU)."""
 
@@ -12,14 +12,14 @@ import sys
 import jax
 import pytest
 
+from jaxdist_lm import compiled as lm_compiled
+from jaxdist_lm import train
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # libtpu takes its lock file (/tmp/libtpu_lockfile) even to compile with no TPU, so a
 # second libtpu process (a benchmark, another test run) would stop these tests; this
 # variable lets it load beside another (jax-ml/jax#13043). Under pytest-xdist the
 # tests that use libtpu share one worker (tests/conftest.py).
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import compiled as lm_compiled  # noqa: E402
-import train  # noqa: E402
 
 # A loop in the TPU compiler's form, trimmed from tests/lm_compile_driver.py's program for
 # 2 x v5e:2x2: no known_trip_count in the loop's backend_config; the condition compares
@@ -175,7 +175,7 @@ def test_a_step_too_big_for_the_slice_stops_as_it_would_on_the_slice(libtpu):
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     flags = "--model 8b --mesh fsdp=4 --seq-len 2048 --global-batch 4 --dtype bfloat16"
     done = subprocess.run(
-        [sys.executable, "examples/lm/train.py", *flags.split()]
+        [sys.executable, "-m", "jaxdist_lm.train", *flags.split()]
         + ["--compile-only", "--topology", "v5e:2x2"],
         cwd=ROOT,
         env=env,

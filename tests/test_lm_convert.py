@@ -1,4 +1,4 @@
-"""examples/lm/convert.py against transformers' Llama, the reference implementation.
+"""jaxdist_lm/convert.py against transformers' Llama, the reference implementation.
 
 A small random LlamaForCausalLM (PyTorch, CPU, float32) is saved as safetensors,
 converted to the recipe's checkpoint and back: the recipe's logits equal transformers'
@@ -14,7 +14,6 @@ import io
 import json
 import pathlib
 import shutil
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -32,13 +31,16 @@ parity = pytest.mark.skipif(
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import convert  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
+
+from jaxdist_lm import (  # noqa: E402
+    convert,
+    model_config,
+    train,
+)
+from jaxdist_lm import hf_tensors as hf_lib  # noqa: E402
+from jaxdist_lm import model as model_lib  # noqa: E402
 
 # Llama 3.1's rope_scaling (meta-llama/Llama-3.1-8B, config.json); with head_dim 16 and
 # theta 500,000 its 8 frequencies fall in all three bands (kept, blended, divided).
@@ -302,7 +304,7 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path, monkeypatch):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
     convert.main(["from-hf", str(single), str(tmp_path / "from_single")])
-    monkeypatch.setattr(convert, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(hf_lib, "BLOCK_BYTES", 4096)
     # Every read of the shards, to check that none holds more than a block: 4 KiB, or
     # one layer's tensor where that is larger, never a whole stacked leaf or table.
     reads, read_rows = [], convert.read_rows
@@ -312,7 +314,7 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path, monkeypatch):
     convert.main(["from-hf", str(sharded), str(tmp_path / "from_shards")])
     tensors = {
         n: np.prod(s) * 4
-        for n, s in convert.file_shapes(convert.tensor_files(sharded)).items()
+        for n, s in hf_lib.file_shapes(hf_lib.tensor_files(sharded)).items()
     }
     layer_tensor = max(b for n, b in tensors.items() if ".layers." in n)
     assert max(r.nbytes for r in reads) <= max(4096, layer_tensor)
@@ -356,7 +358,7 @@ def test_sharded_bfloat16_checkpoint_round_trip(tmp_path, monkeypatch):
 
 def test_command_line_needs_requirements_txt_alone(capsys):
     """convert.py's imports (this module's, at collection) and its parser: what
-    `python examples/lm/convert.py --help` runs, without torch or transformers."""
+    `python -m jaxdist_lm.convert --help` runs, without torch or transformers."""
     with pytest.raises(SystemExit) as stop:
         convert.parse_args(["to-hf", "--help"])
     assert stop.value.code == 0

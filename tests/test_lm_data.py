@@ -1,4 +1,4 @@
-"""examples/lm/data.py on small synthetic token files: read in place, checked against the
+"""jaxdist_lm/data.py on small synthetic token files: read in place, checked against the
 vocabulary, mixed, held out for evaluation, split into each process's rows, resumed."""
 
 import os
@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import data  # noqa: E402
-from run_config import RunConfig  # noqa: E402
+from jaxdist_lm import data  # noqa: E402
+from jaxdist_lm.run_config import RunConfig  # noqa: E402
 
 SEQ_LEN = 8  # records of 9 ids
 
@@ -232,7 +231,7 @@ def test_model_config_must_be_a_readable_file(tmp_path):
 
 def test_a_model_config_that_is_not_a_llama_config_json_stops_in_one_line(tmp_path):
     """config_from_hf: broken JSON, a list, a config without the model's sizes."""
-    import model_config
+    from jaxdist_lm import model_config
 
     path = tmp_path / "config.json"
     cases = {
@@ -276,14 +275,15 @@ def test_train_py_refuses_missing_data_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JAXDIST"))}
     command = [
         sys.executable,
-        str(ROOT / "examples" / "lm" / "train.py"),
+        "-m",
+        "jaxdist_lm.train",
         "--data",
         str(tmp_path / "missing.npy"),
         "--compilation-cache",
         str(tmp_path / "cache"),
     ]
     result = subprocess.run(
-        command, capture_output=True, text=True, env=env, timeout=120
+        command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert (

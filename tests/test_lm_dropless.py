@@ -1,11 +1,10 @@
-"""examples/lm/dropless.py: dropless experts (grouped matrix products, nothing dropped)
+"""jaxdist_lm/dropless.py: dropless experts (grouped matrix products, nothing dropped)
 equal a dense loop over the experts, on one device and split over an 'expert' axis; in
 the recipe, --dispatch dropless gives the same steps on any mesh, and the same steps as
 a capacity large enough to drop nothing."""
 
 import functools
 import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -14,13 +13,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from test_lm_recipe import COMMON, small_batches, small_experts, steps_on
+
+from jaxdist_lm import compiled as lm_compiled
+from jaxdist_lm import (
+    dropless,
+    train,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import compiled as lm_compiled  # noqa: E402
-import dropless  # noqa: E402
-import train  # noqa: E402
-from test_lm_recipe import COMMON, small_batches, small_experts, steps_on  # noqa: E402
 
 E, R, D, F = 8, 2, 16, 24  # experts, choices a token, width, MLP width
 

@@ -1,25 +1,26 @@
-"""examples/lm/experts.py: DeepSeek-V3's auxiliary-loss-free balance (a routing
+"""jaxdist_lm/experts.py: DeepSeek-V3's auxiliary-loss-free balance (a routing
 bias moved by sign descent) and DeepSeekMoE's shared experts, alone and in the recipe."""
 
 import dataclasses
 import pathlib
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_lm_recipe import small_batches, small_experts, steps_on
+
+from jaxdist_lm import experts as experts_lib
+from jaxdist_lm import (
+    layers,
+    model_config,
+    train,
+)
+from jaxdist_lm import optimizer as optimizer_lib
+from jaxdist_lm.run_config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import experts as experts_lib  # noqa: E402
-import layers  # noqa: E402
-import model_config  # noqa: E402
-import optimizer as optimizer_lib  # noqa: E402
-import train  # noqa: E402
-from run_config import RunConfig  # noqa: E402
-from test_lm_recipe import small_batches, small_experts, steps_on  # noqa: E402
 
 E, R = 8, 2
 CONFIG = dataclasses.replace(

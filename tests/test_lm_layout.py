@@ -1,16 +1,17 @@
-"""examples/lm/layout.py: the recipe's mesh over TPUs of several slices (multislice)."""
+"""jaxdist_lm/layout.py: the recipe's mesh over TPUs of several slices (multislice)."""
 
 import pathlib
-import sys
 import types
 
 import numpy as np
 import pytest
 
+from jaxdist_lm import (
+    layout,
+    mesh_spec,
+)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import layout  # noqa: E402
-import mesh_spec  # noqa: E402
 
 
 def chips(slices: int, per_slice: int) -> list:

@@ -1,4 +1,4 @@
-"""examples/lm's memory: the loss that never holds all the logits (model.fused_cross_entropy,
+"""jaxdist_lm's memory: the loss that never holds all the logits (model.fused_cross_entropy,
 step.head_loss), the evaluation step in micro-batches, out of memory in one line and the
 largest batch that fits (compiled.py), and a peak that counts the compiled steps (metrics.py).
 
@@ -7,7 +7,6 @@ XLA:TPU's, as a TPU v5e printed it (XLA:CPU never refuses a program for its size
 """
 
 import pathlib
-import sys
 from types import SimpleNamespace
 
 import flax.linen as nn
@@ -16,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdist_lm import (
+    compiled,
+    metrics,
+    train,
+)
+from jaxdist_lm import model as model_lib
+from jaxdist_lm.run_config import RunConfig
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import compiled  # noqa: E402
-import metrics  # noqa: E402
-import model as model_lib  # noqa: E402
-import train  # noqa: E402
-from run_config import RunConfig  # noqa: E402
 
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
 # XLA:TPU's words for a program larger than the chip (the format of jax 0.10.2's libtpu)

@@ -1,15 +1,12 @@
-"""examples/lm/mesh_spec.py: --mesh read the same way by the recipe and the planner."""
+"""jaxdist_lm/mesh_spec.py: --mesh read the same way by the recipe and the planner."""
 
 import pathlib
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import mesh_spec  # noqa: E402
-
 from jaxdist_lessons.planning import layouts  # noqa: E402
+from jaxdist_lm import mesh_spec  # noqa: E402
 
 
 def test_a_spec_gives_every_axis_a_size_and_minus_one_takes_the_rest():

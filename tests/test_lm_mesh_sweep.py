@@ -27,15 +27,17 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
 
+from jaxdist_lm import compiled as lm_compiled
+from jaxdist_lm import experts as experts_lib
+from jaxdist_lm import (
+    layers,
+    layout,
+    mesh_spec,
+    train,
+)
+from jaxdist_lm import model as model_lib
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import compiled as lm_compiled  # noqa: E402
-import experts as experts_lib  # noqa: E402
-import layers  # noqa: E402
-import layout  # noqa: E402
-import mesh_spec  # noqa: E402
-import model as model_lib  # noqa: E402
-import train  # noqa: E402
 
 MODELS = ("tiny", "1b", "8b")
 REFUSED = re.compile(
@@ -240,7 +242,7 @@ def test_the_issues_command_stops_in_one_line_with_status_2():
     done = subprocess.run(
         [
             sys.executable,
-            "examples/lm/train.py",
+            *("-m", "jaxdist_lm.train"),
             *("--model", "tiny", "--num-devices", "6"),
             *("--mesh", "fsdp=3,sequence=2", "--global-batch", "12"),
         ],

@@ -1,4 +1,4 @@
-"""examples/lm/: the Llama-style trainer a reader copies (model.py, data.py, train.py).
+"""jaxdist_lm/: the Llama-style trainer a reader copies (model.py, data.py, train.py).
 
 Most runs are in-process, on the 8 simulated CPU devices of conftest.py, calling train.py's own
 functions (a subprocess pays 5-9 s of start and compile); the runs that need several processes
@@ -30,14 +30,16 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxdist_lm import compiled as lm_compiled
+from jaxdist_lm import (
+    data,
+    model_config,
+    resilience,
+    train,
+)
+from jaxdist_lm import model as model_lib
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import compiled as lm_compiled  # noqa: E402
-import data  # noqa: E402
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-import resilience  # noqa: E402
-import train  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -750,7 +752,7 @@ def mpirun_train(dirs, *flags: str) -> list[str]:
         "--compilation-cache",
         str(dirs["cache"]),
     )
-    return ["mpirun", "-np", "2", "python", "examples/lm/train.py", *flags, *shared]
+    return ["mpirun", "-np", "2", "python", "-m", "jaxdist_lm.train", *flags, *shared]
 
 
 def signalled_run(
@@ -854,8 +856,7 @@ def test_srun_two_processes_and_scancel_sigterm(slurm, dirs, spec_run, tmp_path)
         "2",
         "-J",
         name,
-        "python",
-        "examples/lm/train.py",
+        *("python", "-m", "jaxdist_lm.train"),
         *COMMON,
         "--mesh",
         SPEC,
@@ -888,7 +889,7 @@ def test_step_timeout_ends_a_stuck_process_with_its_stack(tmp_path):
     train.py (2 s fewer of importing)."""
     assert train.StepDeadline is resilience.StepDeadline
     program = (
-        "import sys, time; sys.path.insert(0, 'examples/lm'); import resilience\n"
+        "import time; from jaxdist_lm import resilience\n"
         "resilience.StepDeadline(1).start().reached(3)\n"
         "time.sleep(30)  # stuck\n"
     )
@@ -951,7 +952,7 @@ def test_step_timeout_names_a_process_stopped_by_sigstop(dirs, tmp_path):
         signalled_run(command, tmp_path, stop_rank_1, "step 3 loss", 124, timeout=60)
     finally:
         # mpirun ends the stopped process; if it did not, SIGKILL does
-        left = bool(stopped) and running(stopped[0], "examples/lm/train.py")
+        left = bool(stopped) and running(stopped[0], "jaxdist_lm.train")
         if left:
             os.kill(stopped[0], signal.SIGKILL)
     output = (tmp_path / "stderr").read_text()

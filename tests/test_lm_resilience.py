@@ -1,4 +1,4 @@
-"""The recipe's step deadline (``examples/lm/resilience.py``): its report, and its thread
+"""The recipe's step deadline (``jaxdist_lm/resilience.py``): its report, and its thread
 against a key-value store in memory.
 
 Its run across real processes, where it ends a job, is chapter 07's hang lab (the ``sleep``
@@ -10,9 +10,7 @@ import os
 import re
 import time
 
-from jaxdist_lessons import recipe
-
-resilience = recipe.module("resilience")
+from jaxdist_lm import resilience
 
 
 class FakeStore:

@@ -1,23 +1,25 @@
-"""examples/lm/run_config.py: train.py's command line read once into a frozen config,
-which the planner builds too (through its link to the same file)."""
+"""jaxdist_lm/run_config.py: train.py's command line (command_line.py) read once into a
+frozen config, which the planner builds too (importing the same module)."""
 
 import dataclasses
 import pathlib
-import sys
 
 import pytest
 
+from jaxdist_lm import (
+    command_line,
+    mesh_spec,
+    model_config,
+    train,
+)
+from jaxdist_lm.run_config import RunConfig
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import mesh_spec  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
-from run_config import RunConfig  # noqa: E402
 
 
 def test_the_flags_are_the_configs_fields_with_its_defaults():
     """One flag a field, named alike; with no flags, train.py runs RunConfig()."""
-    parsed = vars(train.flags().parse_args([]))
+    parsed = vars(command_line.flags().parse_args([]))
     assert set(parsed) == {f.name for f in dataclasses.fields(RunConfig)}
     assert train.parse_args([]) == RunConfig()
     run = train.parse_args(["--global-batch", "32", "--offload", "optimizer"])
@@ -33,11 +35,18 @@ def test_the_config_is_frozen_and_a_variant_is_a_copy():
 
 
 def test_the_planners_run_config_is_the_recipes_file():
-    """planning/run_config.py links to examples/lm/run_config.py; the check both run
-    (mesh_spec) reads the config: the line train.py stops with on tiny's tensor=8."""
-    path = ROOT / "jaxdist_lessons" / "planning" / "run_config.py"
-    assert path.is_symlink()
-    assert path.resolve() == (ROOT / "examples" / "lm" / "run_config.py").resolve()
+    """The planner imports jaxdist_lm/run_config.py and mesh_spec.py themselves (no copy
+    of its own); the check both run (mesh_spec) reads the config: the line train.py stops
+    with on tiny's tensor=8."""
+    from jaxdist_lessons.planning import layouts
+
+    assert layouts.RunConfig is RunConfig and layouts.mesh_spec is mesh_spec
+    assert train.RunConfig is RunConfig
+    assert (
+        pathlib.Path(mesh_spec.__file__).resolve() == ROOT / "jaxdist_lm/mesh_spec.py"
+    )
+    for copy in ("run_config.py", "mesh_spec.py"):
+        assert not (ROOT / "jaxdist_lessons" / "planning" / copy).exists()
     sizes = mesh_spec.parse("tensor=8")
     run = RunConfig(seq_len=64, global_batch=16)
     assert mesh_spec.stop_line(model_config.PRESETS["tiny"], sizes, run) == (

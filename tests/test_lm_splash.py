@@ -1,4 +1,4 @@
-"""examples/lm/splash.py: JAX's Pallas splash-attention kernel, run on the CPU in Pallas's
+"""jaxdist_lm/splash.py: JAX's Pallas splash-attention kernel, run on the CPU in Pallas's
 interpret mode (the kernel's own code, executed op by op: what CI can check without a TPU).
 
 Float32 on the 8 simulated CPU devices of conftest.py, at 256 tokens: two blocks of 128
@@ -13,7 +13,6 @@ kernel's rounding of it is up to 2e-5.
 """
 
 import pathlib
-import sys
 import types
 
 import flax.linen as nn
@@ -22,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdist_lm import attention as attention_lib
+from jaxdist_lm import model as model_lib
+from jaxdist_lm import (
+    model_config,
+    splash,
+    train,
+)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
-import attention as attention_lib  # noqa: E402
-import model as model_lib  # noqa: E402
-import model_config  # noqa: E402
-import splash  # noqa: E402
-import train  # noqa: E402
 
 B, T, N, K, A = 2, 256, 4, 2, 64
 CLOSE = {"rtol": 1e-5, "atol": 5e-5}

@@ -107,13 +107,13 @@ def test_devices_for_axis_drops_the_remainder_so_the_axis_splits_evenly():
 
 def test_one_axis_order_the_recipes():
     """The package's axis names, the planner's and chapter 09's 3-axis mesh all follow
-    examples/lm/mesh_spec.py's AXES."""
+    jaxdist_lm/mesh_spec.py's AXES."""
     import ast
 
     from jaxdist_lessons import partitioning
     from jaxdist_lessons.planning import layouts
 
-    layout = ROOT / "examples" / "lm" / "mesh_spec.py"
+    layout = ROOT / "jaxdist_lm" / "mesh_spec.py"
     [axes] = [
         ast.literal_eval(node.value)
         for node in ast.parse(layout.read_text()).body

@@ -1,5 +1,5 @@
-"""One home for each mechanism: what the LM recipe (examples/lm) runs is defined there, and
-the package loads it (``jaxdist_lessons.recipe``) rather than keeping a second copy.
+"""One home for each mechanism: what the LM recipe (jaxdist_lm) runs is defined there, and
+the package imports it (``from jaxdist_lm import ...``) rather than keeping a second copy.
 
 A name the recipe defines at the top of a module and the package defines again is a twin,
 unless it is listed below with the reason the two are different things. A new twin fails
@@ -9,7 +9,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RECIPE_MODULES = [p.stem for p in (ROOT / "examples" / "lm").glob("*.py")]
+RECIPE = ROOT / "jaxdist_lm"
 
 # name -> why the package's is not the recipe's
 DIFFERENT = {
@@ -29,16 +29,37 @@ DIFFERENT = {
 }
 
 
-def top_level_names(path: pathlib.Path) -> set[str]:
+def recipe_names(tree: ast.Module, in_recipe: bool) -> set[str]:
+    """The names a module binds to the recipe's: ``from jaxdist_lm import layout as lm``
+    binds ``lm``, ``from jaxdist_lm.model_config import PRESETS`` binds ``PRESETS``,
+    ``import jaxdist_lm.layout`` binds ``jaxdist_lm``, and in the recipe's own modules
+    ``from . import model_config`` binds ``model_config``; anywhere in the module."""
     names = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (
+            (node.module or "").split(".")[0] == "jaxdist_lm"
+            or (in_recipe and node.level > 0)
+        ):
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {
+                a.asname or a.name.split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "jaxdist_lm"
+            }
+    return names
+
+
+def top_level_names(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    from_recipe = recipe_names(tree, path.is_relative_to(RECIPE))
+    names = set()
+    for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
-            value = ast.unparse(node.value)
-            if value.startswith("recipe.module(") or any(
-                f"{stem}." in value for stem in RECIPE_MODULES
-            ):
+            used = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            if used & from_recipe:
                 continue  # computed from the recipe's own: not a second definition
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return names
@@ -47,18 +68,13 @@ def top_level_names(path: pathlib.Path) -> set[str]:
 def defined(paths) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for path in paths:
-        if path.is_symlink() or path.relative_to(ROOT).parts[:2] == (
-            "jaxdist_lessons",
-            "lm",
-        ):
-            continue
         for name in top_level_names(path):
             out.setdefault(name, []).append(str(path.relative_to(ROOT)))
     return out
 
 
 def test_the_package_defines_nothing_the_recipe_defines():
-    recipe = defined(sorted((ROOT / "examples" / "lm").glob("*.py")))
+    recipe = defined(sorted(RECIPE.glob("*.py")))
     package = defined(sorted((ROOT / "jaxdist_lessons").rglob("*.py")))
     twins = {
         name: (recipe[name], package[name])
@@ -69,6 +85,6 @@ def test_the_package_defines_nothing_the_recipe_defines():
 
 
 def test_every_listed_difference_is_still_a_twin():
-    recipe = defined(sorted((ROOT / "examples" / "lm").glob("*.py")))
+    recipe = defined(sorted(RECIPE.glob("*.py")))
     package = defined(sorted((ROOT / "jaxdist_lessons").rglob("*.py")))
     assert set(DIFFERENT) <= set(recipe) & set(package)

@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from jaxdist_lessons.planning import cli, model_config, ranking
+from jaxdist_lessons.planning import cli, ranking
+from jaxdist_lm import model_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "_ext"))

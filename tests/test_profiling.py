@@ -165,7 +165,7 @@ def test_collective_bytes_are_split_by_the_axes_they_cross():
     """Three gathers over fsdp inside a scan, one all-reduce over data after it: each axis
     gets its own kind, the loop's bytes three times, and the axes add up to the recipe's
     count of the whole program."""
-    from jaxdist_lessons import recipe
+    from jaxdist_lm import compiled as lm_compiled
 
     mesh = jax.make_mesh(
         (2, N // 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
@@ -196,7 +196,7 @@ def test_collective_bytes_are_split_by_the_axes_they_cross():
         "data": {"all-reduce": 4 * 32},
         "fsdp": {"all-gather": 3 * 4 * 32 * 32},
     }
-    whole = recipe.module("compiled").collective_bytes(text)
+    whole = lm_compiled.collective_bytes(text)
     assert {k: sum(a.get(k, 0) for a in by_axis.values()) for k in whole} == whole
 
 

@@ -60,7 +60,7 @@ def test_tables_add_up_the_phases_of_each_test_and_the_kinds_of_processes(tmp_pa
     processes = [
         (["-c"], True, 9.0, 1.0, 2.0),
         (["/v/ipykernel_launcher.py", "-f"], False, 20.0, 3.0, 5.0),
-        (["examples/lm/train.py"], False, 4.0, 2.0, 1.0),
+        (["jaxdist_lm/train.py"], False, 4.0, 2.0, 1.0),
         (["examples/train.py"], False, 6.0, 1.0, 0.0),
     ]
     for pid, (argv, in_pytest, seconds, imported, compiled) in enumerate(processes):

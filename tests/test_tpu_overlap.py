@@ -10,7 +10,8 @@ import json
 import pytest
 from by_path import load
 
-from jaxdist_lessons.planning import gpu, mesh_spec
+from jaxdist_lessons.planning import gpu
+from jaxdist_lm import mesh_spec
 
 tpu_overlap = load("tpu_overlap", "benchmarks/tpu_overlap.py")
 

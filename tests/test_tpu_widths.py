@@ -5,7 +5,6 @@ table it prints, and book/data/tpu_widths.json, the run the book shows."""
 
 import json
 import pathlib
-import sys
 
 import pytest
 from by_path import load
@@ -16,8 +15,7 @@ REPORT = json.loads((ROOT / "book" / "data" / "tpu_widths.json").read_text())
 
 
 def test_each_width_is_a_llama_config_the_recipe_reads():
-    sys.path.insert(0, str(ROOT / "examples" / "lm"))
-    import model_config
+    from jaxdist_lm import model_config
 
     for width in tpu_widths.WIDTHS:
         hf = tpu_widths.shape(width)

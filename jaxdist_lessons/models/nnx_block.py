@@ -1,4 +1,4 @@
-"""The LM recipe's ``Block`` (``examples/lm/model.py``, Flax Linen) written in Flax NNX.
+"""The LM recipe's ``Block`` (``jaxdist_lm/model.py``, Flax Linen) written in Flax NNX.
 
 For a team that starts new code in NNX, as Flax's documentation advises: the same
 weights under the same paths and logical axis names, and for the same weights the same
@@ -25,11 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxdist_lessons import recipe
+from jaxdist_lm import attention as lm_attention
+from jaxdist_lm import layers as lm_layers
+from jaxdist_lm import model as lm_model
 
-lm_model = recipe.module("model")
-lm_attention = recipe.module("attention")
-lm_layers = recipe.module("layers")
 constrain = lm_layers.constrain
 
 

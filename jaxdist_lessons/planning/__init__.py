@@ -3,7 +3,7 @@
     python -m jaxdist_lessons.planning --model 8b --devices 16 --nodes 2 --chip h100 \\
         --seq-len 8192 --global-batch 256 [--json] [--check]
 
-One row per candidate layout of the LM recipe (``examples/lm/train.py``): DP, ZeRO-1 (and
+One row per candidate layout of the LM recipe (``jaxdist_lm/train.py``): DP, ZeRO-1 (and
 ZeRO-2, which the recipe lacks), FSDP, HSDP, FSDP with tensor parallelism inside a node, ring
 attention over a ``sequence`` axis, experts over an ``expert`` axis (with a capacity, or
 dropless), pipeline schedules (with tensor parallelism inside the stages), and FSDP with
@@ -27,8 +27,9 @@ The modules, each building on those before it: ``shapes`` (the model), ``layouts
 request and the meshes), ``footprint`` (memory per device), ``xla_cpu`` (the collectives
 XLA:CPU compiles), ``gpu`` (a GPU's, predicted), ``timing`` (links and the step time),
 ``ranking`` (the rows and the table), ``checking`` (against compiled programs) and ``cli``
-(the command line and the page), with the model's shape from ``model_config`` and the run's
-flags as ``run_config.RunConfig``, links to the recipe's own files. Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
+(the command line and the page), with the model's shape from the recipe's
+``jaxdist_lm.model_config`` and the run's flags as its ``jaxdist_lm.run_config.RunConfig``
+(imported, the same files the recipe runs). Standard library only (no JAX, no NumPy): the "Plan your run" page runs them
 in the browser, in Pyodide (``tests/planning/test_cli.py`` imports them with JAX made
 unimportable). Beside them, ``costmodel``: chapter 11_pipelines_mesh_shape's roofline model of any Transformer,
 checked against compiled programs with JAX, on the same ``Layout`` and vocabulary; and

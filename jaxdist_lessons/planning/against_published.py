@@ -22,8 +22,8 @@ import math
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning import efficiency, published, ranking, timing
 from jaxdist_lessons.planning.layouts import Layout, Run
-from jaxdist_lessons.planning.model_config import ModelConfig
 from jaxdist_lessons.strategies import NAMES
+from jaxdist_lm.model_config import ModelConfig
 
 # The ZeRO stage of a run without FSDP or model parallelism, as the planner names it.
 ZERO = {1: NAMES["zero1"], 2: NAMES["zero2"]}

@@ -30,9 +30,8 @@ def compile_worker(devices: int, runs: Sequence[Sequence[str]]) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
-    from jaxdist_lessons import recipe
-
-    recipe_compiled, train = recipe.module("compiled"), recipe.module("train")
+    from jaxdist_lm import compiled as recipe_compiled
+    from jaxdist_lm import train
 
     for argv in runs:
         run = train.parse_args([*argv, "--compile-only"])

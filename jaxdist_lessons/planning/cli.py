@@ -18,9 +18,9 @@ from jaxdist_lessons import hardware
 from jaxdist_lessons.planning.checking import check_table, compare, compile_flags
 from jaxdist_lessons.planning.footprint import USABLE
 from jaxdist_lessons.planning.layouts import PlanError, Run, candidates, problems
-from jaxdist_lessons.planning.model_config import PRESETS, ModelConfig, config_to_hf
 from jaxdist_lessons.planning.ranking import CONFIG_FILE, plan, table
 from jaxdist_lessons.planning.timing import compute_efficiency
+from jaxdist_lm.model_config import PRESETS, ModelConfig, config_to_hf
 
 MAX_DEVICES = 65_536  # the page runs the planner in a browser tab: keep it to seconds
 
@@ -175,11 +175,11 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = _Parser(
         prog="python -m jaxdist_lessons.planning",
-        description="Plan a run of examples/lm/train.py before renting the cluster: which "
+        description="Plan a run of python -m jaxdist_lm.train before renting the cluster: which "
         "layouts fit, what they send, how fast (predicted).",
     )
     add = parser.add_argument
-    add("--model", help=f"a preset of examples/lm/model.py: {', '.join(PRESETS)}")
+    add("--model", help=f"a preset of jaxdist_lm/model.py: {', '.join(PRESETS)}")
     for flag in SHAPE_FLAGS:
         add(
             f"--{flag.replace('_', '-')}",
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(table(run, rows))
     print(
-        "\nflags for examples/lm/train.py (add --num-devices N --compile-only to check one "
+        "\nflags for python -m jaxdist_lm.train (add --num-devices N --compile-only to check one "
         "on this machine):"
     )
     for number, r in enumerate(rows, 1):

@@ -27,7 +27,8 @@ import dataclasses
 import math
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import model_config, published
+from jaxdist_lessons.planning import published
+from jaxdist_lm import model_config
 
 # Within this of the measured throughput, a prediction is counted good (issue 59's goal).
 GOOD = (0.75, 1.33)

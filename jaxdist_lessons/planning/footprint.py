@@ -12,13 +12,13 @@ import math
 
 from jaxdist_lessons.activations import layer_activation_bytes
 from jaxdist_lessons.planning.layouts import Layout, Run, micro_rows
-from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import (
     attention_weights,
     mlp_weights,
     weight_shapes,
 )
 from jaxdist_lessons.strategies import NAMES
+from jaxdist_lm.model_config import count_params
 
 F32 = 4  # XLA:CPU's collectives and the recipe's weights and Adam moments: float32
 

@@ -12,7 +12,6 @@ import math
 
 from jaxdist_lessons.planning.footprint import F32
 from jaxdist_lessons.planning.layouts import Layout, Run, micro_rows
-from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.planning.xla_cpu import (
     activation_transfers,
@@ -24,6 +23,7 @@ from jaxdist_lessons.planning.xla_cpu import (
 )
 from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.traffic import Transfer
+from jaxdist_lm.model_config import count_params
 
 # Of the bytes a device sends over the tensor axis, the share the TPU compiler schedules
 # a matrix product beside (between the collective's start and its done; the rest it

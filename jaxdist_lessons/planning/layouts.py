@@ -11,12 +11,12 @@ import dataclasses
 import math
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import mesh_spec
-from jaxdist_lessons.planning.model_config import ModelConfig
-from jaxdist_lessons.planning.run_config import RunConfig
 from jaxdist_lessons.strategies import NAMES
+from jaxdist_lm import mesh_spec
+from jaxdist_lm.model_config import ModelConfig
+from jaxdist_lm.run_config import RunConfig
 
-# The recipe's axes (examples/lm/mesh_spec.py, linked here), pipeline stages apart
+# The recipe's axes (jaxdist_lm/mesh_spec.py), pipeline stages apart
 AXES = tuple(axis for axis in mesh_spec.AXES if axis != "pipeline")
 
 
@@ -288,7 +288,7 @@ NEEDS = {
 
 
 def runnable(c: Layout) -> bool:
-    """Whether ``examples/lm/train.py`` runs this layout (``NEEDS`` says what the others
+    """Whether ``jaxdist_lm/train.py`` runs this layout (``NEEDS`` says what the others
     need)."""
     return c.strategy not in NEEDS
 

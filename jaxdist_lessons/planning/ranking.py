@@ -25,15 +25,15 @@ from jaxdist_lessons.planning.layouts import (
     problems,
     runnable,
 )
-from jaxdist_lessons.planning.model_config import PRESETS
 from jaxdist_lessons.planning.timing import link_bytes, step_seconds
 from jaxdist_lessons.planning.xla_cpu import transfer_bytes_by_kind, transfers
 from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.tables import Table
+from jaxdist_lm.model_config import PRESETS
 
 
 def recipe_flags(run: Run, c: Layout) -> str:
-    """The flags of ``examples/lm/train.py`` that run this layout: ``--model`` for a
+    """The flags of ``jaxdist_lm/train.py`` that run this layout: ``--model`` for a
     preset's shape, otherwise ``--model-config config.json`` (``config_to_hf`` writes it);
     for a layout the recipe does not run, what it needs."""
     if not runnable(c):

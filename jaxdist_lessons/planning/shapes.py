@@ -2,14 +2,13 @@
 shape and mesh axes, for the recipe's own ``ModelConfig``.
 
 The shape itself, the presets, the parameter count, the flops per token and the Hugging
-Face config.json come from the recipe's ``examples/lm/model_config.py`` (standard library
-only), which ``planning/model_config.py`` links to: one file, read by the recipe and the
-planner alike.
+Face config.json come from the recipe's ``jaxdist_lm/model_config.py`` (standard library
+only), imported: one file, read by the recipe and the planner alike.
 """
 
 from __future__ import annotations
 
-from jaxdist_lessons.planning.model_config import ModelConfig
+from jaxdist_lm.model_config import ModelConfig
 
 
 def attention_weights(m: ModelConfig) -> int:

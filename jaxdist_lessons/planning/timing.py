@@ -15,8 +15,8 @@ from jaxdist_lessons.bubble import bubble_fraction
 from jaxdist_lessons.planning.footprint import host_bytes
 from jaxdist_lessons.planning.gpu import priced_transfers
 from jaxdist_lessons.planning.layouts import AXES, Layout, Run
-from jaxdist_lessons.planning.model_config import flops_per_token
 from jaxdist_lessons.traffic import Transfer, ring_steps, sent_bytes
+from jaxdist_lm.model_config import flops_per_token
 
 
 def crossing_share(run: Run, c: Layout, axes: Sequence[str]) -> float:

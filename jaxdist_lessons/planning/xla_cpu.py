@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from jaxdist_lessons.planning.footprint import F32
 from jaxdist_lessons.planning.layouts import Layout, Run
-from jaxdist_lessons.planning.model_config import count_params
 from jaxdist_lessons.planning.shapes import attention_weights, mlp_weights
 from jaxdist_lessons.strategies import NAMES
 from jaxdist_lessons.traffic import Transfer
+from jaxdist_lm.model_config import count_params
 
 
 def collective(
@@ -89,7 +89,7 @@ def weight_transfers(run: Run, c: Layout) -> list[Transfer]:
 def lookup_moves(run: Run, c: Layout) -> list[Transfer]:
     """The embedding lookup with the table left split: the tokens' activations move to the
     table's fsdp shards and back, and its gradient is reduced over the other batch axes. With
-    batch replicas (data or expert), the recipe's "rows" lookup (examples/lm/layout.py's
+    batch replicas (data or expert), the recipe's "rows" lookup (jaxdist_lm/layout.py's
     ``lookup``): its output laid out as the table first, an all-to-all each way."""
     m, f, s, e, d, t = (
         run.shape,
@@ -167,7 +167,7 @@ def table_moves(run: Run, c: Layout) -> list[Transfer]:
 def gathers_the_table(run: Run, c: Layout) -> bool:
     """Whether the embedding table is gathered for the lookup (``table_moves``) rather than
     activations moved (``lookup_moves``). With batch replicas the recipe chooses
-    (examples/lm/layout.py's ``lookup``): with a data axis, the table when each device has at
+    (jaxdist_lm/layout.py's ``lookup``): with a data axis, the table when each device has at
     least as many tokens as the table has rows; with an expert axis, when an fsdp group's
     share of a step's tokens is. Elsewhere XLA:CPU chooses, as read from compiled programs on
     both sides of each boundary (tiny, 125m, 8b): with fsdp and sequence axes, the table when
@@ -289,7 +289,7 @@ def transfers(run: Run, c: Layout) -> list[Transfer]:
 
 
 def transfer_bytes_by_kind(moves: Sequence[Transfer]) -> dict[str, float]:
-    """Bytes per collective kind, counted as ``compiled.collective_bytes`` (examples/lm/compiled.py) counts them."""
+    """Bytes per collective kind, counted as ``compiled.collective_bytes`` (jaxdist_lm/compiled.py) counts them."""
     out: dict[str, float] = {}
     for move in moves:
         out[move.kind] = out.get(move.kind, 0) + move.bytes

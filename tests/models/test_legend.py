@@ -13,7 +13,7 @@ import pytest
 import jaxdist_lessons.models
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "lm" / "model.py"
+RECIPE = ROOT / "jaxdist_lm" / "model.py"
 
 # A lowercase name, "_", then 2 to 7 capitals: x_BTD, w_in_EDF, images_BHWC. All-caps
 # constants (XLA_FLAGS) do not start lowercase, so they never match.
@@ -95,11 +95,11 @@ def retired_names(source: str) -> set[str]:
 
 
 def sources() -> list[tuple[str, str]]:
-    """(where, code) for every Python file of the package and the examples, and every
-    chapter's code cells."""
+    """(where, code) for every Python file of the package, the recipe and the examples,
+    and every chapter's code cells."""
     found = [
         (str(path.relative_to(ROOT)), path.read_text())
-        for folder in ("jaxdist_lessons", "examples")
+        for folder in ("jaxdist_lessons", "jaxdist_lm", "examples")
         for path in sorted((ROOT / folder).rglob("*.py"))
     ]
     for page in sorted((ROOT / "book").glob("*.md")):
@@ -135,7 +135,7 @@ def test_the_scanner_finds_a_planted_bad_name() -> None:
 
 def test_the_scan_sees_the_package_pages_and_recipe() -> None:
     scanned = dict(sources())
-    assert "x_BTD" in scanned["examples/lm/model.py"]
+    assert "x_BTD" in scanned["jaxdist_lm/model.py"]
     assert "choice_RTE" in scanned["book/13_experts.md"]
     assert "jaxdist_lessons/experts.py" in scanned
 

@@ -10,11 +10,11 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxdist_lessons import recipe
 from jaxdist_lessons.models import nnx_block
+from jaxdist_lm import layout as lm_layout
+from jaxdist_lm import model as lm_model
+from jaxdist_lm import model_config as lm_config
 
-lm_model, lm_config = recipe.module("model"), recipe.module("model_config")
-lm_layout = recipe.module("layout")
 CONFIG = lm_config.PRESETS["tiny"]  # width 128, 4 heads sharing 2 key/value heads
 T = 16
 

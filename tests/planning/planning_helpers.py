@@ -1,4 +1,4 @@
-"""What the planning package's tests share: the recipe's modules (examples/lm/), the sweep's
+"""What the planning package's tests share: the recipe's modules (jaxdist_lm/), the sweep's
 benchmark, one request, and two helpers."""
 
 import contextlib
@@ -8,14 +8,12 @@ import sys
 from types import SimpleNamespace
 
 from jaxdist_lessons.planning import cli, layouts
+from jaxdist_lm import layout, train
+from jaxdist_lm import model as model_lib  # noqa: F401  (the tests' name for the recipe's model.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import layout  # noqa: E402
-import model as model_lib  # noqa: E402, F401  (the tests' name for the recipe's model.py)
 import plan_check  # noqa: E402, F401
-import train  # noqa: E402
 
 CHECKED_JSON = ROOT / "book" / "data" / "plan_check.json"
 EXAMPLE = [

@@ -9,8 +9,8 @@ import pytest
 
 from jaxdist_lessons import hardware
 from jaxdist_lessons.planning import against_published, efficiency, published, timing
-from jaxdist_lessons.planning.model_config import flops_per_token
 from jaxdist_lessons.strategies import NAMES
+from jaxdist_lm.model_config import flops_per_token
 
 RUNS = {run.name: run for run in published.load_runs()}
 

@@ -15,7 +15,6 @@ from planning_helpers import (
     run_main,
 )
 
-from jaxdist_lessons import recipe
 from jaxdist_lessons.planning import (
     checking,
     cli,
@@ -23,6 +22,7 @@ from jaxdist_lessons.planning import (
     ranking,
     xla_cpu,
 )
+from jaxdist_lm import compiled as lm_compiled
 
 
 def test_the_sweep_agrees_with_the_compiler():
@@ -78,7 +78,7 @@ def test_two_rows_recompile_to_the_jsons_values(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            "examples/lm/train.py",
+            *("-m", "jaxdist_lm.train"),
             *ring["flags"].split(),
             "--num-devices",
             "8",
@@ -93,7 +93,7 @@ def test_two_rows_recompile_to_the_jsons_values(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    printed = recipe.module("compiled").read_summary(done.stdout)
+    printed = lm_compiled.read_summary(done.stdout)
     assert printed["arguments"] == round(ring["compiled"]["arguments"] / 1e9, 3)
     assert printed["collectives"] == ring["compiled"]["collectives"]
 

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from jaxdist_lessons.planning import efficiency, model_config, published
+from jaxdist_lessons.planning import efficiency, published
+from jaxdist_lm import model_config
 
 RUNS = {run.name: run for run in published.load_runs()}
 GPT_1_7B = RUNS["Megatron-LM GPT 1.7B, 32 A100, TP 1 x PP 1 x DP 32"]

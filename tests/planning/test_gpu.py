@@ -9,8 +9,9 @@ from planning_helpers import (
 )
 
 from jaxdist_lessons import hardware
-from jaxdist_lessons.planning import gpu, layouts, model_config, xla_cpu
+from jaxdist_lessons.planning import gpu, layouts, xla_cpu
 from jaxdist_lessons.traffic import sent_bytes
+from jaxdist_lm import model_config
 
 
 def test_fsdp_on_a_gpu_sends_three_bf16_copies_of_the_weights_less_one_table():

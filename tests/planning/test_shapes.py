@@ -3,21 +3,23 @@ add up to the recipe's parameter count."""
 
 import dataclasses
 import math
+import pathlib
 
 from planning_helpers import ROOT
 
-from jaxdist_lessons.planning import model_config, shapes
+from jaxdist_lessons.planning import cli, layouts, shapes
+from jaxdist_lm import model_config
 
 
 def test_the_planners_model_config_is_the_recipes_file():
-    """planning/model_config.py links to examples/lm/model_config.py: one file, so the
-    presets, parameter counts and flops per token cannot drift apart."""
-    path = ROOT / "jaxdist_lessons" / "planning" / "model_config.py"
-    assert path.is_symlink()
-    assert path.resolve() == (ROOT / "examples" / "lm" / "model_config.py").resolve()
-    assert (
-        path.read_text() == (ROOT / "examples" / "lm" / "model_config.py").read_text()
-    )
+    """The planner imports jaxdist_lm/model_config.py itself, and keeps no copy: one
+    module, so the presets, parameter counts and flops per token cannot drift apart."""
+    path = ROOT / "jaxdist_lm" / "model_config.py"
+    assert pathlib.Path(model_config.__file__).resolve() == path
+    assert shapes.ModelConfig is model_config.ModelConfig
+    assert layouts.ModelConfig is model_config.ModelConfig
+    assert cli.PRESETS is model_config.PRESETS
+    assert not (ROOT / "jaxdist_lessons" / "planning" / "model_config.py").exists()
 
 
 def test_the_weights_it_splits_are_every_parameter():

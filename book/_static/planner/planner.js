@@ -141,10 +141,10 @@
       });
       const pyodide = await loadPyodide({ indexURL: BASE + "pyodide/" });
       const names = (await (await fetch(BASE + "py/modules.txt")).text()).split("\n").filter(Boolean);
-      for (const name of names) {  // "hardware", "planning/cli": paths under the package
-        const path = `/home/pyodide/jaxdist_lessons/${name}.py`;
+      for (const name of names) {  // "jaxdist_lessons/planning/cli", "jaxdist_lm/run_config"
+        const path = `/home/pyodide/${name}.py`;
         pyodide.FS.mkdirTree(path.slice(0, path.lastIndexOf("/")));
-        const source = await (await fetch(`${BASE}py/jaxdist_lessons/${name}.py`)).text();
+        const source = await (await fetch(`${BASE}py/${name}.py`)).text();
         pyodide.FS.writeFile(path, source);
       }
       const pageJson = pyodide.runPython(

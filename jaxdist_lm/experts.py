@@ -7,14 +7,15 @@ import dataclasses
 import functools
 import math
 
-import dropless
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from attention import manual_axes
 from jax.sharding import PartitionSpec as P
-from layers import MLP, constrain, weight
-from model_config import ModelConfig
+
+from . import dropless
+from .attention import manual_axes
+from .layers import MLP, constrain, weight
+from .model_config import ModelConfig
 
 # the load-balancing loss's coefficient (Switch Transformer, arXiv:2101.03961) and the
 # router z-loss's (ST-MoE, arXiv:2202.08906)

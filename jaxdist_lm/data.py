@@ -11,7 +11,8 @@ import pathlib
 
 import grain
 import numpy as np
-from run_config import RunConfig
+
+from .run_config import RunConfig
 
 # A full scan reads the whole file: at most this many tokens (4 GB of uint32). Measured
 # on 2 CPU cores: 0.1-0.2 s per GiB in the page cache, 0.7 s per GiB from disk; 100B

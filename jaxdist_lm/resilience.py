@@ -21,7 +21,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from layout import AXES
+
+from .layout import AXES
 
 
 class Preemption:

@@ -10,15 +10,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import model as model_lib
 import optax
 from flax.training import train_state
-from inputs import cast, make_inputs, micro_batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from layout import BATCH, RULES, without
-from pipeline import make_pipeline_grads, make_pipeline_loss
-from run_config import RunConfig
+
+from . import model as model_lib
+from .inputs import cast, make_inputs, micro_batches
+from .layout import BATCH, RULES, without
+from .pipeline import make_pipeline_grads, make_pipeline_loss
+from .run_config import RunConfig
 
 # (apply_fn, params, tokens_BT) -> (the batch's mean loss, its gradient)
 Grads = Callable[..., tuple[jax.Array, Any]]

@@ -3,9 +3,10 @@ for ring attention), the weights cast on each device's shard, micro-batches."""
 
 import jax
 import numpy as np
-from attention import document_starts
 from jax.sharding import PartitionSpec as P
-from layout import zigzag
+
+from .attention import document_starts
+from .layout import zigzag
 
 
 def micro_batches(tokens_BT: jax.Array, grad_accum: int, batch_axes) -> jax.Array:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 # the recipe's run_config.py, or the planner's link to it
 if TYPE_CHECKING:
-    from run_config import RunConfig
+    from .run_config import RunConfig
 
 # 'tensor' last: its devices are neighbours, in one node; 'sequence' next (a ring of
 # keys and values); 'pipeline' first, the one whose traffic (a stage's activations)

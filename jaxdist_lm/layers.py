@@ -6,7 +6,8 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from model_config import ModelConfig
+
+from .model_config import ModelConfig
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

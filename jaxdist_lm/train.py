@@ -1,34 +1,20 @@
 """Train a Llama-style decoder on a mesh: pipeline, data, fsdp, expert, sequence, tensor
 
-    python examples/lm/train.py --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
+    python -m jaxdist_lm.train --model tiny --mesh data=2,fsdp=2,tensor=2 --steps 200 \
         --global-batch 16 --seq-len 128 --num-devices 8
-    JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python examples/lm/train.py --model tiny ...
-    srun --ntasks-per-node=8 --gpus-per-node=8 python examples/lm/train.py --model 1b
-    python examples/lm/train.py --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
+    JAX_NUM_CPU_DEVICES=4 mpirun -np 2 python -m jaxdist_lm.train --model tiny ...
+    srun --ntasks-per-node=8 --gpus-per-node=8 python -m jaxdist_lm.train --model 1b
+    python -m jaxdist_lm.train --model 8b --mesh fsdp=8,tensor=2 --seq-len 2048 \
         --global-batch 16 --num-devices 16 --compile-only  # memory, bytes: no hardware
-    python examples/lm/train.py --model 8b --mesh fsdp=64,tensor=4 --seq-len 2048 \
+    python -m jaxdist_lm.train --model 8b --mesh fsdp=64,tensor=4 --seq-len 2048 \
         --global-batch 256 --compile-only --topology v5e:16x16  # libtpu, no TPU
-    python examples/lm/train.py --model tiny --mesh data=2,sequence=4  # ring attention
-    python examples/lm/train.py --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
-    python examples/lm/train.py --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
+    python -m jaxdist_lm.train --model tiny --mesh data=2,sequence=4  # ring attention
+    python -m jaxdist_lm.train --model tiny --experts 8 --top-k 2 --mesh expert=4 ...
+    python -m jaxdist_lm.train --model tiny --mesh pipeline=2,data=4 --grad-accum 4 \
         --schedule interleaved --virtual-stages 2  # GPipe, 1F1B or interleaved 1F1B
 
-This file reads the command line into run_config.py's RunConfig (every flag, typed and
-frozen), sets up and runs the loop. Beside it: model_config.py (the shape, the presets,
-config.json), model.py (the decoder), layers.py (what it and
-experts.py share: the axes' names, the MLP), attention.py (the attention kernels it
-calls; splash.py the TPU's), experts.py (the mixture of experts, its router and
-capacity), dropless.py (each device's share of the experts without a capacity), data.py
-(tokens read in place, with Grain), mesh_spec.py (--mesh's axes and sizes, the rules,
-what splits evenly), layout.py (the mesh, the check that stops a mesh in one line),
-step.py (train_step, one optimizer step, which make_train_step jits; the loss,
-gradients, accumulation, ZeRO-1 and the optimizer's offload),
-inputs.py (what the loss takes in: inputs and targets, the weights cast, micro-batches),
-optimizer.py (AdamW, Adam's moments in --moments' dtype), pipeline.py (the model cut
-into stages, and the schedules that run them) and schedules.py (their timetables),
-resilience.py (preemption, the step deadline, checkpoints), metrics.py (MFU, the metrics
-log), compiled.py (--compile-only; hlo_dtypes.py its bytes per element type) and
-convert.py (Hugging Face).
+command_line.py reads the command line into run_config.py's RunConfig (every flag, typed
+and frozen); this file sets up and runs the loop. __init__.py lists the other modules.
 
 It needs JAX, Flax, Optax, Orbax, Grain and NumPy; tokenizers for the default corpus,
 tensorboardX for --log-dir.
@@ -37,7 +23,6 @@ model, the optimizer and the data iterator: a rerun continues with the exact nex
 SIGTERM or SIGUSR1 save at the next step boundary and exit 0; a refusal is one line.
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -51,17 +36,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data
-import model as model_lib
-import model_config
-from attention import ATTENTIONS
-from compiled import compile_only, out_of_memory, step_bytes
-from layout import AXES, BATCH, RULES, check_fits, make_mesh, process_rows
-from mesh_spec import lookup
-from metrics import PEAK_FLOPS, MetricsLog, peak_memory
-from optimizer import make_optimizer
-from resilience import (
+from . import data, model_config
+from . import model as model_lib
+from .command_line import PROFILED, parse_args
+from .compiled import compile_only, out_of_memory, step_bytes
+from .layout import BATCH, RULES, check_fits, make_mesh, process_rows
+from .mesh_spec import lookup
+from .metrics import PEAK_FLOPS, MetricsLog, peak_memory
+from .optimizer import make_optimizer
+from .resilience import (
     Preemption,
     StepDeadline,
     checkpoint_manager,
@@ -69,220 +52,8 @@ from resilience import (
     restore,
     save,
 )
-from run_config import RunConfig
-from schedules import SCHEDULES
-from step import abstract_state, make_eval_step, make_train_step
-
-OFFLOADS = ("optimizer", "activations")
-# --profile's steps: a few after the first step's compilation
-PROFILED = range(6, 9)
-
-
-def offloads(text: str) -> frozenset[str]:
-    """--offload's value: "none", or some of OFFLOADS joined by commas."""
-    chosen = frozenset(text.split(",")) - {"none"}
-    if unknown := sorted(chosen - set(OFFLOADS)):
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown)}: expected none or some of {', '.join(OFFLOADS)}"
-        )
-    return chosen
-
-
-def parse_args(argv=None) -> RunConfig:
-    """The command line, read once into the run's config."""
-    return RunConfig(**vars(flags().parse_args(argv)))
-
-
-def flags() -> argparse.ArgumentParser:
-    """train.py's flags, named as RunConfig's fields, with its defaults."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.set_defaults(**dataclasses.asdict(RunConfig()))
-    add = parser.add_argument
-    add("--model", choices=sorted(model_config.PRESETS))
-    add(
-        "--model-config",
-        metavar="CONFIG_JSON",
-        help="the shape from a Hugging Face Llama config.json instead of --model "
-        "(with convert.py from-hf's checkpoint: fine-tune a Llama)",
-    )
-    add(
-        "--mesh",
-        help="e.g. data=2,fsdp=2,tensor=2; -1 = the rest; axes: "
-        + ", ".join(AXES)
-        + " (on TPUs of several slices, data is the axis across them)",
-    )
-    add("--experts", type=int, help="experts per MLP (0: a dense MLP)")
-    add("--top-k", type=int, help="experts per token")
-    add(
-        "--capacity-factor",
-        type=float,
-        help="an expert's slots per group: "
-        "ceil(top_k x group x factor / experts); experts / top_k: none dropped",
-    )
-    add(
-        "--dispatch",
-        choices=["capacity", "dropless"],
-        help="capacity: GShard's fixed slots per expert, a choice over them dropped; "
-        "dropless: every choice computed, sorted by expert (grouped matrix products)",
-    )
-    add(
-        "--balance",
-        choices=["loss", "bias"],
-        help="loss: Switch's load-balancing loss; bias: DeepSeek-V3's per-expert "
-        "routing bias, moved by --bias-rate a step toward equal loads (no such loss)",
-    )
-    add("--bias-rate", type=float, help="--balance bias's step")
-    add(
-        "--shared-experts",
-        type=int,
-        help="experts every token goes through, beside its --top-k (DeepSeekMoE)",
-    )
-    add(
-        "--group-size",
-        type=int,
-        help="tokens routed together (at most --seq-len)",
-    )
-    add("--steps", type=int, help="stop after this step")
-    add(
-        "--total-steps",
-        type=int,
-        help="the learning rate schedule's length (default: --steps); keep it when a "
-        "rerun goes further, so that the curve does not change",
-    )
-    add(
-        "--global-batch",
-        type=int,
-        help="sequences per optimizer step, all devices",
-    )
-    add(
-        "--grad-accum",
-        type=int,
-        help="micro-batches per step: each device computes --global-batch / K "
-        "sequences at a time and adds up the gradients",
-    )
-    add(
-        "--schedule",
-        choices=SCHEDULES,
-        help="with a pipeline axis: gpipe (jax.grad writes the backward; each stage "
-        "keeps all K micro-batches), 1f1b (at most P), interleaved (--virtual-stages "
-        "per device, a smaller bubble)",
-    )
-    add(
-        "--virtual-stages",
-        type=int,
-        metavar="V",
-        help="--schedule interleaved: stages per device (the layers cut in P x V)",
-    )
-    add("--seq-len", type=int)
-    add(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        help="compute type",
-    )
-    add("--remat", choices=sorted(model_lib.REMAT_POLICIES))
-    add(
-        "--zero1",
-        action="store_true",
-        help="split the optimizer's state over the data axis (ZeRO stage 1): each "
-        "replica updates its share, and the updated weights are gathered",
-    )
-    add(
-        "--moments",
-        choices=["float32", "bfloat16"],
-        help="the type Adam's two moments are kept in between steps (bfloat16: 4 "
-        "bytes a weight instead of 8; each update still computed in float32)",
-    )
-    add(
-        "--offload",
-        type=offloads,
-        help="what to keep in the host's pinned memory, comma-separated: optimizer "
-        "(Adam's moments, moved to the device for each update), activations (each "
-        "layer's saved input, moved back for the backward pass); or none",
-    )
-    add(
-        "--attention",
-        choices=ATTENTIONS,
-        help="cudnn: cuDNN's fused kernel (NVIDIA GPUs; the default there, never run "
-        "on a GPU by this project); splash: "
-        "JAX's Pallas kernel (TPUs; the default there, for a --seq-len that is a "
-        "multiple of 128); chunked: blocks in plain JAX, memory linear in the sequence "
-        "(the default elsewhere); xla: XLA's reference, the T x T scores in float32",
-    )
-    add("--learning-rate", type=float)
-    add("--warmup-steps", type=int)
-    add("--weight-decay", type=float)
-    add("--clip-norm", type=float)
-    add("--seed", type=int)
-    add(
-        "--data",
-        help="your own token ids instead of the corpus, read in place: a .npy, a .bin "
-        "(--data-dtype), or a directory of them (shards); several: a.bin,b.bin",
-    )
-    add("--data-dtype", choices=sorted(data.BIN_DTYPES), help="a .bin's token ids")
-    add("--data-weights", help="mix the --data entries: e.g. 0.7,0.3")
-    add(
-        "--eod-id",
-        type=int,
-        help="the token that ends each document: attention and positions restart "
-        "after it (document masking); by default a row is one text",
-    )
-    add(
-        "--data-dir",
-        help="where the default corpus's tokens are kept",
-    )
-    add(
-        "--checkpoint-dir", help="save here, and resume from the latest step found here"
-    )
-    add("--checkpoint-every", type=int)
-    add(
-        "--eval-every",
-        type=int,
-        metavar="N",
-        help="every N steps, print the loss on held-out batches (0: never)",
-    )
-    add("--eval-batches", type=int, help="held-out batches per evaluation")
-    add(
-        "--log-dir",
-        help="write each step's metrics to DIR/metrics.jsonl and to TensorBoard",
-    )
-    add("--keep", type=int, help="checkpoints to keep")
-    add(
-        "--num-devices",
-        type=int,
-        help="simulated CPU devices (ignored on accelerators)",
-    )
-    add(
-        "--compile-only",
-        action="store_true",
-        help="compile one step, print memory, stop",
-    )
-    add(
-        "--topology",
-        metavar="NAME",
-        help="with --compile-only: compile for a TPU slice that is not here, by "
-        "libtpu's name for it (v5e:16x16, v5p:4x4x8, v6e:8x8); needs libtpu "
-        "installed, not a TPU",
-    )
-    add(
-        "--slices",
-        type=int,
-        help="with --topology: that many slices joined by the data-center network "
-        "(--mesh's data, the axis across them, a multiple of it)",
-    )
-    add(
-        "--profile",
-        metavar="DIR",
-        help=f"trace steps {PROFILED[0]} to {PROFILED[-1]} with jax.profiler into DIR",
-    )
-    add("--compilation-cache")
-    add(
-        "--step-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="end the job (status 124) when a step has not finished on some process "
-        "for SECONDS",
-    )
-    return parser
+from .run_config import RunConfig
+from .step import abstract_state, make_eval_step, make_train_step
 
 
 # Join only when a launcher started several processes. With none, initialize() still

@@ -4,7 +4,8 @@ sign descent), its moments kept in --moments' dtype between steps."""
 import jax
 import jax.numpy as jnp
 import optax
-from run_config import RunConfig
+
+from .run_config import RunConfig
 
 
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:

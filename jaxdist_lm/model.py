@@ -29,8 +29,11 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import splash
-from attention import (
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from . import splash
+from .attention import (
     ATTENTIONS,
     BLOCK,
     chunked_attention,
@@ -40,11 +43,9 @@ from attention import (
     placed,
     ring_attention,
 )
-from experts import Experts
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
-from layers import MLP, constrain, weight
-from model_config import ModelConfig, RopeScaling
+from .experts import Experts
+from .layers import MLP, constrain, weight
+from .model_config import ModelConfig, RopeScaling
 
 REMAT_POLICIES = {
     # keep every activation for the backward pass

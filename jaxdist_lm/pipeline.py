@@ -13,11 +13,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import model as model_lib
-import schedules
-from inputs import cast, make_inputs, micro_batches
 from jax.sharding import PartitionSpec as P
-from layout import BATCH
+
+from . import model as model_lib
+from . import schedules
+from .inputs import cast, make_inputs, micro_batches
+from .layout import BATCH
 
 AXIS = "pipeline"
 

@@ -2,14 +2,14 @@
 mesh_spec.py's rules and arithmetic), and ring attention's token order."""
 
 import jax
-import mesh_spec
-import model_config
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from mesh_spec import AXES, BATCH, RULES
-from run_config import RunConfig
+
+from . import mesh_spec, model_config
+from .mesh_spec import AXES, BATCH, RULES
+from .run_config import RunConfig
 
 
 def make_mesh(spec: str, devices=None) -> jax.sharding.Mesh:

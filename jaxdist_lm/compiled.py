@@ -12,15 +12,15 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import mesh_spec
-import model as model_lib
 import numpy as np
-import schedules
-from hlo_dtypes import BYTES
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from layout import BATCH, RULES
-from run_config import RunConfig
+
+from . import mesh_spec, schedules
+from . import model as model_lib
+from .hlo_dtypes import BYTES
+from .layout import BATCH, RULES
+from .run_config import RunConfig
 
 # train.py's: the step and the state's shapes at another --global-batch
 Rebuild = Callable[[int], tuple]

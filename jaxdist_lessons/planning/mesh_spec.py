@@ -1,1 +1,0 @@
-../../examples/lm/mesh_spec.py

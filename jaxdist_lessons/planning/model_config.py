@@ -1,1 +1,0 @@
-../../examples/lm/model_config.py

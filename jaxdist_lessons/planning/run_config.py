@@ -1,1 +1,0 @@
-../../examples/lm/run_config.py

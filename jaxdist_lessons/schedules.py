@@ -1,1 +1,0 @@
-../examples/lm/schedules.py
