@@ -42,7 +42,10 @@ def flags() -> argparse.ArgumentParser:
     """train.py's flags, named as RunConfig's fields, with its defaults; --help shows
     them in groups."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.train", description=DESCRIPTION
+        prog=f"python -m {__package__}.train",
+        usage="%(prog)s [flags]",
+        description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.set_defaults(**dataclasses.asdict(RunConfig()))
     for title, add_flags in GROUPS:
@@ -52,12 +55,16 @@ def flags() -> argparse.ArgumentParser:
 
 def model_flags(add: Callable) -> None:
     """The model: a preset or a Llama's config.json, and its experts."""
-    add("--model", choices=sorted(model_config.PRESETS))
+    add(
+        "--model",
+        choices=sorted(model_config.PRESETS),
+        help="a preset shape (model_config.py's PRESETS)",
+    )
     add(
         "--model-config",
         metavar="CONFIG_JSON",
         help="the shape from a Hugging Face Llama config.json instead of --model "
-        "(with convert.py from-hf's checkpoint: fine-tune a Llama)",
+        "(with convert from-hf's checkpoint: fine-tune a Llama)",
     )
     add("--experts", type=int, help="experts per MLP (0: a dense MLP)")
     add("--top-k", type=int, help="experts per token")
@@ -111,7 +118,7 @@ def layout_flags(add: Callable) -> None:
         help="micro-batches per step: each device computes --global-batch / K "
         "sequences at a time and adds up the gradients",
     )
-    add("--seq-len", type=int)
+    add("--seq-len", type=int, help="tokens per sequence")
     add(
         "--schedule",
         choices=SCHEDULES,
@@ -134,7 +141,12 @@ def memory_flags(add: Callable) -> None:
         choices=["float32", "bfloat16"],
         help="compute type",
     )
-    add("--remat", choices=sorted(model_lib.REMAT_POLICIES))
+    add(
+        "--remat",
+        choices=sorted(model_lib.REMAT_POLICIES),
+        help="what each layer keeps for the backward pass: full recomputes the "
+        "layer, dots keeps its matrix products' outputs, none keeps everything",
+    )
     add(
         "--zero1",
         action="store_true",
@@ -174,11 +186,11 @@ def optimizer_flags(add: Callable) -> None:
         help="the learning rate schedule's length (default: --steps); keep it when a "
         "rerun goes further, so that the curve does not change",
     )
-    add("--learning-rate", type=float)
-    add("--warmup-steps", type=int)
-    add("--weight-decay", type=float)
-    add("--clip-norm", type=float)
-    add("--seed", type=int)
+    add("--learning-rate", type=float, help="the peak, after the warmup")
+    add("--warmup-steps", type=int, help="linear warmup, then cosine decay")
+    add("--weight-decay", type=float, help="AdamW's")
+    add("--clip-norm", type=float, help="the gradients' global norm, at most")
+    add("--seed", type=int, help="the weights' initialization and the batches' order")
 
 
 def data_flags(add: Callable) -> None:
@@ -207,7 +219,7 @@ def checkpoints_flags(add: Callable) -> None:
     add(
         "--checkpoint-dir", help="save here, and resume from the latest step found here"
     )
-    add("--checkpoint-every", type=int)
+    add("--checkpoint-every", type=int, help="steps between checkpoints")
     add("--keep", type=int, help="checkpoints to keep")
     add(
         "--eval-every",
@@ -252,7 +264,7 @@ def running_flags(add: Callable) -> None:
         metavar="DIR",
         help=f"trace steps {PROFILED[0]} to {PROFILED[-1]} with jax.profiler into DIR",
     )
-    add("--compilation-cache")
+    add("--compilation-cache", help="JAX's persistent compilation cache")
     add(
         "--step-timeout",
         type=float,

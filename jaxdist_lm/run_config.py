@@ -11,8 +11,8 @@ import dataclasses
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """What train.py runs, flag by flag (``--global-batch`` is ``global_batch``); the
-    defaults are its flags' defaults, and ``python train.py --help`` says what each
-    means and which values it takes."""
+    defaults are its flags' defaults, and ``python -m jaxdist_lm.train --help`` says
+    what each means and which values it takes."""
 
     # the model: a preset or a config.json, with experts on top
     model: str = "tiny"
@@ -51,7 +51,7 @@ class RunConfig:
     data_dtype: str | None = None
     data_weights: str | None = None
     eod_id: int | None = None
-    data_dir: str = "/tmp/jaxdist_lm/data"
+    data_dir: str = "/tmp/jaxdist-lm/data"
     # the run: checkpoints, evaluation, logs, devices, profiling
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -64,5 +64,5 @@ class RunConfig:
     topology: str | None = None
     slices: int = 1
     profile: str | None = None
-    compilation_cache: str = "/tmp/jaxdist_lm/jax_cache"
+    compilation_cache: str = "/tmp/jaxdist-lm/jax_cache"
     step_timeout: float | None = None
