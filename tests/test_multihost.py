@@ -285,7 +285,8 @@ def test_jax_says_so_when_it_finds_no_cluster():
 
 
 def test_explicit_arguments_join_without_detection():
-    port = 20000 + os.getpid() % 20000
+    # a port the system says is free now (a pid-derived one collided with a busy port)
+    port = hang_lab.free_port()
     result = python(
         "from jaxdist_lessons import multihost\n"
         f"print(multihost.initialize(2, coordinator_address='127.0.0.1:{port}', "
