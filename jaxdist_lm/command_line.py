@@ -162,6 +162,8 @@ def memory_flags(add: Callable) -> None:
     add(
         "--offload",
         type=offloads,
+        # a string default, which argparse reads through offloads: --help shows "none"
+        default="none",
         help="what to keep in the host's pinned memory, comma-separated: optimizer "
         "(Adam's moments, moved to the device for each update), activations (each "
         "layer's saved input, moved back for the backward pass); or none",
