@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+import recipe_copy
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEVICES = 8
 
@@ -51,20 +53,13 @@ def compile_one(
     recipe: str, model: str, layers: int | None, seq_len: int, attention: str | None
 ) -> dict:
     """In this process (a fresh one, with 8 CPU devices): compile one step, return the
-    temporaries, the arguments and the seconds the compile took. ``recipe`` is the
-    recipe's folder: a package (``jaxdist_lm``, or a copy under another name), imported
-    from the folder above it; or an older copy without ``__init__.py``, whose modules
-    import each other by bare name, imported from the folder itself."""
+    temporaries, the arguments and the seconds the compile took, of the recipe's copy at
+    ``recipe`` (``recipe_copy.locate`` says where it is imported from)."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", DEVICES)
-    folder = pathlib.Path(recipe).resolve()
-    if (folder / "__init__.py").exists():
-        sys.path.insert(0, str(folder.parent))
-        prefix = f"{folder.name}."
-    else:
-        sys.path.insert(0, str(folder))
-        prefix = ""
+    where, prefix = recipe_copy.locate(recipe)
+    sys.path.insert(0, str(where))
     model_config = importlib.import_module(prefix + "model_config")
     train = importlib.import_module(prefix + "train")
 

@@ -48,6 +48,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
+import recipe_copy  # noqa: E402
 from tpu_flags import OVERLAP, libtpu_meta  # noqa: E402  (MaxText's overlap flags)
 
 from jaxdist_lessons import hlo  # noqa: E402
@@ -309,18 +310,6 @@ def by_axis(found: list[Scheduled]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def recipe_command(recipe: str) -> tuple[list[str], pathlib.Path]:
-    """How to run the recipe at ``recipe`` (its folder, or its train.py): the command
-    and the folder to run it from. A package (``jaxdist_lm``, or a copy under any name)
-    runs as a module from the folder above it; an older copy without ``__init__.py``,
-    whose modules import each other by bare name, runs its train.py."""
-    path = pathlib.Path(recipe).resolve()
-    folder = path.parent if path.suffix == ".py" else path
-    if (folder / "__init__.py").exists():
-        return [sys.executable, "-m", f"{folder.name}.train"], folder.parent
-    return [sys.executable, str(folder / "train.py")], ROOT
-
-
 def compile_case(
     recipe: str, libtpu: str, model: str, topology: str, mesh: str, flags: list[str]
 ) -> tuple[str, float]:
@@ -336,10 +325,14 @@ def compile_case(
         )
         argv = [*RUN.split(), "--model", model, "--compile-only"]
         argv += ["--mesh", mesh, "--topology", topology]
-        command, cwd = recipe_command(recipe)
+        cwd, prefix = recipe_copy.locate(recipe)
         start = time.perf_counter()
         done = subprocess.run(
-            [*command, *argv], capture_output=True, text=True, env=env, cwd=cwd
+            [sys.executable, "-m", f"{prefix}train", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd,
         )
         seconds = time.perf_counter() - start
         if done.returncode:
