@@ -166,7 +166,7 @@ def state_shapes(model, run: RunConfig):
 def step_zero(hf_dir: pathlib.Path, files: dict, c: Config, run: RunConfig) -> Any:
     """train.py's state at step 0, its params Blocks that read Hugging Face's files,
     AdamW's count and moments zeros (as tx.init's, which the test checks)."""
-    shapes = state_shapes(model_lib.Transformer(c), run)
+    shapes = state_shapes(model_lib.abstract(c), run)
     check_tensors(hf_dir, files, c, shapes.params)
     params = params_from_hf(files, c, shapes.params)
     return jax.tree.map(zero_leaf, shapes).replace(params=params)
@@ -230,12 +230,7 @@ def open_params(checkpoint_dir: pathlib.Path, step: int | None, c: Config):
             having = ", ".join(map(str, steps))
             raise SystemExit(f"{checkpoint_dir} has no step {step}, only {having}")
         metadata = manager.item_metadata(step)["state"]
-    model = model_lib.Transformer(c)
-    wanted = nn.meta.unbox(
-        jax.eval_shape(
-            lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
-        )
-    )
+    wanted = model_lib.params_of(model_lib.abstract(c))
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
     leaves = {}
     for path in leaf_tensors(c):

@@ -10,6 +10,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from . import dropless
@@ -38,43 +39,42 @@ def expert_slots(choice_RTE: jax.Array, gates_TR: jax.Array, capacity: int):
     return dispatch_TEM, combine_TEM, slot_RT < capacity
 
 
-class Experts(nn.Module):
+class Experts(nnx.Module):
     """E SwiGLU experts, a top-k router, a capacity: -> (the output, the auxiliary
     loss); a choice that finds its expert full is dropped (GShard's dispatch)."""
 
-    config: ModelConfig
-    dtype: jnp.dtype
-
-    def expert_weight(self, name: str, shape: tuple[int, ...], names: tuple[str, ...]):
-        init = weight(nn.initializers.normal(shape[1] ** -0.5), names)
-        return self.param(name, init, shape, jnp.float32).astype(self.dtype)
-
-    @nn.compact
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        c = self.config
-        y_BTD, aux_loss = self.routed(x_BTD)
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, *, rngs: nnx.Rngs):
+        c, self.config, self.dtype = config, config, dtype
+        D, E, F = c.width, c.num_experts, c.mlp_width
+        self.router = weight(rngs, (D, E), ("embed", None), D)
+        # DeepSeek-V3's per-expert bias (route), not trained by gradient
+        if c.balance == "bias":
+            self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
+        self.gate = weight(rngs, (E, D, F), ("experts", "embed", "mlp"), D)
+        self.up = weight(rngs, (E, D, F), ("experts", "embed", "mlp"), D)
+        self.down = weight(rngs, (E, F, D), ("experts", "mlp", "embed"), F)
         # DeepSeekMoE's shared experts: one wider MLP that every token goes through
         if c.shared_experts:
             wide = dataclasses.replace(c, mlp_width=c.shared_experts * c.mlp_width)
-            y_BTD += MLP(wide, self.dtype, name="shared")(x_BTD)
+            self.shared = MLP(wide, dtype, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y_BTD, aux_loss = self.routed(x_BTD)
+        if self.config.shared_experts:
+            y_BTD += self.shared(x_BTD)
         return y_BTD, aux_loss
 
     def route(self, x_BGTD: jax.Array):
         """-> (gates, experts, the top-k mask, the auxiliary loss) of each token."""
         c = self.config
-        D, E, R = x_BGTD.shape[-1], c.num_experts, c.top_k
-        router_DE = self.param(
-            "router",
-            weight(nn.initializers.normal(D**-0.5), ("embed", None)),
-            (D, E),
-            jnp.float32,
-        )
+        E, R = c.num_experts, c.top_k
+        router_DE = self.router[...].astype(jnp.float32)
         logits_BGTE = jnp.einsum("bgtd,de->bgte", x_BGTD.astype(jnp.float32), router_DE)
         probs_BGTE = jax.nn.softmax(logits_BGTE, axis=-1)
         # DeepSeek-V3's auxiliary-loss-free balance (arXiv:2412.19437, 2.1.2): a
         # per-expert bias added to the scores that choose the experts, not the gates.
         if c.balance == "bias":
-            bias_E = self.param("router_bias", nn.initializers.zeros, (E,), jnp.float32)
+            bias_E = self.router_bias[...].astype(jnp.float32)
             scores_BGTE = probs_BGTE + jax.lax.stop_gradient(bias_E)
             _, experts_BGTR = jax.lax.top_k(scores_BGTE, R)
             gates_BGTR = jnp.take_along_axis(probs_BGTE, experts_BGTR, axis=-1)
@@ -100,18 +100,16 @@ class Experts(nn.Module):
         """The routed experts' output, and the auxiliary loss."""
         c = self.config
         B, length, D = x_BTD.shape
-        E, R, F = c.num_experts, c.top_k, c.mlp_width
+        E, R = c.num_experts, c.top_k
         T = min(c.group_size, length)
         G = length // T
         M = math.ceil(R * T * c.capacity_factor / E)
         x_BGTD = x_BTD.reshape(B, G, T, D)
         gates_BGTR, experts_BGTR, choice_BGRTE, aux_loss = self.route(x_BGTD)
         dispatch_BGTEM, combine_BGTEM, _ = expert_slots(choice_BGRTE, gates_BGTR, M)
-        w_gate_EDF, w_up_EDF = (
-            self.expert_weight(n, (E, D, F), ("experts", "embed", "mlp"))
-            for n in ("gate", "up")
+        w_gate_EDF, w_up_EDF, w_down_EFD = (
+            w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)
         )
-        w_down_EFD = self.expert_weight("down", (E, F, D), ("experts", "mlp", "embed"))
         # Dropless: every choice computed, sorted by expert (dropless.py).
         if c.dispatch == "dropless":
             y_BTD = dropless_experts(
@@ -135,7 +133,7 @@ class Experts(nn.Module):
             (*local, None),
         )
         x_EBGMD = constrain(x_EBGMD, (*routed, None))
-        h_EBGMF = nn.silu(
+        h_EBGMF = jax.nn.silu(
             jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_gate_EDF)
         ) * jnp.einsum("ebgmd,edf->ebgmf", x_EBGMD, w_up_EDF)
         h_EBGMF = constrain(h_EBGMF, (*routed, "act_mlp"))

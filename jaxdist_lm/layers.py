@@ -1,11 +1,10 @@
 """What model.py and experts.py share: the logical axes of an activation (constrain)
-and of a weight (weight), and the SwiGLU MLP. Shapes as in model.py's legend."""
-
-import functools
+and of a weight (weight, dense), and the SwiGLU MLP. Shapes as in model.py's legend."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from .model_config import ModelConfig
 
@@ -15,23 +14,39 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, names)
 
 
-def weight(init, names: tuple[str, ...]):
-    return nn.with_logical_partitioning(init, names)
+def named(init, names: tuple[str | None, ...]):
+    """``init``, its weight named by axis. Not sharded as it is made: step.py maps the
+    names by layout.py's rules (NNX would read a name no rule maps as a mesh axis)."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-class MLP(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype
+def weight(
+    rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], fan_in: int
+) -> nnx.Param:
+    """A float32 weight drawn from N(0, 1/fan_in), named by axis."""
+    init = named(nnx.initializers.normal(fan_in**-0.5), names)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32))
 
-    @nn.compact
+
+def dense(
+    d_in: int, d_out: int, names: tuple[str, str], dtype, rngs: nnx.Rngs
+) -> nnx.Linear:
+    """A float32 kernel without bias, N(0, 1/d_in), used in the compute type."""
+    init = named(nnx.initializers.normal(d_in**-0.5), names)
+    return nnx.Linear(
+        d_in, d_out, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs
+    )
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``gate`` and ``up`` split by column, ``down`` by row."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, *, rngs: nnx.Rngs):
+        D, F = config.width, config.mlp_width
+        self.gate = dense(D, F, ("embed", "mlp"), dtype, rngs)
+        self.up = dense(D, F, ("embed", "mlp"), dtype, rngs)
+        self.down = dense(F, D, ("mlp", "embed"), dtype, rngs)
+
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        c = self.config
-        dense = functools.partial(
-            nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32
-        )
-        up_init = weight(nn.initializers.normal(c.width**-0.5), ("embed", "mlp"))
-        gate_BTF = dense(c.mlp_width, kernel_init=up_init, name="gate")(x_BTD)
-        up_BTF = dense(c.mlp_width, kernel_init=up_init, name="up")(x_BTD)
-        h_BTF = constrain(nn.silu(gate_BTF) * up_BTF, ("batch", "act_seq", "act_mlp"))
-        down_init = weight(nn.initializers.normal(c.mlp_width**-0.5), ("mlp", "embed"))
-        return dense(c.width, kernel_init=down_init, name="down")(h_BTF)
+        h_BTF = nnx.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        return self.down(constrain(h_BTF, ("batch", "act_seq", "act_mlp")))

@@ -30,6 +30,8 @@ BATCH = ("data", "fsdp", "expert")
 # 'expert' is one more data axis); the sequence over 'sequence' (context parallelism)
 # and, between blocks, over 'tensor' too (Megatron's sequence parallelism); routed
 # tokens by expert, not by row; the embedding lookup's output by the batch's replicas.
+# A head's width ("head_dim") is never split: named None, since NNX keeps a name that
+# no rule maps as a mesh axis's name.
 RULES = (
     ("batch", BATCH),
     ("expert_batch", ("data", "fsdp")),
@@ -40,6 +42,7 @@ RULES = (
     ("act_experts", "expert"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
+    ("head_dim", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("act_seq", "sequence"),

@@ -29,6 +29,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -44,7 +45,7 @@ from .attention import (
     ring_attention,
 )
 from .experts import Experts
-from .layers import MLP, constrain, weight
+from .layers import MLP, constrain, dense, named, weight
 from .model_config import ModelConfig, RopeScaling
 
 REMAT_POLICIES = {
@@ -68,19 +69,17 @@ OFFLOADED = jax.checkpoint_policies.save_and_offload_only_these_names(
 )
 
 
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: jnp.dtype
+class RMSNorm(nnx.Module):
+    """x / RMS(x) x scale: the statistics in float32, whatever the compute type."""
 
-    @nn.compact
+    def __init__(self, width: int, eps: float, dtype: jnp.dtype):
+        self.eps, self.dtype = eps, dtype
+        self.scale = nnx.Param(named(jnp.ones, ("embed",))((width,), jnp.float32))
+
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        scale = self.param(
-            "scale", weight(nn.initializers.ones, ("embed",)), x_BTD.shape[-1:]
-        )
-        # the statistics in float32, whatever the compute type
         x = x_BTD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * scale).astype(self.dtype)
+        return (x * self.scale[...]).astype(self.dtype)
 
 
 def rope_frequencies(
@@ -129,34 +128,40 @@ def rope(
     return rotated.astype(x_BTNA.dtype)
 
 
-class Attention(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype
-    # the sequence is split over the 'sequence' mesh axis
-    context_parallel: bool = False
-    # one of ATTENTIONS (ring attention uses chunked blocks)
-    attention: str = "xla"
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, by one of ATTENTIONS' kernels; with
+    ``context_parallel``, ring attention over the 'sequence' mesh axis."""
 
-    def project(
-        self, name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype,
+        context_parallel: bool = False,
+        attention: str = "xla",
+        *,
+        rngs: nnx.Rngs,
     ):
-        init = weight(nn.initializers.normal(fan_in**-0.5), names)
-        return self.param(name, init, shape, jnp.float32).astype(self.dtype)
+        c, self.config, self.dtype = config, config, dtype
+        self.context_parallel, self.attention = context_parallel, attention
+        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width
+        # Column-parallel: each 'tensor' device computes its own heads, whole.
+        self.query = weight(rngs, (D, N, A), ("embed", "heads", "head_dim"), D)
+        self.k = weight(rngs, (D, K, A), ("embed", "kv_heads", "head_dim"), D)
+        self.v = weight(rngs, (D, K, A), ("embed", "kv_heads", "head_dim"), D)
+        # Row-parallel: each device's heads give a partial sum, which the layout after
+        # the block reduces (an all-reduce, or under sequence parallelism a
+        # reduce-scatter).
+        self.out = weight(rngs, (N, A, D), ("heads", "head_dim", "embed"), N * A)
 
-    @nn.compact
     def __call__(
         self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> jax.Array:
         c = self.config
-        D, N, K, A = c.width, c.num_heads, c.num_kv_heads, c.head_width
+        w_DNA, w_DKA, w_DKA_v, w_NAD = (
+            w[...].astype(self.dtype) for w in (self.query, self.k, self.v, self.out)
+        )
         # RoPE counts from each document's start, if documents are masked
         rope_positions = positions_T if starts_BT is None else positions_T - starts_BT
-        # Column-parallel: each 'tensor' device computes its own heads, whole.
-        w_DNA = self.project("query", (D, N, A), ("embed", "heads", "head_dim"), D)
-        w_kv = [
-            self.project(n, (D, K, A), ("embed", "kv_heads", "head_dim"), D)
-            for n in "kv"
-        ]
         q_BTNA = rope(
             jnp.einsum("btd,dna->btna", x_BTD, w_DNA),
             rope_positions,
@@ -164,12 +169,12 @@ class Attention(nn.Module):
             c.rope_scaling,
         )
         k_BTKA = rope(
-            jnp.einsum("btd,dka->btka", x_BTD, w_kv[0]),
+            jnp.einsum("btd,dka->btka", x_BTD, w_DKA),
             rope_positions,
             c.rope_theta,
             c.rope_scaling,
         )
-        v_BTKA = jnp.einsum("btd,dka->btka", x_BTD, w_kv[1])
+        v_BTKA = jnp.einsum("btd,dka->btka", x_BTD, w_DKA_v)
         q_BTNA = constrain(q_BTNA, ("batch", "act_seq", "act_heads", None))
         k_BTKA = constrain(k_BTKA, ("batch", "act_seq", "act_kv_heads", None))
         v_BTKA = constrain(v_BTKA, ("batch", "act_seq", "act_kv_heads", None))
@@ -214,10 +219,6 @@ class Attention(nn.Module):
         else:
             raise ValueError(f"attention {self.attention!r}: expected {ATTENTIONS}")
         out_BTNA = constrain(out_BTNA, ("batch", "act_seq", "act_heads", None))
-        # Row-parallel: each device's heads give a partial sum, which the layout after
-        # the block reduces (an all-reduce, or under sequence parallelism a
-        # reduce-scatter).
-        w_NAD = self.project("out", (N, A, D), ("heads", "head_dim", "embed"), N * A)
         return jnp.einsum("btna,nad->btd", out_BTNA, w_NAD)
 
 
@@ -234,34 +235,43 @@ LOOKUP = ("lookup_batch", None, "embed")
 LOOKUPS = ("xla", "rows", "table")
 
 
-class Block(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype
-    context_parallel: bool = False
-    attention: str = "xla"
+class Block(nnx.Module):
+    """One layer: attention, then the MLP or the experts, each after an RMSNorm and
+    added to the residual stream."""
 
-    @nn.compact
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype,
+        context_parallel: bool = False,
+        attention: str = "xla",
+        *,
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        self.attention_norm = RMSNorm(c.width, c.norm_eps, dtype)
+        self.attention = Attention(c, dtype, context_parallel, attention, rngs=rngs)
+        self.mlp_norm = RMSNorm(c.width, c.norm_eps, dtype)
+        if c.num_experts:
+            self.experts = Experts(c, dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(c, dtype, rngs=rngs)
+
     def __call__(
         self, x_BTD: jax.Array, positions_T: jax.Array, starts_BT: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
-        c = self.config
         # the name OFFLOADED sends to the host
         x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
         # Each block's input is gathered whole along the sequence (an all-gather where
         # the residual is split over 'tensor'), then split by heads or MLP columns.
-        h = constrain(
-            RMSNorm(c.norm_eps, self.dtype, name="attention_norm")(x_BTD), WHOLE
-        )
-        attention = Attention(
-            c, self.dtype, self.context_parallel, self.attention, name="attention"
-        )
-        x_BTD = constrain(x_BTD + attention(h, positions_T, starts_BT), RESIDUAL)
-        h = constrain(RMSNorm(c.norm_eps, self.dtype, name="mlp_norm")(x_BTD), WHOLE)
-        if c.num_experts:
-            y_BTD, aux_loss = Experts(c, self.dtype, name="experts")(h)
+        h = constrain(self.attention_norm(x_BTD), WHOLE)
+        x_BTD = constrain(x_BTD + self.attention(h, positions_T, starts_BT), RESIDUAL)
+        h = constrain(self.mlp_norm(x_BTD), WHOLE)
+        if hasattr(self, "experts"):
+            y_BTD, aux_loss = self.experts(h)
         else:
-            y_BTD, aux_loss = MLP(c, self.dtype, name="mlp")(h), jnp.zeros(())
-        # nn.scan's (carry, output)
+            y_BTD, aux_loss = self.mlp(h), jnp.zeros(())
+        # jax.lax.scan's (carry, output)
         return constrain(x_BTD + y_BTD, RESIDUAL), aux_loss
 
 
@@ -275,82 +285,71 @@ def embedding_stddev(config: ModelConfig) -> float:
     return config.width**-0.5 if config.tie_embeddings else 1.0
 
 
-class Transformer(nn.Module):
+class Transformer(nnx.Module):
     """Token ids -> (logits, the experts' auxiliary loss over all layers; 0 if dense),
     given the columns' ``positions_T`` (the zigzag's) and the documents' ``starts_BT``.
+
+    The settings after ``config`` say how it computes, not what it holds:
+
+    - ``dtype``: the compute type; the weights stay float32.
+    - ``remat``: one of REMAT_POLICIES; with ``offload_activations`` ("full" only),
+      each layer's input kept in the host's memory (OFFLOADED).
+    - ``scan_unroll``: layers per loop iteration; num_layers leaves no loop (XLA's
+      cost_analysis counts a loop's body once, whatever its trip count).
+    - ``context_parallel``: ring attention over the 'sequence' mesh axis.
+    - ``attention``: "xla", jax.nn.dot_product_attention's reference (the T x S
+      scores in float32); "cudnn", cuDNN's fused kernel (NVIDIA GPUs, bfloat16);
+      "splash", JAX's Pallas kernel for TPUs (splash.py); "chunked", blocks of an
+      online softmax in plain JAX, memory linear in the sequence.
+    - ``lookup``: the embedding lookup, one of LOOKUPS (mesh_spec.lookup says which).
+      On a mesh whose batch has replicas ('data' or 'expert'), left to XLA ("xla"),
+      the lookup's gradient asks XLA's partitioner to go from rows split over all
+      devices to the width split over 'fsdp' and rows whole, which it can only do by
+      gathering the whole array ("Involuntary full rematerialization"). "rows": the
+      lookup's output is laid out as the table (LOOKUP) before the residual's layout,
+      so the activations move to the table's shards and back in all-to-alls. "table":
+      the table is gathered over 'fsdp' first (as FSDP gathers a layer), so the tokens
+      are looked up where they are.
     """
 
-    config: ModelConfig
-    # the compute type; the weights stay float32
-    dtype: jnp.dtype = jnp.float32
-    remat: str = "full"
-    # With remat "full": each layer's input kept in the host's memory (OFFLOADED).
-    offload_activations: bool = False
-    # Layers per loop iteration; num_layers leaves no loop (XLA's cost_analysis counts a
-    # loop's body once, whatever its trip count).
-    scan_unroll: int = 1
-    # ring attention over the 'sequence' mesh axis
-    context_parallel: bool = False
-    # "xla": jax.nn.dot_product_attention's reference (the T x S scores in float32);
-    # "cudnn": cuDNN's fused kernel (NVIDIA GPUs, bfloat16); "splash": JAX's Pallas
-    # kernel for TPUs (splash.py); "chunked": blocks of an online softmax in plain JAX,
-    # memory linear in the sequence.
-    attention: str = "xla"
-    # The embedding lookup, one of LOOKUPS (mesh_spec.lookup says which). On a mesh
-    # whose batch has replicas ('data' or 'expert'), left to XLA ("xla"), the lookup's
-    # gradient asks XLA's partitioner to go from rows split over all devices to the
-    # width split over 'fsdp' and rows whole, which it can only do by gathering the
-    # whole array ("Involuntary full rematerialization"). "rows": the lookup's output is
-    # laid out as the table (LOOKUP) before the residual's layout, so the activations
-    # move to the table's shards and back in all-to-alls. "table": the table is
-    # gathered over 'fsdp' first (as FSDP gathers a layer), so the tokens are looked up
-    # where they are.
-    lookup: str = "xla"
-
-    def setup(self):
-        c = self.config
-        self.embed = nn.Embed(
-            c.vocab_size,
-            c.width,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            embedding_init=weight(
-                nn.initializers.normal(embedding_stddev(c)), ("vocab", "embed")
-            ),
-        )
-        block = Block
-        if self.offload_activations and self.remat != "full":
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype = jnp.float32,
+        remat: str = "full",
+        offload_activations: bool = False,
+        scan_unroll: int = 1,
+        context_parallel: bool = False,
+        attention: str = "xla",
+        lookup: str = "xla",
+        *,
+        rngs: nnx.Rngs,
+    ):
+        if offload_activations and remat != "full":
             raise ValueError(
                 f"offloading activations is full remat with each layer's input in "
-                f"host memory; remat is {self.remat!r}"
+                f"host memory; remat is {remat!r}"
             )
-        if self.remat != "none":
-            policy = REMAT_POLICIES[self.remat]
-            block = nn.remat(
-                Block,
-                policy=OFFLOADED if self.offload_activations else policy,
-                prevent_cse=False,
-            )
-        self.layers = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=nn.broadcast,
-            length=c.num_layers,
-            unroll=self.scan_unroll,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dtype, self.context_parallel, self.attention)
-        self.final_norm = RMSNorm(c.norm_eps, self.dtype)
+        c, self.config, self.dtype = config, config, dtype
+        self.remat, self.offload_activations = remat, offload_activations
+        self.scan_unroll, self.context_parallel = scan_unroll, context_parallel
+        self.attention, self.lookup = attention, lookup
+        table = named(nnx.initializers.normal(embedding_stddev(c)), ("vocab", "embed"))
+        self.embed = nnx.Embed(
+            c.vocab_size, c.width, dtype=dtype, embedding_init=table, rngs=rngs
+        )
+
+        # num_layers blocks made as one, each weight with a leading axis of layers
+        # named "layers" (which the rules map to 'pipeline')
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def blocks(rngs: nnx.Rngs) -> Block:
+            return Block(c, dtype, context_parallel, attention, rngs=rngs)
+
+        self.layers = blocks(rngs)
+        self.final_norm = RMSNorm(c.width, c.norm_eps, dtype)
         if not c.tie_embeddings:
-            self.unembed = nn.Dense(
-                c.vocab_size,
-                use_bias=False,
-                dtype=self.dtype,
-                param_dtype=jnp.float32,
-                kernel_init=weight(
-                    nn.initializers.normal(c.width**-0.5), ("embed", "vocab")
-                ),
-            )
+            self.unembed = dense(c.width, c.vocab_size, ("embed", "vocab"), dtype, rngs)
 
     def __call__(
         self,
@@ -378,7 +377,7 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token ids -> the residual stream's first values, in its layout."""
         if self.lookup == "table":
-            table_VD = constrain(self.embed.embedding, ("vocab", None))
+            table_VD = constrain(self.embed.embedding[...], ("vocab", None))
             x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
         elif self.lookup in ("rows", "xla"):
             x_BTD = self.embed(tokens_BT)
@@ -393,7 +392,19 @@ class Transformer(nn.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """The residual stream through every layer (config.num_layers of them: a
         pipeline stage's model has its stage's count) -> (it, the experts' losses)."""
-        x_BTD, aux_losses = self.layers(x_BTD, positions_T, starts_BT)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x_BTD, params):
+            return nnx.merge(graphdef, params)(x_BTD, positions_T, starts_BT)
+
+        if self.remat != "none":
+            policy = REMAT_POLICIES[self.remat]
+            layer = jax.checkpoint(
+                layer,
+                policy=OFFLOADED if self.offload_activations else policy,
+                prevent_cse=False,
+            )
+        x_BTD, aux_losses = jax.lax.scan(layer, x_BTD, stacked, unroll=self.scan_unroll)
         return x_BTD, aux_losses.sum()
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
@@ -405,6 +416,70 @@ class Transformer(nn.Module):
         else:
             logits_BTV = self.unembed(x_BTD)
         return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))
+
+
+# Transformer's settings: how it computes, not what it holds
+SETTINGS = (
+    "dtype",
+    "remat",
+    "offload_activations",
+    "scan_unroll",
+    "context_parallel",
+    "attention",
+    "lookup",
+)
+
+
+def abstract(config: ModelConfig, *settings, **named_settings) -> Transformer:
+    """Transformer(config, *settings, **named_settings) with its weights as shapes
+    (nnx.eval_shape): nothing drawn or held, for a model of any size on any
+    machine."""
+    return nnx.eval_shape(
+        lambda: Transformer(config, *settings, **named_settings, rngs=nnx.Rngs(0))
+    )
+
+
+def variant(model: Transformer, **changes) -> Transformer:
+    """``model`` with some of its settings (or its ``config``) changed, its weights as
+    shapes."""
+    settings = {name: getattr(model, name) for name in SETTINGS} | changes
+    return abstract(settings.pop("config", model.config), **settings)
+
+
+def initialized(model: Transformer, rng: jax.Array) -> Transformer:
+    """``model``'s settings with weights drawn from ``rng``."""
+    settings = {name: getattr(model, name) for name in SETTINGS}
+    return Transformer(model.config, **settings, rngs=nnx.Rngs(rng))
+
+
+def params_of(model: Transformer) -> dict:
+    """The model's weights as nested dicts of arrays, keyed by their paths
+    ({"embed": {"embedding": ...}, "layers": {"attention": {"query": ...}}, ...}):
+    the train state's and the checkpoints' form."""
+    return nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def with_params(model: Transformer, params: dict) -> Transformer:
+    """``model`` holding ``params``: all its weights, or some of its top-level parts
+    (a pipeline stage's "layers", the head's "final_norm" and "unembed"), the others
+    as ``model`` holds them (shapes, for an abstract model: a method that does not use
+    them runs)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, {**state.to_pure_dict(), **params})
+
+
+def logical_params(model: Transformer) -> dict:
+    """params_of, each weight in Linen's ``nn.Partitioned`` box of its logical axis
+    names: the form ``nn.get_partition_spec`` reads, and which optax carries into
+    Adam's moments."""
+
+    def box(variable: nnx.Variable):
+        names = variable.get_metadata().get("out_sharding")
+        return nn.Partitioned(variable[...], names) if names else variable[...]
+
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    boxed = jax.tree.map(box, nnx.state(model, nnx.Param), is_leaf=is_variable)
+    return boxed.to_pure_dict()
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

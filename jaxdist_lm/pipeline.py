@@ -215,8 +215,9 @@ class Pipeline:
         self.prepare = make_inputs(mesh, eod_id)
         self.microbatches = microbatches
         config = model.config
-        self.stage_model = model.clone(
-            config=dataclasses.replace(config, num_layers=config.num_layers // stages)
+        self.stage_model = model_lib.variant(
+            model,
+            config=dataclasses.replace(config, num_layers=config.num_layers // stages),
         )
 
     def stage(self, positions_T):
@@ -224,13 +225,8 @@ class Pipeline:
 
         def run(layers, x_BTD, micro):
             _, starts_BT = micro
-            return self.stage_model.apply(
-                {"params": {"layers": layers}},
-                x_BTD,
-                positions_T,
-                starts_BT,
-                method="run_layers",
-            )
+            stage = model_lib.with_params(self.stage_model, {"layers": layers})
+            return stage.run_layers(x_BTD, positions_T, starts_BT)
 
         return run
 
@@ -238,7 +234,7 @@ class Pipeline:
         """The last stage's loss: the final norm, the output projection, the mean
         next-token loss of the micro-batch."""
         targets_BT, _ = micro
-        logits_BTV = self.model.apply({"params": rest}, x_BTD, method="logits")
+        logits_BTV = model_lib.with_params(self.model, rest).logits(x_BTD)
         return model_lib.cross_entropy(logits_BTV, targets_BT)
 
     def split(self, a):
@@ -250,7 +246,7 @@ class Pipeline:
         (targets, document starts))."""
         inputs_BT, targets_BT, positions_T, starts_BT = self.prepare(tokens_BT)
         params = cast(params, self.shardings, self.dtype)
-        x_BTD = apply_fn({"params": params}, inputs_BT, method="embed_tokens")
+        x_BTD = apply_fn(params).embed_tokens(inputs_BT)
         per_micro = (self.split(targets_BT), self.split(starts_BT))
         return params, x_BTD, positions_T, per_micro
 

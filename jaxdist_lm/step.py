@@ -21,7 +21,8 @@ from .layout import BATCH, RULES, without
 from .pipeline import make_pipeline_grads, make_pipeline_loss
 from .run_config import RunConfig
 
-# (apply_fn, params, tokens_BT) -> (the batch's mean loss, its gradient)
+# (apply_fn, params, tokens_BT) -> (the batch's mean loss, its gradient), where
+# apply_fn(params) is the model holding params (abstract_state's)
 Grads = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -35,10 +36,15 @@ def abstract_state(
     # for one row, with XLA's attention and the capacity's dispatch.
     config = dataclasses.replace(model.config, dispatch="capacity")
 
+    plain = model_lib.variant(
+        model, config=config, context_parallel=False, attention="xla"
+    )
+    # apply_fn(params): the model holding them
+    apply_fn = functools.partial(model_lib.with_params, model)
+
     def init(rng):
-        plain = model.clone(config=config, context_parallel=False, attention="xla")
-        params = plain.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        params = model_lib.logical_params(model_lib.initialized(plain, rng))
+        return train_state.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
     # The weights carry their logical axes. The key is traced too: a mesh of chips that
     # are not here (train.py --topology) runs nothing, not even the key's creation.
@@ -89,9 +95,7 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
     def loss(apply_fn, params, tokens_BT):
         inputs_BT, targets_BT, positions_T, starts_BT = prepare(tokens_BT)
         params = cast(params, shardings, dtype)
-        x_BTD, aux_loss = apply_fn(
-            {"params": params}, inputs_BT, positions_T, starts_BT, method="features"
-        )
+        x_BTD, aux_loss = apply_fn(params).features(inputs_BT, positions_T, starts_BT)
         loss = head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT)
         # The experts' losses train the router; the loss alone is logged.
         return loss + aux_loss, loss
@@ -119,7 +123,7 @@ def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array
         1 if splits_batch else model_lib.loss_chunks(tokens, length, vocab, mesh.size)
     )
     return model_lib.fused_cross_entropy(
-        lambda head, x_BTD: apply_fn({"params": head}, x_BTD, method="logits"),
+        lambda head, x_BTD: apply_fn(head).logits(x_BTD),
         head,
         x_BTD,
         targets_BT,

@@ -357,7 +357,7 @@ def setup(run: RunConfig, devices=None):
             f"worst-case buffers (room for all of a device's choices for every "
             f"device): {platform} has no jax.lax.ragged_all_to_all"
         )
-    model = model_lib.Transformer(
+    model = model_lib.abstract(
         config,
         jnp.dtype(run.dtype),
         run.remat,
