@@ -159,7 +159,7 @@ def state_shapes(model, run: RunConfig):
     # Shapes only: any mesh will do.
     mesh = train.make_mesh("fsdp=-1")
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        shapes, _ = train.abstract_state(model, train.make_optimizer(run), mesh, 1)
+        shapes, _ = train.abstract_state(model, train.make_optimizer(run), mesh)
     return shapes
 
 

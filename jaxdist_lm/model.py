@@ -1,4 +1,4 @@
-"""A Llama-style decoder in Flax Linen; each weight and activation names its axes.
+"""A Llama-style decoder in Flax NNX; each weight and activation names its axes.
 
 RMSNorm, RoPE, grouped-query attention (kernels in attention.py and splash.py), a
 SwiGLU MLP (layers.py) or experts (experts.py), and a scan over the layers with a remat
@@ -456,7 +456,7 @@ def params_of(model: Transformer) -> dict:
     """The model's weights as nested dicts of arrays, keyed by their paths
     ({"embed": {"embedding": ...}, "layers": {"attention": {"query": ...}}, ...}):
     the train state's and the checkpoints' form."""
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def with_params(model: Transformer, params: dict) -> Transformer:
@@ -465,7 +465,7 @@ def with_params(model: Transformer, params: dict) -> Transformer:
     as ``model`` holds them (shapes, for an abstract model: a method that does not use
     them runs)."""
     graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, {**state.to_pure_dict(), **params})
+    return nnx.merge(graphdef, {**nnx.to_pure_dict(state), **params})
 
 
 def logical_params(model: Transformer) -> dict:
@@ -479,7 +479,7 @@ def logical_params(model: Transformer) -> dict:
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     boxed = jax.tree.map(box, nnx.state(model, nnx.Param), is_leaf=is_variable)
-    return boxed.to_pure_dict()
+    return nnx.to_pure_dict(boxed)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

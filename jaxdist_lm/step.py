@@ -26,9 +26,7 @@ from .run_config import RunConfig
 Grads = Callable[..., tuple[jax.Array, Any]]
 
 
-def abstract_state(
-    model, tx, mesh, seq_len: int, offload: Collection[str] = (), zero1: bool = False
-):
+def abstract_state(model, tx, mesh, offload: Collection[str] = (), zero1: bool = False):
     """The train state's shapes and shardings, from tracing init under the rules, and
     init; with ``zero1`` the optimizer's state split over 'data' (ZeRO stage 1)."""
 

@@ -368,9 +368,7 @@ def setup(run: RunConfig, devices=None):
     )
     tx = make_optimizer(run)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        shapes, init = abstract_state(
-            model, tx, mesh, run.seq_len, run.offload, run.zero1
-        )
+        shapes, init = abstract_state(model, tx, mesh, run.offload, run.zero1)
     step = make_train_step(jax.tree.map(lambda s: s.sharding, shapes), mesh, run, model)
     return mesh, model, tx, step, shapes, init
 
