@@ -28,7 +28,8 @@ Grads = Callable[..., tuple[jax.Array, Any]]
 
 def abstract_state(model, tx, mesh, offload: Collection[str] = (), zero1: bool = False):
     """The train state's shapes and shardings, from tracing init under the rules (the
-    weights' logical names, through logical_params), and init; with ``zero1`` the optimizer's state split over 'data' (ZeRO stage 1)."""
+    weights' logical names, through logical_params), and init; with ``zero1`` the
+    optimizer's state split over 'data' (ZeRO stage 1)."""
 
     # The weights are the same whatever the attention and the experts' dispatch: made
     # with XLA's attention and the capacity's dispatch.
