@@ -1,10 +1,11 @@
 """Linen or NNX for the LM recipe's layers: one block, compiled and timed in both APIs.
 
-``jaxdist_lessons/models/nnx_block.py`` writes the recipe's Linen ``Block``
-(``jaxdist_lm/model.py``) in Flax NNX: the same weights under the same paths and logical
-names, the recipe's own functions for the arithmetic. This builds both for one preset's
-width and takes the same step with each, the gradient of a squared loss on the block's
-output with respect to its weights, in bfloat16 compute over float32 weights:
+The recipe's ``Block`` (``jaxdist_lm/model.py``) is Flax NNX;
+``jaxdist_lessons/models/linen_block.py`` writes it in Flax Linen, as the recipe was
+written before: the same weights under the same paths and logical names, the recipe's
+own functions for the arithmetic. This builds both for one preset's width and takes the
+same step with each, the gradient of a squared loss on the block's output with respect
+to its weights, in bfloat16 compute over float32 weights:
 
 - compiled on a ``data=2,fsdp=2,tensor=2`` mesh of 8 devices, the weights laid out by the
   recipe's rules: the bytes of each collective kind, the arguments and temporaries a
@@ -39,24 +40,23 @@ OPCODE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .+? ([a-z][a-z0-9-]*)\(", re.M)
 
 
 def blocks(preset: str, batch: int, seq_len: int):
-    """The Linen block with its weights, the NNX block given the same weights, and an
-    input of ``batch`` x ``seq_len`` in bfloat16."""
-    import flax.linen as nn
+    """The recipe's NNX block with its weights, the Linen block, its variables (the NNX
+    block's weights, the paths being the same), and an input of ``batch`` x
+    ``seq_len`` in bfloat16."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist_lessons.models import nnx_block
+    from jaxdist_lessons.models import linen_block
     from jaxdist_lm import model, model_config
 
     config = model_config.PRESETS[preset]
     x_BTD = jax.random.normal(jax.random.key(0), (batch, seq_len, config.width))
     x_BTD = x_BTD.astype(jnp.bfloat16)
     positions_T = jnp.arange(seq_len)
-    linen = model.Block(config, jnp.bfloat16)
-    variables = linen.init(jax.random.key(1), x_BTD, positions_T, None)
-    block = nnx_block.NNXBlock(config, jnp.bfloat16, rngs=nnx.Rngs(2))
-    nnx.update(block, nn.meta.unbox(variables["params"]))
+    block = model.Block(config, jnp.bfloat16, rngs=nnx.Rngs(1))
+    linen = linen_block.LinenBlock(config, jnp.bfloat16)
+    variables = {"params": nnx.to_pure_dict(nnx.state(block, nnx.Param))}
     return linen, variables, block, x_BTD, positions_T
 
 
@@ -72,20 +72,23 @@ def steps(linen, variables, block, positions_T):
         return jnp.mean(jnp.square(y_BTD.astype(jnp.float32)))
 
     def linen_loss(params, x_BTD):
-        y_BTD, _ = linen.apply({"params": params}, x_BTD, positions_T, None)
-        return square(y_BTD)
+        return square(linen.apply({"params": params}, x_BTD, positions_T))
 
     graph, state = nnx.split(block)
 
     def nnx_loss(state, x_BTD):
-        return square(nnx.merge(graph, state)(x_BTD, positions_T))
+        # (output, the experts' loss: 0 for a dense block)
+        y_BTD, _ = nnx.merge(graph, state)(x_BTD, positions_T, None)
+        return square(y_BTD)
 
-    linen_names = nn.get_partition_spec(variables)["params"]
+    # Linen's names are in the boxes init makes: traced for them, nothing drawn.
+    x_BTD = jnp.zeros((1, positions_T.shape[0], linen.config.width))
+    boxed = jax.eval_shape(linen.init, jax.random.key(0), x_BTD, positions_T)
     return {
         "linen": (
             jax.grad(linen_loss),
-            nn.meta.unbox(variables["params"]),
-            linen_names,
+            variables["params"],
+            nn.get_partition_spec(boxed)["params"],
         ),
         "nnx": (jax.grad(nnx_loss), state, nnx.get_partition_spec(state)),
     }
@@ -115,7 +118,7 @@ def compiled(preset: str, batch: int, seq_len: int) -> dict[str, dict]:
     )
     linen, variables, block, x_BTD, positions_T = blocks(preset, batch, seq_len)
     rows = NamedSharding(mesh, P(("data", "fsdp")))
-    # Unboxed outside the mesh: under it, unbox would constrain the weights eagerly.
+    # Linen's names traced outside the mesh: under it, init would constrain them.
     both = steps(linen, variables, block, positions_T)
     out = {}
     with jax.set_mesh(mesh), nn.logical_axis_rules(layout.RULES):

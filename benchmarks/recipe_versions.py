@@ -122,6 +122,12 @@ def main(argv=None) -> dict:
             "jax_version": jax.__version__,
             "flax_version": flax.__version__,
             "copies": copies,
+            "cases": {
+                name: dict(zip(FIELDS, CASES[name], strict=True))
+                for name in args.cases.split(",")
+            },
+            "skip": tpu_report.SKIP,
+            "steps": tpu_report.STEPS,
             "command": " ".join(
                 ["python", "benchmarks/recipe_versions.py", *sys.argv[1:]]
             ),

@@ -7,7 +7,6 @@ import dataclasses
 import math
 import re
 import time
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -21,10 +20,6 @@ from . import model as model_lib
 from .hlo_dtypes import BYTES
 from .layout import BATCH, RULES
 from .run_config import RunConfig
-
-# train.py's: the step and the state's shapes at another --global-batch
-Rebuild = Callable[[int], tuple]
-
 
 # A computation's first line (its name), and an instruction's: its name, its shape, its
 # opcode (an async op's "-start" apart).
@@ -225,13 +220,11 @@ def offloaded_activations(step, shapes, run: RunConfig, mesh) -> str:
     )
 
 
-def compile_only(
-    step, shapes, run: RunConfig, mesh, eval_step=None, rebuild: Rebuild | None = None
-) -> None:
+def compile_only(step, shapes, run: RunConfig, mesh, eval_step=None) -> None:
     """Compile one step at full size, allocating nothing, and print its costs.
 
     Also the evaluation step's memory (``eval_step``) and, where the devices report a
-    limit, the largest --global-batch that fits, found with ``rebuild``."""
+    limit, the largest --global-batch that fits (largest_batch)."""
     start = time.perf_counter()
     try:
         compiled = lower_step(step, shapes, run, mesh).compile()
@@ -240,7 +233,7 @@ def compile_only(
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         needed = needed_bytes(str(error), sum(state_bytes(shapes)))
-        largest = rebuild and needed and largest_batch(rebuild, run, mesh, needed)
+        largest = needed and largest_batch(step, shapes, run, mesh, needed)
         raise SystemExit(
             out_of_memory(str(error), shapes, run, mesh, largest)
         ) from None
@@ -281,7 +274,7 @@ def compile_only(
             f"the evaluation step: total "
             f"{program_total(held_out.memory_analysis()) / 1e9:.3f} GB a device"
         )
-    if rebuild and (line := largest_batch(rebuild, run, mesh, total)):
+    if line := largest_batch(step, shapes, run, mesh, total):
         print(line, flush=True)
 
 
@@ -341,9 +334,10 @@ def most_rows(rows: tuple[int, int], totals: tuple[int, int], limit: int) -> int
     return max(int((limit - (t1 - per_row * r1)) // per_row), 0)
 
 
-def largest_batch(rebuild: Rebuild, run: RunConfig, mesh, total: int) -> str | None:
+def largest_batch(step, shapes, run: RunConfig, mesh, total: int) -> str | None:
     """The largest --global-batch at this --grad-accum that fits the devices' memory,
-    from ``total`` (the step's bytes) and a second compilation at half the batch."""
+    from ``total`` (the step's bytes) and a second compilation of the same step at half
+    the batch (the state does not depend on the batch, only the tokens' shape does)."""
     ways = math.prod(mesh.shape[axis] for axis in BATCH)
     # a micro-batch's rows on one device
     rows = run.global_batch // (run.grad_accum * ways)
@@ -351,8 +345,7 @@ def largest_batch(rebuild: Rebuild, run: RunConfig, mesh, total: int) -> str | N
     if rows < 2 or rows % 2 or not limit:
         return None
     halved = dataclasses.replace(run, global_batch=run.global_batch // 2)
-    half_step, half_shapes = rebuild(halved.global_batch)
-    half = step_bytes(half_step, half_shapes, halved, mesh)
+    half = step_bytes(step, shapes, halved, mesh)
     if half is None:
         return None
     most = most_rows((rows, rows // 2), (total, half), limit)

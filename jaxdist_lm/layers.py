@@ -14,7 +14,7 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, names)
 
 
-def named(init, names: tuple[str | None, ...]):
+def by_axes(init, names: tuple[str | None, ...]):
     """``init``, its weight named by axis. Not sharded as it is made: step.py maps the
     names by layout.py's rules (NNX would read a name no rule maps as a mesh axis)."""
     return nnx.with_partitioning(init, names, eager_sharding=False)
@@ -24,7 +24,7 @@ def weight(
     rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], fan_in: int
 ) -> nnx.Param:
     """A float32 weight drawn from N(0, 1/fan_in), named by axis."""
-    init = named(nnx.initializers.normal(fan_in**-0.5), names)
+    init = by_axes(nnx.initializers.normal(fan_in**-0.5), names)
     return nnx.Param(init(rngs.params(), shape, jnp.float32))
 
 
@@ -32,7 +32,7 @@ def dense(
     d_in: int, d_out: int, names: tuple[str, str], dtype, rngs: nnx.Rngs
 ) -> nnx.Linear:
     """A float32 kernel without bias, N(0, 1/d_in), used in the compute type."""
-    init = named(nnx.initializers.normal(d_in**-0.5), names)
+    init = by_axes(nnx.initializers.normal(d_in**-0.5), names)
     return nnx.Linear(
         d_in, d_out, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs
     )

@@ -45,7 +45,7 @@ from .attention import (
     ring_attention,
 )
 from .experts import Experts
-from .layers import MLP, constrain, dense, named, weight
+from .layers import MLP, by_axes, constrain, dense, weight
 from .model_config import ModelConfig, RopeScaling
 
 REMAT_POLICIES = {
@@ -74,7 +74,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, width: int, eps: float, dtype: jnp.dtype):
         self.eps, self.dtype = eps, dtype
-        self.scale = nnx.Param(named(jnp.ones, ("embed",))((width,), jnp.float32))
+        self.scale = nnx.Param(by_axes(jnp.ones, ("embed",))((width,), jnp.float32))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x = x_BTD.astype(jnp.float32)
@@ -334,7 +334,9 @@ class Transformer(nnx.Module):
         self.remat, self.offload_activations = remat, offload_activations
         self.scan_unroll, self.context_parallel = scan_unroll, context_parallel
         self.attention, self.lookup = attention, lookup
-        table = named(nnx.initializers.normal(embedding_stddev(c)), ("vocab", "embed"))
+        table = by_axes(
+            nnx.initializers.normal(embedding_stddev(c)), ("vocab", "embed")
+        )
         self.embed = nnx.Embed(
             c.vocab_size, c.width, dtype=dtype, embedding_init=table, rngs=rngs
         )
@@ -393,6 +395,10 @@ class Transformer(nnx.Module):
         """The residual stream through every layer (config.num_layers of them: a
         pipeline stage's model has its stage's count) -> (it, the experts' losses)."""
         graphdef, stacked = nnx.split(self.layers)
+        # an array, whose uses the layers' scan traces (as Linen's nn.scan did): numpy's
+        # (inputs.py's) would be computed on as the program is traced, and compiled in
+        # as constants
+        positions_T = jnp.asarray(positions_T)
 
         def layer(x_BTD, params):
             return nnx.merge(graphdef, params)(x_BTD, positions_T, starts_BT)
@@ -469,13 +475,14 @@ def with_params(model: Transformer, params: dict) -> Transformer:
 
 
 def logical_params(model: Transformer) -> dict:
-    """params_of, each weight in Linen's ``nn.Partitioned`` box of its logical axis
-    names: the form ``nn.get_partition_spec`` reads, and which optax carries into
-    Adam's moments."""
+    """params_of, each weight in Linen's ``nn.LogicallyPartitioned`` box of its
+    logical axis names: the form ``nn.get_partition_spec`` reads, and which optax
+    carries into Adam's moments; unboxed under a mesh, the names go through the rules
+    (``nn.logical_axis_rules``), as Linen's ``nn.with_logical_partitioning`` did."""
 
     def box(variable: nnx.Variable):
         names = variable.get_metadata().get("out_sharding")
-        return nn.Partitioned(variable[...], names) if names else variable[...]
+        return nn.LogicallyPartitioned(variable[...], names) if names else variable[...]
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     boxed = jax.tree.map(box, nnx.state(model, nnx.Param), is_leaf=is_variable)

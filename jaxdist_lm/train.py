@@ -384,13 +384,7 @@ def main(argv=None) -> None:
     mesh, model, _, step, shapes, init = setup(run, devices)
     if run.compile_only:
         held_out = held_out_step(run, mesh, model, shapes) if run.eval_every else None
-
-        def rebuild(global_batch: int) -> tuple:
-            """The step and the state's shapes at another --global-batch."""
-            other = dataclasses.replace(run, global_batch=global_batch)
-            return setup(other, devices)[3:5]
-
-        return compile_only(step, shapes, run, mesh, held_out, rebuild)
+        return compile_only(step, shapes, run, mesh, held_out)
     try:
         train(run, mesh, model, step, shapes, init)
     # Out of memory: one line, no traceback.

@@ -1,6 +1,7 @@
-"""benchmarks/linen_nnx.py: the recipe's block in Linen and in NNX compiles to the same
-program, here for the tiny preset and in book/data for 125m; and on the chip the two steps
-take the same time (book/data/linen_nnx_tpu_*.json, measured once on a TPU v5e)."""
+"""benchmarks/linen_nnx.py: the recipe's NNX block and its Linen twin
+(jaxdist_lessons/models/linen_block.py) compile to the same program, here for the tiny
+preset and in book/data for 125m; and on the chip the two steps take the same time
+(book/data/linen_nnx_tpu_*.json, measured once on a TPU v5e)."""
 
 import json
 import pathlib
