@@ -39,16 +39,6 @@ CASES = {
     "125m": ("125m", 2048, "splash", 16, 1, "dots", "none", "float32"),
     "1b": ("1b", 2048, "splash", 2, 1, "full", "none", "bfloat16"),
 }
-FIELDS = (
-    "model",
-    "seq_len",
-    "attention",
-    "global_batch",
-    "grad_accum",
-    "remat",
-    "offload",
-    "moments",
-)
 
 
 def run_copy(recipe: str, case: dict, data: str, cache: str, timeout: float) -> dict:
@@ -102,7 +92,7 @@ def main(argv=None) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.cases.split(","):
-            case = dict(zip(FIELDS, CASES[name], strict=True))
+            case = dict(zip(tpu_report.KEYS, CASES[name], strict=True))
             vocab = model_config.PRESETS[case["model"]].vocab_size
             rows_needed = case["global_batch"] * (tpu_report.STEPS + 2)
             data = tpu_report.random_tokens(
@@ -123,7 +113,7 @@ def main(argv=None) -> dict:
             "flax_version": flax.__version__,
             "copies": copies,
             "cases": {
-                name: dict(zip(FIELDS, CASES[name], strict=True))
+                name: dict(zip(tpu_report.KEYS, CASES[name], strict=True))
                 for name in args.cases.split(",")
             },
             "skip": tpu_report.SKIP,
