@@ -128,6 +128,7 @@ def dimensions(
     found = [
         Dimension(f"width {c.width}", c.width, "embed"),
         Dimension(f"num_layers {c.num_layers}", c.num_layers, "layers", virtual),
+        Dimension(f"head_width {c.head_width}", c.head_width, "head_dim"),
     ]
     for field, names in (
         ("num_heads", ("heads", "act_heads")),
@@ -235,7 +236,7 @@ def uneven(
     rules, out = dict(RULES), []
     for d in dimensions(config, sizes, run, lookup):
         axes = rules[d.name]
-        axes = (axes,) if isinstance(axes, str) else axes
+        axes = (axes,) if isinstance(axes, str) else axes or ()
         ways = math.prod(sizes[a] for a in axes) * d.chunks
         if d.size % ways == 0:
             continue

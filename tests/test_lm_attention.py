@@ -33,6 +33,17 @@ B, T, N, K, A = 2, 64, 4, 2, 16
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 
 
+def apply(model):
+    """The model's forward pass as a function of its weights: (params, tokens, ...)."""
+    return lambda params, *inputs: model_lib.with_params(model, params)(*inputs)
+
+
+def init(model, rng) -> dict:
+    """The model's weights, drawn from ``rng`` (compiled)."""
+    draw = lambda rng: model_lib.params_of(model_lib.initialized(model, rng))
+    return jax.jit(draw)(rng)
+
+
 def reference(q_BTNA, k_BTKA, v_BTKA):
     return jax.nn.dot_product_attention(
         q_BTNA, k_BTKA, v_BTKA, is_causal=True, implementation="xla"
@@ -153,14 +164,15 @@ def test_the_model_gives_xla_logits_with_chunked_attention():
     heads): the logits of XLA's attention, with the same weights."""
     config = model_config.PRESETS["tiny"]
     tokens_BT = jax.random.randint(jax.random.key(1), (4, 128), 0, config.vocab_size)
-    xla = model_lib.Transformer(config, attention="xla")
-    params = nn.meta.unbox(jax.jit(xla.init)(jax.random.key(2), tokens_BT))
+    xla = model_lib.abstract(config, attention="xla")
+    params = init(xla, jax.random.key(2))
     mesh = train.make_mesh("data=4,tensor=2")
     logits = {}
     for kind in ("xla", "chunked"):
         with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
             # traced once: its jaxpr read, then compiled and run
-            traced = jax.jit(xla.clone(attention=kind).apply).trace(params, tokens_BT)
+            model = model_lib.variant(xla, attention=kind)
+            traced = jax.jit(apply(model)).trace(params, tokens_BT)
             jaxpr = str(traced.jaxpr)
             logits[kind], _ = traced.lower().compile()(params, tokens_BT)
         assert ("shard_map" in jaxpr) == (kind == "chunked")
@@ -223,8 +235,8 @@ def packed():
     config = dataclasses.replace(model_config.PRESETS["tiny"], num_layers=2)
     tokens_BT = jax.random.randint(jax.random.key(3), (4, 64), 1, config.vocab_size)
     tokens_BT = tokens_BT.at[:, np.cumsum(LENGTHS) - 1].set(EOD)
-    model = model_lib.Transformer(config, remat="none", attention="xla")
-    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(4), tokens_BT))
+    model = model_lib.abstract(config, remat="none", attention="xla")
+    params = init(model, jax.random.key(4))
     return model, params, tokens_BT
 
 
@@ -233,9 +245,9 @@ def alone(model, params, tokens_BT) -> jax.Array:
     logits put back side by side. Compiled (two programs, for 16 and 32 tokens): op by
     op, the three runs took seconds."""
     cuts = np.cumsum((0, *LENGTHS))
-    apply = jax.jit(model.apply)
+    run = jax.jit(apply(model))
     return jnp.concatenate(
-        [apply(params, tokens_BT[:, a:b])[0] for a, b in zip(cuts[:-1], cuts[1:])],
+        [run(params, tokens_BT[:, a:b])[0] for a, b in zip(cuts[:-1], cuts[1:])],
         axis=1,
     )
 
@@ -248,12 +260,12 @@ def test_a_packed_row_gives_each_documents_logits_alone(packed, kind, monkeypatc
     others' blocks."""
     model, params, tokens_BT = packed
     monkeypatch.setattr(model_lib, "BLOCK", 16)
-    model = model.clone(attention=kind)
+    model = model_lib.variant(model, attention=kind)
     starts_BT = attention_lib.document_starts(tokens_BT, EOD)
-    masked, _ = jax.jit(model.apply)(params, tokens_BT, None, starts_BT)
+    masked, _ = jax.jit(apply(model))(params, tokens_BT, None, starts_BT)
     expected = alone(model, params, tokens_BT)
     np.testing.assert_allclose(masked, expected, **CLOSE)
-    unmasked, _ = jax.jit(model.apply)(params, tokens_BT)
+    unmasked, _ = jax.jit(apply(model))(params, tokens_BT)
     np.testing.assert_allclose(unmasked[:, :16], expected[:, :16], **CLOSE)
     assert np.abs(unmasked[:, 16:] - expected[:, 16:]).min(axis=-1).max() > 1e-3
 
@@ -272,7 +284,7 @@ def test_document_masking_gradients_agree_across_xla_chunked_and_the_ring(
     def loss_and_grads(model, order):
         def loss(params):
             starts_BT = attention_lib.document_starts(tokens_BT, EOD)
-            logits_BTV, _ = model.apply(
+            logits_BTV, _ = apply(model)(
                 params, tokens_BT[:, order], order, starts_BT[:, order]
             )
             return model_lib.cross_entropy(logits_BTV, targets_BT[:, order])
@@ -280,9 +292,10 @@ def test_document_masking_gradients_agree_across_xla_chunked_and_the_ring(
         return jax.jit(jax.value_and_grad(loss))(params)
 
     expected = loss_and_grads(model, np.arange(64))
+    vary = functools.partial(model_lib.variant, model)
     runs = {
-        "chunked": ("data=4,tensor=2", model.clone(attention="chunked"), 1),
-        "ring": ("data=2,sequence=4", model.clone(context_parallel=True), 4),
+        "chunked": ("data=4,tensor=2", vary(attention="chunked"), 1),
+        "ring": ("data=2,sequence=4", vary(context_parallel=True), 4),
     }
     for name, (spec, variant, ring) in runs.items():
         order = layout.zigzag(64, ring) if ring > 1 else np.arange(64)

@@ -127,8 +127,8 @@ def test_logits_match_transformers(converted):
         expected = hf_model(torch.tensor(tokens)).logits.numpy()
 
     def logits(config: model_config.ModelConfig, params: dict) -> np.ndarray:
-        model = model_lib.Transformer(config, jnp.float32, "none")
-        return np.asarray(model.apply({"params": params}, jnp.asarray(tokens))[0])
+        model = model_lib.abstract(config, jnp.float32, "none")
+        return np.asarray(model_lib.with_params(model, params)(jnp.asarray(tokens))[0])
 
     np.testing.assert_allclose(logits(config, params), expected, atol=1e-4, rtol=0)
     # The test can fail: Meta's pairing of RoPE's features (q and k's rows as Meta

@@ -4,11 +4,11 @@ bias moved by sign descent) and DeepSeekMoE's shared experts, alone and in the r
 import dataclasses
 import pathlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_lm_recipe import small_batches, small_experts, steps_on
 
 from jaxdist_lm import experts as experts_lib
@@ -34,18 +34,24 @@ CONFIG = dataclasses.replace(
 
 
 def experts(config=CONFIG):
-    """An Experts layer and its parameters, on 2 rows of 64 tokens."""
-    layer = experts_lib.Experts(config, jnp.float32)
+    """An Experts layer's structure (nnx.split's graphdef) and its parameters, on 2
+    rows of 64 tokens."""
+    rngs = nnx.Rngs(jax.random.key(1))
+    layer, params = nnx.split(experts_lib.Experts(config, jnp.float32, rngs=rngs))
     x_BTD = jax.random.normal(jax.random.key(0), (2, 64, config.width))
-    params = nn.meta.unbox(layer.init(jax.random.key(1), x_BTD)["params"])
-    return layer, params, x_BTD
+    return layer, nnx.to_pure_dict(params), x_BTD
+
+
+def apply(layer, params, x_BTD):
+    """The layer ``layer`` (a graphdef) holding ``params``, on x_BTD."""
+    return nnx.merge(layer, params)(x_BTD)
 
 
 def test_the_bias_gradient_is_each_expert_s_load_above_the_mean():
     """d(aux loss)/d(router_bias) = load_e - 1/E, where load_e is expert e's share of
     the top-k choices; no other weight gets a gradient from the bias's term."""
     layer, params, x_BTD = experts()
-    grads = jax.grad(lambda p: layer.apply({"params": p}, x_BTD)[1])(params)
+    grads = jax.grad(lambda p: apply(layer, p, x_BTD)[1])(params)
     probs = jax.nn.softmax(x_BTD.reshape(-1, CONFIG.width) @ params["router"], -1)
     _, chosen = jax.lax.top_k(probs, R)
     load_E = jnp.bincount(chosen.reshape(-1), length=E) / chosen.size
@@ -53,24 +59,26 @@ def test_the_bias_gradient_is_each_expert_s_load_above_the_mean():
     assert float(jnp.abs(load_E - 1 / E).max()) > 0.01  # unbalanced at the start
     without = dataclasses.replace(CONFIG, balance="loss")
     layer_l, params_l, _ = experts(without)
-    grads_l = jax.grad(lambda p: layer_l.apply({"params": p}, x_BTD)[1])(params_l)
+    grads_l = jax.grad(lambda p: apply(layer_l, p, x_BTD)[1])(params_l)
     # Bias: only the z-loss reaches the router; with Switch's loss, its term as well.
     assert "router_bias" not in params_l
     assert not np.allclose(grads["router"], grads_l["router"])
 
 
-def test_the_bias_chooses_the_experts_and_the_gates_stay_the_router_s():
+def test_the_bias_chooses_the_experts_and_the_gates_stay_the_router_s(monkeypatch):
     """A bias of 1 on expert 3 makes it every token's choice; the gates are still the
     router's probabilities of the chosen experts, renormalised."""
     layer, params, x_BTD = experts()
     params["router_bias"] = params["router_bias"].at[3].set(1.0)
-    _, seen = layer.apply(
-        {"params": params},
-        x_BTD,
-        mutable="intermediates",
-        capture_intermediates=lambda _, method: method == "route",
+    # what the layer's route returns as the layer runs
+    seen, route = [], experts_lib.Experts.route
+    monkeypatch.setattr(
+        experts_lib.Experts,
+        "route",
+        lambda self, x: seen.append(route(self, x)) or seen[-1],
     )
-    gates, chosen, _, _ = seen["intermediates"]["route"][0]
+    apply(layer, params, x_BTD)
+    gates, chosen, _, _ = seen[0]
     x_BGTD = x_BTD.reshape(2, 1, 64, -1)
     assert bool((chosen == 3).any(-1).all())
     probs = jax.nn.softmax(x_BGTD @ params["router"], -1)
@@ -114,11 +122,12 @@ def test_shared_experts_add_one_mlp_every_token_goes_through():
         shared.width,
         2 * shared.mlp_width,
     )
-    y_BTD, _ = layer.apply({"params": params}, x_BTD)
+    y_BTD, _ = apply(layer, params, x_BTD)
     alone = {k: v for k, v in params.items() if k != "shared"}
-    routed, _ = experts_lib.Experts(CONFIG, jnp.float32).apply({"params": alone}, x_BTD)
+    routed, _ = apply(experts()[0], alone, x_BTD)
     wide = dataclasses.replace(shared, mlp_width=2 * shared.mlp_width)
-    mlp = layers.MLP(wide, jnp.float32).apply({"params": params["shared"]}, x_BTD)
+    mlp_layer = nnx.graphdef(layers.MLP(wide, jnp.float32, rngs=nnx.Rngs(0)))
+    mlp = nnx.merge(mlp_layer, params["shared"])(x_BTD)
     np.testing.assert_allclose(y_BTD, routed + mlp, rtol=1e-5, atol=1e-6)
     assert model_config.count_params(shared) == model_config.count_params(CONFIG) + (
         shared.num_layers * 3 * shared.width * 2 * shared.mlp_width

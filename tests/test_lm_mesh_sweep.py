@@ -193,9 +193,15 @@ def made_by_the_model(config, rows: int, seq_len: int, monkeypatch) -> set:
     # each recipe module that pins activations holds its own name for constrain
     for module in (model_lib, layers, experts_lib):
         monkeypatch.setattr(module, "constrain", recording)
-    model = model_lib.Transformer(config, lookup="rows")
+    model = model_lib.abstract(config, lookup="rows")
     tokens_BT = jnp.zeros((rows, seq_len), jnp.int32)
-    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens_BT)["params"]
+
+    def init_and_run(rng):
+        made = model_lib.initialized(model, rng)
+        made(tokens_BT)
+        return model_lib.logical_params(made)
+
+    boxed = jax.eval_shape(init_and_run, jax.random.key(0))
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
     for box in jax.tree.leaves(boxed, is_leaf=is_box):
         pinned.update(zip(box.names, box.value.shape))

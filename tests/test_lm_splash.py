@@ -181,12 +181,15 @@ def test_the_model_gives_xla_logits_with_splash_attention():
     the logits of XLA's attention on one device, with the same weights."""
     config = model_config.PRESETS["tiny"]
     tokens_BT = jax.random.randint(jax.random.key(1), (4, T), 0, config.vocab_size)
-    xla = model_lib.Transformer(config, attention="xla")
-    params = nn.meta.unbox(xla.init(jax.random.key(2), tokens_BT))
-    expected, _ = jax.jit(xla.apply)(params, tokens_BT)
+    xla = model_lib.abstract(config, attention="xla")
+    params = model_lib.params_of(model_lib.initialized(xla, jax.random.key(2)))
+    # the model's forward pass as a function of its weights
+    apply = lambda model: lambda p, t: model_lib.with_params(model, p)(t)
+    expected, _ = jax.jit(apply(xla))(params, tokens_BT)
     mesh = train.make_mesh("data=4,tensor=2")
     with jax.set_mesh(mesh), nn.logical_axis_rules(train.RULES):
-        logits, _ = jax.jit(xla.clone(attention="splash").apply)(params, tokens_BT)
+        splash = model_lib.variant(xla, attention="splash")
+        logits, _ = jax.jit(apply(splash))(params, tokens_BT)
     np.testing.assert_allclose(logits, expected, **CLOSE)
 
 
