@@ -12,7 +12,8 @@ companion package.
 
 train.py sets up and runs the loop. Beside it: command_line.py (its flags),
 run_config.py (every flag, typed and frozen), model_config.py (the shape, the presets,
-config.json), model.py (the decoder), layers.py (what it and experts.py share: the axes'
+config.json), model.py (the decoder, in Flax NNX), loss.py (the next-token loss, the
+logits a chunk at a time), layers.py (what model.py and experts.py share: the axes'
 names, the MLP), attention.py (the attention kernels; splash.py the TPU's), experts.py
 (the mixture of experts, its router and capacity), dropless.py (each device's share of
 the experts without a capacity), data.py (tokens read in place, with Grain),

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from . import loss as loss_lib
 from . import model as model_lib
 from . import schedules
 from .inputs import cast, make_inputs, micro_batches
@@ -235,7 +236,7 @@ class Pipeline:
         next-token loss of the micro-batch."""
         targets_BT, _ = micro
         logits_BTV = model_lib.with_params(self.model, rest).logits(x_BTD)
-        return model_lib.cross_entropy(logits_BTV, targets_BT)
+        return loss_lib.cross_entropy(logits_BTV, targets_BT)
 
     def split(self, a):
         """(B, ...) -> (M, B / M, ...), the micro-batches (None stays None)."""

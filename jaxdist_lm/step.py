@@ -15,6 +15,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import loss as loss_lib
 from . import model as model_lib
 from .inputs import cast, make_inputs, micro_batches
 from .layout import BATCH, RULES, without
@@ -104,8 +105,8 @@ def make_loss(shardings, mesh, dtype=jnp.float32, eod_id: int | None = None):
 
 def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array:
     """The final norm, the output projection and the mean next-token loss, in chunks
-    of columns (model.fused_cross_entropy) where the logits would take more than
-    model.LOSS_CHUNK_BYTES a device."""
+    of columns (loss.fused_cross_entropy) where the logits would take more than
+    loss.LOSS_CHUNK_BYTES a device."""
     names = (
         ("final_norm", "unembed") if "unembed" in params else ("final_norm", "embed")
     )
@@ -119,9 +120,9 @@ def head_loss(apply_fn, params, shardings, mesh, x_BTD, targets_BT) -> jax.Array
     # reduce the head's gradient over them once a chunk, not once a step.
     splits_batch = any(mesh.shape[axis] > 1 for axis in BATCH)
     chunks = (
-        1 if splits_batch else model_lib.loss_chunks(tokens, length, vocab, mesh.size)
+        1 if splits_batch else loss_lib.loss_chunks(tokens, length, vocab, mesh.size)
     )
-    return model_lib.fused_cross_entropy(
+    return loss_lib.fused_cross_entropy(
         lambda head, x_BTD: apply_fn(head).logits(x_BTD),
         head,
         x_BTD,

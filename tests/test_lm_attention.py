@@ -25,6 +25,7 @@ from jaxdist_lm import (
     model_config,
     train,
 )
+from jaxdist_lm import loss as loss_lib
 from jaxdist_lm import model as model_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -287,7 +288,7 @@ def test_document_masking_gradients_agree_across_xla_chunked_and_the_ring(
             logits_BTV, _ = apply(model)(
                 params, tokens_BT[:, order], order, starts_BT[:, order]
             )
-            return model_lib.cross_entropy(logits_BTV, targets_BT[:, order])
+            return loss_lib.cross_entropy(logits_BTV, targets_BT[:, order])
 
         return jax.jit(jax.value_and_grad(loss))(params)
 

@@ -1,4 +1,4 @@
-"""jaxdist_lm's memory: the loss that never holds all the logits (model.fused_cross_entropy,
+"""jaxdist_lm's memory: the loss that never holds all the logits (loss.fused_cross_entropy,
 step.head_loss), the evaluation step in micro-batches, out of memory in one line and the
 largest batch that fits (compiled.py), and a peak that counts the compiled steps (metrics.py).
 
@@ -20,7 +20,7 @@ from jaxdist_lm import (
     metrics,
     train,
 )
-from jaxdist_lm import model as model_lib
+from jaxdist_lm import loss as loss_lib
 from jaxdist_lm.run_config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_fused_cross_entropy_equals_the_whole_logits_and_their_gradients(chunks)
     logits = lambda head, x_BTD: x_BTD @ head["w"]
 
     def loss(head, x_BTD, chunks):
-        return model_lib.fused_cross_entropy(logits, head, x_BTD, targets_BT, chunks)
+        return loss_lib.fused_cross_entropy(logits, head, x_BTD, targets_BT, chunks)
 
     whole = jax.value_and_grad(loss, argnums=(0, 1))(head, x_BTD, 1)
     fused = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(
@@ -74,8 +74,8 @@ def test_fused_cross_entropy_equals_the_whole_logits_and_their_gradients(chunks)
 def test_loss_chunks_keep_a_devices_logits_within_the_budget(
     tokens, length, vocab, devices, chunks
 ):
-    assert model_lib.loss_chunks(tokens, length, vocab, devices) == chunks
-    assert 4 * tokens * vocab / devices / chunks <= model_lib.LOSS_CHUNK_BYTES
+    assert loss_lib.loss_chunks(tokens, length, vocab, devices) == chunks
+    assert 4 * tokens * vocab / devices / chunks <= loss_lib.LOSS_CHUNK_BYTES
 
 
 def test_the_recipes_step_in_chunks_gives_the_steps_of_all_the_logits(monkeypatch):
@@ -86,15 +86,15 @@ def test_the_recipes_step_in_chunks_gives_the_steps_of_all_the_logits(monkeypatc
     args = train.parse_args([*argv, "--global-batch", "8", "--steps", "3"])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 2048, (8, 65), dtype=np.int32) for _ in range(2)]
-    runs, used, fused = [], [], model_lib.fused_cross_entropy
+    runs, used, fused = [], [], loss_lib.fused_cross_entropy
 
     def spy(*args, **kwargs):  # the chunks the step asks for
         used.append(args[4])
         return fused(*args, **kwargs)
 
-    monkeypatch.setattr(model_lib, "fused_cross_entropy", spy)
+    monkeypatch.setattr(loss_lib, "fused_cross_entropy", spy)
     for budget in (2**40, 4 * 8 * 64 * 2048 // 8 // 8):
-        monkeypatch.setattr(model_lib, "LOSS_CHUNK_BYTES", budget)
+        monkeypatch.setattr(loss_lib, "LOSS_CHUNK_BYTES", budget)
         mesh, _, _, step, shapes, init = train.setup(args)
         runs.append(steps_on(step, shapes, init, mesh, batches))
     assert sorted(set(used)) == [1, 8]
@@ -250,12 +250,12 @@ def test_the_head_loss_chunks_the_vocabulary_of_a_1b_batch():
     def temporaries(chunks: int) -> int:
         def loss(head, x):
             logits = lambda h, x: x @ h["w"]
-            return model_lib.fused_cross_entropy(logits, head, x, targets, chunks)
+            return loss_lib.fused_cross_entropy(logits, head, x, targets, chunks)
 
         program = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(head, x).compile()
         return program.memory_analysis().temp_size_in_bytes
 
-    chunks = model_lib.loss_chunks(8 * 2048, 2048, 128_256, 1)
+    chunks = loss_lib.loss_chunks(8 * 2048, 2048, 128_256, 1)
     assert chunks == 32
     assert temporaries(chunks) < temporaries(1) / 4
 

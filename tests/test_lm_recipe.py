@@ -37,6 +37,7 @@ from jaxdist_lm import (
     resilience,
     train,
 )
+from jaxdist_lm import loss as loss_lib
 from jaxdist_lm import model as model_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -648,7 +649,7 @@ def test_model_flops_match_the_compiled_programs(dirs):
 
     def loss(params, tokens):
         logits, _ = model_lib.with_params(model, params)(tokens[:, :-1])
-        return model_lib.cross_entropy(logits, tokens[:, 1:])
+        return loss_lib.cross_entropy(logits, tokens[:, 1:])
 
     # Arguments with no sharding: one device's program, whatever the device count.
     compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
@@ -1394,7 +1395,7 @@ def test_each_preset_starts_near_a_uniform_guess(name):
     @jax.jit
     def first_loss(rng):
         logits, _ = model_lib.initialized(model, rng)(tokens[:, :-1])
-        return model_lib.cross_entropy(logits, tokens[:, 1:])
+        return loss_lib.cross_entropy(logits, tokens[:, 1:])
 
     # RBG keys: XLA's random bit generator draws 8b's 1.3 billion weights about five
     # times faster on a CPU than the default threefry; and at XLA's default backend level,
