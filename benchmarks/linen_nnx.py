@@ -191,6 +191,8 @@ def main() -> None:
         record["seconds"] = timed(*shape, args.steps)
     if jax.device_count() >= 8:
         record["compiled"] = compiled(*shape)
+        mesh = ",".join(f"{axis}={size}" for axis, size in MESH.items())
+        record["meta"].update(mesh=mesh, devices=jax.device_count())
     name = f"linen_nnx_{jax.default_backend()}_{args.preset}.json"
     path = pathlib.Path(args.out) / name
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -47,7 +47,7 @@ class Experts(nnx.Module):
         c, self.config, self.dtype = config, config, dtype
         D, E, F = c.width, c.num_experts, c.mlp_width
         self.router = weight(rngs, (D, E), ("embed", None), D)
-        # DeepSeek-V3's per-expert bias (route), not trained by gradient
+        # DeepSeek-V3's per-expert bias (see route), not trained by gradient
         if c.balance == "bias":
             self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.gate = weight(rngs, (E, D, F), ("experts", "embed", "mlp"), D)

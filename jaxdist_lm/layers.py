@@ -15,8 +15,9 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def by_axes(init, names: tuple[str | None, ...]):
-    """``init``, its weight named by axis. Not sharded as it is made: step.py maps the
-    names by layout.py's rules (NNX would read a name no rule maps as a mesh axis)."""
+    """``init``, its weight named by axis. Not sharded as it is made (NNX's eager
+    sharding needs a mesh, and model.abstract describes a model without one): step.py
+    maps the names to mesh axes by layout.py's rules."""
     return nnx.with_partitioning(init, names, eager_sharding=False)
 
 

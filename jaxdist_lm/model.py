@@ -70,11 +70,16 @@ OFFLOADED = jax.checkpoint_policies.save_and_offload_only_these_names(
 
 
 class RMSNorm(nnx.Module):
-    """x / RMS(x) x scale: the statistics in float32, whatever the compute type."""
+    """Each row divided by its root mean square, times a learned scale per feature; the
+    statistics in float32, whatever the compute type."""
 
     def __init__(self, width: int, eps: float, dtype: jnp.dtype):
         self.eps, self.dtype = eps, dtype
-        self.scale = nnx.Param(by_axes(jnp.ones, ("embed",))((width,), jnp.float32))
+        self.scale = nnx.Param(
+            jnp.ones((width,), jnp.float32),
+            out_sharding=("embed",),
+            eager_sharding=False,
+        )
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x = x_BTD.astype(jnp.float32)
@@ -342,7 +347,8 @@ class Transformer(nnx.Module):
         )
 
         # num_layers blocks made as one, each weight with a leading axis of layers
-        # named "layers" (which the rules map to 'pipeline')
+        # named "layers" (which the rules map to 'pipeline'); split_rngs gives each
+        # layer its own key, or all would draw the same weights
         @nnx.split_rngs(splits=c.num_layers)
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
         def blocks(rngs: nnx.Rngs) -> Block:
@@ -395,13 +401,13 @@ class Transformer(nnx.Module):
         """The residual stream through every layer (config.num_layers of them: a
         pipeline stage's model has its stage's count) -> (it, the experts' losses)."""
         graphdef, stacked = nnx.split(self.layers)
-        # an array, whose uses the layers' scan traces (as Linen's nn.scan did): numpy's
-        # (inputs.py's) would be computed on as the program is traced, and compiled in
-        # as constants
+        # A traced array, as Linen's nn.scan made it: inputs.py's numpy positions would
+        # be computed on in numpy while tracing and compiled in as constants.
         positions_T = jnp.asarray(positions_T)
 
-        def layer(x_BTD, params):
-            return nnx.merge(graphdef, params)(x_BTD, positions_T, starts_BT)
+        def layer(x_BTD, layer_state):
+            block = nnx.merge(graphdef, layer_state)
+            return block(x_BTD, positions_T, starts_BT)
 
         if self.remat != "none":
             policy = REMAT_POLICIES[self.remat]

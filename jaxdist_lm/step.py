@@ -1,7 +1,6 @@
 """The training step: the state's shapes and shardings, the loss and its gradient (over
 micro-batches, or pipeline.py's stages), the optimizer's update; the held-out loss."""
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Collection
@@ -32,18 +31,11 @@ def abstract_state(model, tx, mesh, offload: Collection[str] = (), zero1: bool =
     weights' logical names, through logical_params), and init; with ``zero1`` the
     optimizer's state split over 'data' (ZeRO stage 1)."""
 
-    # The weights are the same whatever the attention and the experts' dispatch: made
-    # with XLA's attention and the capacity's dispatch.
-    config = dataclasses.replace(model.config, dispatch="capacity")
-
-    plain = model_lib.variant(
-        model, config=config, context_parallel=False, attention="xla"
-    )
-    # apply_fn(params): the model holding them
+    # apply_fn(params): the model holding params (an nnx.Module), whose methods compute
     apply_fn = functools.partial(model_lib.with_params, model)
 
     def init(rng):
-        params = model_lib.logical_params(model_lib.initialized(plain, rng))
+        params = model_lib.logical_params(model_lib.initialized(model, rng))
         return train_state.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
     # The weights carry their logical axes. The key is traced too: a mesh of chips that
