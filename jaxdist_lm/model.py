@@ -442,6 +442,11 @@ SETTINGS = (
 )
 
 
+def settings_of(model: Transformer) -> dict:
+    """``model``'s SETTINGS, by name."""
+    return {name: getattr(model, name) for name in SETTINGS}
+
+
 def abstract(config: ModelConfig, *settings, **named_settings) -> Transformer:
     """Transformer(config, *settings, **named_settings) with its weights as shapes
     (nnx.eval_shape): nothing drawn or held, for a model of any size on any
@@ -454,14 +459,13 @@ def abstract(config: ModelConfig, *settings, **named_settings) -> Transformer:
 def variant(model: Transformer, **changes) -> Transformer:
     """``model`` with some of its settings (or its ``config``) changed, its weights as
     shapes."""
-    settings = {name: getattr(model, name) for name in SETTINGS} | changes
+    settings = settings_of(model) | changes
     return abstract(settings.pop("config", model.config), **settings)
 
 
 def initialized(model: Transformer, rng: jax.Array) -> Transformer:
     """``model``'s settings with weights drawn from ``rng``."""
-    settings = {name: getattr(model, name) for name in SETTINGS}
-    return Transformer(model.config, **settings, rngs=nnx.Rngs(rng))
+    return Transformer(model.config, **settings_of(model), rngs=nnx.Rngs(rng))
 
 
 def params_of(model: Transformer) -> dict:
