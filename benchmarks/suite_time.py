@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,45 @@ def process_kind(record: dict) -> str:
     return "jobs and other processes"
 
 
+def program(record: dict) -> str:
+    """A job's program, to group its processes: the script or module it ran, as its
+    folder and file (``python -m pkg`` as ``pkg``), or ``-c`` for a one-line command."""
+    argv = record["argv"] or ["?"]
+    path = pathlib.Path(argv[0])
+    if path.name == "__main__.py":
+        return path.parent.name
+    if path.name == argv[0]:  # -c, or a name without a folder
+        return argv[0]
+    return f"{path.parent.name}/{path.name}"
+
+
+def job_table(folder: pathlib.Path, top: int = 15) -> list[str]:
+    """The jobs by program: how many processes ran it, their lifetime, CPU and
+    importing seconds, the largest CPU first."""
+    sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in folder.glob("process-*.json"):
+        record = json.loads(path.read_text())
+        if process_kind(record) != "jobs and other processes":
+            continue
+        s = sums[program(record)]
+        s["processes"] += 1
+        s["seconds"] += record["seconds"]
+        s["cpu"] += record.get("cpu", 0.0)
+        s["import"] += record["import"]
+        s["compile"] += record["compile"]
+    out = [
+        "| processes | program | lifetime s | CPU s | importing | compiling |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    ranked = sorted(sums.items(), key=lambda item: -item[1]["cpu"])
+    for name, s in ranked[:top]:
+        out.append(
+            f"| {s['processes']} | `{name}` | {s['seconds']:.1f} | {s['cpu']:.1f} "
+            f"| {s['import']:.1f} | {s['compile']:.1f} |"
+        )
+    return out
+
+
 def run_timed(command: list[str], env: dict[str, str]) -> list[tuple[float, str]]:
     """Run ``command``, echo its output, and return each line with its time."""
     lines = []
@@ -259,6 +299,9 @@ def main() -> None:
     )
     parser.add_argument("--no-build", action="store_true", help="pytest only")
     parser.add_argument("--top", type=int, default=60, help="how many slowest tests")
+    parser.add_argument(
+        "--keep", metavar="DIR", help="copy each process's record into DIR"
+    )
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     args = parser.parse_args()
 
@@ -327,6 +370,12 @@ def main() -> None:
         )
         print()
         print("\n".join(kind_table(folder / "records")))
+        print()
+        print("The jobs and other processes, by program:")
+        print()
+        print("\n".join(job_table(folder / "records")))
+        if args.keep:
+            shutil.copytree(folder / "records", args.keep, dirs_exist_ok=True)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,11 @@ def test_tables_add_up_the_phases_of_each_test_and_the_kinds_of_processes(tmp_pa
         "| 4.0 |",
         "| 1 | pytest and its workers | 9.0 | 4.0 | 1.0 | 0.5 | 0.5 | 2.0 | 0.0 | 5.0 |",
     ]
+    # The jobs alone, by program, the largest CPU first.
+    assert suite_time.job_table(tmp_path)[2:] == [
+        "| 1 | `examples/train.py` | 6.0 | 4.0 | 1.0 | 0.0 |",
+        "| 1 | `jaxdist_lm/train.py` | 4.0 | 2.0 | 2.0 | 1.0 |",
+    ]
 
 
 def test_a_run_reports_its_tests_and_every_process():
