@@ -166,7 +166,8 @@ def candidates(run: Run) -> list[Layout]:
     """Every layout family at the sizes the devices allow; ``problems`` filters what cannot
     run. Besides one strategy alone: tensor parallelism inside a node with FSDP, data
     parallelism or both (HSDP) across; context parallelism with it; and pipelines of every
-    depth ``pipeline_depths`` allows, FSDP or data parallelism inside the stages."""
+    depth ``pipeline_depths`` allows, FSDP or data parallelism inside the stages. On
+    several TPU slices, only those whose ``data`` axis crosses them (``slices_refusal``)."""
     n, p, m = run.devices, run.per_node, run.shape
     out = [
         Layout(data=n, strategy=z)
@@ -220,7 +221,7 @@ def candidates(run: Run) -> list[Layout]:
     home = run.nodes if run.nodes > 1 else 2
     for stages in pipeline_depths(run):
         out += pipelines(run, stages, tensors, every_schedule=stages == home)
-    return out
+    return [c for c in out if not slices_refusal(run, c)]
 
 
 def tensor_sizes(run: Run) -> list[int]:
@@ -314,6 +315,20 @@ def problems(run: Run, c: Layout) -> list[str]:
     """Why the recipe cannot run this layout: the recipe's own check
     (``mesh_spec.refusals``, which ``layout.check_fits`` runs), on its flags."""
     return mesh_spec.refusals(run.shape, c.sizes, recipe_run_config(run, c))
+
+
+def slices_refusal(run: Run, c: Layout) -> list[str]:
+    """Why the recipe's mesh cannot lay this layout over several TPU slices: only
+    ``data`` crosses them (``layout.slices_grid``, as MaxText's base.yml recommends and
+    the scaling book's training chapter does: "we do pure data parallelism over the DCN
+    axis and FSDP within a pod"), so it must be a multiple of the slices; a pipeline's
+    stages are inside a slice too. ``candidates`` leaves such layouts out."""
+    if not run.chip.name.startswith("TPU") or run.nodes == 1 or c.data % run.nodes == 0:
+        return []
+    return [
+        f"data={c.data} does not split over the {run.nodes} slices: only the data "
+        f"axis crosses slices, so make it a multiple of {run.nodes}"
+    ]
 
 
 class PlanError(ValueError):

@@ -6,6 +6,7 @@ command line prints and the "Plan your run" page shows.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,22 +134,35 @@ def accumulated(run: Run, c: Layout) -> Run:
 
 def plan(run: Run) -> list[dict[str, Any]]:
     """One row per layout that divides the model: fitting ones first, then those the
-    recipe runs, fastest first."""
+    recipe runs, fastest first (``rank``, against the fastest of those that fit and
+    run)."""
     rows = [
         row(accumulated(run, c), c) for c in candidates(run) if not problems(run, c)
     ]
-    return sorted(rows, key=rank)
+    steps = [r["step_seconds"] for r in rows if r["fits"] and r["runnable"]]
+    fastest = min(steps or [r["step_seconds"] for r in rows] or [1.0])
+    return sorted(rows, key=lambda r: rank(r, fastest))
 
 
-def rank(r: dict[str, Any]) -> tuple:
-    """Fitting rows first, then those the recipe runs, then the fastest (to 3 figures:
-    compute-bound layouts tie), then the fewest bytes across nodes, then to the host,
-    then the least memory."""
-    step, sent = float(f"{r['step_seconds']:.3g}"), r["sent_bytes"]
+# Steps within this share of each other are a tie: the planner's step times are not
+# that precise (a published run counts as well predicted within 0.75 to 1.33 of its
+# measurement, efficiency.GOOD).
+TIE = 0.01
+
+
+def rank(r: dict[str, Any], fastest: float) -> tuple:
+    """Fitting rows first, then those the recipe runs, then the fastest, in bands of
+    ``TIE`` over the ``fastest`` row's step (steps within 1% of each other tie); of
+    layouts in one band, the simplest first: the fewest mesh axes (pipeline stages
+    among them), so the fewest kinds of collective to go wrong; then the fewest bytes
+    across nodes, then to the host, then the least memory."""
+    band = math.floor((r["step_seconds"] / fastest - 1) / TIE + 1e-9)
+    sent = r["sent_bytes"]
     return (
         not r["fits"],
         not r["runnable"],
-        step,
+        band,
+        r["mesh"].count("="),
         sent["across"],
         sent["host"],
         r["memory_bytes"]["total"],

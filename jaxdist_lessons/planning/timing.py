@@ -1,13 +1,18 @@
 """From bytes to seconds: which share of each ring crosses nodes, the bytes each device sends
 inside its node, across nodes and to its host, and the step time: the matmuls at
 ``compute_efficiency`` of the chip's peak (fitted per chip to published runs), the
-overlapped collectives hidden behind the compute, the exposed ones added.
+overlapped collectives hidden behind the compute but for what no compute can hide (the
+first gather, the last reduction, and whatever outlasts the compute), the exposed ones
+added; each collective with its latency per call and per hop (NCCL's on a GPU, the ICI's
+on a TPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 from jaxdist_lessons import hardware
@@ -113,15 +118,36 @@ def remat_flops(run: Run) -> float:
 # hwLat, Ring / Simple: 8.4, 3.4 (NVLink) and 14.0 (NET) microseconds
 # (https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc).
 NCCL_LATENCY = {"base": 8.4e-6, "inside": 3.4e-6, "across": 14.0e-6}
+# A hop over a TPU's ICI link: "Each hop over an ICI link has some intrinsic overhead
+# regardless of the data volume. This is typically around 1us" (the scaling book,
+# https://jax-ml.github.io/scaling-book/sharding/, "A note on ICI latency"). No figure
+# per DCN hop is published; a hop between slices is priced as one over ICI, a floor.
+ICI_HOP_SECONDS = 1e-6
+
+
+def torus_hops(chip: hardware.Chip, group: int) -> int:
+    """Hops for a gather around ``group`` chips of a TPU's torus, both ways at once:
+    half of each torus axis it spans (the scaling book's bidirectional AllGather,
+    ceil(|X| / 2) hops an axis), over as few axes as hold it (``ici_links`` / 2 axes,
+    each the group's d-th root long); never more than a ring of them all, ceil(G / 2)."""
+    axes = max(1, (chip.ici_links or 2) // 2)
+    side = math.ceil(round(group ** (1 / axes), 9))
+    return max(1, min(math.ceil(group / 2), axes * math.ceil(side / 2)))
 
 
 def latency_seconds(run: Run, c: Layout, move: Transfer) -> float:
-    """The latency of ``move``'s collectives on a GPU, however few bytes they carry:
+    """The latency of ``move``'s collectives, however few bytes they carry. On a GPU,
     per call, NCCL's launch and one hop per step of its ring, the ring's share across
-    nodes (``crossing_share``) at the network's latency. 0 on a TPU: no published
-    figure per ICI or DCN hop is recorded here."""
+    nodes (``crossing_share``) at the network's latency. On a TPU, per call,
+    ``ICI_HOP_SECONDS`` a hop of ``torus_hops`` (twice for an all-reduce: a
+    reduce-scatter, then a gather; one for a permute)."""
     if run.chip.name.startswith("TPU"):
-        return 0.0
+        if move.kind == "collective-permute" or move.group_size is None:
+            hops = 1
+        else:
+            hops = torus_hops(run.chip, move.group_size)
+            hops *= 2 if move.kind == "all-reduce" else 1
+        return move.calls * hops * ICI_HOP_SECONDS
     steps = ring_steps(move)
     across = crossing_share(run, c, move.axes) * steps
     hops = (steps - across) * NCCL_LATENCY["inside"] + across * NCCL_LATENCY["across"]
@@ -141,12 +167,25 @@ def collective_seconds(run: Run, c: Layout, moves: Sequence[Transfer]) -> float:
     return total
 
 
+def ends(moves: Sequence[Transfer]) -> list[Transfer]:
+    """The calls of ``moves`` that no compute can hide: a step's first gather of the
+    weights (the first layer's, before any layer has run) and its last reduction of
+    the gradients (the first layer's, after the backward has ended), one call of each
+    collective that gathers weights or reduces gradients a layer at a time."""
+    return [
+        dataclasses.replace(m, bytes=m.bytes / m.calls, calls=1)
+        for m in moves
+        if m.what.startswith(("weights", "gradients")) and m.calls > 1
+    ]
+
+
 def step_seconds(
     run: Run, c: Layout, moves: tuple[list, list] | None = None
 ) -> dict[str, float]:
     """Predicted seconds: the compute at ``compute_efficiency`` of the chip's peak, with
     remat's extra flops and a pipeline's bubble; the collectives that overlap with it
-    (and the host copies) hidden behind it up to its length; the exposed ones added."""
+    (and the host copies) hidden behind it up to its length, but for the first gather
+    and the last reduction (``ends``), which wait; the exposed ones added."""
     chip = run.chip
     overlapped, exposed = moves or priced_transfers(run, c)
     flops = flops_per_token(run.shape, run.seq_len) * run.global_batch * run.seq_len
@@ -159,7 +198,9 @@ def step_seconds(
     hidden = collective_seconds(run, c, overlapped)
     if c.offload:
         hidden += host_bytes(run, c) / chip.host_bytes_per_s
-    waited = collective_seconds(run, c, exposed)
+    edges = collective_seconds(run, c, ends(overlapped))
+    hidden -= edges
+    waited = collective_seconds(run, c, exposed) + edges
     step = max(compute, hidden) + waited
     return {
         "compute": compute,

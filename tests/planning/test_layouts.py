@@ -116,13 +116,19 @@ def test_the_planner_offers_the_layouts_published_runs_use():
 
 def test_tensor_parallelism_of_16_only_where_a_node_holds_16():
     """A TPU v5p slice of 64 chips (one node) offers MaxText's FSDP 4 x TP 16 and its
-    replicas across two slices; eight-GPU nodes never go past tensor=8."""
+    replicas across two slices (only data crosses them: FSDP 8 x TP 16 would span
+    both); eight-GPU nodes never go past tensor=8."""
     v5p = plan_request(
         "--model 70b --devices 128 --nodes 2 --chip v5p --global-batch 64"
     )
     assert layouts.tensor_sizes(v5p) == [2, 4, 8, 16]
     offered = {c.mesh_flag for c in layouts.candidates(v5p)}
-    assert {"fsdp=8,tensor=16", "data=2,fsdp=4,tensor=16"} <= offered
+    assert "data=2,fsdp=4,tensor=16" in offered
+    assert "fsdp=8,tensor=16" not in offered
+    one = plan_request(
+        "--model 70b --devices 64 --nodes 1 --chip v5p --global-batch 64"
+    )
+    assert "fsdp=4,tensor=16" in {c.mesh_flag for c in layouts.candidates(one)}
     gpus = plan_request(f"{H100_70B} --global-batch 256")
     assert max(c.tensor for c in layouts.candidates(gpus)) == 8
 
