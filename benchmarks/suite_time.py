@@ -130,6 +130,13 @@ def pytest_runtest_makereport(item, call):
     outcome.get_result().user_properties.append(("compiling", spent))
 
 
+def pytest_unconfigure(config):
+    # pytest-xdist ends its workers with os._exit, which skips atexit: report now.
+    report = getattr(sys.modules.get("sitecustomize"), "_report", None)
+    if report and os.environ.get("PYTEST_XDIST_WORKER"):
+        report()
+
+
 def pytest_runtest_logreport(report):
     # On the controller (or in a run without workers): one line per phase.
     if hasattr(report, "node") or not os.environ.get("PYTEST_XDIST_WORKER"):
