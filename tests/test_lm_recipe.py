@@ -1080,6 +1080,10 @@ def test_eod_id_masks_documents_the_same_on_a_ring():
         train.model_config_of(args)
 
 
+# Steps each pipeline test compares with data=8's (the schedule is the 10-step runs'):
+# the first step's gradients, then four updates that carry Adam's moments on. At O0 a
+# pipeline's step on 8 simulated devices takes about 0.2 s even at SMALL's sizes.
+PIPELINE_STEPS = 5
 PIPELINES = [  # mesh, schedule: each with --grad-accum 4
     ("pipeline=2,fsdp=2,tensor=2", ["--schedule", "gpipe"]),
     ("pipeline=2,fsdp=2,tensor=2", ["--schedule", "1f1b"]),
@@ -1090,10 +1094,10 @@ PIPELINES = [  # mesh, schedule: each with --grad-accum 4
 def test_a_pipeline_gives_the_steps_of_data_parallelism():
     """--grad-accum 4: four micro-batches through 2 stages of 2 layers each (fsdp and
     tensor inside each stage) on GPipe and on 1F1B, and through 4 stages of one layer
-    (data inside each) on 1F1B: over 10 steps, the losses and gradient norms of data=8
+    (data inside each) on 1F1B: over 5 steps, the losses and gradient norms of data=8
     taking the batch at once, in float32, to 1e-4. --compile-only prints the bubble:
     3 of 7 ticks idle for 4 stages and 4 micro-batches."""
-    batches = small_batches(2, 10)
+    batches = small_batches(2, PIPELINE_STEPS)
     mesh, _, _, step, shapes, init = prepared("data=8", 10, SMALL_SIZES)
     expected = steps_on(step, shapes, init, mesh, batches)
     for spec, schedule in PIPELINES:
@@ -1132,11 +1136,11 @@ EIGHT_LAYERS = {
 def test_interleaved_stages_give_the_steps_of_data_parallelism(tmp_path):
     """An 8-layer model (--model-config) on pipeline=4,data=2 with --schedule
     interleaved --virtual-stages 2: each device runs 2 stages of one layer, on a ring.
-    Over 10 steps of --grad-accum 4, the losses and gradient norms of data=8, to 1e-4.
+    Over 5 steps of --grad-accum 4, the losses and gradient norms of data=8, to 1e-4.
     The bubble: 3 of 11 chunk ticks, as (P - 1) / (V M + P - 1) says."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(EIGHT_LAYERS))
-    batches = small_batches(3, 10)
+    batches = small_batches(3, PIPELINE_STEPS)
     flags = [*SMALL, "--model-config", str(config), "--steps", "10"]
     runs = {}
     for spec, extra in (
