@@ -33,11 +33,8 @@ def slices_grid(sizes: dict[str, int], devices) -> np.ndarray:
     """The devices of several TPU slices as a grid over AXES: `data` across the slices
     (one gradient reduction a step over their network), every other axis inside one."""
     slices = len({d.slice_index for d in devices})
-    if sizes["data"] % slices:
-        raise SystemExit(
-            f"--mesh: data={sizes['data']} does not split over the {slices} slices: "
-            f"only the data axis crosses slices, so make it a multiple of {slices}"
-        )
+    if said := mesh_spec.slices_refusal(sizes, slices):
+        raise SystemExit(f"--mesh: {said}")
     inside = [sizes[a] // slices if a == "data" else sizes[a] for a in AXES]
     across = [slices if a == "data" else 1 for a in AXES]
     return mesh_utils.create_hybrid_device_mesh(inside, across, devices)

@@ -309,6 +309,17 @@ def try_instead(config, sizes: dict[str, int], run: RunConfig) -> str:
     return f"; no mesh of {devices} devices splits it"
 
 
+def slices_refusal(sizes: dict[str, int], slices: int) -> str | None:
+    """Why ``sizes`` cannot lie over ``slices`` TPU slices, or None: only `data` crosses
+    them (layout.slices_grid), so it must be a multiple of the slices."""
+    if sizes["data"] % slices:
+        return (
+            f"data={sizes['data']} does not split over the {slices} slices: "
+            f"only the data axis crosses slices, so make it a multiple of {slices}"
+        )
+    return None
+
+
 def stop_line(config, sizes: dict[str, int], run: RunConfig) -> str | None:
     """The one line train.py stops with on a mesh of these ``sizes``; None: it runs."""
     if said := flag_problems(config, sizes, run):

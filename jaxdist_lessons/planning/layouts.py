@@ -318,17 +318,16 @@ def problems(run: Run, c: Layout) -> list[str]:
 
 
 def slices_refusal(run: Run, c: Layout) -> list[str]:
-    """Why the recipe's mesh cannot lay this layout over several TPU slices: only
-    ``data`` crosses them (``layout.slices_grid``, as MaxText's base.yml recommends and
-    the scaling book's training chapter does: "we do pure data parallelism over the DCN
-    axis and FSDP within a pod"), so it must be a multiple of the slices; a pipeline's
-    stages are inside a slice too. ``candidates`` leaves such layouts out."""
-    if not run.chip.name.startswith("TPU") or run.nodes == 1 or c.data % run.nodes == 0:
+    """Why the recipe's mesh cannot lay this layout over several TPU slices, by the
+    recipe's own check (``mesh_spec.slices_refusal``): only ``data`` crosses them, as
+    MaxText's base.yml recommends and the scaling book's training chapter does ("we do
+    pure data parallelism over the DCN axis and FSDP within a pod"), so it must be a
+    multiple of the slices; a pipeline's stages are inside a slice too. ``candidates``
+    leaves such layouts out."""
+    if not run.chip.name.startswith("TPU") or run.nodes == 1:
         return []
-    return [
-        f"data={c.data} does not split over the {run.nodes} slices: only the data "
-        f"axis crosses slices, so make it a multiple of {run.nodes}"
-    ]
+    said = mesh_spec.slices_refusal(c.sizes, run.nodes)
+    return [said] if said else []
 
 
 class PlanError(ValueError):
