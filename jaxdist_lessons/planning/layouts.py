@@ -167,7 +167,7 @@ def candidates(run: Run) -> list[Layout]:
     run. Besides one strategy alone: tensor parallelism inside a node with FSDP, data
     parallelism or both (HSDP) across; context parallelism with it; and pipelines of every
     depth ``pipeline_depths`` allows, FSDP or data parallelism inside the stages. On
-    several TPU slices, only those whose ``data`` axis crosses them (``slices_refusal``)."""
+    several TPU slices, only those whose ``data`` axis crosses them (``multislice_refusals``)."""
     n, p, m = run.devices, run.per_node, run.shape
     out = [
         Layout(data=n, strategy=z)
@@ -221,7 +221,7 @@ def candidates(run: Run) -> list[Layout]:
     home = run.nodes if run.nodes > 1 else 2
     for stages in pipeline_depths(run):
         out += pipelines(run, stages, tensors, every_schedule=stages == home)
-    return [c for c in out if not slices_refusal(run, c)]
+    return [c for c in out if not multislice_refusals(run, c)]
 
 
 def tensor_sizes(run: Run) -> list[int]:
@@ -317,7 +317,7 @@ def problems(run: Run, c: Layout) -> list[str]:
     return mesh_spec.refusals(run.shape, c.sizes, recipe_run_config(run, c))
 
 
-def slices_refusal(run: Run, c: Layout) -> list[str]:
+def multislice_refusals(run: Run, c: Layout) -> list[str]:
     """Why the recipe's mesh cannot lay this layout over several TPU slices, by the
     recipe's own check (``mesh_spec.slices_refusal``): only ``data`` crosses them, as
     MaxText's base.yml recommends and the scaling book's training chapter does ("we do

@@ -231,7 +231,7 @@ def test_several_tpu_slices_take_only_layouts_whose_data_axis_crosses_them():
     argv += ["--slices", "4", "--seq-len", "2048", "--global-batch", "1024"]
     run = cli.make_run(cli.parse_args(argv))
     whole = layouts.Layout(fsdp=1024, strategy="FSDP")
-    assert layouts.slices_refusal(run, whole) == [
+    assert layouts.multislice_refusals(run, whole) == [
         "data=1 does not split over the 4 slices: only the data axis crosses slices, "
         "so make it a multiple of 4"
     ]
@@ -240,10 +240,10 @@ def test_several_tpu_slices_take_only_layouts_whose_data_axis_crosses_them():
     assert "fsdp=1024" not in {c.mesh_flag for c in offered}
     assert layouts.problems(run, whole) == []  # XLA:CPU's simulated devices run it
     hybrid = layouts.Layout(data=4, fsdp=256, strategy="HSDP")
-    assert layouts.slices_refusal(run, hybrid) == []
+    assert layouts.multislice_refusals(run, hybrid) == []
     meshes = {r["mesh"] for r in ranking.plan(run)}
     assert "data=4,fsdp=256" in meshes and "fsdp=1024" not in meshes
     assert all(int(m.split("data=")[1].split(",")[0]) % 4 == 0 for m in meshes)
     one = dataclasses.replace(run, nodes=1)
-    assert layouts.slices_refusal(one, whole) == []
+    assert layouts.multislice_refusals(one, whole) == []
     assert "fsdp=1024" in {c.mesh_flag for c in layouts.candidates(one)}
