@@ -11,12 +11,14 @@ with ``jax.profiler.ProfileData``, which ships with jax.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
 import gzip
 import io
 import json
+import math
 import pathlib
 import re
 import tempfile
@@ -250,8 +252,14 @@ def _renamed(hlo_text: str, names: set[str]) -> str:
 
 
 def _overlap_us(start: float, end: float, busy: list[tuple[float, float]]) -> float:
-    """Microseconds of [start, end) covered by the sorted, disjoint ``busy`` intervals."""
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+    """Microseconds of [start, end) covered by the sorted, disjoint ``busy`` intervals
+    (from the last one that starts at or before ``start``: a trace holds thousands)."""
+    i, covered = max(bisect.bisect_right(busy, (start, math.inf)) - 1, 0), 0.0
+    while i < len(busy) and busy[i][0] < end:
+        a, b = busy[i]
+        covered += max(0.0, min(end, b) - max(start, a))
+        i += 1
+    return covered
 
 
 def time_by_axis(
