@@ -74,7 +74,7 @@ _execute = getattr(NotebookRun.execute, "__wrapped__", NotebookRun.execute)
 
 def _execute_and_file(run: NotebookRun):
     """Execute a chapter as nbmake does, and file it for the build if it passed. The
-    chapters compile as the package tests do (tests/conftest.py's XLA_FLAGS): the same
+    chapters compile as the package tests do (../conftest.py's XLA_FLAGS): the same
     HLO programs, so the same shardings, collectives, bytes and, to float32 rounding,
     losses, compiled in about a third of the time into less optimised code. What that
     changes on a page, each page says: step times and tokens per second (every job names

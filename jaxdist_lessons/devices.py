@@ -194,7 +194,7 @@ def setup(num_devices: int | None = None, min_devices: int = 1) -> DeviceInfo:
             "jax_persistent_cache_min_compile_time_secs", MIN_CACHED_SECONDS
         )
         # With a size limit JAX locks the folder and keeps an access time beside each
-        # entry. Every writer needs one: once one sets a limit (tests/conftest.py does),
+        # entry. Every writer needs one: once one sets a limit (conftest.py does),
         # JAX's eviction fails on any entry written without its access time.
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     _within_bound("min_devices", positive_int("min_devices", min_devices))

@@ -253,7 +253,7 @@ def run(command: str, timeout: float = 300, show_stderr: bool = False) -> Job:
     Lines tagged by ``mpirun --output tag`` (``[1,0]<stdout>: ...``) or ``srun --label``
     (``0: ...``) show as ``[rank 0] ...``. Gloo's connection messages are counted, not shown.
     With ``show_stderr``, stderr follows. A last line names ``XLA_FLAGS`` when it is set
-    (the test suite's faster compiling, tests/conftest.py): the step times and tokens per
+    (the test suite's faster compiling, conftest.py): the step times and tokens per
     second printed above are those of the code it compiled.
     """
     print(f"$ {command}")

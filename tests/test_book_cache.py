@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -10,6 +12,7 @@ from jupyter_cache import get_cache
 from nbmake.nb_run import NotebookRun
 
 book_conftest = load("book_conftest", "book/conftest.py")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PAGE = """\
 ---
@@ -98,9 +101,39 @@ def printed_xla_flags(page: pathlib.Path) -> list[str]:
     os.environ.get("JAXDIST_FAST_COMPILE") == "0", reason="JAXDIST_FAST_COMPILE=0"
 )
 def test_chapters_compile_as_the_tests_do(tmp_path):
-    """tests/conftest.py's flags reach every chapter's kernel, chapter 5's too."""
+    """conftest.py's flags reach every chapter's kernel, chapter 5's too."""
     flags = os.environ["XLA_FLAGS"].split()
     fast = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
     assert set(fast) <= set(flags)
     for page in ("02_device_mesh.ipynb", "05_resnet50.ipynb"):
         assert printed_xla_flags(tmp_path / page) == flags
+
+
+def test_pytest_book_alone_compiles_as_the_tests_do(tmp_path):
+    """``pytest book/`` (CI's second run of the chapters, on 6 devices) reads the root
+    conftest.py too, so its kernels get the same flags and cache: tests/conftest.py,
+    where they once were, is read only when pytest collects tests/."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os\n"
+        "def pytest_collection_finish(session):\n"
+        "    print('FLAGS', os.environ.get('XLA_FLAGS', ''))\n"
+        "    print('CACHE', os.environ.get('JAX_COMPILATION_CACHE_DIR', ''))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-n", "0", "-p", "probe"]
+        + ["-p", "no:cacheprovider", "book/setup.ipynb"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    printed = dict(
+        line.split(" ", 1) for line in ran.stdout.splitlines() if " " in line
+    )
+    fast = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+    assert printed["FLAGS"].split() == fast
+    assert printed["CACHE"] == str(ROOT / "_build" / "jax_cache")

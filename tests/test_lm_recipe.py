@@ -136,7 +136,7 @@ def prepared(spec: str, schedule_steps: int, extra: tuple[str, ...] = ()):
 
 def compiled_at_default_level(step, shapes, mesh, args):
     """``step`` compiled at XLA's default backend optimisation level (2), not the tests' 0
-    (tests/conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
+    (conftest.py). SPEC's runs take 64 steps in all (the resume, the learning test),
     each about twice as fast at level 2, for a compile a few seconds longer. ``train()``
     calls the compiled step as it calls the jitted one."""
     # as compile_only lowers it

@@ -136,7 +136,7 @@ def test_a_failed_run_keeps_its_notebook_with_the_outputs(tmp_path, monkeypatch)
 
 
 def test_each_run_compiles_as_pytest_compiles_the_chapters(monkeypatch):
-    """tests/conftest.py's flags beside the reader's own, or none under --default-level."""
+    """conftest.py's flags beside the reader's own, or none under --default-level."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     fast = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
     env = sweep.run_environment("05_resnet50", 3, default_level=False)

@@ -68,7 +68,7 @@ def test_two_rows_recompile_to_the_jsons_values(tmp_path):
     [compiled] = checking.compile_flags(8, [fsdp["flags"]], progress=False)
     assert compiled == fsdp["compiled"]
     ring = rows[("tiny", 8, "fsdp=2,sequence=4")]
-    # The tests' XLA flags (tests/conftest.py: backend level 0) compile it faster; the
+    # The tests' XLA flags (conftest.py: backend level 0) compile it faster; the
     # buffers and collectives it prints are those of the default level.
     env = {
         "PATH": "/usr/bin:/bin",
