@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -67,8 +68,21 @@ def init_fn(
     """``init(rng) -> TrainState``: the model initialised on one example.
 
     The example has ``input_shape`` (without the batch dimension) and ``input_dtype``.
+    One ``init`` per equal model, optimizer, shape and dtype: a ``TrainState``'s tree
+    structure holds ``model.apply``, a bound method equal only for the same module
+    object, so a second run with an equal model (resumed, or continued) reuses the first
+    run's traced programs instead of tracing them again.
     """
+    return _init_fn(model, tx, tuple(input_shape), jnp.dtype(input_dtype))
 
+
+@functools.cache
+def _init_fn(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    input_shape: tuple[int, ...],
+    input_dtype: jnp.dtype,
+) -> Callable[[jax.Array], TrainState]:
     def init(rng: jax.Array) -> TrainState:
         variables = model.init(rng, jnp.zeros((1, *input_shape), input_dtype))
         state = TrainState.create(
@@ -426,6 +440,14 @@ class Result:
     first_step: int  # 0, or the steps done by the checkpoint it resumed from
 
 
+@functools.cache
+def adam(learning_rate: float) -> optax.GradientTransformation:
+    """``optax.adam(learning_rate)``, one object per rate. A ``TrainState``'s tree
+    structure holds its optimizer, so a second run at the same rate (resumed, or on the
+    same mesh) reuses the first run's traced steps instead of tracing them again."""
+    return optax.adam(learning_rate)
+
+
 def train_and_evaluate(
     config: Config,
     workdir: str | None = None,
@@ -445,7 +467,7 @@ def train_and_evaluate(
     )
     train_source = data.source(config.dataset, "train", config.data_dir)
     input_shape = data.input_shape(train_source, config.preprocess)
-    model, tx = config.make_model(), optax.adam(config.learning_rate)
+    model, tx = config.make_model(), adam(config.learning_rate)
     shapes = create_train_state(
         model, tx, input_shape, rule_shardings(mesh, config.rules), abstract=True
     )
