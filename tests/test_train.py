@@ -23,6 +23,11 @@ MODEL = resnet.ResNet(
     stage_sizes=(1, 1), block_cls=resnet.BasicBlock, num_classes=10, width=0.25
 )
 TX = optax.adam(3e-3)
+RESNET_FIELDS = [
+    f
+    for f in dataclasses.fields(resnet.ResNet)
+    if f.init and f.name not in ("parent", "name")
+]
 IMAGE = (32, 32, 3)
 STRATEGIES = {
     "data parallel": (lambda devices: ((len(devices),), ("data",)), []),
@@ -232,6 +237,22 @@ def test_create_train_state_traces_init_once(monkeypatch):
     train.create_train_state(MODEL, TX, IMAGE, train.rule_shardings(mesh, []))
     # jax.jit reuses the trace jax.eval_shape made: init is traced once.
     assert len(traced) == 1
+
+
+def test_a_second_equal_run_reuses_the_first_runs_traces():
+    """Two equal models built apart, and Adam at one rate asked for twice, give one
+    ``init``, so their states have one tree structure and a second run (resumed, or
+    continued) finds the first run's traces. Another Adam object would not."""
+    again = resnet.ResNet(**{f.name: getattr(MODEL, f.name) for f in RESNET_FIELDS})
+    assert again == MODEL and again is not MODEL
+    assert train.adam(3e-3) is train.adam(3e-3)
+    init = train.init_fn(MODEL, train.adam(3e-3), IMAGE)
+    assert train.init_fn(again, train.adam(3e-3), list(IMAGE)) is init
+    state = jax.eval_shape(init, jax.random.key(0))
+    other = train.init_fn(again, optax.adam(3e-3), IMAGE)
+    assert jax.tree.structure(jax.eval_shape(other, jax.random.key(0))) != (
+        jax.tree.structure(state)
+    )
 
 
 def test_fit_rejects_bad_lengths():
